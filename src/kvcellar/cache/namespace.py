@@ -1,0 +1,38 @@
+"""The identity of everything that changes KV: the namespace of cached blocks.
+
+Two engines share blocks only if their fingerprints are equal: same weights, tokenizer and
+chat template, compute dtype, KV dtype and block size. The RAM tier folds it into the root
+of every digest chain; the SSD tier uses it as its directory name (adding its own format
+version), so a mismatch is a miss, never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_descriptor(
+    *, weights_id: str, tokenizer_id: str, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+    model_name: str = "",
+) -> dict[str, Any]:
+    return {
+        "weights": weights_id,
+        "tokenizer": tokenizer_id,
+        "dtype": dtype_name(dtype),
+        "kv_dtype": dtype_name(kv_dtype),
+        "block_size": block_size,
+        "model_name": model_name,  # informational; not part of the fingerprint
+    }
+
+
+def kv_fingerprint(descriptor: dict[str, Any]) -> str:
+    identity = {k: v for k, v in descriptor.items() if k != "model_name"}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]

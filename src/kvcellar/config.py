@@ -1,0 +1,119 @@
+"""Configuration: one object, filled from defaults, a TOML file, the environment and CLI flags.
+
+Precedence, lowest to highest: dataclass defaults < config file (``--config`` or
+``KVCELLAR_CONFIG``) < environment (``KVCELLAR_<FIELD>``, upper-case) < CLI flags.
+Each section is a dataclass owned by the module that uses it; this file only holds
+the engine's knobs and the merging logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CACHE_DIR = Path("~/.cache/kvcellar")
+
+
+def resolve_cache_dir(arg: str | os.PathLike[str] | None = None) -> Path:
+    """``--cache-dir``, else ``KVCELLAR_CACHE_DIR``, else ``~/.cache/kvcellar``."""
+    raw = arg or os.environ.get("KVCELLAR_CACHE_DIR") or DEFAULT_CACHE_DIR
+    return Path(raw).expanduser().resolve()
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the paged-KV engine and its RAM prefix cache."""
+
+    # Tokens per KV block. Chosen by the block-size sweep in benchmarks/bench_prefix_cache.py.
+    block_size: int = 16
+    # Memory for the RAM tier's KV block pool, in GiB. The pool is allocated up front.
+    kv_cache_gb: float = 2.0
+    # Upper bound on sequences in the running batch.
+    max_num_seqs: int = 32
+    # Per-step token budget: decodes first, then prefill chunks fill what is left, so a long
+    # prompt never stalls running decodes for more than one budget's worth of compute.
+    max_step_tokens: int = 512
+    # Largest prompt + completion accepted; 0 means the model's own context length.
+    max_model_len: int = 0
+    # Reuse of cached prefix blocks; off only for comparisons and tests.
+    prefix_caching: bool = True
+    # Bytes of the chained digest used as the hash-table key. Tests shrink it to force
+    # collisions; a hit always compares the full digest and the token ids.
+    key_bytes: int = 32
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+@dataclass
+class Settings:
+    """Everything a running kvcellar needs; sections are filled by ``load_settings``."""
+
+    model: str | None = None
+    cache_dir: Path = field(default_factory=resolve_cache_dir)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sections: dict[str, Any] = field(default_factory=dict)
+
+
+def _coerce(value: Any, to: type | str) -> Any:
+    kind = to if isinstance(to, str) else getattr(to, "__name__", str(to))
+    if isinstance(value, str):
+        if kind.startswith("bool"):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    return value
+
+
+def apply_overrides(obj: Any, values: dict[str, Any], *, source: str) -> None:
+    """Set dataclass fields of ``obj`` from ``values``; unknown keys are an error."""
+    known = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"{source}: unknown setting {key!r}")
+        if value is None:
+            continue
+        try:
+            setattr(obj, name, _coerce(value, known[name].type))
+        except ValueError as exc:
+            raise ValueError(f"{source}: bad value for {key!r}: {exc}") from exc
+
+
+def env_overrides(obj: Any, prefix: str = "KVCELLAR_") -> dict[str, str]:
+    """Environment values for the fields of ``obj``: ``KVCELLAR_BLOCK_SIZE=32``."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        raw = os.environ.get(prefix + f.name.upper())
+        if raw is not None:
+            out[f.name] = raw
+    return out
+
+
+def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[server]``."""
+    if path is None:
+        path = os.environ.get("KVCELLAR_CONFIG")
+    if not path:
+        return {}
+    with open(path, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def build_section(cls: type, file_values: dict[str, Any], cli_values: dict[str, Any]) -> Any:
+    """A section dataclass from defaults < file < environment < CLI."""
+    obj = cls()
+    apply_overrides(obj, file_values, source="config file")
+    apply_overrides(obj, env_overrides(obj), source="environment")
+    apply_overrides(obj, {k: v for k, v in cli_values.items() if v is not None}, source="command line")
+    return obj

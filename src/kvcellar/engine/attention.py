@@ -1,0 +1,148 @@
+"""Attention over the paged KV pool, plugged into transformers' attention registry.
+
+The model runs with every sequence of a step packed into one row (``[1, T]``) and
+``use_cache=False``; our ``StepMeta`` rides along as the keyword argument ``kvcellar_meta``
+and transformers hands it, untouched, to ``paged_attention`` in every layer. Because our
+function is not in transformers' mask registry, no mask is built: causality is ours.
+
+Packed order: decode tokens first (one per sequence), then one span per prefilling
+sequence. For each layer the function
+
+1. writes this step's K/V (post-RoPE) into the pool at the step's slots,
+2. decodes: gathers each decode sequence's blocks into one padded batch and runs one SDPA
+   call with a key-length mask (GQA folded into the query axis: measured 5-8x faster in
+   bf16 on CPU than ``enable_gqa``),
+3. prefills: one SDPA call per span over its gathered context, with a bottom-right
+   causal mask when the span sits on top of earlier tokens (SDPA's ``is_causal`` is
+   top-left aligned, right only when query length equals key length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from kvcellar.engine.kv_pool import KVPool
+
+ATTENTION_NAME = "kvcellar_paged"  # must not start with "paged|": the registry strips that prefix
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # packed index of the span's first query token
+    length: int  # query tokens in this step
+    context: int  # keys visible to the span's last token (earlier tokens + this span)
+    block_table: torch.Tensor  # [1, ceil(context / block_size)]
+
+
+@dataclass
+class DecodeBatch:
+    count: int  # decode sequences; they occupy packed positions [0, count)
+    block_tables: torch.Tensor  # [count, max_blocks], padded with the null block
+    contexts: torch.Tensor  # [count] keys per sequence, including this step's token
+    mask: torch.Tensor | None  # [count, 1, 1, max_blocks * block_size], None if nothing to mask
+
+
+@dataclass
+class StepMeta:
+    pool: KVPool
+    slot_blocks: torch.Tensor  # [T] block id of each packed token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    decode: DecodeBatch | None
+    prefills: list[PrefillSpan]
+    _mask_cache: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+
+    def span_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """Bottom-right causal (and sliding-window) mask of span ``i``; None when plain causal."""
+        span = self.prefills[i]
+        past = span.context - span.length
+        if past == 0 and (window is None or window >= span.context):
+            return None
+        key = ("span", i, window)
+        mask = self._mask_cache.get(key)
+        if mask is None:
+            device = self.slot_blocks.device
+            q_pos = torch.arange(past, span.context, device=device)[:, None]
+            k_pos = torch.arange(span.context, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._mask_cache[key] = mask
+        return mask
+
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
+        batch = self.decode
+        assert batch is not None
+        if window is None:
+            return batch.mask
+        key = ("decode", window)
+        mask = self._mask_cache.get(key)
+        if mask is None:
+            width = batch.block_tables.shape[1] * self.pool.layout.block_size
+            k_pos = torch.arange(width, device=batch.contexts.device)[None, :]
+            last = (batch.contexts - 1)[:, None]
+            mask = ((k_pos <= last) & (k_pos > last - window))[:, None, None, :]
+            self._mask_cache[key] = mask
+        return mask
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    meta: StepMeta | None = kwargs.get("kvcellar_meta")
+    if meta is None:
+        raise RuntimeError(
+            f"attention {ATTENTION_NAME!r} needs the kvcellar engine's step metadata; "
+            "run this model through kvcellar.engine.Engine"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by kvcellar's paged attention")
+    window = kwargs.get("sliding_window") or None
+    layer = module.layer_idx
+    pool = meta.pool
+    # query [1, Hq, T, D]; key/value [1, Hkv, T, D]
+    _, n_q_heads, total, head_dim = query.shape
+    n_kv_heads = key.shape[1]
+    groups = n_q_heads // n_kv_heads
+
+    pool.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
+
+    out = torch.empty((total, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    q = query[0]  # [Hq, T, D]
+
+    batch = meta.decode
+    if batch is not None:
+        n = batch.count
+        k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
+        # [Hq, n, D] -> [n, Hkv, groups, D]: query heads of one KV head act as query rows.
+        qd = q[:, :n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask(window), scale=scaling)
+        out[:n] = o.reshape(n, n_q_heads, head_dim)
+
+    for i, span in enumerate(meta.prefills):
+        k, v = pool.gather(layer, span.block_table)
+        k = k[:, :, : span.context]
+        v = v[:, :, : span.context]
+        qp = q[None, :, span.start : span.start + span.length]  # [1, Hq, len, D]
+        mask = meta.span_mask(i, window)
+        o = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=mask, is_causal=mask is None and span.length > 1, scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        out[span.start : span.start + span.length] = o[0].transpose(0, 1)
+
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

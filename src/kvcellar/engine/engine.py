@@ -1,0 +1,411 @@
+"""The engine: owns the model, the KV pool and the scheduler, and runs the step loop.
+
+Other threads talk to it only through ``submit`` / ``cancel`` (an inbox drained at the
+start of every step) and receive results through each request's ``EventStream``. The
+step loop runs on one named thread (``kvcellar-engine``) started by ``start()``; without
+it, tests may drive the engine deterministically by calling ``step()`` themselves.
+
+Shutdown protocol: ``shutdown(timeout)`` stops admitting, lets running and queued
+sequences finish until the deadline, aborts what is left (each stream gets a final
+``abort`` event), then stops and joins the thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcellar.cache.block_manager import Block, BlockManager
+from kvcellar.cache.hashing import root_digest
+from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
+from kvcellar.config import EngineConfig
+from kvcellar.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from kvcellar.engine.kv_pool import KVLayout, KVPool
+from kvcellar.engine.loader import LoadedModel
+from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
+from kvcellar.engine.scheduler import Scheduler
+from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
+from kvcellar.errors import EngineStoppedError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestHandle:
+    seq_id: int
+    stream: EventStream
+    num_prompt_tokens: int
+    _engine: Engine = field(repr=False)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.seq_id)
+
+
+@dataclass
+class GenerationResult:
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.config = cfg = config or EngineConfig()
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        # The engine thread decodes with its own copy: HF tokenizers keep mutable
+        # truncation/padding state, and the server encodes on other threads.
+        self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
+        self.device = loaded.device
+        self.block_size = cfg.block_size
+        self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype)
+        num_blocks = KVPool.blocks_for_budget(self.layout, int(cfg.kv_cache_gb * (1 << 30)))
+        self.pool = KVPool(self.layout, num_blocks, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_step_tokens=cfg.max_step_tokens,
+            prefix_caching=cfg.prefix_caching,
+            on_block_published=self._on_block_published,
+        )
+        self.runner = ModelRunner(self.model, self.pool)
+        self.descriptor = kv_descriptor(
+            weights_id=loaded.weights_id,
+            tokenizer_id=loaded.tokenizer_id,
+            dtype=loaded.dtype,
+            kv_dtype=self.layout.dtype,
+            block_size=cfg.block_size,
+            model_name=loaded.name,
+        )
+        self.fingerprint = kv_fingerprint(self.descriptor)
+        self.max_model_len = min(cfg.max_model_len or loaded.max_context, loaded.max_context)
+        self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
+        # Hooks for lower tiers (write-through); set by whoever attaches a tier.
+        self.block_listeners: list[Callable[[Sequence, int, Block], None]] = []
+
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stop_now = False
+        self._seqs: dict[int, Sequence] = {}
+        self._ids = itertools.count(1)
+        self.stats: dict[str, float] = {
+            "engine_requests_total": 0,
+            "engine_requests_finished": 0,
+            "engine_requests_aborted": 0,
+            "engine_requests_failed": 0,
+            "engine_prompt_tokens": 0,
+            "engine_cached_prompt_tokens": 0,
+            "engine_computed_tokens": 0,
+            "engine_generated_tokens": 0,
+            "engine_steps": 0,
+            "engine_step_seconds": 0.0,
+        }
+
+    # ---- public, any thread ---------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        stream: EventStream | None = None,
+    ) -> RequestHandle:
+        """Queue a completion of ``prompt_ids``; its events arrive on the returned stream."""
+        if not self._accepting:
+            raise EngineStoppedError("the engine is shutting down")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        prompt = [int(t) for t in prompt_ids]
+        self.check_length(len(prompt), params.max_tokens)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        stream = stream or EventStream()
+        seq = Sequence(
+            seq_id=next(self._ids),
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            root=root_digest(self.fingerprint, cache_salt),
+            emit=stream.put,
+            detokenizer=IncrementalDetokenizer(self._detok_tokenizer, skip_special_tokens=params.skip_special_tokens),
+            stop_matcher=StopMatcher(params.stop),
+            eos_token_ids=frozenset() if params.ignore_eos else self.loaded.eos_token_ids,
+            generator=params.make_generator(self.device),
+        )
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        return RequestHandle(seq.seq_id, stream, len(prompt), self)
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``InvalidRequestError`` unless the request fits the context and the pool."""
+        if prompt_tokens < 1:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        total = prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce "
+                "the length of the prompt or of max_tokens.",
+                param="max_tokens" if prompt_tokens < self.max_model_len else "messages",
+                code="context_length_exceeded",
+            )
+        blocks = -(-total // self.block_size)
+        if blocks > self.blocks.num_blocks - 1:
+            raise InvalidRequestError(
+                f"The request needs {total} tokens of KV cache but the pool holds "
+                f"{(self.blocks.num_blocks - 1) * self.block_size}; raise --kv-cache-gb or shorten the request.",
+                code="context_length_exceeded",
+            )
+
+    def cancel(self, seq_id: int) -> None:
+        self._inbox.put(("cancel", seq_id))
+        self._wake.set()
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], *, cache_salt: str | None = None
+    ) -> list[GenerationResult]:
+        """Blocking convenience: run completions of ``prompts`` to the end."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        handles = [self.submit(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, plist, strict=True)]
+        return [self.collect(h) for h in handles]
+
+    def collect(self, handle: RequestHandle) -> GenerationResult:
+        result = GenerationResult(handle.seq_id, [], "", "", handle.num_prompt_tokens, 0)
+        texts = []
+        while True:
+            if self._thread is None:
+                while True:
+                    try:
+                        ev = handle.stream.get_sync(timeout=0)
+                        break
+                    except queue.Empty:
+                        self.step()
+            else:
+                ev = handle.stream.get_sync()
+            if ev.token_id is not None:
+                result.token_ids.append(ev.token_id)
+                if ev.logprob is not None:
+                    result.logprobs.append(ev.logprob)
+                if ev.top_logprobs is not None:
+                    result.top_logprobs.append(ev.top_logprobs)
+            texts.append(ev.text)
+            result.num_cached_tokens = ev.num_cached_tokens
+            if ev.finish_reason is not None:
+                result.finish_reason = ev.finish_reason
+                result.error = ev.error
+                result.text = "".join(texts)
+                return result
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="kvcellar-engine", daemon=False)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop admitting; let in-flight work finish until ``timeout``; abort the rest.
+        Returns True if nothing had to be aborted."""
+        self._accepting = False
+        clean = True
+        if self._thread is not None:
+            deadline = time.monotonic() + timeout
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                if self.num_active() == 0 and self._inbox.empty():
+                    break
+                time.sleep(0.02)
+            clean = self.num_active() == 0
+            self._inbox.put(("abort_all", None))
+            self._inbox.put(("stop", None))
+            self._wake.set()
+            self._thread.join(timeout=max(5.0, timeout))
+            if self._thread.is_alive():
+                log.error("engine thread did not stop; a forward pass may be stuck")
+                return False
+            self._thread = None
+        else:
+            self._drain_inbox()
+            clean = not self.scheduler.has_work()
+            self._abort_all()
+        return clean
+
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters of the engine, scheduler and RAM tier, merged (prefixes keep them apart)."""
+        return {
+            **self.stats,
+            "engine_running": len(self.scheduler.running),
+            "engine_waiting": len(self.scheduler.waiting),
+            **self.scheduler.stats,
+            **self.blocks.snapshot(),
+        }
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop_now:
+            self._wake.clear()
+            try:
+                did_work = self.step()
+            except Exception:  # a bug, not a request error: log, keep serving
+                log.exception("engine step failed")
+                did_work = False
+            if not did_work and not self._stop_now:
+                self._wake.wait(timeout=1.0)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._seqs[arg.seq_id] = arg
+                self.scheduler.add(arg)
+                self.stats["engine_requests_total"] += 1
+                self.stats["engine_prompt_tokens"] += arg.num_prompt_tokens
+            elif kind == "cancel":
+                seq = self._seqs.get(arg)
+                if seq is not None:
+                    self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="abort"))
+            elif kind == "abort_all":
+                self._abort_all()
+            elif kind == "stop":
+                self._stop_now = True
+
+    def _abort_all(self) -> None:
+        for seq in list(self._seqs.values()):
+            self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="abort"))
+
+    def step(self) -> bool:
+        """Run one scheduling step. Returns False when there was nothing to do."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.run(plan)
+        except Exception as exc:
+            log.exception("forward pass failed; failing the %d sequences of this step", len(plan.items))
+            for item in plan.items:
+                self._finish(item.seq, TokenEvent(item.seq.seq_id, None, "", finish_reason="error",
+                                                  error=f"{type(exc).__name__}: {exc}"))
+            return True
+        self.stats["engine_steps"] += 1
+        self.stats["engine_computed_tokens"] += plan.num_tokens
+        row = 0
+        for item in plan.items:
+            self.scheduler.commit(item)
+            if item.sample:
+                seq = item.seq
+                self._append(seq, sample_row(logits[row], seq.params, seq.output_ids, seq.generator))
+                row += 1
+        self.stats["engine_step_seconds"] += time.perf_counter() - t0
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step until no work is left (manual mode: tests, benchmarks)."""
+        for _ in range(max_steps):
+            if not self.step() and self._inbox.empty():
+                return
+
+    def _append(self, seq: Sequence, res: SampleResult) -> None:
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        params = seq.params
+        n_out = seq.num_tokens - seq.num_prompt_tokens
+        self.stats["engine_generated_tokens"] += 1
+        finish = None
+        is_eos = tok in seq.eos_token_ids or tok in params.stop_token_ids
+        if is_eos:
+            finish = "stop"
+            text = self._flush_text(seq)
+        else:
+            text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(tok))
+            if stopped:
+                finish = "stop"
+            elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+                tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush().rstrip(REPLACEMENT))
+                text += tail
+                if stopped:
+                    finish = "stop"
+                else:
+                    text += seq.stop_matcher.flush()
+        event = TokenEvent(
+            seq_id=seq.seq_id,
+            token_id=tok,
+            text=text,
+            logprob=res.logprob,
+            top_logprobs=res.top_logprobs,
+            finish_reason=finish,
+            is_eos=is_eos,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_output_tokens=n_out,
+        )
+        if finish is None:
+            seq.emit(event)
+        else:
+            self._finish(seq, event)
+
+    def _flush_text(self, seq: Sequence) -> str:
+        text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush().rstrip(REPLACEMENT))
+        return text if stopped else text + seq.stop_matcher.flush()
+
+    def _finish(self, seq: Sequence, event: TokenEvent) -> None:
+        if seq.state == SeqState.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.seq_id, None)
+        seq.finish_reason = event.finish_reason
+        event.num_prompt_tokens = seq.num_prompt_tokens
+        event.num_cached_tokens = seq.num_cached_tokens or 0
+        event.num_output_tokens = seq.num_tokens - seq.num_prompt_tokens
+        if event.finish_reason == "abort":
+            self.stats["engine_requests_aborted"] += 1
+        elif event.finish_reason == "error":
+            self.stats["engine_requests_failed"] += 1
+        else:
+            self.stats["engine_requests_finished"] += 1
+        self.stats["engine_cached_prompt_tokens"] += seq.num_cached_tokens or 0
+        seq.emit(event)
+
+    def _on_block_published(self, seq: Sequence, index: int, block: Block) -> None:
+        for listener in self.block_listeners:
+            listener(seq, index, block)
+
+
+def default_engine(model: str | None = None, **config: Any) -> Engine:
+    """Load ``model`` (the embedded default if None) and build an engine around it."""
+    from kvcellar.engine.loader import load_model
+
+    cfg = EngineConfig(**config)
+    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device), cfg)
+
+
+__all__ = ["Engine", "GenerationResult", "RequestHandle", "default_engine"]

@@ -1,0 +1,110 @@
+"""Sampling parameters and the per-step sampler.
+
+Logprobs are those of the model's raw next-token distribution (log-softmax of the logits,
+before penalties and temperature), as OpenAI reports them. Penalties follow OpenAI's
+definition over the tokens generated so far:
+``logit -= presence_penalty * [count > 0] + frequency_penalty * count``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Text options (applied by the detokenizer)
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message for impossible values."""
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:
+            raise ValueError("temperature must be between 0 and 2")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def make_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        return gen
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: list[int], params: SamplingParams) -> torch.Tensor:
+    if not output_ids or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
+        return logits
+    ids = torch.tensor(output_ids, device=logits.device)
+    counts = torch.zeros_like(logits).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+    return logits - params.presence_penalty * (counts > 0).to(logits.dtype) - params.frequency_penalty * counts
+
+
+def sample_row(
+    logits: torch.Tensor, params: SamplingParams, output_ids: list[int], generator: torch.Generator | None
+) -> SampleResult:
+    """Pick the next token from one row of float32 logits ``[vocab]``."""
+    raw = logits
+    logits = apply_penalties(logits, output_ids, params)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        logits = logits / params.temperature
+        if params.top_k > 0 and params.top_k < logits.numel():
+            kth = torch.topk(logits, params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = cumulative - sorted_probs >= params.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    if not params.logprobs:
+        return SampleResult(token, None, None)
+    logp = torch.log_softmax(raw, dim=-1)
+    top = None
+    if params.top_logprobs > 0:
+        values, ids = torch.topk(logp, params.top_logprobs)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return SampleResult(token, float(logp[token]), top)

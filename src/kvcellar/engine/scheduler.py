@@ -1,0 +1,233 @@
+"""Continuous batching with chunked prefill over the paged KV pool.
+
+Every step the scheduler builds a plan under a token budget (``max_step_tokens``):
+
+1. every running sequence that is decoding gets one token (decodes never wait behind a
+   prefill); a decode that needs a new block and finds none preempts the most recently
+   admitted sequence (its full blocks stay in the prefix cache, so resuming is cheap);
+2. sequences in the middle of a prefill continue with a chunk of what budget is left;
+3. waiting sequences are admitted in arrival order while budget, sequence slots and
+   blocks allow. Admission reuses the longest cached prefix of full blocks (never the
+   whole prompt: the last prompt token is always computed, so there are logits to sample
+   from), and reserves blocks for the rest of the prompt up front so a chunked prefill
+   never runs out half-way. A sequence whose next block is being computed right now by
+   another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
+   prompt) waits a step or more and then reuses it instead of computing it twice.
+
+After the forward, ``commit`` advances each sequence and publishes blocks that became
+full and computed to the prefix cache (prompt and generated blocks alike).
+
+Threading: not thread-safe; only the engine thread calls in.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcellar.cache.block_manager import Block, BlockManager
+from kvcellar.engine.sequence import SeqState, Sequence
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int  # tokens computed before this step
+    length: int  # tokens fed this step
+    sample: bool  # the sequence's last token is fed: sample the next one
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Scheduled]
+    prefills: list[Scheduled]
+
+    @property
+    def items(self) -> list[Scheduled]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.length for s in self.prefills)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_step_tokens: int,
+        prefix_caching: bool = True,
+        on_block_published: Callable[[Sequence, int, Block], None] | None = None,
+    ) -> None:
+        self.bm = blocks
+        self.block_size = blocks.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.prefix_caching = prefix_caching
+        # Called when block i of a sequence is newly published (write-through to lower tiers).
+        self.on_block_published = on_block_published
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        # digest -> sequence computing that block right now (prompt blocks not yet published)
+        self._inflight: dict[bytes, Sequence] = {}
+        self.stats = {
+            "sched_preemptions": 0,
+            "sched_deferred_for_shared_prefix": 0,
+            "sched_admitted": 0,
+        }
+
+    # ---- queue management -----------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.state = SeqState.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or cancelled) and free its blocks."""
+        if seq.state == SeqState.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        elif seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        for digest, owner in list(self._inflight.items()):
+            if owner is seq:
+                del self._inflight[digest]
+        self.bm.release(seq.blocks)
+        seq.blocks = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.WAITING
+        self.waiting.appendleft(seq)
+        self.stats["sched_preemptions"] += 1
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.max_step_tokens
+        decodes: list[Scheduled] = []
+        prefills: list[Scheduled] = []
+
+        for seq in list(self.running):
+            if seq.in_prefill or seq not in self.running:
+                continue
+            if not self._ensure_slot(seq, decodes):
+                continue
+            decodes.append(Scheduled(seq, seq.num_computed, 1, True))
+            budget -= 1
+
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].length
+
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            admitted = self._admit(seq)
+            if admitted is None:  # not enough blocks: keep arrival order, try next step
+                self.waiting.appendleft(seq)
+                break
+            if admitted is False:  # its next block is being computed by another sequence
+                skipped.append(seq)
+                continue
+            prefills.append(self._chunk(seq, budget))
+            budget -= prefills[-1].length
+        self.waiting.extendleft(reversed(skipped))
+
+        if not decodes and not prefills:
+            return None
+        return StepPlan(decodes, prefills)
+
+    def _chunk(self, seq: Sequence, budget: int) -> Scheduled:
+        length = min(seq.num_tokens - seq.num_computed, budget)
+        start = seq.num_computed
+        return Scheduled(seq, start, length, start + length == seq.num_tokens)
+
+    def _ensure_slot(self, seq: Sequence, planned: list[Scheduled]) -> bool:
+        """Make room for the KV of token ``num_tokens - 1``; preempt others if needed.
+        Returns False if ``seq`` itself had to be preempted."""
+        needed = (seq.num_tokens + self.block_size - 1) // self.block_size - len(seq.blocks)
+        while needed > self.bm.available():
+            victim = self.running[-1]
+            self._preempt(victim)
+            planned[:] = [p for p in planned if p.seq is not victim]
+            if victim is seq:
+                return False
+        if needed > 0:
+            seq.blocks.extend(self.bm.allocate(needed))
+        return True
+
+    def _admit(self, seq: Sequence) -> bool | None:
+        """Reserve blocks and reuse the cached prefix. None: no room; False: deferred."""
+        bs = self.block_size
+        # Never reuse the whole prompt: the last token is computed to get logits.
+        reusable = (seq.num_tokens - 1) // bs
+        hits: list[Block] = []
+        digests: list[bytes] = []
+        if self.prefix_caching:
+            digests = seq.digests(seq.num_tokens // bs, bs)
+            tokens = [seq.block_tokens(i, bs) for i in range(reusable)]
+            hits = self.bm.match(digests[:reusable], tokens)
+            if len(hits) < reusable and digests[len(hits)] in self._inflight:
+                self.stats["sched_deferred_for_shared_prefix"] += 1
+                return False
+        total = (seq.num_tokens + bs - 1) // bs
+        need = total - len(hits)
+        # Keep one block per running decode in reserve so admission does not force an
+        # immediate preemption.
+        reserve = sum(1 for s in self.running if not s.in_prefill)
+        available = self.bm.available(hits)
+        if need > available or (need + reserve > available and self.running):
+            return None
+        self.bm.acquire(hits)
+        seq.blocks = hits + self.bm.allocate(need)
+        seq.num_computed = len(hits) * bs
+        seq.num_registered = len(hits)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+            self.bm.record_lookup(len(hits), max(reusable, len(hits)))
+        for i in range(len(hits), len(digests)):
+            self._inflight.setdefault(digests[i], seq)
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        self.stats["sched_admitted"] += 1
+        return True
+
+    # ---- after the forward ----------------------------------------------------------------
+
+    def commit(self, item: Scheduled) -> None:
+        """Advance ``item.seq`` past the tokens computed this step; publish full blocks."""
+        seq = item.seq
+        seq.num_computed = item.start + item.length
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_registered:
+            return
+        digests = seq.digests(full, self.block_size)
+        for i in range(seq.num_registered, full):
+            block = seq.blocks[i]
+            if self._inflight.get(digests[i]) is seq:
+                del self._inflight[digests[i]]
+            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size)) and \
+                    self.on_block_published is not None:
+                self.on_block_published(seq, i, block)
+        seq.num_registered = full

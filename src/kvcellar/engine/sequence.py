@@ -1,0 +1,128 @@
+"""A sequence: one completion being generated, and the events it sends back."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcellar.cache.block_manager import Block
+from kvcellar.cache.hashing import chain_digest
+from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from kvcellar.engine.sampling import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"  # blocks are being read from a lower tier
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenEvent:
+    """What the engine reports for one sequence after a step.
+
+    ``text`` is the newly releasable text (stop strings and incomplete characters held
+    back), possibly empty. A final event has ``finish_reason`` set: ``stop`` (EOS, stop
+    token or stop string), ``length``, ``abort`` (cancelled) or ``error``.
+    """
+
+    seq_id: int
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    is_eos: bool = False  # token_id ends generation and carries no text
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+class EventStream:
+    """A sequence's events, produced on the engine thread, consumed sync or async.
+
+    Built with an event loop, events cross into that loop (``call_soon_threadsafe``) and are
+    read with ``await get()``; built without, they go to a thread-safe queue read with
+    ``get_sync()``. Every stream ends with an event whose ``finish_reason`` is set.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self._async_q: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop is not None else None
+        self._sync_q: queue.SimpleQueue[TokenEvent] | None = queue.SimpleQueue() if loop is None else None
+
+    def put(self, event: TokenEvent) -> None:
+        if self._loop is not None:
+            assert self._async_q is not None
+            try:
+                self._loop.call_soon_threadsafe(self._async_q.put_nowait, event)
+            except RuntimeError:
+                pass  # the consumer's loop is closed: nobody is listening any more
+        else:
+            assert self._sync_q is not None
+            self._sync_q.put(event)
+
+    async def get(self, timeout: float | None = None) -> TokenEvent:
+        assert self._async_q is not None, "stream was built without an event loop"
+        return await asyncio.wait_for(self._async_q.get(), timeout)
+
+    def get_sync(self, timeout: float | None = None) -> TokenEvent:
+        assert self._sync_q is not None, "stream was built for asyncio"
+        return self._sync_q.get(timeout=timeout)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    root: bytes  # root of the digest chain (model fingerprint + cache_salt)
+    emit: Callable[[TokenEvent], None]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopMatcher
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    state: SeqState = SeqState.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    num_registered: int = 0  # leading blocks published to the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    finish_reason: str | None = None
+    cancelled: bool = False
+    pending_load: Any = None  # lower-tier load in flight (engine-owned handle)
+    _digests: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    def digests(self, n: int, block_size: int) -> list[bytes]:
+        """Digests of the first ``n`` full blocks (computed once, extended as tokens arrive)."""
+        d = self._digests
+        while len(d) < n:
+            i = len(d)
+            parent = d[-1] if d else self.root
+            d.append(chain_digest(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return d[:n]
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size : (i + 1) * block_size]

@@ -1,0 +1,37 @@
+"""Prompt rendering and tokenization, done once per request.
+
+Chat messages are rendered with the model's chat template to text that already holds every
+special token the template wants (BOS included), then encoded with
+``add_special_tokens=False``: the tokenizer must not add a second BOS. A plain completion
+prompt is encoded with the tokenizer's own special-token rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcellar.errors import InvalidRequestError
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+        )
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # template errors (e.g. jinja raise_exception for bad roles)
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    text = render_chat(tokenizer, messages, **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    return list(tokenizer(prompt).input_ids)
