@@ -1,0 +1,153 @@
+"""The tier interface below the RAM block pool.
+
+A tier stores fixed-size KV blocks under opaque keys. The disk tier
+(``storage/disk``) implements it today; a shared remote tier (Redis/Valkey,
+Mooncake Store) will implement the same verbs. The engine talks to tiers only
+through this module: it never sees files, sockets or threads.
+
+Contract every implementation keeps:
+
+- ``lookup`` never reads payloads and never raises; it answers how many
+  *leading* keys are present.
+- ``load`` and ``store`` never raise for I/O faults. A fault is a miss (load)
+  or a dropped write (store), counted in ``stats()`` and reported by
+  ``health()``. ``ValueError`` is raised only for contract violations by the
+  caller (wrong dtype/shape, non-contiguous tensors, wrong number of token ids).
+- A block is served only after its identity (``digest`` and ``token_ids``) and
+  integrity were verified; a block that fails is deleted and counted.
+- ``store`` is called from the engine's step loop and is bounded in time.
+- ``close`` is the only shutdown path that guarantees a drained writer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Geometry of every block of one namespace.
+
+    ``shape`` is ``(num_layers, 2, block_size, num_kv_heads, head_dim)``, where
+    2 is (K, V). All blocks of one namespace share one spec.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"BlockSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"BlockSpec.block_size must be positive, got {self.block_size}")
+        if not self.shape or any(int(d) <= 0 for d in self.shape):
+            raise ValueError(f"BlockSpec.shape must be non-empty and positive, got {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def check_tensor(self, t: torch.Tensor, what: str) -> None:
+        """Raise ValueError unless ``t`` is a CPU, contiguous tensor of this spec."""
+        if t.dtype != self.dtype or tuple(t.shape) != tuple(self.shape):
+            raise ValueError(
+                f"{what}: expected {self.dtype} {tuple(self.shape)}, got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{what}: tensor must be on CPU and contiguous")
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """One block to persist.
+
+    ``key`` names the block (the file path derives only from ``key.hex()``);
+    ``digest`` (the chained prefix digest) and ``token_ids`` are written into
+    the block and compared on every load. The tier takes ownership of
+    ``data``: the caller must not modify it afterwards.
+    """
+
+    key: bytes
+    digest: bytes
+    token_ids: tuple[int, ...]
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One block to read into ``dest`` (CPU, contiguous, spec dtype/shape),
+    in place, if its stored ``digest`` and ``token_ids`` match these."""
+
+    key: bytes
+    digest: bytes
+    token_ids: tuple[int, ...]
+    dest: torch.Tensor
+
+
+class KVTier(ABC):
+    """A storage tier for KV blocks. See the module docstring for the contract.
+
+    Thread-safety: every method may be called from any thread, concurrently.
+    """
+
+    name: str
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are present. No payload reads.
+
+        Correct right after a restart, with no warm-up. A present key is a
+        promise made in good faith: the following ``load`` verifies the block,
+        and a block removed in between (by another process) is a miss.
+        """
+
+    @abstractmethod
+    def load(self, requests: Sequence[LoadRequest]) -> concurrent.futures.Future[int]:
+        """Read blocks into their ``dest`` tensors, asynchronously, in a batch.
+
+        Resolves to the number of leading requests read and verified (header,
+        checksum, digest, token ids). The first failure ends the run; dests
+        after it may hold anything. The future never carries an exception for
+        I/O faults. Reads have priority over queued writes.
+        """
+
+    @abstractmethod
+    def store(self, requests: Sequence[StoreRequest]) -> None:
+        """Persist blocks (write-through). Returns within a bounded time.
+
+        Duplicate keys in flight are written once; keys already stored are not
+        rewritten. Blocks that cannot be admitted (queue full past the wait
+        budget, fault back-off, no space) are dropped and counted.
+        """
+
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
+        """Mark ``keys`` as recently used (for LRU/TTL), e.g. for blocks hot in
+        a faster tier that never need to be loaded from this one. Optional."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int | float]:
+        """Counters and gauges, every name prefixed by the owning component."""
+
+    @abstractmethod
+    def health(self) -> dict[str, object]:
+        """State for ``/health``: at least ``state`` ("ok" or "degraded"),
+        ``last_shutdown_clean``, ``writer_queue_depth`` and ``last_error``."""
+
+    @abstractmethod
+    def close(self, timeout: float) -> bool:
+        """Stop admitting work, drain pending writes within ``timeout`` seconds,
+        record the shutdown. True if everything admitted was written or
+        deliberately dropped before the deadline. Idempotent."""

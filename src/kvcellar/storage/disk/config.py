@@ -1,0 +1,66 @@
+"""Knobs of the disk tier (SPEC §5). The server's config object maps its
+file/env/CLI settings onto this dataclass; defaults are the production ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GIB = 1 << 30
+
+Durability = Literal["best_effort", "persistent"]
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    # best_effort: one attempt, no fsync (a crash may lose recent blocks, never
+    # serve a torn one: the checksum catches it). persistent: fsync the file
+    # and its directory before the block counts as stored; bounded retries.
+    durability: Durability = "best_effort"
+    persistent_retries: int = 3
+    # False: store() writes in the caller's thread (tests, tools, debugging).
+    async_writes: bool = True
+    # Writer queue bound, in blocks (each holds its tensor until written:
+    # 256 x 368 KiB = 92 MiB for the default model at block size 16).
+    queue_blocks: int = 256
+    # Total time one store() call may wait for queue space before dropping
+    # the rest of its blocks (benchmarks/bench_disk_io.py, section "tier").
+    enqueue_timeout_s: float = 0.002
+    # How long the writer defers a write while reads are in flight (reads first).
+    write_defer_max_s: float = 0.05
+    # There is no index to flush; last-access times (file atimes, for LRU and
+    # TTL across restarts) are written back in batches at this interval and
+    # at close, keeping utime() off the read path.
+    flush_interval_s: float = 1.0
+    capacity_bytes: int = 20 * GIB
+    min_free_bytes: int = 1 * GIB
+    ttl_s: float = 7 * 24 * 3600.0
+    # TTL pruning and the rescan that adopts other processes' files run on
+    # this timer, independent of writes.
+    prune_interval_s: float = 600.0
+    # Reader threads; several requests in flight are what per-block files need
+    # to approach the device's bandwidth (4-8 measured best here).
+    io_threads: int = 8
+    # After lookup() reports a key present, this process will not evict it for
+    # this long (or until it is loaded), so lookup -> load does not race eviction.
+    lookup_lease_s: float = 30.0
+    # Fault back-off: writes are dropped while backing off; a probe write ends it.
+    fault_backoff_initial_s: float = 1.0
+    fault_backoff_max_s: float = 60.0
+    probe_interval_s: float = 5.0
+    # If close() was never called, how long the writer keeps draining after the
+    # main thread has exited before giving up (the process then exits).
+    exit_drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.durability not in ("best_effort", "persistent"):
+            raise ValueError(f"durability must be best_effort or persistent, got {self.durability!r}")
+        if self.queue_blocks < 1 or self.io_threads < 1:
+            raise ValueError("queue_blocks and io_threads must be >= 1")
+        for name in ("enqueue_timeout_s", "write_defer_max_s", "flush_interval_s", "prune_interval_s",
+                     "lookup_lease_s",
+                     "fault_backoff_initial_s", "fault_backoff_max_s", "probe_interval_s", "exit_drain_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.capacity_bytes < 0 or self.min_free_bytes < 0 or self.ttl_s <= 0:
+            raise ValueError("capacity_bytes and min_free_bytes must be >= 0, ttl_s > 0")

@@ -1,0 +1,233 @@
+"""Reading blocks: one verified read straight into the caller's tensor, and a
+small pool of named reader threads that runs batches of them.
+
+``read_block_into`` does one ``preadv`` of header + payload into (a header
+buffer, the destination tensor's bytes): no intermediate copy. It then checks,
+in order: size, header (magic, version, header checksum), geometry (dtype,
+shape, block size), key, digest, token ids, payload CRC-32. It never raises
+for I/O: the outcome says what happened.
+
+Reader threads: ``io_threads`` threads named ``kvcellar-disk-reader-<ns>-<i>``
+take (batch, index) tasks from one FIFO queue, so the blocks of a batch are
+read in order and several at a time (per-block files need several requests
+in flight to approach the device's bandwidth). A batch resolves its future
+when its last task finishes; after the first failure, later tasks of the
+batch skip their I/O. Shutdown: ``close`` enqueues one sentinel per thread
+after the queued tasks and joins them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcellar.storage.base import BlockSpec, LoadRequest
+from kvcellar.storage.disk.format import HeaderError, check_geometry, decode_header, payload_checksum
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # no file (never written, evicted, deleted by another process)
+    CORRUPT = "corrupt"  # file exists but is not this block, or is damaged: delete it
+    IO_ERROR = "io_error"  # the OS failed the read: keep the file, count the fault
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    outcome: Outcome
+    reason: str = ""  # for CORRUPT: size, magic, version, header_checksum, geometry, key, digest, tokens, checksum
+    error: OSError | None = None
+    ino: int = 0
+    dev: int = 0
+    mtime_ns: int = 0
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest) -> ReadResult:
+    expected = header_size + spec.nbytes
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ReadResult(Outcome.MISSING)
+    except OSError as e:
+        return ReadResult(Outcome.IO_ERROR, error=e)
+    try:
+        st = os.fstat(fd)
+        ident = {"ino": st.st_ino, "dev": st.st_dev, "mtime_ns": st.st_mtime_ns}
+        if st.st_size != expected:
+            return ReadResult(Outcome.CORRUPT, "size", **ident)
+        hdr = bytearray(header_size)
+        payload = tensor_bytes(req.dest)
+        got = _preadv_full(fd, [memoryview(hdr), payload])
+        if got != expected:
+            return ReadResult(Outcome.CORRUPT, "size", **ident)
+        try:
+            h = decode_header(hdr)
+            check_geometry(h, spec)
+        except HeaderError as e:
+            return ReadResult(Outcome.CORRUPT, e.reason, **ident)
+        if h.key != req.key:
+            return ReadResult(Outcome.CORRUPT, "key", **ident)
+        if h.digest != req.digest:
+            return ReadResult(Outcome.CORRUPT, "digest", **ident)
+        if h.token_ids != tuple(req.token_ids):
+            return ReadResult(Outcome.CORRUPT, "tokens", **ident)
+        if payload_checksum(payload) != h.payload_crc32:
+            return ReadResult(Outcome.CORRUPT, "checksum", **ident)
+        return ReadResult(Outcome.OK, **ident)
+    except OSError as e:
+        return ReadResult(Outcome.IO_ERROR, error=e)
+    finally:
+        os.close(fd)
+
+
+def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
+    """preadv until every buffer is full or EOF; returns bytes read."""
+    total = 0
+    offset = 0
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:
+            break
+        total += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and n:
+            bufs = [bufs[0][n:], *bufs[1:]]
+    return total
+
+
+class _Batch:
+    """One load() call. ``lock`` protects ``results``, ``remaining`` and ``first_fail``."""
+
+    def __init__(self, requests: Sequence[LoadRequest], future: concurrent.futures.Future[int]) -> None:
+        self.requests = requests
+        self.future = future
+        self.lock = threading.Lock()
+        self.results: list[bool] = [False] * len(requests)
+        self.remaining = len(requests)
+        self.first_fail = len(requests)
+
+    def leading_ok(self) -> int:
+        n = 0
+        while n < len(self.results) and self.results[n]:
+            n += 1
+        return n
+
+
+_SENTINEL = None
+_log = logging.getLogger("kvcellar.storage.disk")
+
+
+class ReaderPool:
+    """Runs load batches on ``threads`` named threads.
+
+    ``read_one(req) -> bool`` does the I/O and the accounting of one block;
+    ``on_done(requests, leading)`` runs once per batch (unpin, counters)
+    before its future resolves. ``_lock`` protects ``_active`` and ``_closed``.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        name: str,
+        read_one: Callable[[LoadRequest], bool],
+        on_done: Callable[[Sequence[LoadRequest], int], None],
+    ) -> None:
+        self._read_one = read_one
+        self._on_done = on_done
+        self._queue: queue.SimpleQueue[tuple[_Batch, int] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0  # batches submitted and not yet resolved
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=False) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, requests: Sequence[LoadRequest]) -> concurrent.futures.Future[int] | None:
+        """Queue a batch; None if the pool is closed (the caller resolves)."""
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()  # not cancellable: it holds pins
+        batch = _Batch(requests, fut)
+        with self._lock:
+            if self._closed:
+                return None
+            self._active += 1
+        for i in range(len(requests)):
+            self._queue.put((batch, i))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _SENTINEL:
+                return
+            batch, i = item
+            with batch.lock:
+                skip = i > batch.first_fail
+            ok = False
+            if not skip:
+                try:
+                    ok = self._read_one(batch.requests[i])
+                except Exception:  # a bug, not an I/O fault: the block is a miss
+                    _log.exception("disk tier reader failed")
+                    ok = False
+            with batch.lock:
+                batch.results[i] = ok
+                if not ok:
+                    batch.first_fail = min(batch.first_fail, i)
+                batch.remaining -= 1
+                last = batch.remaining == 0
+            if last:
+                self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        leading = batch.leading_ok()
+        try:
+            self._on_done(batch.requests, leading)
+        finally:
+            batch.future.set_result(leading)
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.notify_all()
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no batch is in flight (the writer defers to reads)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._active == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Finish queued batches, stop the threads. True if all joined."""
+        with self._lock:
+            if self._closed:
+                return all(not t.is_alive() for t in self._threads)
+            self._closed = True
+        for _ in self._threads:
+            self._queue.put(_SENTINEL)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return all(not t.is_alive() for t in self._threads)

@@ -1,0 +1,170 @@
+"""Reconcile a namespace directory with what is really on disk.
+
+Runs in the background at start-up (lookups are correct meanwhile: they stat
+the files) and again on every prune tick, to adopt blocks written by other
+processes and forget blocks they deleted. One pass over ``blocks/``:
+
+- temporary files whose owner session is dead are orphans of a crash: removed;
+- block files whose name is not a key, that sit in the wrong shard, or whose
+  size is not this namespace's block size: removed;
+- after an unclean shutdown, files written since the dead session started get
+  their header read and checked (magic, version, header checksum, geometry,
+  key), because a best-effort write can reach the directory before its data
+  reaches the disk on power loss. Payload checksums are left to the load,
+  which verifies every block it serves anyway;
+- everything else is reported with its size and last access (atime) so that
+  BlockTable can rebuild LRU order and byte totals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcellar.storage.base import BlockSpec
+from kvcellar.storage.disk.format import HeaderError, check_geometry, decode_header, file_size_for, header_size_for
+from kvcellar.storage.disk.layout import NamespaceLayout, key_from_block_name, shard_of, tmp_owner
+
+O_NOATIME = getattr(os, "O_NOATIME", 0)
+
+
+@dataclass
+class ScanReport:
+    found: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> (size, atime_ns)
+    bytes: int = 0
+    orphan_tmp_removed: int = 0
+    bad_size_removed: int = 0
+    bad_header_removed: int = 0
+    misplaced_removed: int = 0
+    headers_checked: int = 0
+    unknown_files: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+
+def open_noatime(path: str | Path) -> int:
+    """Open for reading without touching atime (our LRU clock) where allowed."""
+    if O_NOATIME:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_NOATIME)
+        except PermissionError:
+            pass
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def check_block_header(path: str | Path, spec: BlockSpec, key: bytes) -> str | None:
+    """None if the file's header is a valid header of block ``key`` of
+    ``spec``; otherwise the reason."""
+    fd = open_noatime(path)
+    try:
+        buf = os.pread(fd, header_size_for(spec.block_size), 0)
+    finally:
+        os.close(fd)
+    try:
+        h = decode_header(buf)
+        check_geometry(h, spec)
+    except HeaderError as e:
+        return e.reason
+    return None if h.key == key else "key"
+
+
+def scan_namespace(
+    layout: NamespaceLayout,
+    spec: BlockSpec,
+    *,
+    live_tokens: set[str],
+    tmp_older_than_ns: int,
+    check_headers_since_ns: int | None,
+    stop: Callable[[], bool] = lambda: False,
+) -> ScanReport:
+    """One reconciliation pass; see the module docstring. ``stop()`` aborts
+    early (the report is then partial and must not drop anything)."""
+    t0 = time.perf_counter()
+    rep = ScanReport()
+    expected = file_size_for(spec)
+
+    def remove(path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:
+            rep.errors += 1
+            return False
+
+    # Probe and descriptor temp files live at the namespace top level.
+    with contextlib.suppress(OSError), os.scandir(layout.dir) as top:
+        for e in top:
+            owner = tmp_owner(e.name)
+            if owner is not None and owner not in live_tokens and _mtime(e) < tmp_older_than_ns:
+                rep.orphan_tmp_removed += remove(e.path)
+    try:
+        shards = sorted(os.scandir(layout.blocks_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        shards = []
+    except OSError:
+        rep.errors += 1
+        shards = []
+    for shard in shards:
+        if stop():
+            break
+        if not shard.is_dir(follow_symlinks=False):
+            rep.unknown_files += 1
+            continue
+        try:
+            entries = list(os.scandir(shard.path))
+        except OSError:
+            rep.errors += 1
+            continue
+        for e in entries:
+            name = e.name
+            owner = tmp_owner(name)
+            if owner is not None:
+                if owner not in live_tokens and _mtime(e) < tmp_older_than_ns:
+                    rep.orphan_tmp_removed += remove(e.path)
+                continue
+            key = key_from_block_name(name)
+            if key is None:
+                rep.unknown_files += 1
+                continue
+            if shard_of(key.hex()) != shard.name:
+                rep.misplaced_removed += remove(e.path)
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                rep.errors += 1
+                continue
+            if st.st_size != expected:
+                rep.bad_size_removed += remove(e.path)
+                continue
+            if check_headers_since_ns is not None and st.st_mtime_ns >= check_headers_since_ns:
+                rep.headers_checked += 1
+                try:
+                    bad = check_block_header(e.path, spec, key)
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    rep.errors += 1
+                    continue
+                if bad is not None:
+                    rep.bad_header_removed += remove(e.path)
+                    continue
+            rep.found[key] = (st.st_size, st.st_atime_ns)
+            rep.bytes += st.st_size
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _mtime(e: os.DirEntry[str]) -> int:
+    try:
+        return e.stat(follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 1 << 62  # vanished or unreadable: treat as too young to touch

@@ -1,0 +1,220 @@
+"""In-memory bookkeeping of the blocks of one namespace: sizes, last access
+(LRU order), pins and lookup leases.
+
+This is not an index: lookup never consults it (the file is the truth). It
+exists for capacity, LRU and TTL decisions, is rebuilt from the files by the
+start-up scan, refreshed by the periodic rescan (which also adopts blocks that
+other processes wrote), and persists nothing itself — last-access times go to
+the files' atimes in batches (``take_dirty``).
+
+Eviction rule: a key that is pinned (a load is reading it) or leased (lookup
+reported it present a moment ago) is never chosen as a victim, and victims
+are unlinked while ``_lock`` is held, so a pin taken after the victim was
+chosen finds the file already gone (a miss), never a file vanishing mid-read.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class _Entry:
+    size: int
+    last_access_ns: int
+    version: int
+    seen_ns: int  # when this process last saw the file exist (write, load, scan)
+
+
+class BlockTable:
+    """``_lock`` protects every attribute. All methods are thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, _Entry] = {}
+        self._heap: list[tuple[int, int, bytes]] = []  # (last_access_ns, version, key), lazily invalidated
+        self._versions = itertools.count(1)
+        self._bytes = 0
+        self._pins: dict[bytes, int] = {}
+        self._leases: dict[bytes, float] = {}  # key -> time.monotonic() expiry
+        self._dirty: set[bytes] = set()
+        self._clock_ns = 0
+
+    # -- time -----------------------------------------------------------------
+    def _now_ns_locked(self) -> int:
+        # Strictly increasing wall-clock ns: LRU order is exact even for
+        # accesses within one clock tick.
+        self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
+        return self._clock_ns
+
+    def now_ns(self) -> int:
+        with self._lock:
+            return self._now_ns_locked()
+
+    # -- entries --------------------------------------------------------------
+    def _set_locked(self, key: bytes, size: int, last_access_ns: int, seen_ns: int) -> None:
+        old = self._entries.get(key)
+        if old is not None:
+            self._bytes -= old.size
+        v = next(self._versions)
+        self._entries[key] = _Entry(size, last_access_ns, v, seen_ns)
+        self._bytes += size
+        heapq.heappush(self._heap, (last_access_ns, v, key))
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(e.last_access_ns, e.version, k) for k, e in self._entries.items()]
+            heapq.heapify(self._heap)
+
+    def add(self, key: bytes, size: int, last_access_ns: int | None = None) -> None:
+        """Record a block file (just written, or found by lookup/scan)."""
+        with self._lock:
+            now = self._now_ns_locked()
+            old = self._entries.get(key)
+            t = now if last_access_ns is None else last_access_ns
+            if old is not None:
+                t = max(t, old.last_access_ns)
+            self._set_locked(key, size, t, now)
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def discard(self, key: bytes) -> None:
+        """Forget a block whose file is gone (or was deleted as corrupt)."""
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is not None:
+                self._bytes -= e.size
+            self._dirty.discard(key)
+
+    def touch(self, keys: Iterable[bytes], *, persist: bool) -> None:
+        """Move known ``keys`` to the most-recently-used end. ``persist``
+        queues the new time for the file's atime (loads); lookups do not."""
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is None:
+                    continue
+                self._set_locked(k, e.size, self._now_ns_locked(), e.seen_ns)
+                if persist:
+                    self._dirty.add(k)
+
+    def take_dirty(self) -> list[tuple[bytes, int]]:
+        with self._lock:
+            out = [(k, self._entries[k].last_access_ns) for k in self._dirty if k in self._entries]
+            self._dirty.clear()
+            return out
+
+    # -- protection -----------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._pins[k] = self._pins.get(k, 0) + 1
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                n = self._pins.get(k, 0) - 1
+                if n > 0:
+                    self._pins[k] = n
+                else:
+                    self._pins.pop(k, None)
+                self._leases.pop(k, None)  # a load consumes the lookup's lease
+
+    def lease(self, keys: Iterable[bytes], seconds: float) -> None:
+        until = time.monotonic() + seconds
+        with self._lock:
+            for k in keys:
+                self._leases[k] = max(until, self._leases.get(k, 0.0))
+
+    def _protected_locked(self, key: bytes, now_mono: float) -> bool:
+        if key in self._pins:
+            return True
+        until = self._leases.get(key)
+        if until is None:
+            return False
+        if until > now_mono:
+            return True
+        del self._leases[key]
+        return False
+
+    # -- eviction -------------------------------------------------------------
+    def evict(self, need_bytes: int, unlink: Callable[[bytes], bool]) -> tuple[int, int]:
+        """Remove least-recently-used unprotected blocks until ``need_bytes``
+        are freed or none is left. ``unlink(key)`` deletes the file and says
+        whether it is gone; a failure stops the eviction. Returns (blocks,
+        bytes) evicted."""
+        return self._pop_while(lambda t, freed: freed < need_bytes, unlink)
+
+    def expire(self, cutoff_ns: int, unlink: Callable[[bytes], bool]) -> tuple[int, int]:
+        """Remove unprotected blocks last accessed before ``cutoff_ns``."""
+        return self._pop_while(lambda t, freed: t < cutoff_ns, unlink)
+
+    def _pop_while(self, cond: Callable[[int, int], bool], unlink: Callable[[bytes], bool]) -> tuple[int, int]:
+        n = freed = 0
+        skipped: list[tuple[int, int, bytes]] = []
+        now_mono = time.monotonic()
+        with self._lock:
+            while self._heap:
+                t, v, k = self._heap[0]
+                e = self._entries.get(k)
+                if e is None or e.version != v:
+                    heapq.heappop(self._heap)
+                    continue
+                if not cond(t, freed):
+                    break
+                heapq.heappop(self._heap)
+                if self._protected_locked(k, now_mono):
+                    skipped.append((t, v, k))
+                    continue
+                if not unlink(k):  # under the lock: see the module docstring
+                    skipped.append((t, v, k))
+                    break
+                del self._entries[k]
+                self._dirty.discard(k)
+                self._bytes -= e.size
+                n += 1
+                freed += e.size
+            for item in skipped:
+                heapq.heappush(self._heap, item)
+        return n, freed
+
+    # -- rescans --------------------------------------------------------------
+    def merge_scan(self, found: dict[bytes, tuple[int, int]], scan_started_ns: int) -> tuple[int, int]:
+        """Reconcile with a directory scan: ``found`` maps key -> (size,
+        atime_ns). Unknown files are adopted; entries whose file was not found
+        and that were last seen before the scan started are dropped.
+        Returns (adopted, dropped)."""
+        adopted = dropped = 0
+        with self._lock:
+            for k, (size, atime) in found.items():
+                e = self._entries.get(k)
+                if e is None:
+                    self._set_locked(k, size, atime, scan_started_ns)
+                    adopted += 1
+                elif atime > e.last_access_ns or size != e.size:
+                    self._set_locked(k, size, max(atime, e.last_access_ns), max(e.seen_ns, scan_started_ns))
+            for k in [k for k, e in self._entries.items() if k not in found and e.seen_ns < scan_started_ns]:
+                e = self._entries.pop(k)
+                self._bytes -= e.size
+                self._dirty.discard(k)
+                dropped += 1
+            if found:
+                self._clock_ns = max(self._clock_ns, max(a for _, a in found.values()))
+        return adopted, dropped
+
+    # -- gauges ---------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pinned_count(self) -> int:
+        with self._lock:
+            return len(self._pins)

@@ -1,0 +1,626 @@
+"""DiskTier: the persistent SSD tier of the KV cache (SPEC §5).
+
+Composition (one file per concept beside this one):
+  layout.py    where files live; format.py what a block file holds
+  writer.py    atomic writes + the writer thread and its bounded queue
+  reader.py    verified reads straight into the caller's tensors + reader threads
+  table.py     in-memory LRU/size bookkeeping, pins and lookup leases
+  capacity.py  byte limit, free-space floor, TTL
+  recovery.py  the reconciliation scan (start-up and periodic)
+  sessions.py  live/dead openers and last_shutdown_clean
+  faults.py    fault episodes, logging once, back-off
+
+Threads (all named, none daemon):
+  kvcellar-disk-writer-<ns>     writes queued blocks (absent with async_writes=False)
+  kvcellar-disk-reader-<ns>-<i> reads load batches
+  kvcellar-disk-maint-<ns>      start-up scan, then a timer: access-time flush,
+                                rescan + TTL prune + capacity, fault probes
+
+Shutdown: call ``close(timeout)``. If the program exits without it, the
+maintenance thread notices that the main thread has ended and performs the
+same close with ``config.exit_drain_s``; the process exits after that. A
+SIGKILL leaves this process's session file unlocked: the next opener reports
+``last_shutdown_clean = False`` and its scan removes the orphans.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
+from kvcellar.storage.disk.capacity import CapacityGuard
+from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.counters import Counters
+from kvcellar.storage.disk.faults import FaultTracker
+from kvcellar.storage.disk.format import (
+    FORMAT_VERSION,
+    check_identity,
+    encode_header,
+    header_size_for,
+    payload_checksum,
+)
+from kvcellar.storage.disk.layout import NamespaceLayout
+from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into, tensor_bytes
+from kvcellar.storage.disk.recovery import scan_namespace
+from kvcellar.storage.disk.sessions import Session, StaleSession, close_session, open_session, scan_sessions
+from kvcellar.storage.disk.table import BlockTable
+from kvcellar.storage.disk.writer import BlockWriter, fsync_dir, write_block_file
+
+_log = logging.getLogger("kvcellar.storage.disk")
+
+_SSD_COUNTERS = (
+    "lookup_calls", "lookup_hit_blocks",
+    "load_calls", "load_hits", "load_misses", "load_bytes", "load_missing",
+    "stored_blocks", "stored_bytes", "store_skipped_existing",
+    "evicted_blocks", "evicted_bytes", "ttl_pruned_blocks", "ttl_pruned_bytes",
+    "dropped_capacity", "dropped_no_space",
+    "write_errors", "read_errors", "probe_failures", "atime_errors", "delete_errors",
+    "corrupt_total", "corrupt_deleted",
+    "recovered_orphan_tmp", "recovered_bad_size", "recovered_bad_header", "recovered_misplaced",
+    "recovered_adopted", "recovered_unclean_sessions", "rescan_adopted", "rescan_dropped",
+    "scans", "scan_seconds",
+)
+_WRITER_COUNTERS = (
+    "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
+    "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
+)
+_MAIN_THREAD_POLL_S = 0.25
+
+
+def _mkdir_private(path: Path) -> bool:
+    """Create ``path`` and missing parents with mode 0700. True if created."""
+    if path.is_dir():
+        return False
+    _mkdir_private(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+        return True
+    except FileExistsError:
+        return False
+
+
+class DiskTier(KVTier):
+    """Persistent tier of KV blocks under ``<root>/<namespace>-v<FORMAT_VERSION>/``.
+
+    ``root`` is the KV root (``<cache_dir>/kv``); ``namespace`` a fingerprint
+    of everything that changes KV bytes (safe as a path component);
+    ``descriptor`` a small JSON-able dict describing it for humans and the
+    cache CLI. The constructor does not raise for I/O faults: an unusable
+    directory gives a degraded tier that misses and retries in the background.
+    """
+
+    name = "ssd"
+
+    def __init__(
+        self,
+        root: Path | str,
+        namespace: str,
+        spec: BlockSpec,
+        config: DiskTierConfig | None = None,
+        descriptor: dict | None = None,
+    ) -> None:
+        self.spec = spec
+        self.config = config = config or DiskTierConfig()
+        self.layout = NamespaceLayout(Path(root), namespace)  # validates the namespace
+        self._descriptor = descriptor
+        self._header_size = header_size_for(spec.block_size)
+        self.file_size = self._header_size + spec.nbytes
+        self._ssd = Counters("ssd_", _SSD_COUNTERS)
+        self._wc = Counters("writer_", _WRITER_COUNTERS)
+        self._table = BlockTable()
+        where = str(self.layout.dir)
+        self._wfault = FaultTracker("write", self._ssd, _log, where,
+                                    config.fault_backoff_initial_s, config.fault_backoff_max_s)
+        self._rfault = FaultTracker("read", self._ssd, _log, where)
+        self._capacity = CapacityGuard(self._table, Path(root), config.capacity_bytes, config.min_free_bytes,
+                                       config.ttl_s, self._unlink_block, self._ssd)
+        # _claims_lock protects _claims: keys queued or being written (in-flight dedup).
+        self._claims_lock = threading.Lock()
+        self._claims: set[bytes] = set()
+        # _misc_lock protects _leftovers and _known_dirs.
+        self._misc_lock = threading.Lock()
+        self._leftovers: set[Path] = set()
+        self._known_dirs: set[Path] = set()
+        self._seq = itertools.count()
+        # _life protects _closing and _entering (store() calls in progress).
+        self._life = threading.Lock()
+        self._no_entering = threading.Condition(self._life)
+        self._closing = False
+        self._entering = 0
+        self._close_lock = threading.Lock()
+        self._close_result: bool | None = None
+        self._stop = threading.Event()
+        self._scan_done = threading.Event()
+        self._opened_ns = time.time_ns()
+        self._session: Session | None = None
+        self._stale: list[StaleSession] = []
+        self._last_shutdown_clean = True
+
+        self._open_namespace()
+        ns8 = namespace[:8]
+        self._reader = ReaderPool(config.io_threads, f"kvcellar-disk-reader-{ns8}", self._read_one, self._batch_done)
+        self._writer: BlockWriter | None = None
+        if config.async_writes:
+            self._writer = BlockWriter(f"kvcellar-disk-writer-{ns8}", config.queue_blocks, self._write_one,
+                                       self._release_claim, self._reader.wait_idle, config.write_defer_max_s,
+                                       self._wc)
+        self._maint = threading.Thread(target=self._maintenance, name=f"kvcellar-disk-maint-{ns8}", daemon=False)
+        self._maint.start()
+
+    # ------------------------------------------------------------------ opening
+    def _open_namespace(self) -> bool:
+        """Directories, session, descriptor. On an OS error the tier stays
+        degraded and the maintenance thread retries as its probe."""
+        try:
+            _mkdir_private(self.layout.blocks_dir)
+            _mkdir_private(self.layout.sessions_dir)
+            scan = scan_sessions(self.layout.sessions_dir, remove_stale=True)
+            self._session = open_session(self.layout.sessions_dir)
+            self._stale = scan.stale
+            self._last_shutdown_clean = not scan.stale
+            if scan.stale:
+                self._ssd.inc("recovered_unclean_sessions", len(scan.stale))
+                _log.warning("disk tier %s: %d previous session(s) ended without a clean shutdown (%s)",
+                             self.layout.dir, len(scan.stale), scan.stale[0].reason)
+            self._write_descriptor()
+            return True
+        except OSError as e:
+            self._wfault.failure(e, "opening the namespace directory")
+            return False
+
+    def _write_descriptor(self) -> None:
+        doc = {
+            "namespace": self.layout.namespace,
+            "format_version": FORMAT_VERSION,
+            "spec": {
+                "dtype": str(self.spec.dtype).removeprefix("torch."),
+                "shape": list(self.spec.shape),
+                "block_size": self.spec.block_size,
+                "block_nbytes": self.spec.nbytes,
+                "file_nbytes": self.file_size,
+            },
+            "descriptor": self._descriptor,
+        }
+        path = self.layout.descriptor_path
+        try:
+            old = json.loads(path.read_text())
+            if {k: old.get(k) for k in doc} == doc:
+                return
+            doc["created"] = old.get("created")
+        except (OSError, ValueError):
+            pass
+        doc["created"] = doc.get("created") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        data = json.dumps(doc, indent=2, sort_keys=True, default=str).encode() + b"\n"
+        assert self._session is not None
+        tmp = NamespaceLayout.tmp_path(path, self._session.token, next(self._seq))
+        write_block_file(path, tmp, [data], fsync=False, on_leftover=self._add_leftover)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        found: list[tuple[bytes, int]] = []
+        for k in keys:
+            try:
+                st = os.stat(self.layout.block_path(k))
+            except OSError:
+                break
+            if st.st_size != self.file_size:
+                break
+            found.append((k, st.st_atime_ns))
+            n += 1
+        if found:
+            present = [k for k, _ in found]
+            for k, atime in found:
+                if not self._table.contains(k):
+                    self._table.add(k, self.file_size, atime)
+            self._table.lease(present, self.config.lookup_lease_s)
+            self._table.touch(present, persist=False)
+        self._ssd.inc("lookup_calls")
+        self._ssd.inc("lookup_hit_blocks", n)
+        return n
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._table.touch(keys, persist=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self, requests: Sequence[LoadRequest]) -> concurrent.futures.Future[int]:
+        for r in requests:
+            self.spec.check_tensor(r.dest, "LoadRequest.dest")
+        keys = [r.key for r in requests]
+        self._table.pin(keys)
+        fut = self._reader.submit(list(requests)) if requests else None
+        if fut is None:
+            self._table.unpin(keys)
+            fut = concurrent.futures.Future()
+            fut.set_result(0)
+        return fut
+
+    def _read_one(self, req: LoadRequest) -> bool:
+        path = self.layout.block_path(req.key)
+        res = read_block_into(str(path), self.spec, self._header_size, req)
+        if res.outcome is Outcome.OK:
+            self._table.add(req.key, self.file_size)
+            self._table.touch([req.key], persist=True)
+            self._ssd.inc("load_bytes", self.spec.nbytes)
+            self._rfault.success()
+            return True
+        if res.outcome is Outcome.MISSING:
+            self._ssd.inc("load_missing")
+            self._table.discard(req.key)
+        elif res.outcome is Outcome.IO_ERROR:
+            assert res.error is not None
+            self._rfault.failure(res.error, f"reading {path.name}")
+        else:
+            self._corrupt(path, req.key, res.reason, res.ino, res.dev)
+        return False
+
+    def _corrupt(self, path: Path, key: bytes, reason: str, ino: int, dev: int) -> None:
+        self._ssd.inc("corrupt_total")
+        self._ssd.inc(f"corrupt_{reason}")
+        self._table.discard(key)
+        try:
+            st = os.stat(path)
+            # A writer may have renamed a good copy over it since we opened it.
+            if (st.st_ino, st.st_dev) == (ino, dev):
+                os.unlink(path)
+                self._ssd.inc("corrupt_deleted")
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self._ssd.inc("delete_errors")
+        total = self._ssd.get("corrupt_total")
+        if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
+            _log.warning("disk tier %s: deleted a block that failed its %s check (%d so far)",
+                         self.layout.dir, reason, total)
+
+    def _batch_done(self, requests: Sequence[LoadRequest], leading: int) -> None:
+        self._table.unpin([r.key for r in requests])
+        self._ssd.inc("load_calls")
+        self._ssd.inc("load_hits", leading)
+        self._ssd.inc("load_misses", len(requests) - leading)
+
+    # ------------------------------------------------------------------ store
+    def store(self, requests: Sequence[StoreRequest]) -> None:
+        for r in requests:
+            self.spec.check_tensor(r.data, "StoreRequest.data")
+            check_identity(self.spec, r.key, r.digest, tuple(r.token_ids))
+        with self._life:
+            if self._closing:
+                self._wc.inc("dropped_closed", len(requests))
+                return
+            self._entering += 1
+        try:
+            deadline = time.monotonic() + self.config.enqueue_timeout_s
+            for r in requests:
+                if not self._admit(r):
+                    continue
+                if self._writer is None:
+                    try:
+                        self._write_one(r)
+                    finally:
+                        self._release_claim(r)
+                elif self._writer.enqueue(r, deadline):
+                    self._wc.inc("enqueued")
+                else:
+                    self._release_claim(r)
+                    self._wc.inc("dropped_queue_full")
+        finally:
+            with self._life:
+                self._entering -= 1
+                if self._entering == 0:
+                    self._no_entering.notify_all()
+
+    def _admit(self, r: StoreRequest) -> bool:
+        """Cheap checks in the caller's thread; claims the key if admitted."""
+        if self._table.contains(r.key):
+            self._ssd.inc("store_skipped_existing")
+            self._table.touch([r.key], persist=True)
+            return False
+        if self._wfault.backing_off():
+            self._wc.inc("dropped_backoff")
+            return False
+        with self._claims_lock:
+            if r.key in self._claims:
+                self._wc.inc("dedup_inflight")
+                return False
+            self._claims.add(r.key)
+        return True
+
+    def _release_claim(self, r: StoreRequest) -> None:
+        with self._claims_lock:
+            self._claims.discard(r.key)
+
+    def _write_one(self, r: StoreRequest) -> None:
+        """Write one claimed block: skip if present, make room, write
+        atomically (with retries when persistent), account. Never raises for
+        OS errors."""
+        if self._session is None or self._wfault.backing_off():
+            self._wc.inc("dropped_backoff")
+            return
+        final = self.layout.block_path(r.key)
+        try:
+            st = os.stat(final)
+            if st.st_size == self.file_size:
+                self._table.add(r.key, self.file_size, st.st_atime_ns)
+                self._ssd.inc("store_skipped_existing")
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._wfault.failure(e, f"checking {final.name}")
+            return
+        if not self._capacity.make_room(self.file_size):
+            return
+        payload = tensor_bytes(r.data)
+        header = encode_header(self.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
+                               time.time_ns())
+        persistent = self.config.durability == "persistent"
+        retries = self.config.persistent_retries if persistent else 0
+        dir_retry = True  # one extra try if the shard directory vanished (cache clear)
+        attempt = 0
+        while True:
+            try:
+                self._ensure_dir(final.parent, fsync_parent=persistent)
+                tmp = NamespaceLayout.tmp_path(final, self._session.token, next(self._seq))
+                write_block_file(final, tmp, [header, payload], fsync=persistent, on_leftover=self._add_leftover)
+                break
+            except FileNotFoundError as e:
+                with self._misc_lock:
+                    self._known_dirs.discard(final.parent)
+                if dir_retry:
+                    dir_retry = False
+                    continue
+                self._wfault.failure(e, f"writing {final.name}")
+                return
+            except OSError as e:
+                if attempt < retries:
+                    attempt += 1
+                    self._wc.inc("retries")
+                    time.sleep(min(0.05 * 2 ** (attempt - 1), 0.5))
+                    continue
+                if retries:
+                    self._wc.inc("retry_final_fail")
+                self._wfault.failure(e, f"writing {final.name}")
+                return
+        self._table.add(r.key, self.file_size)
+        self._ssd.inc("stored_blocks")
+        self._ssd.inc("stored_bytes", self.file_size)
+        self._wfault.success()
+
+    def _ensure_dir(self, d: Path, *, fsync_parent: bool) -> None:
+        with self._misc_lock:
+            if d in self._known_dirs:
+                return
+        if _mkdir_private(d) and fsync_parent:
+            fsync_dir(d.parent)
+        with self._misc_lock:
+            self._known_dirs.add(d)
+
+    def _add_leftover(self, path: Path) -> None:
+        with self._misc_lock:
+            self._leftovers.add(path)
+
+    def _unlink_block(self, key: bytes) -> bool:
+        try:
+            os.unlink(self.layout.block_path(key))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self._ssd.inc("delete_errors")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ maintenance thread
+    def _maintenance(self) -> None:
+        cfg = self.config
+        try:
+            self._reconcile(startup=True)
+        except Exception:
+            _log.exception("disk tier start-up scan failed")
+        finally:
+            self._scan_done.set()
+        now = time.monotonic()
+        next_flush = now + cfg.flush_interval_s
+        next_prune = now + cfg.prune_interval_s
+        last_probe = 0.0
+        while not self._stop.is_set():
+            if not threading.main_thread().is_alive():
+                _log.info("disk tier %s was not closed; draining for up to %.1fs at exit",
+                          self.layout.dir, cfg.exit_drain_s)
+                self.close(cfg.exit_drain_s)
+                return
+            now = time.monotonic()
+            try:
+                if (self._session is None or self._wfault.in_episode) and not self._wfault.backing_off() \
+                        and now - last_probe >= cfg.probe_interval_s:
+                    last_probe = now
+                    self._probe()
+                if now >= next_flush:
+                    next_flush = now + cfg.flush_interval_s
+                    self._flush_access_times()
+                if now >= next_prune:
+                    self._reconcile(startup=False)
+                    next_prune = time.monotonic() + cfg.prune_interval_s
+            except Exception:
+                _log.exception("disk tier maintenance failed")
+            wake = min(next_flush, next_prune, now + _MAIN_THREAD_POLL_S)
+            if self._wfault.in_episode or self._session is None:
+                wake = min(wake, max(now + cfg.probe_interval_s, now + self._wfault.backoff_remaining()))
+            self._stop.wait(max(0.001, wake - time.monotonic()))
+
+    def _reconcile(self, *, startup: bool) -> None:
+        """Scan the namespace, adopt/drop table entries, remove orphans, then
+        apply TTL and capacity. See recovery.py."""
+        if not self.layout.blocks_dir.is_dir():
+            return
+        try:
+            live = scan_sessions(self.layout.sessions_dir, remove_stale=False).live_tokens
+            tmp_cutoff = self._opened_ns if startup else time.time_ns() - 60 * 10**9
+        except OSError:
+            live, tmp_cutoff = set(), 0  # cannot tell who is alive: remove no temp file
+        if self._session is not None:
+            live.add(self._session.token)
+        check_since = None
+        if startup and self._stale:
+            starts = [s.start_ns for s in self._stale if isinstance(s.start_ns, int)]
+            check_since = min(starts) if starts else 0
+        started = self._table.now_ns()
+        rep = scan_namespace(
+            self.layout, self.spec,
+            live_tokens=live,
+            tmp_older_than_ns=tmp_cutoff,
+            check_headers_since_ns=check_since,
+            stop=self._stop.is_set,
+        )
+        if self._stop.is_set():
+            return  # partial: must not drop entries it did not reach
+        adopted, dropped = self._table.merge_scan(rep.found, started)
+        c = self._ssd
+        c.inc("scans")
+        c.inc("scan_seconds", rep.seconds)
+        c.inc("recovered_orphan_tmp", rep.orphan_tmp_removed)
+        c.inc("recovered_bad_size", rep.bad_size_removed)
+        c.inc("recovered_bad_header", rep.bad_header_removed)
+        c.inc("recovered_misplaced", rep.misplaced_removed)
+        c.inc("recovered_adopted" if startup else "rescan_adopted", adopted)
+        c.inc("rescan_dropped", dropped)
+        removed = rep.orphan_tmp_removed + rep.bad_size_removed + rep.bad_header_removed + rep.misplaced_removed
+        if startup:
+            _log.info("disk tier %s: %d blocks (%.1f MiB) found in %.2fs; removed %d orphan temp file(s), "
+                      "%d bad file(s); checked %d header(s)", self.layout.dir, len(rep.found),
+                      rep.bytes / 2**20, rep.seconds, rep.orphan_tmp_removed, removed - rep.orphan_tmp_removed,
+                      rep.headers_checked)
+        self._capacity.prune_ttl(self._table.now_ns())
+        self._capacity.enforce()
+
+    def _probe(self) -> None:
+        """Try a small write; success ends the write fault episode."""
+        if self._session is None:
+            if not self._open_namespace():
+                return
+            self._reconcile(startup=True)
+        assert self._session is not None
+        path = NamespaceLayout.tmp_path(self.layout.dir / ".probe", self._session.token, next(self._seq))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, bytes(4096))
+                if self.config.durability == "persistent":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            if not self.layout.descriptor_path.exists():
+                self._write_descriptor()
+        except OSError as e:
+            self._ssd.inc("probe_failures")
+            self._wfault.failure(e, "probe write", count=False)
+            return
+        self._wfault.success(probe=True)
+        with self._misc_lock:
+            leftovers, self._leftovers = self._leftovers, set()
+        for p in leftovers:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self._add_leftover(p)
+
+    def _flush_access_times(self) -> None:
+        for key, t in self._table.take_dirty():
+            path = self.layout.block_path(key)
+            try:
+                st = os.stat(path)
+                os.utime(path, ns=(t, st.st_mtime_ns))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self._ssd.inc("atime_errors")
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, int | float]:
+        out = self._ssd.snapshot()
+        out.update(self._wc.snapshot())
+        free = self._capacity.free_bytes()
+        out.update({
+            "ssd_blocks": len(self._table),
+            "ssd_bytes": self._table.total_bytes,
+            "ssd_capacity_bytes": self.config.capacity_bytes,
+            "ssd_free_bytes": -1 if free is None else free,
+            "ssd_pinned_blocks": self._table.pinned_count(),
+            "ssd_scan_complete": int(self._scan_done.is_set()),
+            "writer_queue_depth": self._writer.queue_depth if self._writer else 0,
+            "writer_in_flight": self._writer.in_flight if self._writer else 0,
+            "writer_pending_keys": len(self._claims),
+            "ssd_load_batches_in_flight": self._reader.active,
+        })
+        return out
+
+    def health(self) -> dict[str, object]:
+        degraded = self._session is None or self._wfault.in_episode or self._rfault.in_episode
+        errors = [(f.last_error_time or 0.0, f.last_error) for f in (self._wfault, self._rfault) if f.last_error]
+        last_time, last_error = max(errors) if errors else (None, None)
+        return {
+            "state": "degraded" if degraded else "ok",
+            "last_shutdown_clean": self._last_shutdown_clean,
+            "unclean_previous_sessions": len(self._stale),
+            "writer_queue_depth": self._writer.queue_depth if self._writer else 0,
+            "writer_in_flight": (self._writer.in_flight if self._writer else 0),
+            "write_backoff_s": round(self._wfault.backoff_remaining(), 3),
+            "last_error": last_error,
+            "last_error_time": last_time,
+            "scan_complete": self._scan_done.is_set(),
+            "closed": self._close_result is not None,
+            "path": str(self.layout.dir),
+            "durability": self.config.durability,
+            "async_writes": self.config.async_writes,
+        }
+
+    # ------------------------------------------------------------------ waiting and closing
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every admitted block has been written or dropped."""
+        deadline = time.monotonic() + timeout
+        with self._life:
+            if not self._no_entering.wait_for(lambda: self._entering == 0, timeout):
+                return False
+        return self._writer is None or self._writer.wait_idle(max(0.0, deadline - time.monotonic()))
+
+    def wait_scanned(self, timeout: float) -> bool:
+        """Wait until the start-up reconciliation scan has finished."""
+        return self._scan_done.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        with self._close_lock:
+            if self._close_result is not None:
+                return self._close_result
+            deadline = time.monotonic() + timeout
+            with self._life:
+                self._closing = True
+                admitted_done = self._no_entering.wait_for(lambda: self._entering == 0, timeout)
+            drained = admitted_done
+            if self._writer is not None:
+                drained = self._writer.close(max(0.0, deadline - time.monotonic())) and drained
+            self._stop.set()
+            self._reader.close(max(0.0, deadline - time.monotonic()))
+            if threading.current_thread() is not self._maint:
+                self._maint.join(max(0.0, deadline - time.monotonic()))
+            self._flush_access_times()
+            if self._session is not None:
+                close_session(self._session, clean=drained,
+                              reason="" if drained else f"writer not drained within {timeout:.1f}s")
+            self._close_result = drained
+            return drained
+
+    def __repr__(self) -> str:
+        return f"DiskTier({str(self.layout.dir)!r}, {self.spec})"
