@@ -41,7 +41,7 @@ class BlockTable:
         self._versions = itertools.count(1)
         self._bytes = 0
         self._pins: dict[bytes, int] = {}
-        self._leases: dict[bytes, float] = {}  # key -> time.monotonic() expiry
+        self._leases: dict[bytes, list[float]] = {}  # key -> [count, time.monotonic() expiry]
         self._dirty: set[bytes] = set()
         self._clock_ns = 0
 
@@ -116,6 +116,7 @@ class BlockTable:
                 self._pins[k] = self._pins.get(k, 0) + 1
 
     def unpin(self, keys: Iterable[bytes]) -> None:
+        """End a load's pins; each key also consumes one lookup lease."""
         with self._lock:
             for k in keys:
                 n = self._pins.get(k, 0) - 1
@@ -123,21 +124,40 @@ class BlockTable:
                     self._pins[k] = n
                 else:
                     self._pins.pop(k, None)
-                self._leases.pop(k, None)  # a load consumes the lookup's lease
+                self._release_lease_locked(k)
 
     def lease(self, keys: Iterable[bytes], seconds: float) -> None:
+        """Protect ``keys`` from eviction until a load consumes the lease or
+        ``seconds`` pass. Leases count: two lookups need two loads."""
         until = time.monotonic() + seconds
         with self._lock:
             for k in keys:
-                self._leases[k] = max(until, self._leases.get(k, 0.0))
+                lease = self._leases.get(k)
+                if lease is None:
+                    self._leases[k] = [1, until]
+                else:
+                    lease[0] += 1
+                    lease[1] = max(lease[1], until)
+
+    def release_leases(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._release_lease_locked(k)
+
+    def _release_lease_locked(self, key: bytes) -> None:
+        lease = self._leases.get(key)
+        if lease is not None:
+            lease[0] -= 1
+            if lease[0] <= 0:
+                del self._leases[key]
 
     def _protected_locked(self, key: bytes, now_mono: float) -> bool:
         if key in self._pins:
             return True
-        until = self._leases.get(key)
-        if until is None:
+        lease = self._leases.get(key)
+        if lease is None:
             return False
-        if until > now_mono:
+        if lease[1] > now_mono:
             return True
         del self._leases[key]
         return False

@@ -206,8 +206,12 @@ class DiskTier(KVTier):
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[bytes]) -> int:
+        """Stat the derived paths until the first absent key. Present keys are
+        leased (see BlockTable) before they are checked, so this process's
+        eviction cannot delete them between this answer and the load."""
+        keys = list(keys)
+        self._table.lease(keys, self.config.lookup_lease_s)
         n = 0
-        found: list[tuple[bytes, int]] = []
         for k in keys:
             try:
                 st = os.stat(self.layout.block_path(k))
@@ -215,15 +219,11 @@ class DiskTier(KVTier):
                 break
             if st.st_size != self.file_size:
                 break
-            found.append((k, st.st_atime_ns))
+            if not self._table.contains(k):  # written by another process, or not scanned yet
+                self._table.add(k, self.file_size, st.st_atime_ns)
             n += 1
-        if found:
-            present = [k for k, _ in found]
-            for k, atime in found:
-                if not self._table.contains(k):
-                    self._table.add(k, self.file_size, atime)
-            self._table.lease(present, self.config.lookup_lease_s)
-            self._table.touch(present, persist=False)
+        self._table.release_leases(keys[n:])
+        self._table.touch(keys[:n], persist=False)
         self._ssd.inc("lookup_calls")
         self._ssd.inc("lookup_hit_blocks", n)
         return n

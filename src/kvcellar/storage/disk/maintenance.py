@@ -1,0 +1,379 @@
+"""Offline maintenance of a KV root (``<cache_dir>/kv``), across namespaces:
+the functions behind ``kvcellar cache stats|verify|prune|clear``.
+
+They work on the files alone (no DiskTier needed) and are safe while servers
+run on the same directory: deleting a block file is atomic, a server that
+wanted it sees a miss. Scans show tqdm progress bars when ``progress``.
+Namespaces of an older format version are listed and can be pruned or
+cleared; ``verify`` only understands the current format and skips others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvcellar.storage.base import BlockSpec
+from kvcellar.storage.disk.format import (
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER_ALIGN,
+    MAGIC,
+    HeaderError,
+    check_geometry,
+    decode_header,
+    payload_checksum,
+)
+from kvcellar.storage.disk.layout import DESCRIPTOR_FILE, key_from_block_name, parse_namespace_dir, tmp_owner
+from kvcellar.storage.disk.recovery import open_noatime
+from kvcellar.storage.disk.sessions import scan_sessions
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    dir_name: str
+    namespace: str
+    version: int
+    path: Path
+    descriptor: dict | None  # contents of namespace.json, if readable
+
+    @property
+    def current(self) -> bool:
+        return self.version == FORMAT_VERSION
+
+    @property
+    def spec(self) -> BlockSpec | None:
+        """The namespace's block spec from namespace.json, if present and valid."""
+        try:
+            s = (self.descriptor or {})["spec"]
+            dtype = getattr(torch, s["dtype"])
+            return BlockSpec(dtype, tuple(int(d) for d in s["shape"]), int(s["block_size"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+
+@dataclass
+class _File:
+    path: str
+    size: int
+    atime_ns: int
+    mtime_ns: int
+
+
+def list_namespaces(kv_root: Path) -> list[NamespaceInfo]:
+    out = []
+    try:
+        entries = sorted(os.scandir(kv_root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        parsed = parse_namespace_dir(e.name)
+        if parsed is None or not e.is_dir(follow_symlinks=False):
+            continue
+        desc = None
+        with contextlib.suppress(OSError, ValueError):
+            desc = json.loads((Path(e.path) / DESCRIPTOR_FILE).read_text())
+        out.append(NamespaceInfo(e.name, parsed[0], parsed[1], Path(e.path), desc))
+    return out
+
+
+def _walk(ns: NamespaceInfo, progress: bool, desc: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """(kind, entry) for every file under blocks/: kind is "block", "tmp" or "other"."""
+    blocks = ns.path / "blocks"
+    try:
+        shards = sorted((e for e in os.scandir(blocks) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+    except OSError:
+        shards = []
+    for shard in tqdm(shards, desc=desc, unit="dir", disable=not progress, leave=False):
+        try:
+            entries = list(os.scandir(shard.path))
+        except OSError:
+            continue
+        for e in entries:
+            if tmp_owner(e.name) is not None:
+                yield "tmp", e
+            elif e.name.endswith(FILE_SUFFIX):
+                yield "block", e
+            else:
+                yield "other", e
+
+
+def _files(ns: NamespaceInfo, progress: bool, desc: str) -> tuple[list[_File], list[_File]]:
+    blocks, tmps = [], []
+    for kind, e in _walk(ns, progress, desc):
+        if kind == "other":
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        f = _File(e.path, st.st_size, st.st_atime_ns, st.st_mtime_ns)
+        (blocks if kind == "block" else tmps).append(f)
+    return blocks, tmps
+
+
+# ---------------------------------------------------------------------------- stats
+@dataclass
+class NamespaceStats:
+    info: NamespaceInfo
+    blocks: int = 0
+    bytes: int = 0
+    tmp_files: int = 0
+    oldest_access_ns: int | None = None
+    newest_access_ns: int | None = None
+    oldest_write_ns: int | None = None
+    newest_write_ns: int | None = None
+    live_sessions: int = 0
+    unclean_sessions: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "namespace": self.info.namespace,
+            "format_version": self.info.version,
+            "current_format": self.info.current,
+            "path": str(self.info.path),
+            "descriptor": (self.info.descriptor or {}).get("descriptor"),
+            "spec": (self.info.descriptor or {}).get("spec"),
+            "blocks": self.blocks,
+            "bytes": self.bytes,
+            "tmp_files": self.tmp_files,
+            "oldest_access": _iso(self.oldest_access_ns),
+            "newest_access": _iso(self.newest_access_ns),
+            "oldest_write": _iso(self.oldest_write_ns),
+            "newest_write": _iso(self.newest_write_ns),
+            "live_sessions": self.live_sessions,
+            "unclean_sessions": self.unclean_sessions,
+        }
+
+
+def cache_stats(kv_root: Path, *, progress: bool = False) -> list[NamespaceStats]:
+    out = []
+    for ns in list_namespaces(kv_root):
+        st = NamespaceStats(ns)
+        blocks, tmps = _files(ns, progress, f"scan {ns.namespace[:12]}")
+        st.blocks, st.bytes, st.tmp_files = len(blocks), sum(f.size for f in blocks), len(tmps)
+        if blocks:
+            st.oldest_access_ns = min(f.atime_ns for f in blocks)
+            st.newest_access_ns = max(f.atime_ns for f in blocks)
+            st.oldest_write_ns = min(f.mtime_ns for f in blocks)
+            st.newest_write_ns = max(f.mtime_ns for f in blocks)
+        with contextlib.suppress(OSError):
+            sessions = scan_sessions(ns.path / "sessions", remove_stale=False)
+            st.live_sessions, st.unclean_sessions = len(sessions.live_tokens), len(sessions.stale)
+        out.append(st)
+    return out
+
+
+# ---------------------------------------------------------------------------- verify
+@dataclass
+class NamespaceVerify:
+    info: NamespaceInfo
+    checked: int = 0
+    ok: int = 0
+    bad: dict[str, int] = field(default_factory=dict)  # reason -> count
+    deleted: int = 0
+    unreadable: int = 0
+    skipped: str | None = None  # why the namespace was not verified
+
+    def as_dict(self) -> dict:
+        return {"namespace": self.info.namespace, "format_version": self.info.version, "checked": self.checked,
+                "ok": self.ok, "bad": dict(self.bad), "deleted": self.deleted, "unreadable": self.unreadable,
+                "skipped": self.skipped}
+
+
+def verify_file(path: str, spec: BlockSpec | None, buf: bytearray | None = None) -> str | None:
+    """Read and check one block file completely. None if good, else the
+    reason (as in the tier's ``ssd_corrupt_*`` counters). Raises OSError if
+    it cannot be read."""
+    fd = open_noatime(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER_ALIGN, 0)
+        if len(head) >= 16 and head[:8] == MAGIC:
+            (hsize,) = struct.unpack_from("<I", head, 12)
+            if HEADER_ALIGN < hsize <= 1 << 20:  # blocks of more than ~1k tokens
+                head = os.pread(fd, hsize, 0)
+        try:
+            h = decode_header(head)
+            if spec is not None:
+                check_geometry(h, spec)
+        except HeaderError as e:
+            return e.reason
+        if size != h.header_size + h.payload_nbytes:
+            return "size"
+        if key_from_block_name(os.path.basename(path)) != h.key:
+            return "key"
+        if buf is None or len(buf) != h.payload_nbytes:
+            buf = bytearray(h.payload_nbytes)
+        mv = memoryview(buf)
+        got = 0
+        while got < len(mv):
+            n = os.preadv(fd, [mv[got:]], h.header_size + got)
+            if n <= 0:
+                return "size"
+            got += n
+        return None if payload_checksum(mv) == h.payload_crc32 else "checksum"
+    finally:
+        os.close(fd)
+
+
+def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) -> list[NamespaceVerify]:
+    out = []
+    for ns in list_namespaces(kv_root):
+        rep = NamespaceVerify(ns)
+        out.append(rep)
+        if not ns.current:
+            rep.skipped = f"format version {ns.version} (this kvcellar reads version {FORMAT_VERSION})"
+            continue
+        spec = ns.spec
+        blocks, _ = _files(ns, progress, f"list {ns.namespace[:12]}")
+        buf = bytearray(spec.nbytes) if spec else None
+        for f in tqdm(blocks, desc=f"verify {ns.namespace[:12]}", unit="block", disable=not progress):
+            rep.checked += 1
+            try:
+                reason = verify_file(f.path, spec, buf)
+            except FileNotFoundError:
+                rep.checked -= 1
+                continue
+            except OSError:
+                rep.unreadable += 1
+                continue
+            if reason is None:
+                rep.ok += 1
+                continue
+            rep.bad[reason] = rep.bad.get(reason, 0) + 1
+            if delete:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f.path)
+                    rep.deleted += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- prune
+@dataclass
+class PruneReport:
+    ttl_removed: int = 0
+    ttl_bytes: int = 0
+    capacity_removed: int = 0
+    capacity_bytes: int = 0
+    orphan_tmp_removed: int = 0
+    namespaces_removed: list[str] = field(default_factory=list)
+    remaining_blocks: int = 0
+    remaining_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+_ORPHAN_TMP_AGE_NS = 10 * 60 * 10**9
+
+
+def prune_cache(
+    kv_root: Path,
+    *,
+    ttl_s: float,
+    capacity_bytes: int | None = None,
+    progress: bool = False,
+    now_ns: int | None = None,
+) -> PruneReport:
+    """Delete blocks not accessed for ``ttl_s``; then, if ``capacity_bytes``
+    is given, the least recently accessed blocks across all namespaces until
+    the total fits; orphan temp files of dead sessions (older than 10
+    minutes); and old-format namespace directories left empty."""
+    now = time.time_ns() if now_ns is None else now_ns
+    cutoff = now - int(ttl_s * 1e9)
+    rep = PruneReport()
+    keep: list[_File] = []
+    namespaces = list_namespaces(kv_root)
+    for ns in namespaces:
+        try:
+            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+        except OSError:
+            live = None
+        blocks, tmps = _files(ns, progress, f"scan {ns.namespace[:12]}")
+        for f in tmps:
+            owner = tmp_owner(os.path.basename(f.path))
+            if live is not None and owner not in live and now - f.mtime_ns > _ORPHAN_TMP_AGE_NS:
+                rep.orphan_tmp_removed += _unlink(f.path)
+        for f in blocks:
+            if f.atime_ns < cutoff:
+                if _unlink(f.path):
+                    rep.ttl_removed += 1
+                    rep.ttl_bytes += f.size
+            else:
+                keep.append(f)
+    total = sum(f.size for f in keep)
+    if capacity_bytes is not None and total > capacity_bytes:
+        keep.sort(key=lambda f: f.atime_ns)
+        i = 0
+        while total > capacity_bytes and i < len(keep):
+            f = keep[i]
+            i += 1
+            if _unlink(f.path):
+                rep.capacity_removed += 1
+                rep.capacity_bytes += f.size
+                total -= f.size
+        keep = keep[i:]
+    rep.remaining_blocks, rep.remaining_bytes = len(keep), total
+    for ns in namespaces:
+        if ns.current:
+            continue
+        blocks, tmps = _files(ns, False, "")
+        try:
+            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+        except OSError:
+            continue
+        if not blocks and not tmps and not live:
+            shutil.rmtree(ns.path, ignore_errors=True)
+            rep.namespaces_removed.append(ns.dir_name)
+    return rep
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------- clear
+@dataclass
+class ClearReport:
+    namespaces: list[dict] = field(default_factory=list)  # {"namespace", "dir", "blocks", "bytes", "live_sessions"}
+
+    def as_dict(self) -> dict:
+        return {"namespaces": self.namespaces}
+
+
+def clear_cache(kv_root: Path, namespaces: Iterable[str] | None = None, *, progress: bool = False) -> ClearReport:
+    """Delete every namespace directory (or only those whose namespace or
+    directory name is in ``namespaces``). Reports what was deleted,
+    including servers that still had it open (they will see misses and
+    recreate their directories on the next write)."""
+    wanted = set(namespaces) if namespaces is not None else None
+    rep = ClearReport()
+    for st in cache_stats(kv_root, progress=progress):
+        ns = st.info
+        if wanted is not None and ns.namespace not in wanted and ns.dir_name not in wanted:
+            continue
+        shutil.rmtree(ns.path, ignore_errors=True)
+        rep.namespaces.append({"namespace": ns.namespace, "dir": ns.dir_name, "blocks": st.blocks,
+                               "bytes": st.bytes, "live_sessions": st.live_sessions})
+    return rep
+
+
+def _iso(ns: int | None) -> str | None:
+    if ns is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9))
