@@ -1,11 +1,12 @@
 """Reading blocks: one verified read straight into the caller's tensor, and a
 small pool of named reader threads that runs batches of them.
 
-``read_block_into`` does one ``preadv`` of header + payload into (a header
-buffer, the destination tensor's bytes): no intermediate copy. It then checks,
-in order: size, header (magic, version, header checksum), geometry (dtype,
-shape, block size), key, digest, token ids, payload CRC-32. It never raises
-for I/O: the outcome says what happened.
+``read_block_into`` reads the header, checks size, header (magic, version,
+header checksum), geometry (dtype, shape, block size), key, digest and token
+ids, and only then reads the payload straight into the destination tensor's
+bytes (no intermediate copy) and checks its CRC-32. A block of another prefix
+therefore never reaches ``dest``; a damaged payload may, but is reported as a
+miss. It never raises for I/O: the outcome says what happened.
 
 Reader threads: ``io_threads`` threads named ``kvcellar-disk-reader-<ns>-<i>``
 take (batch, index) tasks from one FIFO queue, so the blocks of a batch are
@@ -70,21 +71,23 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         if st.st_size != expected:
             return ReadResult(Outcome.CORRUPT, "size", **ident)
         hdr = bytearray(header_size)
-        payload = tensor_bytes(req.dest)
-        got = _preadv_full(fd, [memoryview(hdr), payload])
-        if got != expected:
+        if _preadv_full(fd, [memoryview(hdr)], 0) != header_size:
             return ReadResult(Outcome.CORRUPT, "size", **ident)
         try:
             h = decode_header(hdr)
             check_geometry(h, spec)
         except HeaderError as e:
             return ReadResult(Outcome.CORRUPT, e.reason, **ident)
+        # Identity is settled before a byte reaches dest: a foreign block never lands there.
         if h.key != req.key:
             return ReadResult(Outcome.CORRUPT, "key", **ident)
         if h.digest != req.digest:
             return ReadResult(Outcome.CORRUPT, "digest", **ident)
         if h.token_ids != tuple(req.token_ids):
             return ReadResult(Outcome.CORRUPT, "tokens", **ident)
+        payload = tensor_bytes(req.dest)
+        if _preadv_full(fd, [payload], header_size) != spec.nbytes:
+            return ReadResult(Outcome.CORRUPT, "size", **ident)
         if payload_checksum(payload) != h.payload_crc32:
             return ReadResult(Outcome.CORRUPT, "checksum", **ident)
         return ReadResult(Outcome.OK, **ident)
@@ -94,10 +97,9 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         os.close(fd)
 
 
-def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
-    """preadv until every buffer is full or EOF; returns bytes read."""
+def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """preadv from ``offset`` until every buffer is full or EOF; returns bytes read."""
     total = 0
-    offset = 0
     while bufs:
         n = os.preadv(fd, bufs, offset)
         if n <= 0:

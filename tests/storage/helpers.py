@@ -1,0 +1,82 @@
+"""Shared helpers for the storage tests and their child processes: deterministic
+blocks (a child process and the test agree on every byte), polling, file listings."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvcellar.storage import BlockSpec, LoadRequest, StoreRequest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# 2 layers x (K,V) x 16 tokens x 2 heads x 8 dims, bf16: 2 KiB payload, 6 KiB files.
+SPEC = BlockSpec(torch.bfloat16, (2, 2, 16, 2, 8), 16)
+SPEC_F32 = BlockSpec(torch.float32, (2, 2, 16, 2, 8), 16)
+# 36 KiB files, for the 4 MiB tmpfs tests.
+SPEC_BIG = BlockSpec(torch.bfloat16, (4, 2, 16, 4, 32), 16)
+
+
+def key_of(i: int, seed: int = 0, key_len: int = 32) -> bytes:
+    return hashlib.blake2b(f"key:{seed}:{i}".encode(), digest_size=32).digest()[:key_len]
+
+
+def block(i: int, spec: BlockSpec = SPEC, *, seed: int = 0, key: bytes | None = None) -> StoreRequest:
+    """Block ``i`` of chain ``seed``: the same bytes in every process."""
+    digest = hashlib.blake2b(f"digest:{seed}:{i}".encode(), digest_size=32).digest()
+    tokens = tuple((i * spec.block_size + j + seed * 7919) % 50_000 for j in range(spec.block_size))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    data = torch.randn(spec.shape, generator=g, dtype=torch.float32).to(spec.dtype)
+    return StoreRequest(key if key is not None else key_of(i, seed), digest, tokens, data)
+
+
+def chain(n: int, spec: BlockSpec = SPEC, *, seed: int = 0, start: int = 0) -> list[StoreRequest]:
+    return [block(i, spec, seed=seed) for i in range(start, start + n)]
+
+
+def load_request(r: StoreRequest, dest: torch.Tensor | None = None) -> LoadRequest:
+    if dest is None:
+        dest = torch.full(r.data.shape, float("nan"), dtype=r.data.dtype)
+    return LoadRequest(r.key, r.digest, r.token_ids, dest)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> bool:
+    """Poll ``pred`` until true or a generous deadline passes (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def files(root: Path, suffix: str) -> list[Path]:
+    return sorted(p for p in Path(root).rglob(f"*{suffix}") if p.is_file())
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def spawn_child(*args: str) -> subprocess.Popen[str]:
+    """Run tests/storage/disk_child.py in a fresh interpreter."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.storage.disk_child", *args],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
