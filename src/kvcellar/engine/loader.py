@@ -11,6 +11,11 @@ A model argument resolves to one of four sources:
 
 The result carries the identity of the weights and of the tokenizer; the KV namespace
 fingerprint is built from them (see ``fingerprint``).
+
+A GGUF needs preparing (transformers parses and dequantizes it: ~20 s for the embedded
+model). Given a cache dir, ``load_model`` prepares it once into the artifact cache
+(``kvcellar.artifacts``) and loads the stored safetensors from then on; both paths load
+from the same entry, so identities and outputs don't depend on whether it was a hit.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +66,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: dict[str, float] = field(default_factory=dict)
+    # The artifact-cache entry this model was loaded from (an ``ArtifactLease``), held, so the
+    # entry isn't evicted while the model is served; None when loaded from the source itself.
+    artifact: Any = None
 
     @property
     def config(self) -> Any:
@@ -154,11 +164,12 @@ def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def weights_identity(source: ModelSource) -> str:
+def weights_identity(source: ModelSource, digest: Callable[[Path], str] = file_sha256) -> str:
     """A stable id of the weights: content hash of a GGUF file or of a directory's weight
-    files; the commit hash for hub snapshots (content-addressed already)."""
+    files; the commit hash for hub snapshots (content-addressed already). ``digest`` may be
+    a memoizing sha256 (``ArtifactCache.file_digest``) so a restart doesn't re-hash GBs."""
     if source.kind == "gguf":
-        return "gguf-sha256:" + file_sha256(source.path)
+        return "gguf-sha256:" + digest(source.path)
     if source.kind == "hub" and source.revision:
         return f"hub:{source.name}@{source.revision}"
     h = hashlib.sha256()
@@ -166,7 +177,7 @@ def weights_identity(source: ModelSource) -> str:
         p for p in source.path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name.endswith(".json")
     )
     for p in weight_files:
-        h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\0")
+        h.update(p.name.encode() + b"\0" + digest(p).encode() + b"\0")
     return "dir-sha256:" + h.hexdigest()
 
 
@@ -206,57 +217,64 @@ def load_model(
     device: str = "auto",
     attn_implementation: str | None = None,
     prepared_dir: Path | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    artifacts: Any = None,
+    progress: bool | None = None,
 ) -> LoadedModel:
     """Resolve and load a model and its tokenizer.
 
     ``prepared_dir``: a HF-format directory holding an already-prepared copy of the source
     (e.g. a dequantized GGUF from the artifact cache); weights and tokenizer are loaded from
     it while identities still refer to the original source.
+
+    ``cache_dir`` (the cache root, see ``kvcellar.config.resolve_cache_dir``) or an open
+    ``artifacts`` (``ArtifactCache``): a GGUF source is prepared once into the artifact cache
+    and loaded from its entry, which the result holds (``LoadedModel.artifact``) while served;
+    source digests are memoized there too. Without either, a GGUF is dequantized in memory on
+    every load. An unusable cache dir (permissions, disk full) degrades to that, with a
+    warning. ``progress``: show preparation progress bars (None: when stderr is a terminal).
     """
-    import time
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvcellar.engine.attention import ATTENTION_NAME
-
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
     source = resolve_source(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    timings: dict[str, float] = {}
-    kwargs: dict[str, Any] = {}
-    if prepared_dir is not None:
-        load_dir, gguf_file = str(prepared_dir), None
-    elif source.kind == "gguf":
-        load_dir, gguf_file = str(source.path.parent), source.path.name
-        kwargs["gguf_file"] = gguf_file
-    else:
-        load_dir, gguf_file = str(source.path), None
+    timings["resolve"] = time.perf_counter() - t0
+
+    cache = artifacts if artifacts is not None else _open_artifact_cache(cache_dir)
+    t0 = time.perf_counter()
+    weights_id = weights_identity(source, cache.file_digest if cache is not None else file_sha256)
+    timings["source_identity"] = time.perf_counter() - t0
+
+    lease = None
+    use_cache = prepared_dir is None and cache is not None and source.kind == "gguf"
+    for attempt in range(2):
+        if use_cache:
+            t0 = time.perf_counter()
+            lease = _acquire_prepared(cache, source, weights_id, torch_dtype, progress)
+            timings["artifact"] = timings.get("artifact", 0.0) + time.perf_counter() - t0
+            if lease is None:
+                use_cache = False
+        load_dir = lease.path if lease is not None else prepared_dir
+        try:
+            tokenizer, hf_model = _load_weights_and_tokenizer(
+                source, load_dir, torch_dtype, dev, attn_implementation, timings)
+            break
+        except ModelLoadError as exc:
+            if lease is None or attempt == 1:
+                raise
+            # It validated but doesn't load: drop it and prepare it again, once.
+            lease.invalidate(f"failed to load: {exc}")
+            lease = None
 
     t0 = time.perf_counter()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
-    except Exception as exc:
-        raise ModelLoadError(f"Could not load the tokenizer of {source.name} from {load_dir}: {exc}") from exc
-    timings["tokenizer"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            load_dir,
-            dtype=torch_dtype,
-            attn_implementation=attn_implementation or ATTENTION_NAME,
-            **kwargs,
-        )
-    except Exception as exc:
-        raise ModelLoadError(f"Could not load the weights of {source.name} from {load_dir}: {exc}") from exc
-    hf_model.to(dev).eval()
-    hf_model.requires_grad_(False)
-    timings["weights"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    weights_id = weights_identity(source)
     tok_id = tokenizer_identity(tokenizer)
-    timings["identity"] = time.perf_counter() - t0
+    timings["tokenizer_identity"] = time.perf_counter() - t0
+    if lease is not None:
+        source_tok = lease.manifest.info.get("source_tokenizer_id")
+        if source_tok and source_tok != tok_id:
+            log.warning("the tokenizer of %s saved in the artifact cache differs from the GGUF's own; KV blocks "
+                        "cached by a run without the artifact cache won't be reused", source.name)
 
     max_ctx = int(getattr(hf_model.config, "max_position_embeddings", 0) or 4096)
     return LoadedModel(
@@ -271,7 +289,77 @@ def load_model(
         eos_token_ids=eos_ids(hf_model, tokenizer),
         max_context=max_ctx,
         load_seconds=timings,
+        artifact=lease,
     )
+
+
+def _open_artifact_cache(cache_dir: str | os.PathLike[str] | None) -> Any:
+    if cache_dir is None:
+        return None
+    from kvcellar.artifacts import ArtifactCache, ArtifactStoreError, load_artifact_config
+
+    try:
+        cfg = load_artifact_config()
+        return ArtifactCache.open(cache_dir, cfg) if cfg.enabled else None
+    except ArtifactStoreError as exc:
+        log.warning("model artifact cache disabled for this run: %s", exc)
+        return None
+
+
+def _acquire_prepared(cache: Any, source: ModelSource, weights_id: str, torch_dtype: torch.dtype,
+                      progress: bool | None) -> Any:
+    """The cache entry of a GGUF in ``torch_dtype``, prepared now if needed; None if the
+    cache dir fails (the caller then loads the GGUF directly)."""
+    from kvcellar.artifacts import ArtifactStoreError
+    from kvcellar.artifacts.prepare import gguf_builder, gguf_descriptor
+
+    desc = gguf_descriptor(weights_id=weights_id, dtype=torch_dtype, name=source.name, path=source.path)
+    try:
+        return cache.acquire(desc, gguf_builder(source.path, torch_dtype, name=source.name, progress=progress),
+                             progress=progress)
+    except ArtifactStoreError as exc:
+        log.warning("model artifact cache unusable, loading %s without it: %s", source.name, exc)
+        return None
+
+
+def _load_weights_and_tokenizer(
+    source: ModelSource, prepared_dir: Path | None, torch_dtype: torch.dtype, dev: torch.device,
+    attn_implementation: str | None, timings: dict[str, float],
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcellar.engine.attention import ATTENTION_NAME
+
+    kwargs: dict[str, Any] = {}
+    if prepared_dir is not None:
+        load_dir = str(prepared_dir)
+    elif source.kind == "gguf":
+        load_dir = str(source.path.parent)
+        kwargs["gguf_file"] = source.path.name
+    else:
+        load_dir = str(source.path)
+
+    t0 = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"Could not load the tokenizer of {source.name} from {load_dir}: {exc}") from exc
+    timings["tokenizer"] = timings.get("tokenizer", 0.0) + time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            load_dir,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation or ATTENTION_NAME,
+            **kwargs,
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"Could not load the weights of {source.name} from {load_dir}: {exc}") from exc
+    hf_model.to(dev).eval()
+    hf_model.requires_grad_(False)
+    timings["weights"] = timings.get("weights", 0.0) + time.perf_counter() - t0
+    return tokenizer, hf_model
 
 
 def wrap_model(

@@ -1,0 +1,115 @@
+"""``kvcellar models {list,prune,clear,verify} [--cache-dir DIR]``: the prepared-model cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def add_models_commands(subparsers: Any) -> None:
+    """Register ``models`` under the top-level sub-command parsers."""
+    p = subparsers.add_parser("models", help="list, prune, clear or verify prepared model artifacts")
+    verbs = p.add_subparsers(dest="models_command", required=True)
+
+    def common(v: argparse.ArgumentParser) -> None:
+        v.add_argument("--cache-dir", default=None,
+                       help="cache root (default: KVCELLAR_CACHE_DIR, else ~/.cache/kvcellar); models live in "
+                            "<cache-dir>/models")
+        v.add_argument("--json", action="store_true", help="machine-readable output")
+
+    v = verbs.add_parser("list", help="entries, least recently used first, with sizes and use counts")
+    common(v)
+    v.set_defaults(func=cmd_models_list)
+
+    v = verbs.add_parser("prune", help="drop leftovers and damaged entries, then enforce the size limit "
+                                       "(LRU down to 80 %%); entries in use are kept")
+    common(v)
+    v.add_argument("--max-gb", type=float, default=None, help="size limit to enforce (default: the configured one)")
+    v.add_argument("--older-than-days", type=float, default=None, help="also drop entries unused for this long")
+    v.set_defaults(func=cmd_models_prune)
+
+    v = verbs.add_parser("clear", help="remove every entry no running process holds")
+    common(v)
+    v.set_defaults(func=cmd_models_clear)
+
+    v = verbs.add_parser("verify", help="full sha256 of every entry; corrupt ones are removed")
+    common(v)
+    v.set_defaults(func=cmd_models_verify)
+
+
+def _open(args: argparse.Namespace) -> Any:
+    from kvcellar.artifacts import ArtifactCache, load_artifact_config
+    from kvcellar.config import read_config_file
+
+    file_values = read_config_file(getattr(args, "config", None)).get("artifacts", {})
+    cli_values = {"max_gb": getattr(args, "max_gb", None)}
+    return ArtifactCache.open(args.cache_dir, load_artifact_config(file_values, cli_values))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    sys.stdout.write(json.dumps(payload, indent=1, default=str) + "\n" if args.json else text)
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    cache = _open(args)
+    entries = cache.entries()
+    stats = cache.stats()
+    lines = [f"{cache.root}: {len(entries)} entries, {_size(stats['artifact_bytes'])} of "
+             f"{_size(stats['artifact_max_bytes'])}; lifetime hits {stats['artifact_lifetime_hits']:.0f}, "
+             f"misses {stats['artifact_lifetime_misses']:.0f}, builds {stats['artifact_lifetime_builds']:.0f}, "
+             f"evictions {stats['artifact_lifetime_evictions']:.0f}, corrupt {stats['artifact_lifetime_corrupt']:.0f}"]
+    if entries:
+        lines.append(f"{'KEY':10} {'NAME':28} {'DTYPE':9} {'SIZE':>10} {'CREATED':16} {'LAST USE':16} "
+                     f"{'USES':>5} IN USE  SOURCE")
+    for e in entries:
+        d = e.descriptor
+        lines.append(f"{e.key[:10]:10} {str(d.get('name', '?'))[:28]:28} {str(d.get('dtype', '?')):9} "
+                     f"{_size(e.size_bytes):>10} {_when(e.created):16} {_when(e.last_access):16} "
+                     f"{e.access_count:>5} {'yes' if e.in_use else 'no':6}  {d.get('source', '?')}")
+    payload = {"root": str(cache.root), "stats": stats,
+               "entries": [{**vars(e), "path": str(e.path)} for e in entries]}
+    _emit(args, payload, "\n".join(lines) + "\n")
+    return 0
+
+
+def cmd_models_prune(args: argparse.Namespace) -> int:
+    cache = _open(args)
+    older = None if args.older_than_days is None else args.older_than_days * 86400.0
+    report = cache.prune(older_than_s=older)
+    text = (f"expired {len(report['expired'])}, evicted {len(report['evicted'])}, kept in use "
+            f"{len(report['skipped_in_use'])}, damaged removed {report['damaged_removed']}, leftovers removed "
+            f"{report['tmp_removed']}; now {_size(cache.stats()['artifact_bytes'])}\n")
+    _emit(args, report, text)
+    return 0
+
+
+def cmd_models_clear(args: argparse.Namespace) -> int:
+    cache = _open(args)
+    report = cache.clear()
+    text = f"removed {len(report['removed'])} entries"
+    if report["skipped_in_use"]:
+        text += f"; kept {len(report['skipped_in_use'])} in use by a running process"
+    _emit(args, report, text + "\n")
+    return 0
+
+
+def cmd_models_verify(args: argparse.Namespace) -> int:
+    cache = _open(args)
+    report = cache.verify_all()
+    _emit(args, report, f"ok {len(report['ok'])}, corrupt (removed) {len(report['corrupt'])}\n")
+    return 1 if report["corrupt"] else 0
