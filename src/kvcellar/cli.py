@@ -7,6 +7,7 @@ import logging
 import sys
 
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.errors import KvcellarError
 
 
@@ -34,12 +35,14 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvcellar.config import resolve_cache_dir
     from kvcellar.engine import Engine, SamplingParams
     from kvcellar.engine.loader import load_model
     from kvcellar.engine.tokenization import encode_chat
 
     cfg = _engine_config(args)
-    loaded = load_model(args.model, dtype=cfg.dtype, device=cfg.device)
+    loaded = load_model(args.model, dtype=cfg.dtype, device=cfg.device,
+                        cache_dir=resolve_cache_dir(getattr(args, "cache_dir", None)))
     engine = Engine(loaded, cfg)
     messages = []
     if args.system:
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
+    add_models_commands(sub)
     return parser
 
 
