@@ -2,7 +2,8 @@
 
     python -m tests.storage.disk_child write ROOT NS DURABILITY ASYNC START
         store blocks START, START+1, ... forever, 4 per store() call; prints
-        "stored <next index>" after each call (flushed), until killed.
+        "stored <next index> <blocks written so far>" after each call
+        (flushed), until killed.
     python -m tests.storage.disk_child check ROOT NS N
         open the namespace, lookup blocks 0..N-1, load and verify what lookup
         reports; prints one JSON line; closes cleanly.
@@ -25,7 +26,7 @@ def write(root: str, ns: str, durability: str, async_writes: str, start: str) ->
     while True:
         tier.store([block(j) for j in range(i, i + 4)])
         i += 4
-        print(f"stored {i}", flush=True)
+        print(f"stored {i} {tier.stats()['ssd_stored_blocks']}", flush=True)
 
 
 def check(root: str, ns: str, n: str) -> None:
