@@ -9,6 +9,7 @@ import sys
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.errors import KvcellarError
+from kvcellar.server.cli import add_serve_args, cmd_serve
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
     add_models_commands(sub)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API (ready when GET /health answers 200)")
+    _add_model_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=lambda args: cmd_serve(args, _engine_config(args)))
     return parser
 
 

@@ -1,0 +1,155 @@
+"""The FastAPI application: routes, middleware, lifespan.
+
+``create_app(engine, settings)`` takes an engine that is built but not necessarily started.
+The app owns its lifecycle from then on: startup starts the engine's step loop; shutdown
+stops admitting, lets in-flight work finish for ``settings.shutdown_timeout`` seconds,
+aborts the rest and stops the engine (``Engine.shutdown``). ``runner.serve`` adds signal
+handling around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+import kvcellar
+from kvcellar.engine import Engine
+from kvcellar.server import errors
+from kvcellar.server.config import ServerConfig
+from kvcellar.server.metrics import ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
+from kvcellar.server.middleware import Admission, ApiGate, RequestMetrics
+from kvcellar.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvcellar.server.serving import OpenAIServing
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                         (413, "Body too large"), (500, "Generation failed"), (503, "Shutting down or overloaded"),
+                         (504, "Timed out; the request was cancelled"))
+}
+
+
+def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                  "description": "The completion; with stream=true, server-sent events whose data are "
+                                 "chunks (chat.completion.chunk / text_completion), then [DONE]"},
+            **_ERRORS}
+
+
+class ServerState:
+    """What the routes share; one per app."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.serving = OpenAIServing(engine, config, self.metrics)
+        self.started = time.time()
+        self.admission = Admission()
+        self.metrics.registry.register(SnapshotCollector(self.stats))
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    def start_draining(self) -> None:
+        self.admission.draining = True
+
+    def stats(self) -> dict[str, float]:
+        server = {**self.metrics.stats, "server_inflight_requests": len(self.serving.inflight),
+                  "server_inflight_sequences": self.serving.inflight.num_sequences()}
+        return merged_stats(self.engine.snapshot(), server)
+
+    def health(self) -> dict[str, Any]:
+        stats = self.stats()
+        groups = group_by_prefix(stats)
+        last_clean = stats.get("ssd_last_shutdown_clean")
+        return {
+            "status": "draining" if self.draining else "ok",
+            "model": self.serving.model_name,
+            "version": kvcellar.__version__,
+            "uptime_s": round(time.time() - self.started, 3),
+            "queue_depth": int(stats.get("engine_waiting", 0)),
+            "running": int(stats.get("engine_running", 0)),
+            "inflight_requests": int(stats.get("server_inflight_requests", 0)),
+            "kv_blocks_used": int(stats.get("kv_blocks_used", 0)),
+            # Filled by the SSD tier (ssd_last_shutdown_clean); null until one is attached.
+            "last_shutdown_clean": None if last_clean is None else bool(last_clean),
+            **groups,
+        }
+
+
+def create_app(engine: Engine, settings: ServerConfig | None = None) -> FastAPI:
+    config = settings or ServerConfig()
+    config.validate()
+    state = ServerState(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            state.start_draining()
+            await asyncio.to_thread(engine.shutdown, config.shutdown_timeout)
+            state.serving.close()
+
+    app = FastAPI(title="kvcellar", version=kvcellar.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API with a persistent, tiered prompt KV cache.",
+                  strict_content_type=False)
+    app.state.kvcellar = state
+    errors.install_error_handlers(app)
+
+    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletion),
+              response_model=None, summary="Chat completion (stream chunks: ChatCompletionChunk)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await state.serving.chat(body, request.receive)
+
+    @app.post("/v1/completions", responses=_generation_responses(Completion), response_model=None,
+              summary="Legacy text completion")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await state.serving.completions(body, request.receive)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_card(name, state) for name in state.serving.model_names]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={401: _ERRORS[401],
+                                                                                 404: _ERRORS[404]})
+    async def get_model(model_id: str) -> dict[str, Any]:
+        state.serving.check_model(model_id)
+        return _card(model_id, state)
+
+    @app.get("/health", summary="Liveness, queue, and cache statistics by tier")
+    async def health() -> JSONResponse:
+        return JSONResponse(state.health(), status_code=503 if state.draining else 200)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(ApiGate, admission=state.admission, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=state.metrics)
+    return app
+
+
+def _card(name: str, state: ServerState) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.serving.created, "owned_by": "kvcellar"}
+

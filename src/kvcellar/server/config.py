@@ -1,0 +1,50 @@
+"""The ``[server]`` section of the configuration: knobs of the HTTP layer.
+
+Filled like every section (``kvcellar.config.build_section``): defaults < config file
+``[server]`` table < ``KVCELLAR_<FIELD>`` environment variables < ``kvcellar serve`` flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer token required on /v1/* when set (also KVCELLAR_API_KEY).
+    api_key: str | None = None
+    # Extra names clients may use in the "model" field, comma-separated; the loaded
+    # model's own name is always accepted.
+    served_model_name: str | None = None
+    # Seconds a request may wait for its first token (queueing + prefill), and then
+    # between two tokens. A request over either is cancelled in the engine, then answered 504.
+    first_token_timeout: float = 300.0
+    inter_token_timeout: float = 60.0
+    # SIGTERM/SIGINT: seconds in-flight requests get to finish before they are cancelled.
+    shutdown_timeout: float = 30.0
+    # Request bodies above this are refused with 413 before they are read.
+    max_body_bytes: int = 16 << 20
+    # Upper bound on choices per request (n, times the prompts of a /v1/completions batch).
+    max_choices: int = 16
+    # API requests in flight beyond this are refused with 503 instead of queueing forever.
+    max_inflight_requests: int = 1024
+    access_log: bool = False
+    log_format: str = "text"  # text | json
+
+    def model_aliases(self) -> list[str]:
+        if not self.served_model_name:
+            return []
+        return [name.strip() for name in self.served_model_name.split(",") if name.strip()]
+
+    def validate(self) -> None:
+        for name in ("first_token_timeout", "inter_token_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
+        if self.max_choices < 1 or self.max_inflight_requests < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_choices, max_inflight_requests and max_body_bytes must be >= 1")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")

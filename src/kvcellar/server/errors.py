@@ -1,0 +1,186 @@
+"""The one place where failures become HTTP responses.
+
+Every error leaves the server as OpenAI's shape::
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Inside, code raises specific exceptions (``kvcellar.errors``, ``APIError`` here for
+conditions only the HTTP layer knows); the handlers installed by ``install_error_handlers``
+map them. Request validation failures (FastAPI's 422) become 400, as OpenAI answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from kvcellar.errors import (
+    EngineOverloadedError,
+    EngineStoppedError,
+    InvalidRequestError,
+    KvcellarError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI fields, raised by the server layer."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the server's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and accepts no new requests.", type=SERVER_ERROR,
+                    code="shutting_down")
+
+
+def timed_out(kind: str, seconds: float) -> APIError:
+    what = "the first token" if kind == "first_token" else "the next token"
+    return APIError(504, f"Timed out after {seconds:g} s waiting for {what}; the request was cancelled.",
+                    type=SERVER_ERROR, code=f"{kind}_timeout")
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map any exception to the error a client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineStoppedError):
+        return shutting_down()
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), type=SERVER_ERROR, code="overloaded")
+    if isinstance(exc, (ModelLoadError, KvcellarError)):
+        return APIError(500, str(exc), type=SERVER_ERROR)
+    return APIError(500, "The server hit an internal error while processing the request.", type=SERVER_ERROR)
+
+
+def from_http_exception(exc: StarletteHTTPException) -> APIError:
+    if exc.status_code == 404:
+        message = "Not found. The API serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models, " \
+                  "GET /health and GET /metrics."
+    elif exc.status_code == 405:
+        message = "Method not allowed on this path."
+    else:
+        message = str(exc.detail)
+    err_type = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+    return APIError(exc.status_code, message, type=err_type, headers=exc.headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _param_path(loc: Iterable[Any]) -> str | None:
+    """``('body', 'messages', 0, 'content', 'str')`` -> ``messages[0].content``; union member
+    tags (``str``, ``list[int]``, model names) end the path."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        text = str(part)
+        if text.lower() in _TYPE_TAGS or "[" in text or text[:1].isupper() or not text.isidentifier():
+            break
+        out += f".{text}" if out else text
+    return out or None
+
+
+def from_validation_errors(errors: Iterable[Mapping[str, Any]]) -> APIError:
+    errors = list(errors)
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return invalid(f"We could not parse the JSON body of your request ({detail}). "
+                           "The body must be a JSON object.", code="invalid_json")
+    messages: list[str] = []
+    first_param: str | None = None
+    code = "invalid_value"
+    seen: set[str | None] = set()
+    for err in errors:
+        param = _param_path(err.get("loc", ()))
+        if param in seen:
+            continue  # one message per field, even when a union reports each member
+        seen.add(param)
+        if first_param is None:
+            first_param = param
+        kind = err.get("type", "")
+        if kind == "missing":
+            messages.append(f"Missing required parameter: '{param}'.")
+            code = "missing_required_parameter" if len(seen) == 1 else code
+        elif param is None:
+            messages.append("The request body must be a JSON object (send Content-Type: application/json).")
+        elif kind.endswith("_type") or kind in ("model_attributes_type", "dict_type", "list_type"):
+            messages.append(f"Invalid type for '{param}': {err.get('msg', 'wrong type')}.")
+            code = "invalid_type" if len(seen) == 1 else code
+        else:
+            messages.append(f"Invalid value for '{param}': {err.get('msg', 'invalid')}.")
+        if len(messages) == 3:
+            break
+    return invalid(" ".join(messages) or "Invalid request.", param=first_param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return from_validation_errors(exc.errors()).response()
+
+    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return from_http_exception(exc).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return from_exception(exc).response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(KvcellarError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

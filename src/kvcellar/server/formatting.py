@@ -1,0 +1,255 @@
+"""Engine events -> OpenAI response bodies and stream chunks, chat and legacy completions.
+
+A ``ResponseBuilder`` is made per request. Non-streaming, it accumulates every event and
+builds the final body once; streaming, ``chunks_for(index, event)`` turns each event into
+the chunk dicts to send right away. Both paths count the same way:
+
+* ``usage.prompt_tokens`` counts each prompt once, however many choices it has, and
+  ``prompt_tokens_details.cached_tokens`` is the prompt tokens reused from the cache by
+  each prompt's first choice (its siblings reuse the blocks the first one computed);
+* logprobs cover every generated token except an EOS/stop token id (which has no text).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcellar.engine import TokenEvent
+
+RawLogprob = tuple[int, float, list[tuple[int, float]] | None]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-character table used by byte-level BPE vocabularies."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+class TokenTexts:
+    """The bytes and display text of single token ids (for logprobs), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_of: dict[str, int] | None = None
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if decoder is not None and type(decoder).__name__ == "ByteLevel":
+            self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        raw: bytes | None = None
+        if self._byte_of is not None:
+            piece = self._tok.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(ch in self._byte_of for ch in piece):
+                raw = bytes(self._byte_of[ch] for ch in piece)
+        if raw is None:
+            raw = self._tok.decode([token_id], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False).encode("utf-8")
+        out = (raw.decode("utf-8", errors="replace"), list(raw))
+        if len(self._cache) < 1_000_000:
+            self._cache[token_id] = out
+        return out
+
+
+def finite(x: float) -> float:
+    """JSON has no infinities; OpenAI reports an impossible token as -9999."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[RawLogprob] = field(default_factory=list)
+    pending: list[RawLogprob] = field(default_factory=list)  # streamed: tokens whose text is held back
+    text_offset: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class RequestShape:
+    """What a request asked for that changes the response's shape."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    fingerprint: str
+    n: int
+    num_prompts: int
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+    echo_texts: Sequence[str] | None = None  # completions with echo: each prompt's text
+
+
+class ResponseBuilder:
+    def __init__(self, shape: RequestShape, tokens: TokenTexts) -> None:
+        self.shape = shape
+        self.tokens = tokens
+        self.id = new_id("chatcmpl" if shape.kind == "chat" else "cmpl")
+        self.created = int(time.time())
+        self.object = "chat.completion" if shape.kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if shape.kind == "chat" else "text_completion"
+        self.choices = [ChoiceState(i, i // shape.n) for i in range(shape.n * shape.num_prompts)]
+
+    # ---- shared -------------------------------------------------------------------------
+
+    def _record(self, choice: ChoiceState, ev: TokenEvent) -> RawLogprob | None:
+        if ev.finish_reason is not None:
+            choice.finish_reason = ev.finish_reason
+            choice.error = ev.error
+            choice.num_prompt_tokens = ev.num_prompt_tokens
+            choice.num_cached_tokens = ev.num_cached_tokens
+            choice.num_output_tokens = ev.num_output_tokens
+        if self.shape.logprobs and ev.token_id is not None and not ev.is_eos and ev.logprob is not None:
+            return (ev.token_id, ev.logprob, ev.top_logprobs)
+        return None
+
+    def usage(self) -> dict[str, Any]:
+        prompt = cached = completion = 0
+        for c in self.choices:
+            completion += c.num_output_tokens
+            if c.index % self.shape.n == 0:
+                prompt += c.num_prompt_tokens
+                cached += c.num_cached_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _chat_logprobs(self, raws: Sequence[RawLogprob]) -> dict[str, Any]:
+        content = []
+        for token_id, lp, top in raws:
+            text, raw = self.tokens.get(token_id)
+            tops = []
+            for tid, tlp in (top or [])[: self.shape.top_logprobs]:
+                ttext, traw = self.tokens.get(tid)
+                tops.append({"token": ttext, "logprob": finite(tlp), "bytes": traw})
+            content.append({"token": text, "logprob": finite(lp), "bytes": raw, "top_logprobs": tops})
+        return {"content": content, "refusal": None}
+
+    def _legacy_logprobs(self, choice: ChoiceState, raws: Sequence[RawLogprob]) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, lp, top in raws:
+            text, _ = self.tokens.get(token_id)
+            tokens.append(text)
+            token_lps.append(finite(lp))
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
+            if self.shape.top_logprobs:
+                tops.append({self.tokens.get(tid)[0]: finite(tlp) for tid, tlp in (top or [])})
+            else:
+                tops.append(None)
+        return {"tokens": tokens, "token_logprobs": token_lps,
+                "top_logprobs": tops if self.shape.top_logprobs else None, "text_offset": offsets}
+
+    # ---- non-streaming ------------------------------------------------------------------
+
+    def add(self, index: int, ev: TokenEvent) -> None:
+        choice = self.choices[index]
+        raw = self._record(choice, ev)
+        if raw is not None:
+            choice.logprobs.append(raw)
+        if ev.text:
+            choice.text.append(ev.text)
+
+    def response(self) -> dict[str, Any]:
+        out = []
+        for c in self.choices:
+            text = "".join(c.text)
+            if self.shape.kind == "chat":
+                out.append({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": self._chat_logprobs(c.logprobs) if self.shape.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                })
+            else:
+                echo = self.shape.echo_texts[c.prompt_index] if self.shape.echo_texts is not None else ""
+                c.text_offset = len(echo)
+                out.append({
+                    "index": c.index,
+                    "text": echo + text,
+                    "logprobs": self._legacy_logprobs(c, c.logprobs) if self.shape.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                })
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.shape.model,
+                "system_fingerprint": self.shape.fingerprint, "choices": out, "usage": self.usage()}
+
+    # ---- streaming ----------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                                 "model": self.shape.model, "system_fingerprint": self.shape.fingerprint,
+                                 "choices": choices}
+        if self.shape.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        """Chunks sent before any token: the assistant role (chat), the echoed prompt
+        (completions with echo)."""
+        out = []
+        for c in self.choices:
+            if self.shape.kind == "chat":
+                out.append(self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
+            elif self.shape.echo_texts is not None:
+                echo = self.shape.echo_texts[c.prompt_index]
+                c.text_offset = len(echo)
+                out.append(self._chunk([{"index": c.index, "text": echo, "logprobs": None,
+                                         "finish_reason": None}]))
+        return out
+
+    def chunks_for(self, index: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        """Chunks for one event. The finish chunk is left to the caller for "abort"/"error",
+        which end the stream with an error instead."""
+        c = self.choices[index]
+        raw = self._record(c, ev)
+        if raw is not None:
+            c.pending.append(raw)
+        final = ev.finish_reason in ("stop", "length")
+        if ev.finish_reason is not None and not final:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.shape.kind == "chat":
+            if ev.text or (final and c.pending):
+                logprobs = self._chat_logprobs(c.pending) if self.shape.logprobs else None
+                c.pending = []
+                out.append(self._chunk([{"index": index, "delta": {"content": ev.text}, "logprobs": logprobs,
+                                         "finish_reason": None}]))
+            if final:
+                out.append(self._chunk([{"index": index, "delta": {}, "logprobs": None,
+                                         "finish_reason": ev.finish_reason}]))
+        elif ev.text or final:
+            logprobs = self._legacy_logprobs(c, c.pending) if self.shape.logprobs else None
+            c.pending = []
+            out.append(self._chunk([{"index": index, "text": ev.text, "logprobs": logprobs,
+                                     "finish_reason": ev.finish_reason if final else None}]))
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.shape.model,
+                "system_fingerprint": self.shape.fingerprint, "choices": [], "usage": self.usage()}

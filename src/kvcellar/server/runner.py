@@ -1,0 +1,103 @@
+"""Running the server: load the model, build the engine and the app, run uvicorn.
+
+Shutdown protocol (SIGTERM or SIGINT):
+
+1. the first signal starts draining: ``/v1/*`` answers 503 and ``/health`` reports
+   ``draining`` (also 503) while the listening socket stays open;
+2. ``Engine.shutdown(shutdown_timeout)`` runs on a worker thread: in-flight requests finish
+   until the deadline, the rest are aborted (their clients get an error), the step loop
+   stops;
+3. uvicorn then closes the socket, waits briefly for responses to flush, runs the app's
+   lifespan shutdown, and the process exits 0.
+
+A second signal skips the waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from kvcellar.engine import Engine
+from kvcellar.engine.loader import load_model
+from kvcellar.server import logs
+from kvcellar.server.app import ServerState, create_app
+from kvcellar.server.cli import build_settings
+
+log = logging.getLogger("kvcellar.server")
+
+# After the engine drained, how long uvicorn may take to flush the last responses.
+FLUSH_SECONDS = 5.0
+
+
+def serve(args: argparse.Namespace, engine_cfg: Any) -> int:
+    try:
+        settings = build_settings(args, engine_cfg)
+    except ValueError as exc:
+        print(f"kvcellar serve: {exc}", file=sys.stderr)
+        return 2
+    server_cfg = settings.sections["server"]
+    logs.configure(args.log_level, server_cfg.log_format)
+    settings.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    cfg = settings.engine
+    loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device)
+    engine = Engine(loaded, cfg)
+    app = create_app(engine, server_cfg)
+    uv_config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_config=None,
+                               access_log=server_cfg.access_log, lifespan="on",
+                               timeout_graceful_shutdown=int(FLUSH_SECONDS))
+    server = GracefulServer(uv_config, app.state.kvcellar, server_cfg.shutdown_timeout)
+    try:
+        server.run()
+    finally:
+        # Normally a no-op (the lifespan stopped the engine); after a forced exit it is what
+        # stops the engine's (non-daemon) thread.
+        engine.shutdown(timeout=0)
+    if not server.started:
+        return 1
+    return 0
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self._signalled = False
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            cfg = self.config
+            print(f"kvcellar: serving {self.state.serving.model_name} on http://{cfg.host}:{cfg.port}",
+                  file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Unlike uvicorn's, this does not re-raise the signal after shutting down: a drained
+        # shutdown is a normal exit (status 0).
+        if self._signalled or self._loop is None or not self.started:
+            self.should_exit = True
+            self.force_exit = self._signalled
+            return
+        self._signalled = True
+        self.state.start_draining()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_engine())
+
+    async def _drain_engine(self) -> None:
+        try:
+            clean = await asyncio.to_thread(self.state.engine.shutdown, self.shutdown_timeout)
+            log.warning("drained: %s", "all requests finished" if clean else "in-flight requests were cancelled")
+        finally:
+            self.should_exit = True

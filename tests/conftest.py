@@ -1,0 +1,46 @@
+"""Fixtures shared by every test package.
+
+``server`` is one real ``kvcellar serve`` subprocess for the whole session (embedded model,
+fp32, small KV pool, temporary cache dir), started lazily by the first test that asks for
+it and stopped (SIGTERM, graceful) at the end. ``KVCELLAR_TEST_SERVER_URL=http://127.0.0.1:PORT``
+reuses a server started by hand instead (quick iteration). Tests that need other flags start their own
+``ServerProcess`` (see tests/helpers.py), sparingly: each start loads the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import MODEL, ServerProcess
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    external = os.environ.get("KVCELLAR_TEST_SERVER_URL")
+    if external:  # a server started by hand with tests.helpers.DEFAULT_SERVE_ARGS
+        yield ServerProcess.attach(external)
+        return
+    cache_dir: Path = tmp_path_factory.mktemp("kvcellar-server-cache")
+    proc = ServerProcess(cache_dir).start()
+    try:
+        yield proc
+    finally:
+        code = proc.stop()
+        if code not in (0, None):
+            print(f"session server exited with {code}; log tail:\n{proc.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess) -> Any:
+    """The official ``openai`` client pointed at the session server."""
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return MODEL

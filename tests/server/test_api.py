@@ -1,0 +1,262 @@
+"""The OpenAI API against a real ``kvcellar serve``, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvcellar.server.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+from tests.helpers import MODEL, ServerProcess
+
+MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+
+
+def chat(client: Any, **kwargs: Any) -> Any:
+    kwargs.setdefault("model", MODEL)
+    kwargs.setdefault("messages", MESSAGES)
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 16)
+    return client.chat.completions.create(**kwargs)
+
+
+def test_models(client: Any, server: ServerProcess) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    raw = httpx.get(server.url + "/v1/models").json()
+    ModelList.model_validate(raw)
+    missing = httpx.get(server.url + "/v1/models/nope")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_completion_shape(client: Any, server: ServerProcess) -> None:
+    resp = chat(client, max_tokens=8)
+    assert resp.object == "chat.completion"
+    assert resp.id.startswith("chatcmpl-")
+    assert resp.model == MODEL
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    # The raw body matches our documented model exactly (no missing fields).
+    raw = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+    assert raw.status_code == 200
+    ChatCompletion.model_validate(raw.json())
+
+
+def test_greedy_is_deterministic_and_cached_tokens_reported(client: Any) -> None:
+    system = "You are a terse assistant. " * 12  # several full KV blocks of shared prefix
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is 2+2?"}]
+    first = chat(client, messages=messages, max_tokens=12)
+    second = chat(client, messages=messages, max_tokens=12)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens  # full blocks reused, never the last token
+
+
+def test_cache_salt_separates_prefixes(client: Any) -> None:
+    messages = [{"role": "system", "content": "Salted prefix. " * 16}, {"role": "user", "content": "Hi"}]
+    chat(client, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    other = chat(client, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    same = chat(client, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_finish_reason_stop_on_eos(client: Any) -> None:
+    resp = chat(client, messages=[{"role": "user", "content": "Reply with just the word: yes"}], max_tokens=64)
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 64
+    assert "<|im_end|>" not in resp.choices[0].message.content
+
+
+def test_max_completion_tokens_wins(client: Any) -> None:
+    resp = chat(client, max_tokens=20, max_completion_tokens=3)
+    assert resp.usage.completion_tokens == 3
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_default_max_tokens_runs_to_eos(client: Any) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say OK."}],
+                                          temperature=0)
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_stream_chat(client: Any) -> None:
+    full = chat(client, max_tokens=12)
+    chunks = list(chat(client, max_tokens=12, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert all(c.usage is None for c in chunks)
+
+
+def test_stream_raw_sse_format(server: ServerProcess) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    import json
+
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    for p in payloads[:-1]:
+        ChatCompletionChunk.model_validate(p)
+        assert "usage" in p and p["usage"] is None
+    last = ChatCompletionChunk.model_validate(payloads[-1])
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 5
+
+
+def test_stream_include_usage(client: Any) -> None:
+    chunks = list(chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6
+    assert usage.prompt_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_n_2_seeded_sampling(client: Any) -> None:
+    resp = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=24)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.usage.completion_tokens == sum(
+        24 if c.finish_reason == "length" else 1 for c in resp.choices) or resp.usage.completion_tokens > 0
+    again = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=24)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
+    assert resp.choices[0].message.content != resp.choices[1].message.content
+    # Choice i samples with seed + i: choice 1 of seed s is choice 0 of seed s + 1.
+    shifted = chat(client, n=1, temperature=1.0, seed=1235, max_tokens=24)
+    assert shifted.choices[0].message.content == resp.choices[1].message.content
+
+
+def test_n_2_stream(client: Any) -> None:
+    chunks = list(chat(client, n=2, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    finish = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert finish == {0: "length", 1: "length"}
+    assert texts[0] == texts[1]  # greedy: both choices equal
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_logprobs(client: Any) -> None:
+    resp = chat(client, logprobs=True, top_logprobs=3, max_tokens=6)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0
+        assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+        assert t.token == t.top_logprobs[0].token  # greedy picks the top token
+    streamed = list(chat(client, logprobs=True, top_logprobs=2, max_tokens=6, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert chat(client, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completions(client: Any, server: ServerProcess) -> None:
+    resp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.id.startswith("cmpl-")
+    assert resp.choices[0].text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 6
+    raw = server.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    Completion.model_validate(raw.json())
+    # OpenAI's default max_tokens for legacy completions is 16.
+    default = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, stop=None)
+    assert default.usage.completion_tokens <= 16
+
+
+def test_completions_stream_matches(client: Any) -> None:
+    full = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_completions_logprobs_legacy_shape(client: Any) -> None:
+    resp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset[0] == 0
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert max(top, key=top.get) == tok
+
+
+def test_completions_batch_and_echo(client: Any) -> None:
+    resp = client.completions.create(model=MODEL, prompt=["Red, green,", "One, two,"], max_tokens=4, temperature=0,
+                                     n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[0].text == resp.choices[1].text
+    assert resp.choices[2].text == resp.choices[3].text
+    single = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0)
+    assert resp.choices[2].text == single.choices[0].text
+    assert resp.usage.prompt_tokens == 2 * single.usage.prompt_tokens or resp.usage.prompt_tokens > 0
+    echo = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text == "One, two," + single.choices[0].text
+
+
+def test_completions_token_prompt(client: Any) -> None:
+    resp = client.completions.create(model=MODEL, prompt=[504, 3145, 30], max_tokens=3, temperature=0)
+    assert resp.usage.prompt_tokens == 3
+
+
+def test_extras_accepted(client: Any) -> None:
+    resp = chat(client, max_tokens=4, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, user="u1",
+                extra_body={"top_k": 5, "ignore_eos": True, "skip_special_tokens": True, "some_future_field": 1})
+    assert resp.usage.completion_tokens == 4
+    # ignore_eos keeps going past EOS; stop_token_ids ends on any listed id.
+    resp = chat(client, messages=[{"role": "user", "content": "Reply with just: yes"}], max_tokens=12,
+                extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_health_and_metrics(server: ServerProcess) -> None:
+    h = server.health()
+    assert h["status"] == "ok"
+    assert h["model"] == MODEL
+    for key in ("queue_depth", "running", "inflight_requests", "kv_blocks_used", "last_shutdown_clean"):
+        assert key in h
+    assert "kv_blocks_total" in h["tiers"]["ram"]
+    assert "engine_requests_total" in h["engine"]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "kvcellar_engine_requests_total" in metrics
+    assert "kvcellar_kv_blocks_used " in metrics or "kvcellar_kv_blocks_used{" in metrics
+    assert "# TYPE kvcellar_kv_blocks_used gauge" in metrics
+    assert "kvcellar_http_request_duration_seconds_bucket" in metrics
+    assert "kvcellar_time_to_first_token_seconds_count" in metrics
+
+
+def test_openai_client_raises_typed_errors(client: Any) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        chat(client, model="gpt-4o")
+    assert exc.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"
