@@ -43,7 +43,7 @@ class DiskTierConfig:
     io_threads: int = 8
     # After lookup() reports a key present, this process will not evict it for
     # this long (or until it is loaded), so lookup -> load does not race eviction.
-    lookup_lease_s: float = 30.0
+    lookup_lease_s: float = 10.0
     # Fault back-off: writes are dropped while backing off; a probe write ends it.
     fault_backoff_initial_s: float = 1.0
     fault_backoff_max_s: float = 60.0
