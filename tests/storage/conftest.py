@@ -4,7 +4,9 @@ filesystems (tmpfs, ext4 on a loop device) mounted for fault tests (root only)."
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import struct
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,12 +75,37 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
             _run("umount", "-l", str(mnt))
 
 
+_EXT4_IOC_SHUTDOWN = 0x8004587D
+_EXT4_GOING_FLAGS_NOLOGFLUSH = 2
+
+
+class Ext4Mount(Mount):
+    def __init__(self, path: Path, image: Path) -> None:
+        super().__init__(path)
+        self.image = image
+
+    def shut_down(self) -> None:
+        """EXT4_IOC_SHUTDOWN: from now on the filesystem answers EIO, like a dead disk."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("<I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
+        finally:
+            os.close(fd)
+
+    def remount_image(self) -> None:
+        """Unmount and mount the image again (the disk "came back")."""
+        r = _run("umount", str(self.path))
+        assert r.returncode == 0, r.stderr
+        r = _run("mount", "-o", "loop", str(self.image), str(self.path))
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.fixture
-def ext4_loop(tmp_path: Path) -> Iterator[Callable[[], Mount]]:
+def ext4_loop(tmp_path: Path) -> Iterator[Callable[[], Ext4Mount]]:
     """A 64 MiB ext4 filesystem on a loop device (for EIO via EXT4_IOC_SHUTDOWN)."""
     state: dict[str, Path] = {}
 
-    def make() -> Mount:
+    def make() -> Ext4Mount:
         img = tmp_path / "ext4.img"
         mnt = tmp_path / "ext4"
         mnt.mkdir()
@@ -91,7 +118,7 @@ def ext4_loop(tmp_path: Path) -> Iterator[Callable[[], Mount]]:
         if r.returncode != 0:
             pytest.skip(f"cannot loop-mount ext4 here: {r.stderr.strip()}")
         state["mnt"], state["img"] = mnt, img
-        return Mount(mnt)
+        return Ext4Mount(mnt, img)
 
     yield make
     if "mnt" in state:

@@ -127,13 +127,21 @@ def open_session(sessions_dir: Path) -> Session:
     start_ns = time.time_ns()
     final = sessions_dir / f"{token}{SESSION_SUFFIX}"
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    # The lock is held through a read-only descriptor: no file of ours stays
+    # open for writing, so an administrator can still remount read-only.
+    wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = -1
     try:
+        try:
+            os.write(wfd, json.dumps({"pid": os.getpid(), "start_ns": start_ns}).encode())
+        finally:
+            os.close(wfd)
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps({"pid": os.getpid(), "start_ns": start_ns}).encode())
         os.rename(tmp, final)
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
@@ -149,8 +157,11 @@ def close_session(session: Session, *, clean: bool, reason: str = "") -> bool:
             session.path.unlink()
         else:
             payload = json.dumps({"pid": os.getpid(), "start_ns": session.start_ns, "unclean_reason": reason})
-            os.ftruncate(session.fd, 0)
-            os.pwrite(session.fd, payload.encode(), 0)
+            wfd = os.open(session.path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            try:
+                os.write(wfd, payload.encode())
+            finally:
+                os.close(wfd)
     except OSError:
         recorded = False
     finally:

@@ -1,0 +1,149 @@
+"""Faults from real filesystems: a read-only remount, running out of inodes in the
+middle of a batch, an immutable directory, a filesystem that answers EIO. The
+tier never raises, counts, logs once per episode, degrades, and recovers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+
+import pytest
+
+from tests.storage.helpers import bits_equal, block, chain, files, load_request, wait_until
+
+# Small filesystems: no free-space floor; back off and probe quickly so recovery is observable.
+FAST_RECOVERY = {"fault_backoff_initial_s": 0.01, "fault_backoff_max_s": 0.05, "probe_interval_s": 0.02,
+                 "min_free_bytes": 0}
+
+
+def _fault_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvcellar.storage.disk" and r.levelno >= logging.WARNING and "fault" in r.getMessage()]
+
+
+def test_read_only_remount_degrades_then_recovers(tmpfs, open_tier, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvcellar.storage.disk")
+    fs = tmpfs("8m")
+    tier = open_tier(fs.path, **FAST_RECOVERY)
+    before = chain(4)
+    tier.store(before)
+    assert tier.wait_idle(30)
+
+    fs.remount("ro")
+    during = chain(12, start=100)
+
+    def failed_attempts() -> int:
+        if tier.health()["write_backoff_s"] == 0:
+            tier.store(during)  # one attempt per back-off window; the rest are dropped
+            tier.wait_idle(30)
+        return tier.stats()["ssd_write_errors"]
+
+    assert wait_until(lambda: failed_attempts() >= 3, timeout=60)
+    s, h = tier.stats(), tier.health()
+    assert s["ssd_write_errors_erofs"] == s["ssd_write_errors"] and s["ssd_stored_blocks"] == 4
+    assert h["state"] == "degraded" and "EROFS" in str(h["last_error"])
+    assert len(_fault_warnings(caplog)) == 1  # once per episode, not per block
+    reqs = [load_request(b) for b in before]
+    assert tier.load(reqs).result(timeout=30) == 4  # reads keep working
+    assert not files(fs.path, ".tmp")
+
+    fs.remount("rw")
+    assert wait_until(lambda: tier.health()["state"] == "ok", timeout=60)
+    tier.store(during)
+    assert tier.wait_idle(30)
+    assert tier.lookup([b.key for b in during]) == 12
+    reqs = [load_request(b) for b in during]
+    assert tier.load(reqs).result(timeout=30) == 12 and bits_equal(reqs[-1].dest, during[-1].data)
+    assert any("cleared" in r.getMessage() for r in caplog.records)
+    assert len(_fault_warnings(caplog)) == 1
+
+
+def test_out_of_inodes_in_the_middle_of_a_batch(tmpfs, open_tier, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvcellar.storage.disk")
+    fs = tmpfs("8m", nr_inodes=64)
+    tier = open_tier(fs.path, async_writes=False, **FAST_RECOVERY)
+    assert tier.wait_scanned(30)
+    keyed = [block(i, key=b"\x00" + i.to_bytes(2, "big")) for i in range(12)]  # one shard directory
+    tier.store(keyed[:1])
+    filler = fs.path / "filler"
+    filler.mkdir()
+    made = []
+    while True:
+        try:
+            p = filler / str(len(made))
+            p.touch()
+            made.append(p)
+        except OSError:
+            break
+    for p in made[-3:]:
+        p.unlink()  # exactly three free inodes
+    made = made[:-3]
+
+    tier.store(keyed[1:9])  # blocks 1-3 fit, block 4 hits ENOSPC, never raises
+    s = tier.stats()
+    assert s["ssd_stored_blocks"] == 4
+    assert s["ssd_write_errors"] >= 1 and s["ssd_write_errors_enospc"] == s["ssd_write_errors"]
+    assert s["ssd_write_errors"] + s["writer_dropped_backoff"] == 5
+    h = tier.health()
+    assert h["state"] == "degraded" and "ENOSPC" in str(h["last_error"])
+    assert not files(fs.path, ".tmp")
+    assert tier.load([load_request(b) for b in keyed[:4]]).result(timeout=30) == 4
+    assert len(_fault_warnings(caplog)) == 1
+
+    for p in made:
+        p.unlink()
+    assert wait_until(lambda: tier.health()["state"] == "ok", timeout=60)
+    tier.store(keyed)
+    assert tier.lookup([b.key for b in keyed]) == 12
+
+
+def test_immutable_shard_directory(tmpfs, open_tier) -> None:
+    """EPERM for root too: a directory marked immutable (chattr +i)."""
+    fs = tmpfs("8m")
+    tier = open_tier(fs.path, async_writes=False, **FAST_RECOVERY)
+    good, bad = block(0, key=b"\x00\x01"), block(1, key=b"\x01\x01")
+    tier.store([block(2, key=b"\x01\x02")])  # creates shard 01
+    shard = tier.layout.block_path(bad.key).parent
+    if subprocess.run(["chattr", "+i", str(shard)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported on this filesystem")
+    try:
+        tier.store([bad, good])
+        s = tier.stats()
+        assert s["ssd_write_errors_eperm"] == 1 and tier.health()["state"] == "degraded"
+        assert tier.lookup([bad.key]) == 0
+    finally:
+        subprocess.run(["chattr", "-i", str(shard)], check=True)
+    assert not files(fs.path, ".tmp")
+    assert wait_until(lambda: tier.health()["state"] == "ok", timeout=60)
+    tier.store([bad, good])
+    assert tier.lookup([bad.key]) == 1 and tier.lookup([good.key]) == 1
+
+
+def test_filesystem_answering_eio(ext4_loop, open_tier) -> None:
+    fs = ext4_loop()
+    tier = open_tier(fs.path, async_writes=False, **FAST_RECOVERY)
+    assert tier.wait_scanned(30)
+    before = chain(4)
+    tier.store(before)
+    os.sync()
+    fs.shut_down()
+
+    tier.store(chain(4, start=50))  # never raises
+    reqs = [load_request(b) for b in before]
+    assert tier.load(reqs).result(timeout=30) == 0  # EIO is a miss, not an exception
+    s, h = tier.stats(), tier.health()
+    assert s["ssd_write_errors_eio"] >= 1 and s["ssd_read_errors_eio"] >= 1
+    assert h["state"] == "degraded" and "EIO" in str(h["last_error"])
+    assert tier.close(10) is True  # the writer drained; recording the shutdown failed quietly
+
+    fs.remount_image()  # the disk is back
+    again = open_tier(fs.path, min_free_bytes=0)
+    assert again.wait_scanned(30)
+    assert not files(fs.path, ".tmp")
+    n = again.lookup([b.key for b in before])
+    assert n == 4  # synced before the failure
+    reqs = [load_request(b) for b in before]
+    assert again.load(reqs).result(timeout=30) == 4
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(reqs, before, strict=True))
+    assert again.health()["state"] == "ok"
