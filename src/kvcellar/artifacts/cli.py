@@ -78,7 +78,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
                      f"{'USES':>5} IN USE  SOURCE")
     for e in entries:
         d = e.descriptor
-        lines.append(f"{e.key[:10]:10} {str(d.get('name', '?'))[:28]:28} {str(d.get('dtype', '?')):9} "
+        lines.append(f"{e.key[:10]:10} {str(d.get('name', '?'))[:28]:28} {d.get('dtype', '?')!s:9} "
                      f"{_size(e.size_bytes):>10} {_when(e.created):16} {_when(e.last_access):16} "
                      f"{e.access_count:>5} {'yes' if e.in_use else 'no':6}  {d.get('source', '?')}")
     payload = {"root": str(cache.root), "stats": stats,

@@ -131,6 +131,11 @@ class ArtifactLease:
     def held(self) -> bool:
         return self._lock is not None and self._lock.held
 
+    @property
+    def cache(self) -> ArtifactCache | None:
+        """The cache this entry came from (for ``stats()`` in /health and /metrics)."""
+        return self._store
+
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -292,7 +297,9 @@ class ArtifactCache:
                     manifest, corrupt = self._validate(key, entry, seconds)  # built meanwhile?
                     if manifest is not None:
                         return self._lease(descriptor, entry, manifest, use, seconds, built=False)
-                    if corrupt:
+                    if corrupt is not None:
+                        log.warning("artifact entry is corrupt and will be rebuilt: %s", corrupt)
+                        self._count("corrupt")
                         self._discard(key, entry)
                     self._count("misses")
                     manifest = self._build(descriptor, entry, build, progress, seconds)
@@ -314,8 +321,8 @@ class ArtifactCache:
         return ArtifactLease(key, entry, descriptor, manifest, hit=not built, built=built, seconds=seconds,
                              _lock=use, _store=self)
 
-    def _validate(self, key: str, entry: Path, seconds: dict[str, float]) -> tuple[Manifest | None, bool]:
-        """(manifest, False) when valid; (None, False) when absent; (None, True) when corrupt.
+    def _validate(self, key: str, entry: Path, seconds: dict[str, float]) -> tuple[Manifest | None, str | None]:
+        """(manifest, None) when valid; (None, None) when absent; (None, why) when corrupt.
 
         Caller holds the key's use lock (shared). Damage is only reported here; it is removed
         under the build lock (``_discard``), so one process replaces it, once.
@@ -325,7 +332,7 @@ class ArtifactCache:
             if not entry.is_dir():
                 if self.index.get(key) is not None:
                     self.index.delete(key)
-                return None, False
+                return None, None
             manifest = Manifest.read(entry)
             if manifest.key != key or manifest.format != ARTIFACT_FORMAT_VERSION:
                 raise CorruptEntryError(f"{key}: manifest is for {manifest.key} format {manifest.format}")
@@ -345,11 +352,9 @@ class ArtifactCache:
                 log.info("artifact %s: full check of %d file(s) changed since their last check", key, len(changed))
                 check_full(entry, manifest, changed)
                 self.index.set_verified(key, sigs)
-            return manifest, False
+            return manifest, None
         except CorruptEntryError as exc:
-            log.warning("artifact entry is corrupt and will be rebuilt: %s", exc)
-            self._count("corrupt")
-            return None, True
+            return None, str(exc)
         finally:
             dt = time.perf_counter() - t0
             seconds["validate"] = seconds.get("validate", 0.0) + dt
