@@ -4,6 +4,9 @@
         store blocks START, START+1, ... forever, 4 per store() call; prints
         "stored <next index> <blocks written so far>" after each call
         (flushed), until killed.
+    python -m tests.storage.disk_child batch ROOT NS START N CLOSE
+        store blocks START..START+N-1 (async) and return from main; with
+        CLOSE=0 the tier is never closed (the exit path must drain it).
     python -m tests.storage.disk_child check ROOT NS N
         open the namespace, lookup blocks 0..N-1, load and verify what lookup
         reports; prints one JSON line; closes cleanly.
@@ -29,6 +32,16 @@ def write(root: str, ns: str, durability: str, async_writes: str, start: str) ->
         print(f"stored {i} {tier.stats()['ssd_stored_blocks']}", flush=True)
 
 
+def batch(root: str, ns: str, start: str, n: str, close: str) -> None:
+    tier = DiskTier(Path(root), ns, SPEC, DiskTierConfig(queue_blocks=1024, enqueue_timeout_s=10.0))
+    first = int(start)
+    for i in range(first, first + int(n), 8):
+        tier.store([block(j) for j in range(i, min(i + 8, first + int(n)))])
+    if close == "1":
+        assert tier.close(60)
+    print("done", flush=True)
+
+
 def check(root: str, ns: str, n: str) -> None:
     tier = DiskTier(Path(root), ns, SPEC, DiskTierConfig())
     blocks = [block(i) for i in range(int(n))]
@@ -43,4 +56,4 @@ def check(root: str, ns: str, n: str) -> None:
 
 
 if __name__ == "__main__":
-    {"write": write, "check": check}[sys.argv[1]](*sys.argv[2:])
+    {"write": write, "batch": batch, "check": check}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,81 @@
+"""The block format and the layout's name rules, byte for byte; the bandwidth probe."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvcellar.storage import BlockSpec
+from kvcellar.storage.disk import format as fmt
+from kvcellar.storage.disk import layout, measure_read_bandwidth
+from kvcellar.storage.disk.bandwidth import measure_read_bandwidth_detailed
+from tests.storage.helpers import SPEC
+
+KEY, DIGEST = bytes(range(32)), bytes(range(100, 132))
+TOKENS = tuple(range(1000, 1016))
+
+
+def test_header_round_trip_and_layout() -> None:
+    buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 0xDEADBEEF, 123456789)
+    assert len(buf) == fmt.header_size_for(16) == 4096
+    assert buf[:8] == b"KVCBLOCK"
+    assert struct.unpack_from("<HHIQI", buf, 8) == (fmt.FORMAT_VERSION, 0, 4096, SPEC.nbytes, 0xDEADBEEF)
+    assert buf[28] == fmt.DTYPE_CODES[torch.bfloat16] and buf[29] == 5 and buf[30] == 32
+    assert struct.unpack_from("<IIQ", buf, 32) == (16, 16, 123456789)
+    assert struct.unpack_from("<8Q", buf, 48) == (2, 2, 16, 2, 8, 0, 0, 0)
+    assert buf[112:144] == KEY and buf[176:208] == DIGEST
+    assert struct.unpack_from("<16I", buf, 208) == TOKENS
+    assert not any(buf[208 + 64 + 4:])  # zero padding up to the payload
+    h = fmt.decode_header(buf)
+    assert (h.key, h.digest, h.token_ids, h.shape, h.dtype) == (KEY, DIGEST, TOKENS, SPEC.shape, torch.bfloat16)
+    fmt.check_geometry(h, SPEC)
+
+
+def test_header_sizes_stay_page_aligned() -> None:
+    assert fmt.header_size_for(64) == 4096
+    assert fmt.header_size_for(1024) == 8192
+    big = BlockSpec(torch.float16, (1, 2, 1024, 1, 8), 1024)
+    h = fmt.decode_header(fmt.encode_header(big, b"k", DIGEST, tuple(range(1024)), 1, 2))
+    assert h.header_size == 8192 and h.key == b"k"
+
+
+@pytest.mark.parametrize(("offset", "value", "reason"), [
+    (0, b"X", "magic"), (8, b"\x07", "version"), (60, b"\x01", "header_checksum"),
+    (12, b"\x00\x00\x00\x00", "geometry"),
+])
+def test_header_checks(offset: int, value: bytes, reason: str) -> None:
+    buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 1, 2)
+    buf[offset:offset + len(value)] = value
+    with pytest.raises(fmt.HeaderError) as e:
+        fmt.decode_header(buf)
+    assert e.value.reason == reason
+
+
+def test_identity_limits() -> None:
+    with pytest.raises(ValueError):
+        fmt.encode_header(SPEC, b"", DIGEST, TOKENS, 1, 2)
+    with pytest.raises(ValueError):
+        fmt.encode_header(SPEC, bytes(65), DIGEST, TOKENS, 1, 2)
+    with pytest.raises(ValueError):
+        fmt.encode_header(SPEC, KEY, DIGEST, (*TOKENS[:-1], 2**32), 1, 2)
+
+
+def test_names() -> None:
+    assert layout.shard_of("2a") == "2a" and layout.shard_of("abcdef") == "ab"
+    assert layout.key_from_block_name("0a1b.kvb") == b"\x0a\x1b"
+    assert layout.key_from_block_name("0a1.kvb") is None and layout.key_from_block_name("zz.kvb") is None
+    assert layout.tmp_owner("0a1b.kvb.123-abcd.7.tmp") == "123-abcd"
+    assert layout.tmp_owner(".probe.9-ff.1.tmp") == "9-ff" and layout.tmp_owner("0a1b.kvb") is None
+    assert layout.parse_namespace_dir("f00d-v1") == ("f00d", 1) and layout.parse_namespace_dir("x") is None
+    with pytest.raises(ValueError):
+        layout.namespace_dir_name("a/b")
+
+
+def test_read_bandwidth_probe(tmp_path, tmpfs) -> None:
+    assert measure_read_bandwidth(tmp_path, 8 << 20) > 0
+    assert not list(tmp_path.iterdir())  # scratch file removed
+    fs = tmpfs("16m")  # tmpfs accepts O_DIRECT since Linux 6.6; older kernels take the fadvise path
+    bw = measure_read_bandwidth_detailed(fs.path, 4 << 20)
+    assert bw.method in ("o_direct", "fadvise_dontneed") and bw.nbytes == 4 << 20 and bw.bytes_per_s > 0
