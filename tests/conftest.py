@@ -20,13 +20,21 @@ from tests.helpers import MODEL, ServerProcess
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Prepared model artifacts shared by every server of the session
+    (``KVCELLAR_TEST_MODELS_DIR`` keeps them across sessions)."""
+    keep = os.environ.get("KVCELLAR_TEST_MODELS_DIR")
+    return Path(keep) if keep else tmp_path_factory.mktemp("kvcellar-models")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[ServerProcess]:
     external = os.environ.get("KVCELLAR_TEST_SERVER_URL")
     if external:  # a server started by hand with tests.helpers.DEFAULT_SERVE_ARGS
         yield ServerProcess.attach(external)
         return
     cache_dir: Path = tmp_path_factory.mktemp("kvcellar-server-cache")
-    proc = ServerProcess(cache_dir).start()
+    proc = ServerProcess(cache_dir, models_dir=models_dir).start()
     try:
         yield proc
     finally:

@@ -59,8 +59,18 @@ class ServerProcess:
     """``kvcellar serve`` on a free port of 127.0.0.1, logging to a file."""
 
     def __init__(self, cache_dir: Path, *extra_args: str, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+                 env: dict[str, str] | None = None, api_key: str | None = None,
+                 models_dir: Path | None = None) -> None:
+        """``models_dir``: a prepared-model artifact folder shared between servers (linked
+        as ``<cache_dir>/models``), so that only the first start of a session prepares the
+        model; KV caches stay separate."""
         self.cache_dir = Path(cache_dir)
+        if models_dir is not None:
+            link = self.cache_dir / "models"
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            Path(models_dir).mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(Path(models_dir).resolve(), target_is_directory=True)
         self.extra_args: Sequence[str] = extra_args
         self.api_key = api_key
         self.log_path = (log_dir or self.cache_dir) / "server.log"

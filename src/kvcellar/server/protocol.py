@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 # vLLM/SGLang extras we accept, beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids,
 # skip_special_tokens, cache_salt, and per-request timeouts (never above the server's).
@@ -19,6 +19,17 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+
+
+def _integral(value: Any) -> Any:
+    """JSON does not tell 2 from 2.0 (JSON Schema calls both integers): accept whole floats."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer parameter: strict (no strings, no booleans), but 2.0 counts as 2.
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
@@ -37,7 +48,9 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
-    type: str
+    """Only text parts are served; the other OpenAI part types are recognised and refused."""
+
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
     text: str | None = None
 
 
@@ -59,11 +72,11 @@ class _SamplingFields(_Request):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=128)
+    n: Int | None = Field(None, ge=1, le=128)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -71,7 +84,7 @@ class _SamplingFields(_Request):
     # extras
     cache_salt: str | None = Field(None, max_length=4096, description="Separates this request's prefix "
                                    "cache from requests with another (or no) salt.")
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    top_k: Int | None = Field(None, ge=-1, description="-1 or 0: off")
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=256)
     skip_special_tokens: bool | None = None
@@ -81,10 +94,10 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -97,11 +110,11 @@ Prompt = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: Int | None = Field(None, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=128)
+    best_of: Int | None = Field(None, ge=1, le=128)
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def serve(args: argparse.Namespace, engine_cfg: Any) -> int:
     settings.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     cfg = settings.engine
-    loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device)
+    # Prepared weights come from (and go to) the artifact cache under the cache root.
+    loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir)
     engine = Engine(loaded, cfg)
     app = create_app(engine, server_cfg)
     uv_config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_config=None,
