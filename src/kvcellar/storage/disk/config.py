@@ -23,9 +23,10 @@ class DiskTierConfig:
     # Writer queue bound, in blocks (each holds its tensor until written:
     # 256 x 368 KiB = 92 MiB for the default model at block size 16).
     queue_blocks: int = 256
-    # Total time one store() call may wait for queue space before dropping
-    # the rest of its blocks (benchmarks/bench_disk_io.py, section "tier").
-    enqueue_timeout_s: float = 0.002
+    # Total time one store() call may wait for queue space before dropping the
+    # rest of its blocks. Waiting only buys what the writer frees meanwhile
+    # (~1 block per ms here): benchmarks/bench_disk_io.py, section "tier".
+    enqueue_timeout_s: float = 0.001
     # How long the writer defers a write while reads are in flight (reads first).
     write_defer_max_s: float = 0.05
     # There is no index to flush; last-access times (file atimes, for LRU and
