@@ -304,7 +304,10 @@ class ArtifactCache:
                     self._count("misses")
                     manifest = self._build(descriptor, entry, build, progress, seconds)
                 lease = self._lease(descriptor, entry, manifest, use, seconds, built=True)
-                self.evict_to_fit(protect={key})
+                try:
+                    self.evict_to_fit(protect={key})
+                except (OSError, sqlite3.Error) as exc:  # the new entry is fine; only the limit isn't kept
+                    log.warning("artifact cache eviction failed: %s", exc)
                 return lease
             except BaseException:
                 use.release()
@@ -333,10 +336,9 @@ class ArtifactCache:
                 if self.index.get(key) is not None:
                     self.index.delete(key)
                 return None, None
-            manifest = Manifest.read(entry)
-            if manifest.key != key or manifest.format != ARTIFACT_FORMAT_VERSION:
-                raise CorruptEntryError(f"{key}: manifest is for {manifest.key} format {manifest.format}")
-            check_structure(entry, manifest)
+            manifest = self._read_structure(key, entry)
+            if manifest.format != ARTIFACT_FORMAT_VERSION:  # the key covers the format: tampered
+                raise CorruptEntryError(f"{key}: format {manifest.format}, expected {ARTIFACT_FORMAT_VERSION}")
             check_samples(entry, manifest)
             row = self.index.get(key)
             if row is None:
@@ -424,8 +426,16 @@ class ArtifactCache:
         its files keep them (POSIX unlink semantics); nobody new can open it."""
         trash = self._move_to_trash(entry)
         self.index.delete(key)
-        if trash is not None:
+        self._remove_trash(trash)
+
+    @staticmethod
+    def _remove_trash(trash: Path | None) -> None:
+        if trash is None:
+            return
+        if trash.is_dir() and not trash.is_symlink():
             shutil.rmtree(trash, ignore_errors=True)
+        else:
+            trash.unlink(missing_ok=True)
 
     def _drop_if_same(self, key: str, created: float | None, reason: str) -> None:
         """Drop the entry if it is still the one that failed (same manifest ``created``, or
@@ -454,8 +464,7 @@ class ArtifactCache:
             self.index.delete(key)
         finally:
             use.release()
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        self._remove_trash(trash)
         return True
 
     def evict_to_fit(self, protect: set[str] | frozenset[str] = frozenset(), max_bytes: int | None = None) -> list[str]:
@@ -499,14 +508,14 @@ class ArtifactCache:
         report = {"tmp_removed": 0, "damaged_removed": 0, "registered": 0, "rows_dropped": 0}
         for p in self.tmp_dir.iterdir():
             if p.name.startswith("trash-"):
-                shutil.rmtree(p, ignore_errors=True)
+                self._remove_trash(p)
                 report["tmp_removed"] += 1
                 continue
             key = p.name.split(".", 1)[0]
             lock = FileLock(self.locks_dir / f"{key}.build")
             if lock.acquire(exclusive=True, blocking=False):  # no live builder owns it
                 try:
-                    shutil.rmtree(p, ignore_errors=True)
+                    self._remove_trash(p)
                     report["tmp_removed"] += 1
                 finally:
                     lock.release()
@@ -515,21 +524,16 @@ class ArtifactCache:
             key = entry.name
             on_disk.add(key)
             try:
-                manifest = Manifest.read(entry)
-                if manifest.key != key:
-                    raise CorruptEntryError(f"{key}: manifest is for {manifest.key}")
-                check_structure(entry, manifest)
+                manifest = self._read_structure(key, entry)
+                if self.index.get(key) is None:
+                    self._register(key, entry, manifest)
+                    report["registered"] += 1
             except CorruptEntryError as exc:
                 if self._discard_damaged(key, entry, str(exc)):
                     report["damaged_removed"] += 1
                     on_disk.discard(key)
-                continue
             except FileNotFoundError:  # removed by another process meanwhile
                 on_disk.discard(key)
-                continue
-            if self.index.get(key) is None:
-                self._register(key, entry, manifest)
-                report["registered"] += 1
         for row in self.index.entries():
             if row.key not in on_disk and not (self.entries_dir / row.key).is_dir():
                 self.index.delete(row.key)
@@ -538,14 +542,24 @@ class ArtifactCache:
             log.info("artifact cache scan of %s: %s", self.root, report)
         return report
 
+    @staticmethod
+    def _read_structure(key: str, entry: Path) -> Manifest:
+        """The manifest, if it is this key's and every file has its size. Entries of another
+        format version (another kvcellar sharing the dir) are kept: their key differs from any
+        this version asks for, and LRU eviction removes them once unused."""
+        manifest = Manifest.read(entry)
+        if manifest.key != key:
+            raise CorruptEntryError(f"{key}: manifest is for {manifest.key}")
+        check_structure(entry, manifest)
+        return manifest
+
     def _discard_damaged(self, key: str, entry: Path, reason: str) -> bool:
         lock = FileLock(self.locks_dir / f"{key}.build")
         if not lock.acquire(exclusive=True, blocking=False):
             return False  # someone is rebuilding it right now
         try:
             try:
-                manifest = Manifest.read(entry)
-                check_structure(entry, manifest)
+                self._read_structure(key, entry)
                 return False  # replaced by a good one meanwhile
             except CorruptEntryError:
                 pass
