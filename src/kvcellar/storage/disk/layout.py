@@ -71,8 +71,8 @@ def parse_namespace_dir(name: str) -> tuple[str, int] | None:
 
 
 def shard_of(key_hex: str) -> str:
-    # Keys shorter than one shard's worth of hex (1-byte test keys) pad with '0'.
-    return key_hex[:SHARD_HEX].ljust(SHARD_HEX, "0")
+    """The shard directory of a key: its first two hex digits (keys are >= 1 byte)."""
+    return key_hex[:SHARD_HEX]
 
 
 def key_from_block_name(name: str) -> bytes | None:

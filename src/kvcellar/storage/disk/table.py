@@ -11,6 +11,9 @@ Eviction rule: a key that is pinned (a load is reading it) or leased (lookup
 reported it present a moment ago) is never chosen as a victim, and victims
 are unlinked while ``_lock`` is held, so a pin taken after the victim was
 chosen finds the file already gone (a miss), never a file vanishing mid-read.
+Leases are counted per key, not per caller: each load consumes one, so a load
+without a preceding lookup can use up another caller's lease (that caller
+then risks a miss, never a wrong block); unconsumed leases expire.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     size: int
     last_access_ns: int
