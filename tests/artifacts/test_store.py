@@ -235,3 +235,22 @@ def test_disk_full_while_preparing_falls_back_and_leaves_nothing(tiny_ggufs: lis
         gc.collect()  # the cache's index connection lives on the mount
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_config_precedence_and_disabling(tiny_ggufs: list[Path], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcellar.artifacts import load_artifact_config
+
+    assert load_artifact_config().max_gb == 50.0
+    monkeypatch.setenv("KVCELLAR_ARTIFACT_MAX_GB", "2.5")
+    monkeypatch.setenv("KVCELLAR_ARTIFACT_VERIFY", "full")
+    cfg = load_artifact_config({"max_gb": 9, "verify": "fast"})
+    assert (cfg.max_gb, cfg.verify, cfg.max_bytes) == (2.5, "full", int(2.5 * (1 << 30)))
+    assert load_artifact_config({}, {"max_gb": 1.0}).max_gb == 1.0
+    monkeypatch.setenv("KVCELLAR_ARTIFACT_VERIFY", "sometimes")
+    with pytest.raises(ValueError, match="verify"):
+        load_artifact_config()
+    monkeypatch.delenv("KVCELLAR_ARTIFACT_VERIFY")
+    monkeypatch.setenv("KVCELLAR_ARTIFACT_ENABLED", "0")
+    loaded = _load(tiny_ggufs[0], tmp_path)
+    assert loaded.artifact is None and not (tmp_path / "models").exists()
