@@ -64,7 +64,7 @@ def test_lru_eviction_down_to_80_percent(tiny_ggufs: list[Path], tmp_path: Path)
     assert remaining == {a, d.artifact.key}  # B and C were least recently used
     stats = cache.stats()
     assert stats["artifact_evictions"] == 2
-    assert stats["artifact_bytes"] <= 0.8 * cache.max_bytes
+    assert stats["artifact_bytes_used"] <= 0.8 * cache.max_bytes
     assert not (cache.entries_dir / b).exists() and not (cache.entries_dir / c).exists()
 
 

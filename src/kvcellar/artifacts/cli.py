@@ -61,6 +61,11 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
+def _rate(stats: dict[str, float]) -> str:
+    looked_up = stats["artifact_lifetime_hits"] + stats["artifact_lifetime_misses"]
+    return f"{stats['artifact_lifetime_hits'] / looked_up:.0%}" if looked_up else "-"
+
+
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
     sys.stdout.write(json.dumps(payload, indent=1, default=str) + "\n" if args.json else text)
 
@@ -69,10 +74,11 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     cache = _open(args)
     entries = cache.entries()
     stats = cache.stats()
-    lines = [f"{cache.root}: {len(entries)} entries, {_size(stats['artifact_bytes'])} of "
-             f"{_size(stats['artifact_max_bytes'])}; lifetime hits {stats['artifact_lifetime_hits']:.0f}, "
+    lines = [f"{cache.root}: {len(entries)} entries, {_size(stats['artifact_bytes_used'])} of "
+             f"{_size(stats['artifact_bytes_limit'])}; lifetime hits {stats['artifact_lifetime_hits']:.0f}, "
              f"misses {stats['artifact_lifetime_misses']:.0f}, builds {stats['artifact_lifetime_builds']:.0f}, "
-             f"evictions {stats['artifact_lifetime_evictions']:.0f}, corrupt {stats['artifact_lifetime_corrupt']:.0f}"]
+             f"evictions {stats['artifact_lifetime_evictions']:.0f}, corrupt {stats['artifact_lifetime_corrupt']:.0f}"
+             f"; hit rate {_rate(stats)}"]
     if entries:
         lines.append(f"{'KEY':10} {'NAME':28} {'DTYPE':9} {'SIZE':>10} {'CREATED':16} {'LAST USE':16} "
                      f"{'USES':>5} IN USE  SOURCE")
@@ -93,7 +99,7 @@ def cmd_models_prune(args: argparse.Namespace) -> int:
     report = cache.prune(older_than_s=older)
     text = (f"expired {len(report['expired'])}, evicted {len(report['evicted'])}, kept in use "
             f"{len(report['skipped_in_use'])}, damaged removed {report['damaged_removed']}, leftovers removed "
-            f"{report['tmp_removed']}; now {_size(cache.stats()['artifact_bytes'])}\n")
+            f"{report['tmp_removed']}; now {_size(cache.stats()['artifact_bytes_used'])}\n")
     _emit(args, report, text)
     return 0
 

@@ -226,7 +226,8 @@ class ArtifactCache:
 
     def stats(self) -> dict[str, float]:
         """``artifact_*`` figures for /health and /metrics: this process's counters, the
-        cache's lifetime counters (``artifact_lifetime_*``, all processes) and its size."""
+        cache's lifetime counters (``artifact_lifetime_*``, all processes, persisted in the
+        index) and the gauges ``artifact_entries``, ``artifact_bytes_used``, ``artifact_bytes_limit``."""
         with self._stats_lock:
             out: dict[str, float] = {f"artifact_{k}": v for k, v in self._counters.items()}
         try:
@@ -237,11 +238,9 @@ class ArtifactCache:
             rows, lifetime = [], {}
         for name in ("hits", "misses", "builds", "evictions", "corrupt"):
             out[f"artifact_lifetime_{name}"] = float(lifetime.get(name, 0))
-        looked_up = out["artifact_lifetime_hits"] + out["artifact_lifetime_misses"]
-        out["artifact_lifetime_hit_rate"] = out["artifact_lifetime_hits"] / looked_up if looked_up else 0.0
         out["artifact_entries"] = float(len(rows))
-        out["artifact_bytes"] = float(sum(r.size_bytes for r in rows))
-        out["artifact_max_bytes"] = float(self.max_bytes)
+        out["artifact_bytes_used"] = float(sum(r.size_bytes for r in rows))
+        out["artifact_bytes_limit"] = float(self.max_bytes)
         return out
 
     # ---- source digests -----------------------------------------------------------------------
