@@ -12,6 +12,7 @@ Sections (each prints a small table):
   writer     atomic block writes: best_effort vs persistent (fsync file + dir)
   tier       DiskTier end to end: store() latency under overload per
              back-pressure budget, and a 4096-token cold load vs the floor
+  startup    DiskTier open time and background scan time over 100k blocks
 
 Cold reads drop the page cache with `echo 3 > /proc/sys/vm/drop_caches` when
 allowed, else posix_fadvise(DONTNEED) on every file read.
@@ -433,14 +434,60 @@ def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
           ("io_threads", "cold", "cold bw", "floor", "cold/floor", "warm", "cache drop"))
 
 
+# --------------------------------------------------------------------------- startup
+def bench_startup(args: argparse.Namespace) -> None:
+    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.format import file_size_for
+    from kvcellar.storage.disk.layout import NamespaceLayout
+    from kvcellar.storage.disk.tier import DiskTier
+
+    spec = BlockSpec(torch.bfloat16, (30, 2, 16, 3, 64), 16)
+    n = 20_000 if args.quick else 100_000
+    root = Path(tempfile.mkdtemp(prefix="startup-", dir=args.dir))
+    rows = []
+    try:
+        lay = NamespaceLayout(root, "bench")
+        size = file_size_for(spec)
+        made: set[Path] = set()
+        for i in range(n):  # sparse files of the right size: the scan stats, it does not read
+            p = lay.block_path(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest())
+            if p.parent not in made:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                made.add(p.parent)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        cfg = DiskTierConfig(capacity_bytes=1 << 50, min_free_bytes=0)
+        for label in ("cold", "warm"):
+            if label == "cold":
+                drop_caches([])
+            t0 = time.perf_counter()
+            tier = DiskTier(root, "bench", spec, cfg)
+            t_open = time.perf_counter() - t0
+            key0 = hashlib.blake2b((0).to_bytes(8, "little"), digest_size=32).digest()
+            t1 = time.perf_counter()
+            hit = tier.lookup([key0])
+            t_lookup = time.perf_counter() - t1
+            assert tier.wait_scanned(600)
+            t_scan = time.perf_counter() - t0
+            blocks = tier.stats()["ssd_blocks"]
+            tier.close(30)
+            rows.append((label, str(n), f"{t_open * 1e3:.1f} ms", f"{t_lookup * 1e6:.0f} us (hit={hit})",
+                         f"{t_scan:.2f} s", str(blocks)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    table("DiskTier start-up: lookups work at once, the reconciliation scan runs behind", rows,
+          ("cache", "blocks", "constructor", "first lookup", "scan done after", "blocks adopted"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the filesystem to measure")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, one repetition")
     ap.add_argument("--only", nargs="*", default=None,
-                    choices=["checksum", "floor", "layout", "lookup", "index", "writer", "tier"])
+                    choices=["checksum", "floor", "layout", "lookup", "index", "writer", "tier", "startup"])
     args = ap.parse_args()
-    only = set(args.only or ["checksum", "floor", "layout", "lookup", "index", "writer", "tier"])
+    only = set(args.only or ["checksum", "floor", "layout", "lookup", "index", "writer", "tier", "startup"])
     fs = _fs_of(args.dir)
     print(f"# bench_disk_io: dir={args.dir} fs={fs} cpus={os.cpu_count()} torch={torch.__version__}"
           f" threads_alive={threading.active_count()}")
@@ -459,6 +506,8 @@ def main() -> None:
         bench_writer(args)
     if "tier" in only:
         bench_tier(args, floor)
+    if "startup" in only:
+        bench_startup(args)
 
 
 def _fs_of(path: str) -> str:

@@ -55,7 +55,6 @@ SHARD_HEX = 2
 
 _NAMESPACE_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z_.-]{0,127}$")
 _NS_DIR_RE = re.compile(r"^(?P<ns>[0-9A-Za-z_][0-9A-Za-z_.-]*)-v(?P<ver>[0-9]+)$")
-_HEX_RE = re.compile(r"^(?:[0-9a-f]{2}){1,64}$")
 
 
 def namespace_dir_name(namespace: str, version: int = FORMAT_VERSION) -> str:
@@ -80,7 +79,13 @@ def key_from_block_name(name: str) -> bytes | None:
     if not name.endswith(FILE_SUFFIX):
         return None
     stem = name[: -len(FILE_SUFFIX)]
-    return bytes.fromhex(stem) if _HEX_RE.match(stem) else None
+    if not 2 <= len(stem) <= 128:
+        return None
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return key if key.hex() == stem else None  # canonical lower-case hex only
 
 
 def tmp_owner(name: str) -> str | None:

@@ -72,8 +72,10 @@ class BlockTable:
             self._heap = [(e.last_access_ns, e.version, k) for k, e in self._entries.items()]
             heapq.heapify(self._heap)
 
-    def add(self, key: bytes, size: int, last_access_ns: int | None = None) -> None:
-        """Record a block file (just written, or found by lookup/scan)."""
+    def add(self, key: bytes, size: int, last_access_ns: int | None = None, *, persist: bool = False) -> None:
+        """Record a block file (just written or read, or found by lookup/scan).
+        Without ``last_access_ns`` it counts as accessed now; ``persist``
+        queues that time for the file's atime."""
         with self._lock:
             now = self._now_ns_locked()
             old = self._entries.get(key)
@@ -81,6 +83,8 @@ class BlockTable:
             if old is not None:
                 t = max(t, old.last_access_ns)
             self._set_locked(key, size, t, now)
+            if persist:
+                self._dirty.add(key)
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -214,12 +218,23 @@ class BlockTable:
         Returns (adopted, dropped)."""
         adopted = dropped = 0
         with self._lock:
-            for k, (size, atime) in found.items():
-                e = self._entries.get(k)
-                if e is None:
+            new = [k for k in found if k not in self._entries]
+            if len(new) > len(self._entries):
+                # Mostly a fresh table (start-up): build entries and heapify once.
+                for k in new:
+                    size, atime = found[k]
+                    self._entries[k] = _Entry(size, atime, next(self._versions), scan_started_ns)
+                    self._bytes += size
+                self._heap = [(e.last_access_ns, e.version, k) for k, e in self._entries.items()]
+                heapq.heapify(self._heap)
+            else:
+                for k in new:
+                    size, atime = found[k]
                     self._set_locked(k, size, atime, scan_started_ns)
-                    adopted += 1
-                elif atime > e.last_access_ns or size != e.size:
+            adopted = len(new)
+            for k, (size, atime) in found.items():
+                e = self._entries[k]
+                if e.seen_ns != scan_started_ns and (atime > e.last_access_ns or size != e.size):
                     self._set_locked(k, size, max(atime, e.last_access_ns), max(e.seen_ns, scan_started_ns))
             for k in [k for k, e in self._entries.items() if k not in found and e.seen_ns < scan_started_ns]:
                 e = self._entries.pop(k)

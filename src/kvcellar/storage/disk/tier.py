@@ -250,8 +250,7 @@ class DiskTier(KVTier):
         path = self.layout.block_path(req.key)
         res = read_block_into(str(path), self.spec, self._header_size, req)
         if res.outcome is Outcome.OK:
-            self._table.add(req.key, self.file_size)
-            self._table.touch([req.key], persist=True)
+            self._table.add(req.key, self.file_size, persist=True)
             self._ssd.inc("load_bytes", self.spec.nbytes)
             self._rfault.success()
             return True
