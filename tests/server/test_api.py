@@ -132,15 +132,13 @@ def test_stream_include_usage(client: Any) -> None:
 
 
 def test_n_2_seeded_sampling(client: Any) -> None:
-    resp = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=24)
+    resp = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=12)
     assert [c.index for c in resp.choices] == [0, 1]
-    assert resp.usage.completion_tokens == sum(
-        24 if c.finish_reason == "length" else 1 for c in resp.choices) or resp.usage.completion_tokens > 0
-    again = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=24)
+    again = chat(client, n=2, temperature=1.0, seed=1234, max_tokens=12)
     assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
     assert resp.choices[0].message.content != resp.choices[1].message.content
     # Choice i samples with seed + i: choice 1 of seed s is choice 0 of seed s + 1.
-    shifted = chat(client, n=1, temperature=1.0, seed=1235, max_tokens=24)
+    shifted = chat(client, n=1, temperature=1.0, seed=1235, max_tokens=12)
     assert shifted.choices[0].message.content == resp.choices[1].message.content
 
 

@@ -120,6 +120,8 @@ def _param_path(loc: Iterable[Any]) -> str | None:
         if part == "body" and not out:
             continue
         if isinstance(part, int):
+            if not out:
+                break  # a position in the raw body, not an index into a field
             out += f"[{part}]"
             continue
         text = str(part)

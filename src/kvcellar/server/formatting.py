@@ -12,6 +12,7 @@ the chunk dicts to send right away. Both paths count the same way:
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
@@ -39,10 +40,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class TokenTexts:
-    """The bytes and display text of single token ids (for logprobs), cached."""
+    """The bytes and display text of single token ids (for logprobs), cached.
+
+    Used on the event loop thread with its own copy of the tokenizer: HF tokenizers take a
+    mutable borrow while encoding (on the tokenizer thread), and a concurrent call from
+    another thread would fail with "Already borrowed"."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
+        self._tok = copy.deepcopy(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._byte_of: dict[str, int] | None = None
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)

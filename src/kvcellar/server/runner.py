@@ -10,14 +10,15 @@ Shutdown protocol (SIGTERM or SIGINT):
 3. uvicorn then closes the socket, waits briefly for responses to flush, runs the app's
    lifespan shutdown, and the process exits 0.
 
-A second signal skips the waiting.
+A second signal stops uvicorn from waiting for open connections; the engine's drain is still
+bounded by ``shutdown_timeout``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import signal
 import sys
 from typing import Any
 
@@ -28,8 +29,6 @@ from kvcellar.engine.loader import load_model
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
 from kvcellar.server.cli import build_settings
-
-log = logging.getLogger("kvcellar.server")
 
 # After the engine drained, how long uvicorn may take to flush the last responses.
 FLUSH_SECONDS = 5.0
@@ -91,14 +90,18 @@ class GracefulServer(uvicorn.Server):
             return
         self._signalled = True
         self.state.start_draining()
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
 
-    def _start_drain(self) -> None:
+    def _start_drain(self, sig: int) -> None:
+        print(f"kvcellar: {signal.Signals(sig).name}: draining (up to {self.shutdown_timeout:g} s)",
+              file=sys.stderr, flush=True)
         self._drain = asyncio.ensure_future(self._drain_engine())
 
     async def _drain_engine(self) -> None:
         try:
             clean = await asyncio.to_thread(self.state.engine.shutdown, self.shutdown_timeout)
-            log.warning("drained: %s", "all requests finished" if clean else "in-flight requests were cancelled")
+            print("kvcellar: drained, " + ("every request finished" if clean else
+                  f"requests still running after {self.shutdown_timeout:g} s were cancelled") + "; exiting",
+                  file=sys.stderr, flush=True)
         finally:
             self.should_exit = True

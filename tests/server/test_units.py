@@ -1,0 +1,127 @@
+"""Pieces of the server that need no model: error mapping, stats merging, settings, logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvcellar.config import EngineConfig
+from kvcellar.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
+from kvcellar.server import errors
+from kvcellar.server.cli import add_serve_args, build_settings
+from kvcellar.server.logs import JsonFormatter, KeyValueFormatter
+from kvcellar.server.metrics import SnapshotCollector, group_by_prefix, is_gauge
+from kvcellar.server.protocol import ChatCompletionRequest
+
+
+@pytest.mark.parametrize(("loc", "param"), [
+    (("body", "temperature"), "temperature"),
+    (("body", "messages", 0, "content", "str"), "messages[0].content"),
+    (("body", "prompt", "list[int]", 0), "prompt"),
+    (("body", "stop", "list[str]"), "stop"),
+    (("body", "messages", 2, "content", "list[ContentPart]", 0, "type"), "messages[2].content"),
+    (("body",), None),
+    (("body", 12), None),  # a JSON decode position, not a field
+])
+def test_param_path(loc: tuple, param: str | None) -> None:
+    assert errors._param_path(loc) == param
+
+
+def test_validation_errors_map_to_openai_fields() -> None:
+    try:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": 5}],
+                                             "temperature": "hot"})
+    except Exception as exc:  # pydantic.ValidationError
+        err = errors.from_validation_errors(exc.errors())  # type: ignore[attr-defined]
+    assert err.status == 400
+    assert err.param == "temperature"  # the first invalid field; every one is in the message
+    assert err.code == "invalid_type"
+    assert "'messages[0].content'" in err.message
+    missing = errors.from_validation_errors([{"type": "missing", "loc": ("body", "model"), "msg": "Field required"}])
+    assert (missing.param, missing.code) == ("model", "missing_required_parameter")
+    bad_json = errors.from_validation_errors([{"type": "json_invalid", "loc": ("body", 3), "msg": "x",
+                                               "ctx": {"error": "Expecting value"}}])
+    assert bad_json.code == "invalid_json"
+
+
+def test_exception_mapping() -> None:
+    assert errors.from_exception(InvalidRequestError("x", param="p", code="c")).body() == {
+        "error": {"message": "x", "type": "invalid_request_error", "param": "p", "code": "c"}}
+    assert errors.from_exception(ModelNotFoundError("m")).status == 404
+    assert errors.from_exception(EngineStoppedError("s")).status == 503
+    internal = errors.from_exception(RuntimeError("secret detail"))
+    assert internal.status == 500 and "secret" not in internal.message
+
+
+def test_integral_floats_count_as_integers() -> None:
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                "n": 2.0, "max_tokens": 3.0})
+    assert (req.n, req.max_tokens) == (2, 3)
+    for bad in ({"n": 1.5}, {"n": True}, {"n": "2"}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                  **bad})
+
+
+def test_stats_grouped_by_prefix_with_tiers() -> None:
+    stats = {"engine_running": 1, "kv_blocks_used": 3, "kv_lookup_hits": 5, "ssd_reads": 2, "writer_queue": 4,
+             "server_requests_total": 7, "artifact_hits": 1}
+    groups = group_by_prefix(stats)
+    assert groups["tiers"] == {"ram": {"kv_blocks_used": 3, "kv_lookup_hits": 5},
+                               "ssd": {"ssd_reads": 2, "writer_queue": 4}}
+    assert groups["engine"] == {"engine_running": 1}
+    assert groups["artifact"] == {"artifact_hits": 1}
+    assert group_by_prefix({})["tiers"] == {"ram": {}}
+
+
+def test_prometheus_types() -> None:
+    assert is_gauge("kv_blocks_used") and is_gauge("engine_waiting") and is_gauge("server_inflight_requests")
+    assert not is_gauge("kv_lookup_hits") and not is_gauge("engine_requests_total")
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: {"kv_blocks_used": 3, "engine_requests_total": 9,
+                                                 "ssd_last_shutdown_clean": True}))
+    text = generate_latest(registry).decode()
+    assert "# TYPE kvcellar_kv_blocks_used gauge" in text and "kvcellar_kv_blocks_used 3.0" in text
+    assert "kvcellar_engine_requests_total counter" in text and "kvcellar_engine_requests_total 9.0" in text
+    assert "kvcellar_ssd_last_shutdown_clean 1.0" in text
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--config", default=None)
+    add_serve_args(p)
+    return p.parse_args(argv)
+
+
+def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg_file = tmp_path / "kvcellar.toml"
+    cfg_file.write_text('[server]\nport = 9000\ninter_token_timeout = 5.0\n[disk]\npolicy = "evict_only"\n')
+    monkeypatch.setenv("KVCELLAR_API_KEY", "from-env")
+    monkeypatch.setenv("KVCELLAR_PORT", "9100")
+    settings = build_settings(_serve_args("--config", str(cfg_file), "--max-num-seqs", "4",
+                                          "--cache-dir", str(tmp_path / "c")), EngineConfig())
+    server = settings.sections["server"]
+    assert (server.host, server.port, server.api_key, server.inter_token_timeout) == \
+        ("127.0.0.1", 9100, "from-env", 5.0)
+    assert settings.engine.max_num_seqs == 4
+    assert settings.sections["disk"]["policy"] == "evict_only"
+    assert settings.cache_dir == (tmp_path / "c").resolve()
+    flags = build_settings(_serve_args("--ssd-policy", "write_through", "--port", "1234"), EngineConfig())
+    assert flags.sections["disk"]["policy"] == "write_through"
+    assert flags.sections["server"].port == 1234
+    with pytest.raises(ValueError):
+        build_settings(_serve_args("--first-token-timeout", "0"), EngineConfig())
+
+
+def test_log_formats() -> None:
+    record = logging.LogRecord("kvcellar.server", logging.INFO, __file__, 1, "request finished", None, None)
+    record.fields = {"id": "cmpl-1", "finish": "stop", "note": "has space"}
+    line = KeyValueFormatter().format(record)
+    assert line.endswith('request finished id=cmpl-1 finish=stop note="has space"')
+    obj = json.loads(JsonFormatter().format(record))
+    assert obj["msg"] == "request finished" and obj["finish"] == "stop"
