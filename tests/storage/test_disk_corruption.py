@@ -122,6 +122,7 @@ def test_two_byte_keys_in_a_batch(tmp_path, open_tier) -> None:
 def test_replaced_file_is_not_deleted_by_a_stale_verdict(tmp_path, open_tier) -> None:
     """Deleting a corrupt file checks it is still the file that was read."""
     tier = open_tier(tmp_path, async_writes=False)
+    assert tier.wait_scanned(30)
     b = block(0)
     tier.store([b])
     path = tier.layout.block_path(b.key)

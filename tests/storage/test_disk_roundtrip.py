@@ -122,6 +122,7 @@ def test_namespaces_are_isolated(tmp_path, open_tier) -> None:
     a = open_tier(tmp_path, ns="modelA", spec=SPEC, async_writes=False)
     other_spec = BlockSpec(torch.float16, SPEC.shape, SPEC.block_size)  # same byte size, other dtype
     b = open_tier(tmp_path, ns="modelB", spec=other_spec, async_writes=False)
+    assert b.wait_scanned(30)  # else its start-up scan may see the planted file half-written
     blocks = chain(4)
     a.store(blocks)
     assert a.lookup([x.key for x in blocks]) == 4
