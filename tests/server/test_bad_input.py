@@ -47,6 +47,15 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("empty-body", CHAT, b"", 400, None),
     ("nan-literal", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
      % MODEL.encode(), 400, "temperature"),
+    ("lone-surrogate-content", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udc80b"}]}'
+     % MODEL.encode(), 400, "messages[0].content"),
+    ("lone-surrogate-model", CHAT, b'{"model": "x\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 400,
+     "model"),
+    ("lone-surrogate-tool", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+     b'"tools": [{"type": "function", "function": {"name": "f\\ud800"}}]}' % MODEL.encode(), 400,
+     "tools[0].function.name"),
+    ("lone-surrogate-prompt", COMPLETIONS, b'{"model": "%s", "prompt": ["ok", "a\\ud800"]}' % MODEL.encode(),
+     400, "prompt[1]"),
     ("missing-model", CHAT, chat_body(model=_DROP), 400, "model"),
     ("model-wrong-type", CHAT, chat_body(model=7), 400, "model"),
     ("unknown-model", CHAT, chat_body(model="gpt-4o"), 404, "model"),
@@ -162,6 +171,12 @@ def test_oversized_body_is_refused_before_reading(server: ServerProcess) -> None
 def test_unknown_route_and_method(server: ServerProcess) -> None:
     assert_openai_error(httpx.get(server.url + "/v1/nope"), 404)
     assert_openai_error(httpx.get(server.url + CHAT), 405)
+
+
+def test_escaped_surrogate_pair_is_fine(server: ServerProcess) -> None:
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83c\\udf0a"}], "max_tokens": 2}'
+    r = send(server, CHAT, body % MODEL.encode())
+    assert r.status_code == 200, r.text
 
 
 def test_form_encoded_json_is_still_read_as_json(server: ServerProcess) -> None:

@@ -40,6 +40,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
                  code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        message, param = _printable(message), _printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -53,6 +54,12 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _printable(text: str | None) -> str | None:
+    """Error text may quote a request (a model name, a path); a lone surrogate in it would make
+    the error body itself unencodable."""
+    return None if text is None else text.encode("utf-8", "replace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

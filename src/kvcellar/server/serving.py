@@ -17,11 +17,13 @@ import asyncio
 import dataclasses
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
@@ -40,6 +42,34 @@ log = logging.getLogger("kvcellar.server")
 
 T = TypeVar("T")
 Events = AsyncIterator[tuple[int, TokenEvent]]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_invalid_text(obj: Any, path: str = "") -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON lets ``"\\ud800"``
+    through; no tokenizer can encode it), or None."""
+    if isinstance(obj, str):
+        return (path or "body") if _SURROGATE.search(obj) else None
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return path or "body"  # never echo the bad text itself
+            if found := find_invalid_text(value, f"{path}.{key}" if path else str(key)):
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            if found := find_invalid_text(value, f"{path}[{i}]"):
+                return found
+    return None
+
+
+def check_text(req: BaseModel) -> None:
+    bad = find_invalid_text(req.model_dump(exclude_none=True))
+    if bad is not None:
+        raise errors.invalid(f"Invalid value for '{bad}': the text is not valid Unicode (it holds a lone UTF-16 "
+                             "surrogate escape such as \\ud800).", param=bad, code="invalid_value")
 
 
 class OpenAIServing:
@@ -67,7 +97,10 @@ class OpenAIServing:
 
     async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+        try:
+            return await loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+        except UnicodeError as exc:  # check_text should have caught it; never a 500 for bad text
+            raise errors.invalid(f"The request holds text that cannot be encoded: {exc}") from None
 
     def _room(self, prompt_len: int) -> int:
         """Default max_tokens: whatever the context (and the KV pool) leaves."""
@@ -141,6 +174,7 @@ class OpenAIServing:
     # ---- endpoints ----------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Response:
+        check_text(req)
         self.check_model(req.model)
         self._common_checks(req)
         if req.response_format is not None and req.response_format.type != "text":
@@ -160,6 +194,7 @@ class OpenAIServing:
         return await self._run(shape, [prompt], self._per_choice(params, n), req, receive)
 
     async def completions(self, req: CompletionRequest, receive: Receive) -> Response:
+        check_text(req)
         self.check_model(req.model)
         self._common_checks(req)
         if req.suffix:
@@ -209,41 +244,36 @@ class OpenAIServing:
                 if exc.param in (None, "messages") and shape.kind == "completion":
                     exc.param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 raise
-        gen = Generation(self.engine, self.inflight, self._timeouts(req))
-        gen.submit(prompts, params, req.cache_salt)
         builder = ResponseBuilder(shape, self.tokens)
-        if not req.stream:
-            try:
-                return await until_disconnect(self._collect(gen, builder), receive)
-            except ClientDisconnected:
-                self.metrics.count("server_client_disconnects")
-                return Response(status_code=499)  # nobody is listening; keeps the access log honest
-            except GenerationTimeout as exc:
-                raise self._timed_out(exc) from None
-            finally:
-                gen.close()
-                self._log_done(builder, gen, "full")
-
-        events = gen.events()
+        gen = Generation(self.engine, self.inflight, self._timeouts(req))
+        streaming: SSEResponse | None = None
         try:
-            first = await until_disconnect(anext(events), receive)
-            self._check_event(first[1])
-            self._observe_ttft(gen)
-        except BaseException as exc:
-            gen.close()
-            self._log_done(builder, gen, "stream-start-failed")
-            if isinstance(exc, ClientDisconnected):
-                self.metrics.count("server_client_disconnects")
-                return Response(status_code=499)
-            if isinstance(exc, GenerationTimeout):
-                raise self._timed_out(exc) from None
-            raise
+            gen.submit(prompts, params, req.cache_salt)
+            if not req.stream:
+                return await until_disconnect(self._collect(gen, builder), receive)
+            streaming = await self._start_stream(gen, builder, receive)
+            return streaming
+        except ClientDisconnected:
+            self.metrics.count("server_client_disconnects")
+            return Response(status_code=499)  # nobody is listening; keeps the access log honest
+        except GenerationTimeout as exc:
+            raise self._timed_out(exc) from None
+        finally:
+            if streaming is None:  # otherwise the stream owns the generation until it ends
+                gen.close()
+                self._log_done(builder, gen, "stream" if req.stream else "full")
+
+    async def _start_stream(self, gen: Generation, builder: ResponseBuilder, receive: Receive) -> SSEResponse:
+        events = gen.events()
+        first = await until_disconnect(anext(events), receive)
+        self._check_event(first[1])
+        self._observe_ttft(gen)
 
         def on_close(disconnected: bool) -> None:
             gen.close()
             if disconnected:
                 self.metrics.count("server_client_disconnects")
-            self._log_done(builder, gen, "disconnected" if disconnected else "stream")
+            self._log_done(builder, gen, "stream-disconnected" if disconnected else "stream")
 
         return SSEResponse(self._stream(builder, first, events), on_close)
 
