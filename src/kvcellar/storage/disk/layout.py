@@ -8,34 +8,40 @@ per block, named only from the block key.
         blocks/<kk>/<keyhex>.kvb.<token>.<n>.tmp   a write in progress
 
 Decisions, measured with benchmarks/bench_disk_io.py on this machine (ext4 on
-a virtio disk, 2 vCPUs, figures vary ±40 % between runs on the shared host):
+a virtio disk, 2 vCPUs shared with other workloads; figures vary ±40 % between
+runs, ranges below span several runs):
 
 - One file per block, not grouped segment files. Cold read of a 4096-token
-  prompt (256 x 364 KiB, page cache and dentries dropped): per-block files
-  0.8-1.2 GB/s with 4-8 reader threads (O_DIRECT or buffered alike); one
-  segment read with the same request sizes 1.0-1.3 GB/s, so the per-file cost
-  itself is 10-25 %. A segment read sequentially with kernel readahead reached
-  1.4-2.3 GB/s, but only when a prompt's blocks sit contiguously in one
-  segment and none of them was evicted; getting that needs a persistent
-  key->(segment, offset) index, compaction after per-block eviction and
-  cross-process coordination of appends. Per-block files keep lookup
-  stateless, make eviction free exactly the evicted bytes, and make every
-  write atomic by rename. At block size 64 (1.4 MiB files) files run at
-  0.8-0.95 of the segment rate.
-- No persistent index. ``stat`` of the derived path answers lookup: 2.3 us
+  prompt (256 x 364 KiB, page cache, dentries and inodes dropped): per-block
+  files 0.6-1.2 GB/s with 4-8 reader threads (O_DIRECT or buffered alike); a
+  segment read with the same 360 KiB requests 0.6-1.3 GB/s, so opening a file
+  per block itself costs 5-25 %. A segment read sequentially, buffered, got
+  1.4-2.3 GB/s, 1.5-3x the per-block files: kernel readahead merges adjacent
+  blocks into multi-MiB requests, which this disk rewards. That gain needs a
+  prompt's blocks contiguous in one segment and none evicted, hence a
+  persistent key->(segment, offset) index, compaction after per-block
+  eviction, and coordination of appends between processes. Per-block files
+  keep lookup stateless, free exactly the evicted bytes, are atomic by
+  rename and need no compaction. At block size 64 (1.4 MiB files) files run
+  at 0.75-0.95 of the segment rate. If disk-hit TTFT misses its target at the
+  engine's block size, the next format version should write runs of
+  consecutive blocks of one chain per file.
+- No persistent index. ``stat`` of the derived path answers lookup: 2-3 us
   warm, ~200 us cold (metadata I/O the following load would pay anyway). A
-  SQLite WAL index of 100k blocks measured: 0.17 s cold open+load, 7.4 us
-  point lookups, but it can disagree with the files after a crash or with a
-  second process, and must be reconciled; the files cannot disagree with
-  themselves. Capacity and LRU bookkeeping is an in-memory table rebuilt by a
-  background scan (``recovery.py``) while lookups already work.
+  SQLite WAL index of 100k blocks measured 0.17-0.22 s cold open+load and
+  5-7 us point lookups, fast enough, but it can disagree with the files after
+  a crash or with a second process and must be reconciled; the files cannot
+  disagree with themselves. Capacity and LRU bookkeeping is an in-memory
+  table rebuilt by a background scan (``recovery.py``) while lookups already
+  work: over 100k blocks the constructor took 2-15 ms and the scan finished
+  after 1.1 s warm / 2.2 s cold.
 - One level of 256 shard directories, not two. Scanning 100k files took
-  1.2 s cold / 0.37 s warm with one level, 8.8 s cold / 1.2 s warm with two
-  (65,536 mostly near-empty directories). One level keeps ~4k files per
-  directory at a million blocks, which ext4/xfs/btrfs/APFS index well.
+  1.2-1.5 s cold / 0.4 s warm with one level, 8.8-11 s cold / 1.2-2.1 s warm
+  with two (65,536 mostly near-empty directories). One level keeps ~4k files
+  per directory at a million blocks, which ext4/xfs/btrfs/APFS index well.
 - Last access for LRU and TTL is the file's atime, set explicitly with
-  ``utime`` on every load (survives restarts, costs one syscall, works on
-  noatime mounts); mtime stays the write time.
+  ``utime`` for loaded blocks, in batches (survives restarts, shared by every
+  process, works on noatime mounts); mtime stays the write time.
 """
 
 from __future__ import annotations
