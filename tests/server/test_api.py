@@ -243,12 +243,14 @@ def test_health_and_metrics(server: ServerProcess) -> None:
         assert key in h
     assert "kv_blocks_total" in h["tiers"]["ram"]
     assert "engine_requests_total" in h["engine"]
+    assert h["artifact"]["artifact_entries"] >= 1  # the model came from the artifact cache
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvcellar_engine_requests_total" in metrics
     assert "kvcellar_kv_blocks_used " in metrics or "kvcellar_kv_blocks_used{" in metrics
     assert "# TYPE kvcellar_kv_blocks_used gauge" in metrics
     assert "kvcellar_http_request_duration_seconds_bucket" in metrics
     assert "kvcellar_time_to_first_token_seconds_count" in metrics
+    assert "# TYPE kvcellar_artifact_bytes_used gauge" in metrics
 
 
 def test_openai_client_raises_typed_errors(client: Any) -> None:

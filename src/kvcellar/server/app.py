@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,8 @@ from kvcellar.server.protocol import (
 )
 from kvcellar.server.serving import OpenAIServing
 
+log = logging.getLogger(__name__)
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
     for status, text in ((400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
@@ -55,9 +58,18 @@ def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
 class ServerState:
     """What the routes share; one per app."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig,
+                 stats_sources: Sequence[Callable[[], Mapping[str, float]]] = ()) -> None:
         self.engine = engine
         self.config = config
+        # Every counter source, merged in this order by ``stats`` (their key prefixes keep them
+        # apart): the engine (engine_, sched_, kv_, and whatever tiers it reports), the
+        # artifact cache the model came from, any extra ones, then this layer's server_.
+        self.sources: list[Callable[[], Mapping[str, float]]] = [engine.snapshot]
+        artifact_cache = getattr(getattr(engine.loaded, "artifact", None), "cache", None)
+        if artifact_cache is not None and hasattr(artifact_cache, "stats"):
+            self.sources.append(artifact_cache.stats)
+        self.sources.extend(stats_sources)
         self.metrics = ServerMetrics()
         self.serving = OpenAIServing(engine, config, self.metrics)
         self.started = time.time()
@@ -74,7 +86,13 @@ class ServerState:
     def stats(self) -> dict[str, float]:
         server = {**self.metrics.stats, "server_inflight_requests": len(self.serving.inflight),
                   "server_inflight_sequences": self.serving.inflight.num_sequences()}
-        return merged_stats(self.engine.snapshot(), server)
+        parts = []
+        for source in self.sources:
+            try:
+                parts.append(source())
+            except Exception:  # a broken counter source must not take /health down
+                log.exception("stats source %r failed", source)
+        return merged_stats(*parts, server)
 
     def health(self) -> dict[str, Any]:
         stats = self.stats()
@@ -95,10 +113,13 @@ class ServerState:
         }
 
 
-def create_app(engine: Engine, settings: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, settings: ServerConfig | None = None,
+               stats_sources: Sequence[Callable[[], Mapping[str, float]]] = ()) -> FastAPI:
+    """``stats_sources``: extra callables returning prefixed counters (e.g. a tier that the
+    engine does not report itself), merged into /health and /metrics."""
     config = settings or ServerConfig()
     config.validate()
-    state = ServerState(engine, config)
+    state = ServerState(engine, config, stats_sources)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
