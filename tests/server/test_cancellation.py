@@ -109,6 +109,20 @@ def test_inter_token_timeout_mid_stream_sends_error_event(server: ServerProcess)
     server.wait_idle()
 
 
+def test_failed_submission_cancels_choices_already_submitted(server: ServerProcess) -> None:
+    """The second prompt is refused by the engine after the first one's two choices were
+    submitted: those are cancelled, nothing stays registered."""
+    server.wait_idle()
+    before = counters(server)
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": [[504, 3145, 30], [10**9]], "n": 2,
+                                        "max_tokens": 500, "ignore_eos": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt"
+    after = server.wait_idle()
+    assert after["engine"]["engine_requests_aborted"] == before["engine_requests_aborted"] + 2
+    assert after["engine"]["engine_generated_tokens"] - before["engine_generated_tokens"] < 500
+
+
 def test_timeouts_never_exceed_the_servers(server: ServerProcess) -> None:
     # A huge per-request timeout is capped, not an error; the request simply completes.
     r = server.post("/v1/chat/completions", {**LONG, "max_tokens": 3, "first_token_timeout": 1e9,

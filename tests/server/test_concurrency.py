@@ -8,7 +8,11 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from tests.helpers import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTIONS = [

@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers import MODEL, ServerProcess, wait_until
 
+pytestmark = pytest.mark.slow
+
 API_KEY = "sk-kvcellar-test-key"
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 

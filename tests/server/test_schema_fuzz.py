@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from tests.helpers import MODEL, ServerProcess
 
+pytestmark = pytest.mark.slow
+
 schemathesis = pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = int(os.environ.get("KVCELLAR_FUZZ_EXAMPLES", "150"))
