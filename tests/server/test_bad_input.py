@@ -86,6 +86,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop-number", CHAT, chat_body(stop=5), 400, "stop"),
     ("stop-too-many", CHAT, chat_body(stop=[str(i) for i in range(40)]), 400, "stop"),
     ("stop-list-of-numbers", CHAT, chat_body(stop=[1, 2]), 400, "stop"),
+    ("stop-too-long", CHAT, chat_body(stop=["x" * 5000]), 400, "stop"),
     ("top-logprobs-too-many", CHAT, chat_body(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("top-logprobs-without-logprobs", CHAT, chat_body(top_logprobs=2), 400, "top_logprobs"),
     ("logprobs-string", CHAT, chat_body(logprobs="yes"), 400, "logprobs"),

@@ -40,7 +40,10 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+MAX_STOP_CHARS = 1024  # the stop matcher's work per token grows with a stop string's length
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class StreamOptions(_Request):

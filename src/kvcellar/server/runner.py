@@ -42,6 +42,9 @@ def serve(args: argparse.Namespace, engine_cfg: Any) -> int:
         return 2
     server_cfg = settings.sections["server"]
     logs.configure(args.log_level, server_cfg.log_format)
+    if server_cfg.host not in ("127.0.0.1", "localhost", "::1") and not server_cfg.api_key:
+        print(f"kvcellar: warning: listening on {server_cfg.host} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
     settings.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     cfg = settings.engine
