@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
+from tests._models import shared_models_dir
 from tests.helpers import MODEL, ServerProcess
 
 
 @pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Prepared model artifacts shared by every server of the session
+def models_dir() -> Path:
+    """Prepared model artifacts shared by every server and in-process model of the session
     (``KVCELLAR_TEST_MODELS_DIR`` keeps them across sessions)."""
-    keep = os.environ.get("KVCELLAR_TEST_MODELS_DIR")
-    return Path(keep) if keep else tmp_path_factory.mktemp("kvcellar-models")
+    return shared_models_dir()
 
 
 @pytest.fixture(scope="session")

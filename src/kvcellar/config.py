@@ -32,6 +32,8 @@ class EngineConfig:
     block_size: int = 16
     # Memory for the RAM tier's KV block pool, in GiB. The pool is allocated up front.
     kv_cache_gb: float = 2.0
+    # Exact pool size in blocks; overrides kv_cache_gb when > 0.
+    kv_cache_blocks: int = 0
     # Upper bound on sequences in the running batch.
     max_num_seqs: int = 32
     # Per-step token budget: decodes first, then prefill chunks fill what is left, so a long

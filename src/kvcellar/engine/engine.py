@@ -75,7 +75,7 @@ class Engine:
         self.device = loaded.device
         self.block_size = cfg.block_size
         self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype)
-        num_blocks = KVPool.blocks_for_budget(self.layout, int(cfg.kv_cache_gb * (1 << 30)))
+        num_blocks = cfg.kv_cache_blocks or KVPool.blocks_for_budget(self.layout, int(cfg.kv_cache_gb * (1 << 30)))
         self.pool = KVPool(self.layout, num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
         self.scheduler = Scheduler(

@@ -1,0 +1,113 @@
+"""Real models for tests, loaded once per test process and shared by every test module.
+
+The embedded SmolLM2 is the real product model; the small random-weight configs exercise
+other architectures (qk-norm, sliding windows, GQA ratios) through the same engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvcellar  # noqa: F401  (OMP wait policy before torch)
+from kvcellar.config import EngineConfig
+from kvcellar.engine import Engine
+from kvcellar.engine.attention import ATTENTION_NAME
+from kvcellar.engine.loader import LoadedModel, load_model, wrap_model
+from kvcellar.engine.tokenization import encode_chat
+
+
+@functools.cache
+def shared_models_dir() -> Path:
+    """One prepared-model artifact folder for the whole test session: in-process loads and
+    every server subprocess use it, so the embedded GGUF is prepared once per session
+    (``KVCELLAR_TEST_MODELS_DIR`` keeps it across sessions)."""
+    keep = os.environ.get("KVCELLAR_TEST_MODELS_DIR")
+    if keep:
+        return Path(keep)
+    path = Path(tempfile.mkdtemp(prefix="kvcellar-test-models-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["KVCELLAR_TEST_MODELS_DIR"] = str(path)
+    return path
+
+
+@functools.cache
+def embedded(dtype: str = "float32") -> LoadedModel:
+    from kvcellar.artifacts.store import ArtifactCache
+
+    return load_model(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
+
+
+def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
+    cfg = {"kv_cache_gb": 0.1, "block_size": 16, "max_step_tokens": 512, "max_num_seqs": 16}
+    cfg.update(overrides)
+    return Engine(loaded, EngineConfig(**cfg))
+
+
+def chat_ids(loaded: LoadedModel, user: str, system: str | None = None) -> list[int]:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user})
+    return encode_chat(loaded.tokenizer, messages)
+
+
+@contextlib.contextmanager
+def reference_attention(model: Any) -> Iterator[None]:
+    """Temporarily run the model with transformers' own SDPA attention."""
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+@torch.inference_mode()
+def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and per-step log-probabilities from transformers' own ``generate``."""
+    with reference_attention(model):
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits, dim=0)[:, 0].float(), dim=-1)
+    return tokens, logprobs
+
+
+def tiny_model(arch: str, tokenizer: Any, **config: Any) -> LoadedModel:
+    """A small random-weight model of a transformers architecture, with ``tokenizer``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+    base.update(config)
+    cfg = AutoConfig.for_model(arch, **base)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    # Random weights produce near-uniform logits; sharpen them so greedy paths are stable.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return wrap_model(model, tokenizer, name=f"tiny-{arch}")

@@ -1,0 +1,113 @@
+"""The engine's greedy output equals transformers' own, alone, batched, chunked and joined mid-decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcellar.engine import SamplingParams
+from tests._models import chat_ids, embedded, make_engine, reference_greedy, tiny_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one sentence.",
+    "List three uses of a paperclip.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your work.",
+    "Give me a name for a grey cat.",
+    "Why is the sky blue? Answer briefly, in two sentences at most, for a child of ten.",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=5)
+LOGPROB_TOL = 2e-4  # fp32; measured differences are ~1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return embedded("float32")
+
+
+def assert_matches_reference(result, ref_tokens, ref_logprobs):
+    n = len(result.token_ids)
+    assert result.token_ids == ref_tokens[:n]
+    assert n == len(ref_tokens) or result.finish_reason == "stop"
+    for step, top in enumerate(result.top_logprobs):
+        for token_id, logprob in top:
+            assert abs(logprob - float(ref_logprobs[step, token_id])) < LOGPROB_TOL, (step, token_id)
+
+
+def test_greedy_matches_transformers_generate(model):
+    engine = make_engine(model)
+    prompts = [chat_ids(model, p) for p in PROMPTS[:4]]
+    for prompt in prompts:
+        (result,) = engine.generate([prompt], GREEDY)
+        ref_tokens, ref_logprobs = reference_greedy(model.model, prompt, GREEDY.max_tokens)
+        assert_matches_reference(result, ref_tokens, ref_logprobs)
+
+
+def test_batch_of_eight_equals_each_alone(model):
+    prompts = [chat_ids(model, p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) >= 6, "the prompts should have different lengths"
+    alone = [make_engine(model, prefix_caching=False).generate([p], GREEDY)[0] for p in prompts]
+    batched = make_engine(model, prefix_caching=False).generate(prompts, GREEDY)
+    for a, b in zip(alone, batched, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.text == b.text
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOL)
+
+
+def test_requests_joining_mid_decode_do_not_change_others(model):
+    prompts = [chat_ids(model, p) for p in PROMPTS]
+    engine = make_engine(model)
+    reference = {i: make_engine(model).generate([p], GREEDY)[0].token_ids for i, p in enumerate(prompts)}
+
+    first = [engine.submit(p, GREEDY) for p in prompts[:4]]
+    for _ in range(6):  # the first four are prefilled and decoding
+        engine.step()
+    assert all(s.state.value == "running" for s in engine.scheduler.running)
+    assert len(engine.scheduler.running) == 4
+    late = [engine.submit(p, GREEDY) for p in prompts[4:]]
+    engine.run_until_idle()
+    for i, handle in enumerate(first + late):
+        assert engine.collect(handle).token_ids == reference[i]
+
+
+def test_chunked_prefill_equals_unchunked(model):
+    text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+    prompt = chat_ids(model, "Summarise this list in one sentence:\n" + text)
+    assert len(prompt) > 500
+    whole = make_engine(model, max_step_tokens=4096).generate([prompt], GREEDY)[0]
+    chunked_engine = make_engine(model, max_step_tokens=64)
+    chunked = chunked_engine.generate([prompt], GREEDY)[0]
+    assert chunked_engine.stats["engine_steps"] >= len(prompt) // 64
+    assert whole.token_ids == chunked.token_ids
+    assert torch.allclose(torch.tensor(whole.logprobs), torch.tensor(chunked.logprobs), atol=LOGPROB_TOL)
+    ref_tokens, ref_logprobs = reference_greedy(model.model, prompt, GREEDY.max_tokens)
+    assert_matches_reference(chunked, ref_tokens, ref_logprobs)
+
+
+def test_unaligned_chunks_and_odd_block_size(model):
+    """Chunk boundaries that fall inside blocks, and a block size that is not a power of two."""
+    prompt = chat_ids(model, "Count from one to twenty in words, separated by commas.")
+    ref_tokens, ref_logprobs = reference_greedy(model.model, prompt, GREEDY.max_tokens)
+    engine = make_engine(model, block_size=7, max_step_tokens=13)
+    assert_matches_reference(engine.generate([prompt], GREEDY)[0], ref_tokens, ref_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("qwen3", {"use_sliding_window": False}),  # qk-norm, GQA 8:2
+        ("mistral", {"sliding_window": 24}),  # sliding-window attention shorter than the prompt
+        ("llama", {"num_key_value_heads": 8}),  # plain multi-head attention
+    ],
+)
+def test_other_architectures_match_transformers(model, arch, extra):
+    tiny = tiny_model(arch, model.tokenizer, **extra)
+    prompts = [chat_ids(model, p) for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True)
+    engine = make_engine(tiny, max_step_tokens=32, block_size=8)
+    results = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, results, strict=True):
+        ref_tokens, ref_logprobs = reference_greedy(tiny.model, prompt, params.max_tokens)
+        assert_matches_reference(result, ref_tokens, ref_logprobs)
