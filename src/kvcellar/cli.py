@@ -1,4 +1,4 @@
-"""The ``kvcellar`` command line."""
+"""The ``kvcellar`` command line: serve, generate, cache, models, bench."""
 
 from __future__ import annotations
 
@@ -10,51 +10,83 @@ import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, cmd_serve
+from kvcellar.storage.disk.cli import add_cache_commands
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a HF-format directory or a HF model id in the local HF cache "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="compute and KV dtype (auto: bf16 where the CPU/GPU supports it, else fp32)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB (default 2)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (default 32)")
+    p.add_argument("--max-step-tokens", type=int, default=None, help="token budget per engine step (default 512)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                   help="compute every prompt from scratch (comparisons only)")
 
 
-def _engine_config(args: argparse.Namespace):
-    from kvcellar.config import EngineConfig, build_section, read_config_file
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=None,
+                   help="cache root for KV blocks and prepared models (default: KVCELLAR_CACHE_DIR, "
+                        "else ~/.cache/kvcellar)")
+    p.add_argument("--ssd-policy", default=None, choices=["write_through", "evict_only", "off"],
+                   help="SSD tier: write every new block through (default), write blocks RAM evicts, or off")
+    p.add_argument("--ssd-durability", default=None, choices=["best_effort", "persistent"],
+                   help="persistent: fsync before a block counts as stored (default best_effort)")
+    p.add_argument("--ssd-async", default=None, action=argparse.BooleanOptionalAction,
+                   help="write blocks on the writer thread (default) or synchronously")
+    p.add_argument("--ssd-queue-blocks", type=int, default=None, help="writer queue bound, in blocks (default 256)")
+    p.add_argument("--ssd-flush-interval", dest="ssd_flush_interval_s", type=float, default=None,
+                   help="seconds between flushes of access times (default 1)")
+    p.add_argument("--disk-cache-gb", type=float, default=None, help="SSD tier byte limit, GiB (default 20)")
+    p.add_argument("--disk-min-free-gb", type=float, default=None,
+                   help="free space the SSD tier always leaves on the filesystem, GiB (default 1)")
+    p.add_argument("--ssd-ttl-days", type=float, default=None, help="drop blocks unused this long (default 7)")
 
-    file_values = read_config_file(getattr(args, "config", None)).get("engine", {})
-    return build_section(EngineConfig, file_values, {
-        "dtype": None if args.dtype == "auto" else args.dtype,
-        "device": None if args.device == "auto" else args.device,
-        "block_size": args.block_size,
-        "kv_cache_gb": args.kv_cache_gb,
+
+def load_settings(args: argparse.Namespace):
+    """Settings from defaults < config file < environment < flags (SPEC §8)."""
+    from kvcellar.config import DiskSettings, EngineConfig, Settings, build_section, read_config_file, resolve_cache_dir
+
+    file_values = read_config_file(getattr(args, "config", None))
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    engine = build_section(EngineConfig, file_values.get("engine", {}), {
+        "dtype": None if get("dtype") in (None, "auto") else get("dtype"),
+        "device": None if get("device") in (None, "auto") else get("device"),
+        **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens", "max_model_len",
+                               "prefix_caching")},
     })
+    disk = build_section(DiskSettings, file_values.get("disk", {}), {
+        k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks", "ssd_flush_interval_s",
+                            "disk_cache_gb", "disk_min_free_gb", "ssd_ttl_days")})
+    disk.validate()
+    if not engine.prefix_caching:
+        disk.ssd_policy = "off"
+    model = get("model") or file_values.get("model")
+    return Settings(model=model, cache_dir=resolve_cache_dir(get("cache_dir") or file_values.get("cache_dir")),
+                    engine=engine, disk=disk, sections={"file": file_values})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvcellar.config import resolve_cache_dir
-    from kvcellar.engine import Engine, SamplingParams
-    from kvcellar.engine.loader import load_model
+    from kvcellar.engine import SamplingParams
     from kvcellar.engine.tokenization import encode_chat
+    from kvcellar.runtime import build_engine
 
-    cfg = _engine_config(args)
-    loaded = load_model(args.model, dtype=cfg.dtype, device=cfg.device,
-                        cache_dir=resolve_cache_dir(getattr(args, "cache_dir", None)))
-    engine = Engine(loaded, cfg)
+    engine = build_engine(load_settings(args))
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
-    ids = encode_chat(loaded.tokenizer, messages)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
-    handle = engine.submit(ids, params)
-    engine.start()
     try:
+        ids = encode_chat(engine.tokenizer, messages)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        handle = engine.submit(ids, params)
+        engine.start()
         while True:
             ev = handle.stream.get_sync()
             sys.stdout.write(ev.text)
@@ -62,8 +94,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if ev.finish_reason is not None:
                 break
     finally:
-        engine.shutdown(timeout=5)
+        engine.shutdown(timeout=10)
     sys.stdout.write("\n")
+    if args.verbose:
+        print(f"[{ev.num_prompt_tokens} prompt tokens, {ev.num_cached_tokens} cached, "
+              f"{ev.num_output_tokens} generated, finish: {ev.finish_reason}]", file=sys.stderr)
     if ev.finish_reason == "error":
         print(f"error: {ev.error}", file=sys.stderr)
         return 1
@@ -76,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="TOML config file (also KVCELLAR_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API (ready when GET /health answers 200)")
+    add_model_args(s)
+    add_cache_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=lambda args: cmd_serve(args, load_settings(args)))
+
     g = sub.add_parser("generate", help="print the completion of a one-turn chat")
     g.add_argument("--prompt", required=True)
     g.add_argument("--system", default=None, help="optional system message")
@@ -83,14 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    _add_model_args(g)
+    g.add_argument("-v", "--verbose", action="store_true", help="print token counts (cached ones too) to stderr")
+    add_model_args(g)
+    add_cache_args(g)
     g.set_defaults(func=cmd_generate)
-    add_models_commands(sub)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API (ready when GET /health answers 200)")
-    _add_model_args(s)
-    add_serve_args(s)
-    s.set_defaults(func=lambda args: cmd_serve(args, _engine_config(args)))
+    add_cache_commands(sub)
+    add_models_commands(sub)
     return parser
 
 
@@ -101,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KvcellarError as exc:
+        print(f"kvcellar: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # bad settings (config file, environment, flags)
         print(f"kvcellar: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -50,14 +50,66 @@ class EngineConfig:
     device: str = "auto"
 
 
+SSD_POLICIES = ("write_through", "evict_only", "off")
+
+
+@dataclass
+class DiskSettings:
+    """Knobs of the SSD tier (SPEC §5), as users set them; ``to_tier_config`` maps them
+    onto ``storage.disk.DiskTierConfig``. Environment: ``KVCELLAR_SSD_POLICY=evict_only``."""
+
+    # write_through: every new full block goes to disk; evict_only: blocks go to disk when
+    # the RAM tier drops them; off: RAM only.
+    ssd_policy: str = "write_through"
+    # best_effort: one try, no fsync; persistent: fsync before a block counts, bounded retries.
+    ssd_durability: str = "best_effort"
+    ssd_async: bool = True
+    ssd_queue_blocks: int = 256
+    ssd_flush_interval_s: float = 1.0
+    disk_cache_gb: float = 20.0
+    disk_min_free_gb: float = 1.0
+    ssd_ttl_days: float = 7.0
+    ssd_prune_interval_s: float = 600.0
+    ssd_io_threads: int = 8
+
+    def validate(self) -> None:
+        if self.ssd_policy not in SSD_POLICIES:
+            raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.ssd_policy!r}")
+        if self.ssd_durability not in ("best_effort", "persistent"):
+            raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
+        if self.disk_cache_gb < 0 or self.disk_min_free_gb < 0 or self.ssd_ttl_days <= 0:
+            raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
+
+    def to_tier_config(self) -> Any:
+        from kvcellar.storage.disk.config import DiskTierConfig
+
+        self.validate()
+        return DiskTierConfig(
+            durability=self.ssd_durability,  # type: ignore[arg-type]
+            async_writes=self.ssd_async,
+            queue_blocks=self.ssd_queue_blocks,
+            flush_interval_s=self.ssd_flush_interval_s,
+            capacity_bytes=int(self.disk_cache_gb * (1 << 30)),
+            min_free_bytes=int(self.disk_min_free_gb * (1 << 30)),
+            ttl_s=self.ssd_ttl_days * 86400.0,
+            prune_interval_s=self.ssd_prune_interval_s,
+            io_threads=self.ssd_io_threads,
+        )
+
+
 @dataclass
 class Settings:
-    """Everything a running kvcellar needs; sections are filled by ``load_settings``."""
+    """Everything a running kvcellar needs, merged from defaults, file, env and flags."""
 
     model: str | None = None
     cache_dir: Path = field(default_factory=resolve_cache_dir)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     sections: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_root(self) -> Path:
+        return self.cache_dir / "kv"
 
 
 def _coerce(value: Any, to: type | str) -> Any:

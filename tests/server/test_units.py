@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvcellar.config import EngineConfig
 from kvcellar.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
 from kvcellar.server import errors
-from kvcellar.server.cli import add_serve_args, build_settings
+from kvcellar.server.cli import build_settings
 from kvcellar.server.logs import JsonFormatter, KeyValueFormatter
 from kvcellar.server.metrics import SnapshotCollector, group_by_prefix, is_gauge
 from kvcellar.server.protocol import ChatCompletionRequest
@@ -90,32 +88,42 @@ def test_prometheus_types() -> None:
     assert "kvcellar_ssd_last_shutdown_clean 1.0" in text
 
 
-def _serve_args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
-    p.add_argument("--config", default=None)
-    add_serve_args(p)
-    return p.parse_args(argv)
+def _serve_settings(*argv: str):
+    from kvcellar.cli import build_parser, load_settings
+
+    args = build_parser().parse_args(["serve", *argv])
+    return build_settings(args, load_settings(args))
 
 
 def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg_file = tmp_path / "kvcellar.toml"
-    cfg_file.write_text('[server]\nport = 9000\ninter_token_timeout = 5.0\n[disk]\npolicy = "evict_only"\n')
+    cfg_file.write_text('[server]\nport = 9000\ninter_token_timeout = 5.0\n'
+                        '[disk]\nssd_policy = "evict_only"\ndisk_cache_gb = 3\n[engine]\nblock_size = 32\n')
     monkeypatch.setenv("KVCELLAR_API_KEY", "from-env")
     monkeypatch.setenv("KVCELLAR_PORT", "9100")
-    settings = build_settings(_serve_args("--config", str(cfg_file), "--max-num-seqs", "4",
-                                          "--cache-dir", str(tmp_path / "c")), EngineConfig())
+    monkeypatch.setenv("KVCELLAR_SSD_TTL_DAYS", "2")
+    monkeypatch.setenv("KVCELLAR_CONFIG", str(cfg_file))
+    settings = _serve_settings("--max-num-seqs", "4", "--cache-dir", str(tmp_path / "c"))
     server = settings.sections["server"]
     assert (server.host, server.port, server.api_key, server.inter_token_timeout) == \
         ("127.0.0.1", 9100, "from-env", 5.0)
     assert settings.engine.max_num_seqs == 4
-    assert settings.sections["disk"]["policy"] == "evict_only"
+    assert settings.engine.block_size == 32
+    assert (settings.disk.ssd_policy, settings.disk.disk_cache_gb, settings.disk.ssd_ttl_days) == \
+        ("evict_only", 3.0, 2.0)
+    assert settings.disk.to_tier_config().capacity_bytes == 3 << 30
     assert settings.cache_dir == (tmp_path / "c").resolve()
-    flags = build_settings(_serve_args("--ssd-policy", "write_through", "--port", "1234"), EngineConfig())
-    assert flags.sections["disk"]["policy"] == "write_through"
+    flags = _serve_settings("--ssd-policy", "write_through", "--port", "1234", "--no-ssd-async",
+                            "--disk-cache-gb", "1.5")
+    assert flags.disk.ssd_policy == "write_through"
+    assert flags.disk.ssd_async is False
+    assert flags.disk.to_tier_config().capacity_bytes == int(1.5 * (1 << 30))
     assert flags.sections["server"].port == 1234
     with pytest.raises(ValueError):
-        build_settings(_serve_args("--first-token-timeout", "0"), EngineConfig())
+        _serve_settings("--first-token-timeout", "0")
+    monkeypatch.setenv("KVCELLAR_SSD_POLICY", "sometimes")
+    with pytest.raises(ValueError):
+        _serve_settings()
 
 
 def test_log_formats() -> None:

@@ -33,6 +33,7 @@ class Block:
     ref_count: int = 0
     digest: bytes | None = None  # set while registered
     token_ids: tuple[int, ...] | None = None  # set while registered
+    from_lower_tier: bool = False  # content was loaded from a lower tier (no need to store it back)
 
     @property
     def registered(self) -> bool:
@@ -150,6 +151,7 @@ class BlockManager:
                 if block.registered:
                     self._evictable[block.block_id] = block
                 else:
+                    block.from_lower_tier = False
                     self._free.append(block)
 
     def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
@@ -187,6 +189,7 @@ class BlockManager:
         del self._table[self.key(block.digest)]
         block.digest = None
         block.token_ids = None
+        block.from_lower_tier = False
 
     # ---- reporting ------------------------------------------------------------------------
 
@@ -195,6 +198,7 @@ class BlockManager:
             **self.stats,
             "kv_blocks_total": self.num_blocks - 1,
             "kv_blocks_free": self.num_free,
-            "kv_blocks_cached": self.num_evictable,
+            "kv_blocks_cached": len(self._table),  # registered, reusable by prefix
+            "kv_blocks_evictable": self.num_evictable,  # of those, referenced by no sequence
             "kv_blocks_used": self.num_used,
         }

@@ -18,14 +18,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcellar.cache.block_manager import Block, BlockManager
+from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
+from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.config import EngineConfig
 from kvcellar.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.kv_pool import KVLayout, KVPool
@@ -35,6 +35,7 @@ from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
+from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs,
             max_step_tokens=cfg.max_step_tokens,
             prefix_caching=cfg.prefix_caching,
-            on_block_published=self._on_block_published,
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.descriptor = kv_descriptor(
@@ -97,8 +97,7 @@ class Engine:
         self.fingerprint = kv_fingerprint(self.descriptor)
         self.max_model_len = min(cfg.max_model_len or loaded.max_context, loaded.max_context)
         self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
-        # Hooks for lower tiers (write-through); set by whoever attaches a tier.
-        self.block_listeners: list[Callable[[Sequence, int, Block], None]] = []
+        self.lower: LowerTierLink | None = None
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -201,7 +200,8 @@ class Engine:
                         ev = handle.stream.get_sync(timeout=0)
                         break
                     except queue.Empty:
-                        self.step()
+                        if not self._step_or_wait():
+                            raise RuntimeError(f"sequence {handle.seq_id} is unknown or never finished") from None
             else:
                 ev = handle.stream.get_sync()
             if ev.token_id is not None:
@@ -218,6 +218,23 @@ class Engine:
                 result.text = "".join(texts)
                 return result
 
+    @property
+    def block_spec(self) -> BlockSpec:
+        """Geometry of one KV block, as lower tiers store it."""
+        return LowerTierLink.block_spec(self.pool)
+
+    def attach_tier(self, tier: KVTier, policy: str = "write_through") -> None:
+        """Put ``tier`` below the RAM tier (before ``start``). The engine owns it from here
+        on and closes it in ``shutdown``. ``policy``: write_through or evict_only."""
+        if self._thread is not None:
+            raise RuntimeError("attach tiers before starting the engine")
+        if not self.config.prefix_caching:
+            raise ValueError("a lower tier needs prefix caching")
+        self.lower = LowerTierLink(tier, self.pool, self.blocks.key, policy=policy, wake=self._wake.set)
+        self.scheduler.lower = self.lower
+        if policy == "evict_only":
+            self.blocks.on_evict = self.lower.evicted
+
     def start(self) -> None:
         if self._thread is not None:
             return
@@ -225,8 +242,17 @@ class Engine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> bool:
-        """Stop admitting; let in-flight work finish until ``timeout``; abort the rest.
-        Returns True if nothing had to be aborted."""
+        """Stop admitting; let in-flight work finish until ``timeout``; abort the rest; then
+        drain and close the lower tier. Returns True if nothing had to be aborted and the
+        tier's writer drained."""
+        deadline = time.monotonic() + timeout
+        clean = self._stop_engine(timeout)
+        if self.lower is not None:
+            clean = self.lower.close(max(1.0, deadline - time.monotonic())) and clean
+            self.lower = self.scheduler.lower = None
+        return clean
+
+    def _stop_engine(self, timeout: float) -> bool:
         self._accepting = False
         clean = True
         if self._thread is not None:
@@ -248,20 +274,31 @@ class Engine:
             self._drain_inbox()
             clean = not self.scheduler.has_work()
             self._abort_all()
+            while self.scheduler.has_work():  # cancelled loads still reading into the pool
+                self.scheduler.schedule()
+                self._wake.wait(0.01)
         return clean
 
     def num_active(self) -> int:
         return len(self._seqs)
 
     def snapshot(self) -> dict[str, float]:
-        """Counters of the engine, scheduler and RAM tier, merged (prefixes keep them apart)."""
+        """Counters of the engine, scheduler, RAM tier and lower tier, merged (prefixes keep
+        them apart)."""
+        lower = self.lower
         return {
             **self.stats,
             "engine_running": len(self.scheduler.running),
             "engine_waiting": len(self.scheduler.waiting),
+            "engine_loading": len(self.scheduler.loading),
             **self.scheduler.stats,
             **self.blocks.snapshot(),
+            **(lower.snapshot() if lower is not None else {}),
         }
+
+    def tier_health(self) -> dict[str, object] | None:
+        lower = self.lower
+        return None if lower is None else {"name": lower.tier.name, "policy": lower.policy, **lower.tier.health()}
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -305,6 +342,8 @@ class Engine:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan is None:
+            if self.lower is not None:
+                self.lower.flush()
             return False
         t0 = time.perf_counter()
         try:
@@ -324,14 +363,26 @@ class Engine:
                 seq = item.seq
                 self._append(seq, sample_row(logits[row], seq.params, seq.output_ids, seq.generator))
                 row += 1
+        if self.lower is not None:
+            self.lower.flush()
         self.stats["engine_step_seconds"] += time.perf_counter() - t0
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until no work is left (manual mode: tests, benchmarks)."""
         for _ in range(max_steps):
-            if not self.step() and self._inbox.empty():
+            if not self._step_or_wait():
                 return
+
+    def _step_or_wait(self) -> bool:
+        """Manual mode: one step, or a short wait for lower-tier reads. False when idle."""
+        self._wake.clear()
+        if self.step() or not self._inbox.empty():
+            return True
+        if self.scheduler.has_work():  # only loads in flight: their completion sets _wake
+            self._wake.wait(0.05)
+            return True
+        return False
 
     def _append(self, seq: Sequence, res: SampleResult) -> None:
         tok = res.token_id
@@ -395,9 +446,6 @@ class Engine:
         self.stats["engine_cached_prompt_tokens"] += seq.num_cached_tokens or 0
         seq.emit(event)
 
-    def _on_block_published(self, seq: Sequence, index: int, block: Block) -> None:
-        for listener in self.block_listeners:
-            listener(seq, index, block)
 
 
 def default_engine(model: str | None = None, **config: Any) -> Engine:

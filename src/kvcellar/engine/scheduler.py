@@ -14,6 +14,13 @@ Every step the scheduler builds a plan under a token budget (``max_step_tokens``
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
    prompt) waits a step or more and then reuses it instead of computing it twice.
 
+When the RAM tier's prefix ends, the next blocks may sit in a lower tier (``lower``, the
+SSD): admission then reserves pool blocks, starts loading them and parks the sequence in
+LOADING while the engine keeps stepping everyone else; once the tier has verified them
+they are published like computed blocks and the prefill goes on from there. A block
+that fails to load is simply computed. A sequence cancelled while loading keeps its
+blocks until the reader is done with them.
+
 After the forward, ``commit`` advances each sequence and publishes blocks that became
 full and computed to the prefix cache (prompt and generated blocks alike).
 
@@ -23,11 +30,14 @@ Threading: not thread-safe; only the engine thread calls in.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.engine.sequence import SeqState, Sequence
+
+if TYPE_CHECKING:
+    from kvcellar.cache.tiering import LowerTierLink
 
 
 @dataclass
@@ -60,23 +70,25 @@ class Scheduler:
         max_num_seqs: int,
         max_step_tokens: int,
         prefix_caching: bool = True,
-        on_block_published: Callable[[Sequence, int, Block], None] | None = None,
+        lower: LowerTierLink | None = None,
     ) -> None:
         self.bm = blocks
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.prefix_caching = prefix_caching
-        # Called when block i of a sequence is newly published (write-through to lower tiers).
-        self.on_block_published = on_block_published
+        self.lower = lower
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # admitted, blocks being read from the lower tier
+        self._draining: list[Sequence] = []  # cancelled while loading; freed when the read ends
         # digest -> sequence computing that block right now (prompt blocks not yet published)
         self._inflight: dict[bytes, Sequence] = {}
         self.stats = {
             "sched_preemptions": 0,
             "sched_deferred_for_shared_prefix": 0,
             "sched_admitted": 0,
+            "sched_lower_tier_hit_tokens": 0,
         }
 
     # ---- queue management -----------------------------------------------------------------
@@ -86,10 +98,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._draining)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or cancelled) and free its blocks."""
+        if seq.state == SeqState.LOADING:
+            # The tier is still writing into its blocks: free them when the read is over.
+            self.loading.remove(seq)
+            self._drop_inflight(seq)
+            self._draining.append(seq)
+            seq.state = SeqState.FINISHED
+            return
         if seq.state == SeqState.WAITING:
             try:
                 self.waiting.remove(seq)
@@ -100,10 +119,13 @@ class Scheduler:
         self._free(seq)
         seq.state = SeqState.FINISHED
 
-    def _free(self, seq: Sequence) -> None:
+    def _drop_inflight(self, seq: Sequence) -> None:
         for digest, owner in list(self._inflight.items()):
             if owner is seq:
                 del self._inflight[digest]
+
+    def _free(self, seq: Sequence) -> None:
+        self._drop_inflight(seq)
         self.bm.release(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
@@ -119,6 +141,8 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
+        if self.loading or self._draining:
+            self._poll_loads()
         budget = self.max_step_tokens
         decodes: list[Scheduled] = []
         prefills: list[Scheduled] = []
@@ -139,7 +163,7 @@ class Scheduler:
                 budget -= prefills[-1].length
 
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting.popleft()
             admitted = self._admit(seq)
             if admitted is None:  # not enough blocks: keep arrival order, try next step
@@ -147,6 +171,8 @@ class Scheduler:
                 break
             if admitted is False:  # its next block is being computed by another sequence
                 skipped.append(seq)
+                continue
+            if seq.state == SeqState.LOADING:
                 continue
             prefills.append(self._chunk(seq, budget))
             budget -= prefills[-1].length
@@ -182,6 +208,7 @@ class Scheduler:
         reusable = (seq.num_tokens - 1) // bs
         hits: list[Block] = []
         digests: list[bytes] = []
+        lower = 0
         if self.prefix_caching:
             digests = seq.digests(seq.num_tokens // bs, bs)
             tokens = [seq.block_tokens(i, bs) for i in range(reusable)]
@@ -189,27 +216,78 @@ class Scheduler:
             if len(hits) < reusable and digests[len(hits)] in self._inflight:
                 self.stats["sched_deferred_for_shared_prefix"] += 1
                 return False
+            if self.lower is not None and len(hits) < reusable:
+                lower = self.lower.lookup(digests[len(hits) : reusable])
         total = (seq.num_tokens + bs - 1) // bs
         need = total - len(hits)
         # Keep one block per running decode in reserve so admission does not force an
         # immediate preemption.
         reserve = sum(1 for s in self.running if not s.in_prefill)
         available = self.bm.available(hits)
-        if need > available or (need + reserve > available and self.running):
+        if need > available or (need + reserve > available and (self.running or self.loading)):
             return None
         self.bm.acquire(hits)
+        if hits and self.lower is not None:
+            self.lower.touch(digests[: len(hits)])
         seq.blocks = hits + self.bm.allocate(need)
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_computed
-            self.bm.record_lookup(len(hits), max(reusable, len(hits)))
+        seq.num_ram_hit_tokens = len(hits) * bs
         for i in range(len(hits), len(digests)):
             self._inflight.setdefault(digests[i], seq)
+        self.stats["sched_admitted"] += 1
+        if lower:
+            assert self.lower is not None
+            first = len(hits)
+            span = range(first, first + lower)
+            seq.pending_load = self.lower.start_load(
+                [seq.blocks[i] for i in span], [digests[i] for i in span],
+                [tuple(seq.block_tokens(i, bs)) for i in span])
+            seq.state = SeqState.LOADING
+            self.loading.append(seq)
+            return True
+        self._start_running(seq)
+        return True
+
+    def _start_running(self, seq: Sequence) -> None:
+        if seq.num_cached_tokens is None:  # first admission (not a resumption after preemption)
+            seq.num_cached_tokens = seq.num_computed
+            reusable = (seq.num_tokens - 1) // self.block_size
+            self.bm.record_lookup(seq.num_ram_hit_tokens // self.block_size, reusable)
+            self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - seq.num_ram_hit_tokens
         seq.state = SeqState.RUNNING
         self.running.append(seq)
-        self.stats["sched_admitted"] += 1
-        return True
+
+    def _poll_loads(self) -> None:
+        assert self.lower is not None
+        for seq in list(self.loading):
+            n = self.lower.finish_load(seq.pending_load)
+            if n is None:
+                continue
+            self.loading.remove(seq)
+            first = seq.num_registered
+            seq.pending_load = None
+            seq.num_computed = (first + n) * self.block_size
+            self._publish(seq, first, first + n)
+            self._start_running(seq)
+        for seq in list(self._draining):
+            if self.lower.finish_load(seq.pending_load) is not None:
+                self._draining.remove(seq)
+                seq.pending_load = None
+                self.bm.release(seq.blocks)
+                seq.blocks = []
+
+    def _publish(self, seq: Sequence, start: int, end: int) -> None:
+        """Register blocks [start, end) of ``seq`` (computed or loaded) for reuse."""
+        digests = seq.digests(end, self.block_size)
+        for i in range(start, end):
+            block = seq.blocks[i]
+            if self._inflight.get(digests[i]) is seq:
+                del self._inflight[digests[i]]
+            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size)) and \
+                    self.lower is not None:
+                self.lower.published(block)
+        seq.num_registered = max(seq.num_registered, end)
 
     # ---- after the forward ----------------------------------------------------------------
 
@@ -217,17 +295,7 @@ class Scheduler:
         """Advance ``item.seq`` past the tokens computed this step; publish full blocks."""
         seq = item.seq
         seq.num_computed = item.start + item.length
-        if not self.prefix_caching:
-            return
-        full = seq.num_computed // self.block_size
-        if full <= seq.num_registered:
-            return
-        digests = seq.digests(full, self.block_size)
-        for i in range(seq.num_registered, full):
-            block = seq.blocks[i]
-            if self._inflight.get(digests[i]) is seq:
-                del self._inflight[digests[i]]
-            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size)) and \
-                    self.on_block_published is not None:
-                self.on_block_published(seq, i, block)
-        seq.num_registered = full
+        if self.prefix_caching:
+            full = seq.num_computed // self.block_size
+            if full > seq.num_registered:
+                self._publish(seq, seq.num_registered, full)

@@ -98,6 +98,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     num_registered: int = 0  # leading blocks published to the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    num_ram_hit_tokens: int = 0  # of those, found in the RAM tier (the rest came from below)
     finish_reason: str | None = None
     cancelled: bool = False
     pending_load: Any = None  # lower-tier load in flight (engine-owned handle)

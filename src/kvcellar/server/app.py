@@ -97,7 +97,7 @@ class ServerState:
     def health(self) -> dict[str, Any]:
         stats = self.stats()
         groups = group_by_prefix(stats)
-        last_clean = stats.get("ssd_last_shutdown_clean")
+        tier = self.engine.tier_health()
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.serving.model_name,
@@ -107,8 +107,10 @@ class ServerState:
             "running": int(stats.get("engine_running", 0)),
             "inflight_requests": int(stats.get("server_inflight_requests", 0)),
             "kv_blocks_used": int(stats.get("kv_blocks_used", 0)),
-            # Filled by the SSD tier (ssd_last_shutdown_clean); null until one is attached.
-            "last_shutdown_clean": None if last_clean is None else bool(last_clean),
+            # Whether the previous run on this cache dir shut down cleanly (writer drained,
+            # index flushed); null without an SSD tier.
+            "last_shutdown_clean": None if tier is None else tier.get("last_shutdown_clean"),
+            "ssd": tier,
             **groups,
         }
 

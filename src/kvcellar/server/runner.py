@@ -24,8 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from kvcellar.engine import Engine
-from kvcellar.engine.loader import load_model
+from kvcellar.runtime import build_engine
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
 from kvcellar.server.cli import build_settings
@@ -34,9 +33,9 @@ from kvcellar.server.cli import build_settings
 FLUSH_SECONDS = 5.0
 
 
-def serve(args: argparse.Namespace, engine_cfg: Any) -> int:
+def serve(args: argparse.Namespace, settings: Any) -> int:
     try:
-        settings = build_settings(args, engine_cfg)
+        settings = build_settings(args, settings)
     except ValueError as exc:
         print(f"kvcellar serve: {exc}", file=sys.stderr)
         return 2
@@ -47,10 +46,9 @@ def serve(args: argparse.Namespace, engine_cfg: Any) -> int:
               "this port can use the model", file=sys.stderr)
     settings.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    cfg = settings.engine
-    # Prepared weights come from (and go to) the artifact cache under the cache root.
-    loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir)
-    engine = Engine(loaded, cfg)
+    # Prepared weights come from (and go to) the artifact cache under the cache root; KV
+    # blocks live below it too (the SSD tier).
+    engine = build_engine(settings)
     app = create_app(engine, server_cfg)
     uv_config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_config=None,
                                access_log=server_cfg.access_log, lifespan="on",

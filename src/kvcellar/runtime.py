@@ -1,0 +1,45 @@
+"""Assembling a running kvcellar from its settings: model, engine, and the tiers below it.
+
+The one place that knows how the parts fit (SPEC §2); the server, ``kvcellar generate`` and
+the benchmarks all build through ``build_engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvcellar.config import Settings
+from kvcellar.engine import Engine
+from kvcellar.engine.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+def attach_disk_tier(engine: Engine, settings: Settings) -> None:
+    """Put the SSD tier under ``engine`` unless the policy is ``off``. Blocks live in
+    ``<cache_dir>/kv/<fingerprint>-v<format>/``: another model, dtype or block size is
+    another directory, never a wrong hit."""
+    disk = settings.disk
+    disk.validate()
+    if disk.ssd_policy == "off":
+        return
+    from kvcellar.storage.disk.tier import DiskTier
+
+    tier = DiskTier(settings.kv_root, engine.fingerprint, engine.block_spec, disk.to_tier_config(),
+                    descriptor=engine.descriptor)
+    engine.attach_tier(tier, disk.ssd_policy)
+
+
+def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
+    """Load the model (through the artifact cache under the cache root) unless given, build
+    the engine and attach the SSD tier. The caller starts it and owns ``shutdown``."""
+    if loaded is None:
+        cfg = settings.engine
+        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir)
+    engine = Engine(loaded, settings.engine)
+    try:
+        attach_disk_tier(engine, settings)
+    except Exception:
+        engine.shutdown(timeout=0)
+        raise
+    return engine
