@@ -156,15 +156,23 @@ class ServerProcess:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "unused", **kwargs)
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Wait until nothing is running, queued, in flight or holding KV blocks."""
+        """Wait until nothing is running, queued, loading, in flight or holding KV blocks."""
+        last: dict[str, Any] = {}
 
         def idle() -> dict[str, Any] | None:
             h = self.health()
-            busy = (h["running"], h["queue_depth"], h["inflight_requests"], h["kv_blocks_used"],
-                    h["server"]["server_inflight_sequences"])
-            return h if not any(busy) else None
+            busy = {"running": h["running"], "queue_depth": h["queue_depth"],
+                    "loading": h.get("engine", {}).get("engine_loading", 0),
+                    "inflight_requests": h["inflight_requests"], "kv_blocks_used": h["kv_blocks_used"],
+                    "inflight_sequences": h["server"]["server_inflight_sequences"]}
+            last.clear()
+            last.update(busy)
+            return h if not any(busy.values()) else None
 
-        return wait_until(idle, timeout=timeout, what="the server to become idle")
+        try:
+            return wait_until(idle, timeout=timeout, what="the server to become idle")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; busy: {last}") from None
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         assert self.proc is not None

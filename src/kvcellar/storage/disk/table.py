@@ -40,6 +40,9 @@ class BlockTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}
+        # key -> when this process removed its file (corrupt, evicted, missing). A scan that
+        # started before that moment may still list the file; merge_scan must not adopt it.
+        self._gone: dict[bytes, int] = {}
         self._heap: list[tuple[int, int, bytes]] = []  # (last_access_ns, version, key), lazily invalidated
         self._versions = itertools.count(1)
         self._bytes = 0
@@ -78,6 +81,7 @@ class BlockTable:
         queues that time for the file's atime."""
         with self._lock:
             now = self._now_ns_locked()
+            self._gone.pop(key, None)
             old = self._entries.get(key)
             t = now if last_access_ns is None else last_access_ns
             if old is not None:
@@ -97,6 +101,7 @@ class BlockTable:
             if e is not None:
                 self._bytes -= e.size
             self._dirty.discard(key)
+            self._gone[key] = self._now_ns_locked()
 
     def touch(self, keys: Iterable[bytes], *, persist: bool) -> None:
         """Move known ``keys`` to the most-recently-used end. ``persist``
@@ -203,6 +208,7 @@ class BlockTable:
                     break
                 del self._entries[k]
                 self._dirty.discard(k)
+                self._gone[k] = self._now_ns_locked()
                 self._bytes -= e.size
                 n += 1
                 freed += e.size
@@ -218,6 +224,9 @@ class BlockTable:
         Returns (adopted, dropped)."""
         adopted = dropped = 0
         with self._lock:
+            # Files this process removed after the scan began are stale in ``found``.
+            found = {k: v for k, v in found.items() if self._gone.get(k, -1) < scan_started_ns}
+            self._gone = {k: t for k, t in self._gone.items() if t >= scan_started_ns}
             new = [k for k in found if k not in self._entries]
             if len(new) > len(self._entries):
                 # Mostly a fresh table (start-up): build entries and heapify once.

@@ -220,6 +220,9 @@ class DiskTier(KVTier):
             except OSError:
                 break
             if st.st_size != self.file_size:
+                # Final names only ever come from renaming a complete file: a wrong size is a
+                # damaged block. A miss, deleted and counted like any corrupt block.
+                self._corrupt(self.layout.block_path(k), k, "size", st.st_ino, st.st_dev)
                 break
             if not self._table.contains(k):  # written by another process, or not scanned yet
                 self._table.add(k, self.file_size, st.st_atime_ns)

@@ -1,0 +1,290 @@
+"""The engine over the real SSD tier, in process: restart and promote hits, corruption,
+namespaces, policies, cancellation during loads, and faults of a real filesystem.
+
+Every output is compared with a cache-disabled run of the same prompt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcellar.config import DiskSettings, Settings
+from kvcellar.engine import SamplingParams
+from kvcellar.runtime import attach_disk_tier
+from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.tier import DiskTier
+from tests._models import chat_ids, embedded, make_engine, tiny_model
+from tests.helpers import wait_until
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
+TOL = 2e-4
+SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
+          "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return embedded("float32")
+
+
+@pytest.fixture(scope="module")
+def uncached(model):
+    engine = make_engine(model, prefix_caching=False)
+    memo: dict = {}
+
+    def run(prompt):
+        if tuple(prompt) not in memo:
+            memo[tuple(prompt)] = engine.generate([prompt], GREEDY)[0]
+        return memo[tuple(prompt)]
+
+    return run
+
+
+def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskTierConfig | None = None, **kw):
+    engine = make_engine(model, **kw)
+    cfg = tier_config or DiskTierConfig(min_free_bytes=0)
+    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, cfg, descriptor=engine.descriptor),
+                       policy)
+    return engine
+
+
+def assert_same(result, reference):
+    assert result.token_ids == reference.token_ids
+    assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=TOL)
+
+
+def assert_no_leaks(engine):
+    bm = engine.blocks
+    assert engine.num_active() == 0 and bm.num_used == 0
+    assert not engine.scheduler.loading and not engine.scheduler._draining
+    assert bm.num_free + bm.num_evictable == bm.num_blocks - 1
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvb"))
+
+
+def ask(model, question: str) -> list[int]:
+    return chat_ids(model, question, SYSTEM)
+
+
+def test_restart_serves_prefix_from_disk(model, uncached, tmp_path):
+    prompt = ask(model, "Review: retry the charge call up to 3 times on timeout.")
+    first = tiered(model, tmp_path)
+    a = first.generate([prompt], GREEDY)[0]
+    assert first.shutdown(30)
+    assert len(block_files(tmp_path)) >= len(prompt) // BS
+
+    second = tiered(model, tmp_path)  # a new engine: empty RAM, same directory
+    b = second.generate([prompt], GREEDY)[0]
+    assert b.num_cached_tokens == ((len(prompt) - 1) // BS) * BS >= len(prompt) - BS
+    assert second.scheduler.stats["sched_lower_tier_hit_tokens"] == b.num_cached_tokens
+    assert second.blocks.stats["kv_lookup_hits"] == 0
+    assert_same(a, uncached(prompt))
+    assert_same(b, uncached(prompt))
+
+    other = ask(model, "Review: round currency amounts with banker's rounding.")  # partial prefix
+    c = second.generate([other], GREEDY)[0]
+    shared = next(i for i, (x, y) in enumerate(zip(prompt, other, strict=False)) if x != y)
+    assert c.num_cached_tokens == (shared // BS) * BS
+    assert_same(c, uncached(other))
+    assert_no_leaks(second)
+    assert second.shutdown(30)
+
+
+def test_promote_after_ram_drop(model, uncached, tmp_path):
+    engine = tiered(model, tmp_path)
+    prompt = ask(model, "Review: store idempotency keys for 24 hours.")
+    engine.generate([prompt], GREEDY)
+    engine.lower.tier.wait_idle(30)
+    assert engine.blocks.evict_all() > 0
+    before = engine.snapshot()
+    loads_before = before["ssd_load_hits"]
+    promoted = engine.generate([prompt], GREEDY)[0]
+    after = engine.snapshot()
+    loaded = after["ssd_load_hits"] - loads_before
+    assert loaded == promoted.num_cached_tokens // BS > 0
+    # loaded blocks are registered in RAM but never stored back; only computed ones are
+    registered = after["kv_registered"] - before["kv_registered"]
+    assert after["ssd_link_stored_blocks"] - before["ssd_link_stored_blocks"] == registered - loaded
+    again = engine.generate([prompt], GREEDY)[0]  # now a RAM hit: promoted blocks are registered
+    assert engine.snapshot()["ssd_load_hits"] - loads_before == loaded
+    assert again.num_cached_tokens == promoted.num_cached_tokens
+    assert_same(promoted, uncached(prompt))
+    assert_same(again, uncached(prompt))
+    engine.shutdown(30)
+
+
+def _flip_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+
+
+def _break_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8] ^= 0x01  # inside the fixed header (format version / geometry)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate, _break_header])
+def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, damage):
+    prompt = ask(model, "Review: currency conversion happens before the fee is applied.")
+    first = tiered(model, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.shutdown(30)
+    files_by_key = {p.stem: p for p in block_files(tmp_path)}
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    chain = block_digests(root_digest(first.fingerprint), prompt, BS)
+    victim = 3
+    damage(files_by_key[chain[victim].hex()])
+
+    second = tiered(model, tmp_path)
+    result = second.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == victim * BS  # blocks before the damaged one are used
+    assert_same(result, uncached(prompt))
+    stats = second.snapshot()
+    assert stats["ssd_corrupt_total"] + stats.get("ssd_load_missing", 0) >= 1
+    second.lower.tier.wait_idle(30)
+    # the recomputed block was written through again, intact
+    loads_before = stats["ssd_load_hits"]
+    second.blocks.evict_all()
+    again = second.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == ((len(prompt) - 1) // BS) * BS
+    assert second.snapshot()["ssd_load_hits"] > loads_before
+    assert_same(again, uncached(prompt))
+    second.shutdown(30)
+
+
+def test_models_dtypes_and_block_sizes_never_share(model, tmp_path):
+    prompt = ask(model, "Review: the refund path skips the idempotency check.")
+    bf16 = embedded("bfloat16")
+    tiny = tiny_model("llama", model.tokenizer)
+    variants = [(model, {}), (model, {"block_size": 32}), (bf16, {}), (tiny, {})]
+    fingerprints = set()
+    for loaded, kw in variants:
+        engine = tiered(loaded, tmp_path, **kw)
+        fingerprints.add(engine.fingerprint)
+        result = engine.generate([prompt], GREEDY)[0]
+        assert result.num_cached_tokens == 0, f"{loaded.name} {kw} hit another namespace's blocks"
+        assert engine.snapshot()["ssd_lookup_hit_blocks"] == 0
+        engine.shutdown(30)
+    assert len(fingerprints) == 4
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 4
+
+
+def test_evict_only_writes_blocks_when_ram_drops_them(model, uncached, tmp_path):
+    prompt = ask(model, "Review: webhook handler acknowledges before persisting.")
+    engine = tiered(model, tmp_path, policy="evict_only")
+    engine.generate([prompt], GREEDY)
+    engine.lower.tier.wait_idle(30)
+    assert block_files(tmp_path) == []
+    dropped = engine.blocks.evict_all()
+    engine.lower.tier.wait_idle(30)
+    assert len(block_files(tmp_path)) == dropped > 0
+    engine.shutdown(30)
+    restarted = tiered(model, tmp_path, policy="evict_only")
+    result = restarted.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens >= len(prompt) - BS
+    assert_same(result, uncached(prompt))
+    restarted.shutdown(30)
+
+
+def test_cancel_while_loading_frees_blocks_after_the_read(model, uncached, tmp_path):
+    long_prompt = ask(model, "Review this diff:\n" + "\n".join(f"+ charge(amount_{i}, retries=3)" for i in range(60)))
+    writer = tiered(model, tmp_path)
+    writer.generate([long_prompt], GREEDY)
+    writer.shutdown(30)
+
+    engine = tiered(model, tmp_path)
+    handle = engine.submit(long_prompt, GREEDY)
+    engine.step()  # admission: blocks reserved, reads started
+    assert len(engine.scheduler.loading) == 1
+    handle.cancel()
+    engine.run_until_idle()
+    assert engine.collect(handle).finish_reason == "abort"
+    assert_no_leaks(engine)
+    result = engine.generate([long_prompt], GREEDY)[0]  # the pool and the tier still work
+    assert result.num_cached_tokens >= len(long_prompt) - BS
+    assert_same(result, uncached(long_prompt))
+    engine.shutdown(30)
+
+
+def test_settings_attach_the_tier_with_its_policy(model, tmp_path):
+    engine = make_engine(model)
+    settings = Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="evict_only", disk_min_free_gb=0))
+    attach_disk_tier(engine, settings)
+    assert engine.lower is not None and engine.lower.policy == "evict_only"
+    assert engine.tier_health()["path"].startswith(str(tmp_path / "kv"))
+    engine.shutdown(10)
+    off = make_engine(model)
+    attach_disk_tier(off, Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="off")))
+    assert off.lower is None
+
+
+# ---- real filesystem faults ---------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 3 MiB tmpfs (about 8 fp32 blocks of the embedded model), unmounted afterwards."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, small_fs):
+    cfg = DiskTierConfig(min_free_bytes=0, capacity_bytes=64 << 20, async_writes=False)
+    engine = tiered(model, small_fs, tier_config=cfg)
+    prompts = [ask(model, f"Review change {i}: " + "amount += fee; " * (5 + i)) for i in range(6)]
+    for prompt in prompts:
+        assert_same(engine.generate([prompt], GREEDY)[0], uncached(prompt))
+    stats = engine.snapshot()
+    # the tier made room (LRU) or dropped writes it could not fit; it never failed a request
+    pressure = ("ssd_evicted_blocks", "ssd_write_errors", "ssd_dropped_no_space", "writer_dropped_backoff")
+    assert sum(stats[k] for k in pressure) > 0, {k: stats[k] for k in pressure}
+    assert stats["ssd_stored_blocks"] > 0
+    assert not [p for p in small_fs.rglob("*") if p.is_file() and ".tmp" in p.name]
+    for path in block_files(small_fs):  # whatever is on disk is whole
+        assert path.stat().st_size == engine.lower.tier.file_size
+    assert engine.tier_health()["state"] in ("ok", "degraded")
+    engine.shutdown(30)
+
+
+def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
+    cfg = DiskTierConfig(min_free_bytes=0, async_writes=False, fault_backoff_initial_s=0.05,
+                         fault_backoff_max_s=0.2, probe_interval_s=0.05)
+    engine = tiered(model, small_fs, tier_config=cfg)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    a = ask(model, "Review: fees computed in floats.")
+    assert_same(engine.generate([a], GREEDY)[0], uncached(a))
+    assert engine.tier_health()["state"] == "degraded"
+    assert engine.snapshot()["ssd_write_errors"] >= 1
+    assert block_files(small_fs) == []
+
+    subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+    wait_until(lambda: engine.tier_health()["state"] == "ok", timeout=30, what="the tier to recover")
+    b = ask(model, "Review: ledger entries written twice on retry.")
+    assert_same(engine.generate([b], GREEDY)[0], uncached(b))
+    assert len(block_files(small_fs)) > 0, "writes resume once the fault clears"
+    assert os.access(small_fs, os.W_OK)
+    engine.shutdown(30)
