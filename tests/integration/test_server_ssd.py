@@ -1,0 +1,148 @@
+"""The persistent tier across real server processes: clean restarts and SIGKILLs.
+
+Outputs after every restart are compared with a cache-disabled in-process run of the same
+prompt (greedy, fp32): a corrupt or misplaced block would change them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvcellar.engine import SamplingParams
+from tests._models import chat_ids, embedded, make_engine
+from tests.helpers import MODEL, ServerProcess, kvcellar_command, wait_until
+
+pytestmark = pytest.mark.slow
+
+BS = 16
+MAX_TOKENS = 8
+SYSTEM = ("You are the on-call assistant for a storage team. Answer with the exact command to run and "
+          "one sentence of why. Never suggest deleting data without a backup. " * 4)
+
+
+def messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Uncached greedy completions of chat prompts, from an in-process engine."""
+    model = embedded("float32")
+    engine = make_engine(model, prefix_caching=False)
+    memo: dict[str, str] = {}
+
+    def run(question: str) -> str:
+        if question not in memo:
+            prompt = chat_ids(model, question, SYSTEM)
+            memo[question] = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].text
+        return memo[question]
+
+    return run
+
+
+def ask(server: ServerProcess, question: str):
+    return server.client().chat.completions.create(model=MODEL, messages=messages(question),
+                                                   max_tokens=MAX_TOKENS, temperature=0)
+
+
+def test_restart_serves_the_prefix_from_disk(tmp_path, models_dir, reference):
+    cache = tmp_path / "cache"
+    first = ServerProcess(cache, models_dir=models_dir).start()
+    try:
+        a = ask(first, "The disk is 95% full. What do I check first?")
+        assert a.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert first.stop() == 0
+
+    second = ServerProcess(cache, models_dir=models_dir).start()
+    try:
+        health = second.health()
+        assert health["last_shutdown_clean"] is True
+        assert health["ssd"]["state"] == "ok"
+        b = ask(second, "The disk is 95% full. What do I check first?")
+        prompt_tokens = b.usage.prompt_tokens
+        assert b.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - BS
+        assert b.choices[0].message.content == a.choices[0].message.content
+        assert b.choices[0].message.content == reference("The disk is 95% full. What do I check first?")
+        loaded = second.health()["tiers"]["ssd"]["ssd_load_hits"]
+        assert loaded * BS == b.usage.prompt_tokens_details.cached_tokens
+
+        c = ask(second, "A replica is lagging by an hour. What now?")  # shares the system prompt only
+        assert 0 < c.usage.prompt_tokens_details.cached_tokens < c.usage.prompt_tokens - BS
+        assert c.choices[0].message.content == reference("A replica is lagging by an hour. What now?")
+    finally:
+        assert second.stop() == 0
+
+
+def questions(round_no: int) -> list[str]:
+    """Distinct prompts per round, so every round writes new blocks."""
+    return [f"Incident {round_no}-{i}: volume vol-{i:03d} reports I/O errors on node {i % 5}. Next step?"
+            for i in range(12)]
+
+
+def _fire(server: ServerProcess, questions: list[str]) -> None:
+    """Send every question concurrently; the server may die mid-way (that is the point)."""
+    def one(q: str) -> None:
+        try:
+            server.client(timeout=60).chat.completions.create(
+                model=MODEL, messages=messages(q), max_tokens=48, temperature=0)
+        except Exception:
+            pass
+
+    pool = concurrent.futures.ThreadPoolExecutor(len(questions))
+    for q in questions:
+        pool.submit(one, q)
+    pool.shutdown(wait=False)
+
+
+def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir, reference):
+    cache = tmp_path / "cache"
+    stored_before_kill = []
+    for round_no, durability in enumerate(["best_effort", "persistent", "best_effort"]):
+        server = ServerProcess(cache, "--ssd-durability", durability, models_dir=models_dir).start()
+        try:
+            health = server.health()
+            if round_no > 0:
+                assert health["last_shutdown_clean"] is False
+                assert health["tiers"]["ssd"]["ssd_recovered_unclean_sessions"] >= 1
+            # write-heavy: many distinct long prompts at once; kill while blocks are being written
+            _fire(server, questions(round_no))
+            stored = wait_until(
+                lambda s=server: (n := s.health()["tiers"]["ssd"]["ssd_stored_blocks"]) >= 20 and n,
+                timeout=180, interval=0.01, what="blocks to reach the disk")
+            stored_before_kill.append(stored)
+        finally:
+            server.signal(signal.SIGKILL)
+            server.wait_exit(30)
+
+    final = ServerProcess(cache, models_dir=models_dir).start()
+    try:
+        health = final.health()
+        assert health["last_shutdown_clean"] is False
+        ssd = health["tiers"]["ssd"]
+        assert ssd["ssd_recovered_unclean_sessions"] >= 1
+        cached = 0
+        for q in [*questions(0)[:2], *questions(1)[:2], *questions(2)[:2]]:
+            r = ask(final, q)
+            assert r.choices[0].message.content == reference(q), q
+            cached += r.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0, "blocks written before the kills are reused"
+        ssd = final.health()["tiers"]["ssd"]
+        assert ssd["ssd_corrupt_total"] == 0, "a killed writer never leaves a final file that fails its checks"
+    finally:
+        assert final.stop() == 0
+
+    verify = subprocess.run([*kvcellar_command(), "cache", "verify", "--cache-dir", str(cache), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stderr
+    namespaces = json.loads(verify.stdout)["namespaces"]
+    assert len(namespaces) == 1
+    assert namespaces[0]["bad"] == {} and namespaces[0]["unreadable"] == 0
+    assert namespaces[0]["ok"] == namespaces[0]["checked"] > 0
+    print(f"blocks stored before each kill: {stored_before_kill}; verified {namespaces[0]['ok']}", file=sys.stderr)
