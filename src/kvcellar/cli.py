@@ -8,6 +8,7 @@ import sys
 
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
+from kvcellar.bench.cli import add_bench_commands
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, cmd_serve
 from kvcellar.storage.disk.cli import add_cache_commands
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_commands(sub)
     add_models_commands(sub)
+    add_bench_commands(sub)
     return parser
 
 

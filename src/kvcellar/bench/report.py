@@ -1,0 +1,120 @@
+"""Output of a bench run: the folder, plain-text tables, the JSON file, machine facts.
+
+A scenario's result is a JSON-able dict with at least ``tables``: a list of
+``{"title", "columns", "rows", "notes"}`` whose cells are already formatted strings. The
+figures themselves (numbers, with ``median``/``min``/``max``/``values`` for repeated
+measurements) live beside them under the scenario's own keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcellar.bench.stats import Summary
+
+
+def default_out_dir(scenario: str) -> Path:
+    return Path("bench-results") / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+          notes: Sequence[str] = ()) -> dict[str, Any]:
+    return {"title": title, "columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
+            "notes": list(notes)}
+
+
+def format_table(t: dict[str, Any]) -> str:
+    """A Markdown table (pastes into notes and READMEs as is)."""
+    cols = t["columns"]
+    rows = t["rows"]
+    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(str(c)) for i, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)) + " |"
+
+    out = [f"### {t['title']}", "", line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    out += [""] + [f"- {n}" for n in t.get("notes", ())] if t.get("notes") else []
+    return "\n".join(out)
+
+
+def format_tables(result: dict[str, Any]) -> str:
+    return "\n\n".join(format_table(t) for t in result.get("tables", ()))
+
+
+def save_json(result: dict[str, Any], out_dir: Path, name: str = "result.json") -> Path:
+    path = out_dir / name
+    path.write_text(json.dumps(result, indent=1, sort_keys=False, default=str, allow_nan=False))
+    return path
+
+
+# ---- cell formatting -----------------------------------------------------------------------
+
+
+def ms(summary: Summary | float | None, digits: int = 0) -> str:
+    """``median (min–max)`` of seconds, shown in milliseconds; ``-`` when missing."""
+    return _fmt(summary, 1000.0, digits)
+
+
+def num(summary: Summary | float | None, digits: int = 1) -> str:
+    return _fmt(summary, 1.0, digits)
+
+
+def _fmt(summary: Summary | float | None, scale: float, digits: int) -> str:
+    if summary is None:
+        return "-"
+    if isinstance(summary, dict):
+        med, lo, hi = (summary[k] * scale for k in ("median", "min", "max"))
+        if summary.get("n", 1) <= 1 or math.isclose(lo, hi):
+            return f"{med:.{digits}f}"
+        return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+    return f"{summary * scale:.{digits}f}"
+
+
+def x(value: float | None, digits: int = 2) -> str:
+    """A ratio: ``1.23x``."""
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def pct(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{100.0 * value:.{digits}f}%"
+
+
+# ---- the machine a run was taken on ------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        import kvcellar
+
+        info["kvcellar"] = kvcellar.__version__
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(kvcellar.__file__).parent)
+        if rev.returncode == 0:
+            info["git"] = rev.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
