@@ -1,0 +1,200 @@
+"""decode: aggregate output tok/s at 1 and 8 concurrent streams, by SSD policy (write_through/evict_only/off).
+
+kvcellar is started once per --policies entry (default write_through, evict_only, off: the
+disk tier's cost on the decode loop); all of them, and any peer, stay up for the whole run
+and are measured in turn, in a rotated order per repeat, so a noisy minute hits every
+variant alike. Each measurement sends C streams at once (C from --concurrency-levels,
+default 1 and 8), each with its own fresh prompt (--prompt-tokens) and ignore_eos, so each
+stream generates exactly --max-tokens tokens (a peer that ignores ignore_eos may stop
+earlier; its real completion_tokens are counted). Aggregate tok/s = all completion tokens /
+wall time from the first request sent to the last stream done; per-stream tok/s = 1 / the
+mean gap between a stream's tokens. Issue 5's target: write-through costs <= 5 % decode
+throughput against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcellar.bench import report
+from kvcellar.bench.client import ChatClient
+from kvcellar.bench.prompts import sentences
+from kvcellar.bench.stats import ratio, summarize
+from kvcellar.bench.targets import (
+    Target,
+    add_target_arguments,
+    cleanup_cache,
+    kvcellar_target,
+    peer_targets,
+)
+
+NAME = "decode"
+POLICIES = ("write_through", "evict_only", "off")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_arguments(p)
+    g = p.add_argument_group("decode")
+    g.add_argument("--policies", default=",".join(POLICIES),
+                   help="kvcellar --ssd-policy variants, comma-separated (default %(default)s)")
+    g.add_argument("--concurrency-levels", default="1,8", help="concurrent streams, comma-separated (default 1,8)")
+    g.add_argument("--prompt-words", type=int, default=None, help="words of each stream's prompt (default 96; "
+                                                                   "--fast 16)")
+    g.add_argument("--max-tokens", type=int, default=None, help="tokens each stream generates (default 256; "
+                                                                 "--fast 16)")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "policies": [p for p in args.policies.split(",") if p],
+        "concurrency": [int(c) for c in args.concurrency_levels.split(",")],
+        "prompt_words": args.prompt_words or (16 if args.fast else 96),
+        "max_tokens": args.max_tokens or (16 if args.fast else 256),
+        "repeats": args.repeats or (1 if args.fast else 3),
+        "seed": str(args.seed),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _config(args)
+    out: Path = args.out
+    if args.base_url:
+        targets: list[Target] = [Target(args.name or "server", args.base_url, api_key=args.api_key)]
+        cfg["policies"] = []
+    else:
+        targets = [kvcellar_target(args, f"kvcellar-{p}", out, ["--ssd-policy", p]) for p in cfg["policies"]]
+    targets += peer_targets(args, out)
+    raw: dict[str, dict[int, list[dict[str, Any]]]] = {t.name: {c: [] for c in cfg["concurrency"]} for t in targets}
+    counters: dict[str, dict[str, float]] = {}
+    try:
+        for t in targets:
+            t.start()
+        models = {t.name: t.served_model() for t in targets}
+        for t in targets:
+            asyncio.run(_streams(t, models[t.name], cfg, 2, f"{cfg['seed']}:warm:{t.name}", max_tokens=4))
+        for rep in range(cfg["repeats"]):
+            order = targets[rep % len(targets):] + targets[:rep % len(targets)]
+            for t in order:
+                for c in cfg["concurrency"]:
+                    # the same prompts for every target: each has its own cache, so all are cold
+                    raw[t.name][c].append(asyncio.run(_streams(t, models[t.name], cfg, c,
+                                                               f"{cfg['seed']}:decode:{rep}:{c}")))
+        for t in targets:
+            counters[t.name] = t.counters()
+    finally:
+        for t in targets:
+            t.stop()
+            cleanup_cache(t, getattr(args, "keep_cache", False))
+    results = {t.name: _figures(t, raw[t.name], counters.get(t.name, {})) for t in targets}
+    base = "kvcellar-off" if "kvcellar-off" in results else None
+    for res in results.values():
+        for c, row in res["concurrency"].items():
+            ref = results[base]["concurrency"][c]["aggregate_tok_s"] if base else None
+            row["tok_s_over_off"] = ratio(row["aggregate_tok_s"], ref)
+    result = {"config": cfg, "baseline": base, "targets": results, "servers": [t.describe() for t in targets]}
+    result["tables"] = _tables(result)
+    return result
+
+
+async def _streams(target: Target, model: str, cfg: dict[str, Any], n: int, seed: str,
+                   max_tokens: int | None = None) -> dict[str, Any]:
+    async with ChatClient(target.base_url, model, api_key=target.api_key) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(
+            client.stream_chat([{"role": "user", "content": f"Stream {seed}:{i}. " +
+                                 sentences(f"{seed}:{i}", cfg["prompt_words"])}],
+                               max_tokens or cfg["max_tokens"], ignore_eos=True)
+            for i in range(n)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens or r.text_chunks for r in ok)
+    steps = [r.decode_step_s for r in ok if r.decode_step_s]
+    return {"wall_s": wall, "tokens": tokens, "streams": n, "ok": len(ok),
+            "errors": [r.error for r in results if not r.ok],
+            "aggregate_tok_s": tokens / wall if wall > 0 else None,
+            "per_stream_tok_s": [1.0 / s for s in steps],
+            "ttft_s": [r.ttft_s for r in ok],
+            "completion_tokens": [r.completion_tokens for r in ok]}
+
+
+def _figures(target: Target, raw: dict[int, list[dict[str, Any]]], counters: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": target.kind, "concurrency": {}}
+    for c, runs in raw.items():
+        per_stream = [sum(r["per_stream_tok_s"]) / len(r["per_stream_tok_s"]) for r in runs if r["per_stream_tok_s"]]
+        out["concurrency"][str(c)] = {
+            "aggregate_tok_s": summarize(r["aggregate_tok_s"] for r in runs),
+            "per_stream_tok_s": summarize(per_stream),
+            "ttft_s": summarize(sorted(r["ttft_s"])[len(r["ttft_s"]) // 2] for r in runs if r["ttft_s"]),
+            "tokens_per_stream": sorted({t for r in runs for t in r["completion_tokens"] if t is not None}),
+            "errors": [e for r in runs for e in r["errors"]],
+            "runs": runs,
+        }
+    keys = ("ssd_stored_blocks", "ssd_stored_bytes", "writer_enqueued", "writer_dropped_queue_full",
+            "writer_dropped_backoff", "writer_enqueue_wait_s_total", "engine_generated_tokens")
+    out["ssd"] = {k: counters[k] for k in keys if k in counters} or None
+    return out
+
+
+def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
+    cfg = result["config"]
+    rows = []
+    for name, res in result["targets"].items():
+        for c, row in res["concurrency"].items():
+            rows.append([name, c, report.num(row["aggregate_tok_s"]), report.num(row["per_stream_tok_s"]),
+                         report.ms(row["ttft_s"]), report.x(row["tok_s_over_off"], 3),
+                         "/".join(str(t) for t in row["tokens_per_stream"]), str(len(row["errors"]))])
+    ssd_rows = []
+    for name, res in result["targets"].items():
+        s = res["ssd"]
+        if s is None:
+            ssd_rows.append([name, "n/a (not kvcellar)", "", "", ""])
+            continue
+        ssd_rows.append([name, str(int(s.get("ssd_stored_blocks", 0))),
+                         f"{s.get('ssd_stored_bytes', 0) / (1 << 20):.1f}",
+                         str(int(s.get("writer_dropped_queue_full", 0) + s.get("writer_dropped_backoff", 0))),
+                         f"{1000 * s.get('writer_enqueue_wait_s_total', 0):.1f}"])
+    notes = [f"{cfg['max_tokens']} tokens per stream (ignore_eos), prompts of ~{cfg['prompt_words']} words, "
+             f"fresh per measurement; median (min–max) of {cfg['repeats']} repeat(s), variants interleaved",
+             "vs off: aggregate tok/s over kvcellar with --ssd-policy off at the same concurrency "
+             "(issue 5 target: write_through >= 0.95x)"]
+    return [
+        report.table("Decode throughput", ["target", "streams", "aggregate tok/s", "per-stream tok/s", "TTFT ms",
+                                           "vs off", "tokens/stream", "errors"], rows, notes),
+        report.table("SSD writes during the run (kvcellar /health)", ["target", "blocks stored", "MiB stored",
+                                                                      "writer drops", "enqueue wait ms"], ssd_rows),
+    ]
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["targets"])
+    levels = [str(c) for c in result["config"]["concurrency"]]
+    fig, ax = plt.subplots(figsize=(max(6, 2 + 2 * len(names)), 4.5))
+    width = 0.8 / max(1, len(levels))
+    for j, c in enumerate(levels):
+        meds, lo, hi = [], [], []
+        for name in names:
+            s = result["targets"][name]["concurrency"][c]["aggregate_tok_s"] or {"median": 0, "min": 0, "max": 0}
+            meds.append(s["median"])
+            lo.append(s["median"] - s["min"])
+            hi.append(s["max"] - s["median"])
+        ax.bar([i + j * width for i in range(len(names))], meds, width, yerr=[lo, hi], capsize=4,
+               label=f"{c} stream{'s' if c != '1' else ''}")
+    ax.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(names))], names, fontsize=8)
+    ax.set_ylabel("aggregate output tok/s (median, min–max)")
+    ax.set_title("Decode throughput by SSD policy")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "decode.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
