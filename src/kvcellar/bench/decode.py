@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency-levels", default="1,8", help="concurrent streams, comma-separated (default 1,8)")
     g.add_argument("--prompt-words", type=int, default=None, help="words of each stream's prompt (default 96; "
                                                                    "--fast 16)")
-    g.add_argument("--max-tokens", type=int, default=None, help="tokens each stream generates (default 256; "
+    g.add_argument("--max-tokens", type=int, default=None, help="tokens each stream generates (default 128; "
                                                                  "--fast 16)")
 
 
@@ -53,7 +53,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "policies": [p for p in args.policies.split(",") if p],
         "concurrency": [int(c) for c in args.concurrency_levels.split(",")],
         "prompt_words": args.prompt_words or (16 if args.fast else 96),
-        "max_tokens": args.max_tokens or (16 if args.fast else 256),
+        "max_tokens": args.max_tokens or (16 if args.fast else 128),
         "repeats": args.repeats or (1 if args.fast else 3),
         "seed": str(args.seed),
     }
