@@ -143,7 +143,7 @@ def pass_figures(p: dict[str, Any], before: dict[str, float], after: dict[str, f
     e2e = [r["e2e_s"] for r in ok]
     prompt = [r["prompt_tokens"] for r in ok]
     cached = [r["cached_tokens"] for r in ok]
-    out_tokens = sum(r["completion_tokens"] or 0 for r in ok)
+    out_tokens = sum(r["output_tokens"] for r in ok)
     fig: dict[str, Any] = {
         "requests": len(p["records"]), "errors": [r["error"] for r in p["records"] if not r["ok"]],
         "wall_s": p["wall_s"],
@@ -262,6 +262,8 @@ def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
             notes.append(f"{name}: a running server at a URL, not restarted: pass 2 shows only its in-memory cache")
         elif restart:
             notes.append(f"{name}: restarted before pass 2, page cache dropped by {restart['page_cache']}")
+        if any(r["completion_tokens"] is None for rep in reps for p in rep["passes"] for r in p["records"]):
+            notes.append(f"{name}: streams carry no usage; output tokens counted from streamed text chunks")
         if not res["is_kvcellar"]:
             notes.append(f"{name}: tier split n/a (not kvcellar); cached ratio n/a unless the server reports "
                          "usage.prompt_tokens_details.cached_tokens")

@@ -34,9 +34,15 @@ class StreamResult:
     started: float = field(default=0.0, repr=False)  # perf_counter at send
 
     @property
+    def output_tokens(self) -> int:
+        """``usage.completion_tokens``; where a server streams no usage (llama-cpp-python),
+        the text chunks, one token each in the servers measured here."""
+        return self.completion_tokens if self.completion_tokens is not None else self.text_chunks
+
+    @property
     def decode_step_s(self) -> float | None:
         """Mean time per generated token after the first one."""
-        n = self.completion_tokens or self.text_chunks
+        n = self.output_tokens
         if self.ttft_s is None or self.last_token_s is None or n < 2:
             return None
         return (self.last_token_s - self.ttft_s) / (n - 1)
@@ -45,6 +51,7 @@ class StreamResult:
         d = asdict(self)
         d.pop("started")
         d["decode_step_s"] = self.decode_step_s
+        d["output_tokens"] = self.output_tokens
         return d
 
 
