@@ -111,3 +111,12 @@ def tiny_model(arch: str, tokenizer: Any, **config: Any) -> LoadedModel:
         model.lm_head.weight.mul_(8.0)
     model.generation_config.eos_token_id = None
     return wrap_model(model, tokenizer, name=f"tiny-{arch}")
+
+
+def expected_cached(prompt_len: int, common: int, computed: int | None = None, block_size: int = 16) -> int:
+    """Prompt tokens a prefix hit reuses: the whole blocks of the shared prefix (``common``
+    tokens, of which ``computed`` hold KV), except that the last prompt token is always
+    recomputed: a fully cached, block-aligned prompt reuses all but that one token."""
+    limit = min(common, prompt_len, computed if computed is not None else common)
+    full = (limit // block_size) * block_size
+    return prompt_len - 1 if full == prompt_len else full

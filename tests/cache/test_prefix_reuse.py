@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from tests._models import chat_ids, embedded, make_engine, tiny_model
+from tests._models import chat_ids, embedded, expected_cached, make_engine, tiny_model
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=True, top_logprobs=3)
@@ -41,9 +41,7 @@ def uncached(model):
 
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:
-    """Tokens a prefix hit can reuse: whole blocks of the shared prefix, never the last token."""
-    limit = min(common, prompt_len - 1, computed if computed is not None else common)
-    return (limit // BS) * BS
+    return expected_cached(prompt_len, common, computed, BS)
 
 
 def common_prefix(a, b) -> int:
@@ -77,20 +75,29 @@ def test_full_prefix_hit(model, uncached):
     second = engine.generate([prompt], GREEDY)[0]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == expected_hit(len(prompt), len(prompt))
-    assert second.num_cached_tokens >= len(prompt) - BS
+    assert second.num_cached_tokens >= len(prompt) - BS + 1
     assert_same(first, uncached(prompt))
     assert_same(second, uncached(prompt))
     assert_no_leaks(engine)
 
 
 def test_block_aligned_prompt_still_computes_last_token(model, uncached):
+    """A fully cached, block-aligned prompt: the last block is copied and only its last
+    token recomputed (the shared block is never written); outputs are unchanged."""
     engine = make_engine(model)
     prompt = chat_ids(model, "Say hello.", SYSTEM)
     prompt = prompt[: (len(prompt) // BS) * BS]  # exactly whole blocks
-    engine.generate([prompt], GREEDY)
+    first = engine.generate([prompt], GREEDY)[0]
+    computed_before = engine.stats["engine_computed_tokens"]
     again = engine.generate([prompt], GREEDY)[0]
-    assert again.num_cached_tokens == len(prompt) - BS
-    assert_same(again, uncached(prompt))
+    assert again.num_cached_tokens == len(prompt) - 1
+    # one prompt token plus one per generated token after the first
+    assert engine.stats["engine_computed_tokens"] - computed_before == 1 + len(again.token_ids) - 1
+    third = engine.generate([prompt], GREEDY)[0]  # the shared block still holds the original KV
+    assert third.num_cached_tokens == len(prompt) - 1
+    for r in (first, again, third):
+        assert_same(r, uncached(prompt))
+    assert_no_leaks(engine)
 
 
 def test_partial_prefix_shared_system_prompt(model, uncached):

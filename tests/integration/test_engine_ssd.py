@@ -17,7 +17,7 @@ from kvcellar.engine import SamplingParams
 from kvcellar.runtime import attach_disk_tier
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
-from tests._models import chat_ids, embedded, make_engine, tiny_model
+from tests._models import chat_ids, embedded, expected_cached, make_engine, tiny_model
 from tests.helpers import wait_until
 
 BS = 16
@@ -82,7 +82,7 @@ def test_restart_serves_prefix_from_disk(model, uncached, tmp_path):
 
     second = tiered(model, tmp_path)  # a new engine: empty RAM, same directory
     b = second.generate([prompt], GREEDY)[0]
-    assert b.num_cached_tokens == ((len(prompt) - 1) // BS) * BS >= len(prompt) - BS
+    assert b.num_cached_tokens == expected_cached(len(prompt), len(prompt)) >= len(prompt) - BS
     assert second.scheduler.stats["sched_lower_tier_hit_tokens"] == b.num_cached_tokens
     assert second.blocks.stats["kv_lookup_hits"] == 0
     assert_same(a, uncached(prompt))
@@ -95,6 +95,25 @@ def test_restart_serves_prefix_from_disk(model, uncached, tmp_path):
     assert_same(c, uncached(other))
     assert_no_leaks(second)
     assert second.shutdown(30)
+
+
+def test_block_aligned_prompt_from_disk_recomputes_only_the_last_token(model, uncached, tmp_path):
+    prompt = ask(model, "Review: the ledger table has no unique constraint.")
+    prompt = prompt[: (len(prompt) // BS) * BS]
+    first = tiered(model, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.shutdown(30)
+    second = tiered(model, tmp_path)
+    result = second.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == len(prompt) - 1
+    assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
+    assert_same(result, uncached(prompt))
+    again = second.generate([prompt], GREEDY)[0]  # RAM now holds every block, the last one included
+    assert again.num_cached_tokens == len(prompt) - 1
+    assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
+    assert_same(again, uncached(prompt))
+    assert_no_leaks(second)
+    second.shutdown(30)
 
 
 def test_promote_after_ram_drop(model, uncached, tmp_path):
@@ -161,7 +180,7 @@ def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, da
     loads_before = stats["ssd_load_hits"]
     second.blocks.evict_all()
     again = second.generate([prompt], GREEDY)[0]
-    assert again.num_cached_tokens == ((len(prompt) - 1) // BS) * BS
+    assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert second.snapshot()["ssd_load_hits"] > loads_before
     assert_same(again, uncached(prompt))
     second.shutdown(30)

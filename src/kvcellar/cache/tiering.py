@@ -10,7 +10,7 @@ Writes:
 * ``evict_only``: a block is stored when the RAM tier drops it.
 Blocks that came from the tier are never stored back.
 
-Reads: ``lookup`` says how many of the next blocks the tier holds; ``start_load`` reads them
+Reads: ``lookup`` says how many of the next blocks to try; ``start_load`` reads them
 straight into the pool blocks the scheduler reserved (a staging copy on accelerators) while
 the engine keeps stepping other sequences; ``finish_load`` polls. A block counts only once
 the tier has verified its digest, token ids and checksum.
@@ -75,12 +75,18 @@ class LowerTierLink:
     # ---- reads ----------------------------------------------------------------------------
 
     def lookup(self, digests: Sequence[bytes]) -> int:
+        """How many of the leading ``digests`` to try loading: all of them if the tier holds
+        the first, else none. Only the first is checked here (one stat on the engine
+        thread): the load itself opens the rest in parallel and reports the verified run,
+        where checking them one by one first would cost a serial stat chain, slow on a
+        cold directory cache, before any byte is read."""
         if not digests:
             return 0
         self.stats[self._p + "lookups"] += 1
-        n = self.tier.lookup([self.key_of(d) for d in digests])
-        self.stats[self._p + "lookup_blocks"] += n
-        return n
+        if self.tier.lookup([self.key_of(digests[0])]) == 0:
+            return 0
+        self.stats[self._p + "lookup_blocks"] += len(digests)
+        return len(digests)
 
     def start_load(self, blocks: list[Block], digests: list[bytes], token_blocks: list[tuple[int, ...]]) -> PendingLoad:
         staging: list[torch.Tensor] = []

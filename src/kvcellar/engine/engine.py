@@ -84,6 +84,7 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs,
             max_step_tokens=cfg.max_step_tokens,
             prefix_caching=cfg.prefix_caching,
+            copy_block=self.pool.copy_block,
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.descriptor = kv_descriptor(
@@ -104,6 +105,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stop_now = False
+        self._shutdown_lock = threading.Lock()
+        self._shutdown_result: bool | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
         self.stats: dict[str, float] = {
@@ -174,7 +177,7 @@ class Engine:
         if blocks > self.blocks.num_blocks - 1:
             raise InvalidRequestError(
                 f"The request needs {total} tokens of KV cache but the pool holds "
-                f"{(self.blocks.num_blocks - 1) * self.block_size}; raise --kv-cache-gb or shorten the request.",
+                f"{self.pool_tokens}; raise --kv-cache-gb or shorten the request.",
                 code="context_length_exceeded",
             )
 
@@ -245,12 +248,15 @@ class Engine:
         """Stop admitting; let in-flight work finish until ``timeout``; abort the rest; then
         drain and close the lower tier. Returns True if nothing had to be aborted and the
         tier's writer drained."""
-        deadline = time.monotonic() + timeout
-        clean = self._stop_engine(timeout)
-        if self.lower is not None:
-            clean = self.lower.close(max(1.0, deadline - time.monotonic())) and clean
-            self.lower = self.scheduler.lower = None
-        return clean
+        with self._shutdown_lock:  # idempotent; concurrent callers wait for the first
+            if self._shutdown_result is not None:
+                return self._shutdown_result
+            deadline = time.monotonic() + timeout
+            clean = self._stop_engine(timeout)
+            if self.lower is not None:
+                clean = self.lower.close(max(1.0, deadline - time.monotonic())) and clean
+            self._shutdown_result = clean
+            return clean
 
     def _stop_engine(self, timeout: float) -> bool:
         self._accepting = False
@@ -281,6 +287,11 @@ class Engine:
 
     def num_active(self) -> int:
         return len(self._seqs)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of KV the RAM block pool holds (the null block excluded)."""
+        return (self.blocks.num_blocks - 1) * self.block_size
 
     def snapshot(self) -> dict[str, float]:
         """Counters of the engine, scheduler, RAM tier and lower tier, merged (prefixes keep

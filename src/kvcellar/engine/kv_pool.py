@@ -78,6 +78,9 @@ class KVPool:
         v = self._v[layer].index_select(0, flat).view(shape).transpose(1, 2)
         return k, v
 
+    def copy_block(self, src: int, dst: int) -> None:
+        self.data[dst].copy_(self.data[src])
+
     def block(self, block_id: int) -> torch.Tensor:
         """One block's storage (all layers, K and V), a contiguous view."""
         return self.data[block_id]

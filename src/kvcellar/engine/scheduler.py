@@ -8,9 +8,9 @@ Every step the scheduler builds a plan under a token budget (``max_step_tokens``
 2. sequences in the middle of a prefill continue with a chunk of what budget is left;
 3. waiting sequences are admitted in arrival order while budget, sequence slots and
    blocks allow. Admission reuses the longest cached prefix of full blocks (never the
-   whole prompt: the last prompt token is always computed, so there are logits to sample
-   from), and reserves blocks for the rest of the prompt up front so a chunked prefill
-   never runs out half-way. A sequence whose next block is being computed right now by
+   last prompt token: it is always computed, so there are logits to sample from), and
+   reserves blocks for the rest of the prompt up front so a chunked prefill never runs
+   out half-way. A sequence whose next block is being computed right now by
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
    prompt) waits a step or more and then reuses it instead of computing it twice.
 
@@ -30,6 +30,7 @@ Threading: not thread-safe; only the engine thread calls in.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,10 @@ from kvcellar.engine.sequence import SeqState, Sequence
 
 if TYPE_CHECKING:
     from kvcellar.cache.tiering import LowerTierLink
+
+
+def _no_copy(src: int, dst: int) -> None:
+    raise RuntimeError("this scheduler was built without a copy_block function")
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Scheduler:
         max_step_tokens: int,
         prefix_caching: bool = True,
         lower: LowerTierLink | None = None,
+        copy_block: Callable[[int, int], None] | None = None,
     ) -> None:
         self.bm = blocks
         self.block_size = blocks.block_size
@@ -78,6 +84,8 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.prefix_caching = prefix_caching
         self.lower = lower
+        # Copies one pool block's KV into another (engine-owned storage).
+        self.copy_block = copy_block or _no_copy
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # admitted, blocks being read from the lower tier
@@ -202,37 +210,49 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence) -> bool | None:
-        """Reserve blocks and reuse the cached prefix. None: no room; False: deferred."""
+        """Reserve blocks and reuse the cached prefix. None: no room; False: deferred.
+
+        The last token is always computed, to get logits. When the whole prompt is cached
+        and ends on a block boundary, the last cached block is copied into a private block
+        and only its last token is recomputed there (one token of work instead of a block;
+        the shared block is never written)."""
         bs = self.block_size
-        # Never reuse the whole prompt: the last token is computed to get logits.
-        reusable = (seq.num_tokens - 1) // bs
+        n_full = seq.num_tokens // bs
         hits: list[Block] = []
         digests: list[bytes] = []
+        cow: Block | None = None
         lower = 0
         if self.prefix_caching:
-            digests = seq.digests(seq.num_tokens // bs, bs)
-            tokens = [seq.block_tokens(i, bs) for i in range(reusable)]
-            hits = self.bm.match(digests[:reusable], tokens)
-            if len(hits) < reusable and digests[len(hits)] in self._inflight:
+            digests = seq.digests(n_full, bs)
+            tokens = [seq.block_tokens(i, bs) for i in range(n_full)]
+            hits = self.bm.match(digests, tokens)
+            if len(hits) < n_full and digests[len(hits)] in self._inflight:
                 self.stats["sched_deferred_for_shared_prefix"] += 1
                 return False
-            if self.lower is not None and len(hits) < reusable:
-                lower = self.lower.lookup(digests[len(hits) : reusable])
+            if hits and len(hits) * bs == seq.num_tokens:
+                cow = hits.pop()
+            elif self.lower is not None and len(hits) < n_full:
+                lower = self.lower.lookup(digests[len(hits) : n_full])
         total = (seq.num_tokens + bs - 1) // bs
         need = total - len(hits)
         # Keep one block per running decode in reserve so admission does not force an
         # immediate preemption.
         reserve = sum(1 for s in self.running if not s.in_prefill)
-        available = self.bm.available(hits)
+        held = [*hits, cow] if cow is not None else hits
+        available = self.bm.available(held)
         if need > available or (need + reserve > available and (self.running or self.loading)):
             return None
-        self.bm.acquire(hits)
-        if hits and self.lower is not None:
-            self.lower.touch(digests[: len(hits)])
+        self.bm.acquire(held)
+        if held and self.lower is not None:
+            self.lower.touch(digests[: len(held)])
         seq.blocks = hits + self.bm.allocate(need)
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
-        seq.num_ram_hit_tokens = len(hits) * bs
+        if cow is not None:
+            self.copy_block(cow.block_id, seq.blocks[len(hits)].block_id)
+            self.bm.release([cow])
+            seq.num_computed = seq.num_tokens - 1
+        seq.num_ram_hit_tokens = seq.num_computed
         for i in range(len(hits), len(digests)):
             self._inflight.setdefault(digests[i], seq)
         self.stats["sched_admitted"] += 1
@@ -252,8 +272,8 @@ class Scheduler:
     def _start_running(self, seq: Sequence) -> None:
         if seq.num_cached_tokens is None:  # first admission (not a resumption after preemption)
             seq.num_cached_tokens = seq.num_computed
-            reusable = (seq.num_tokens - 1) // self.block_size
-            self.bm.record_lookup(seq.num_ram_hit_tokens // self.block_size, reusable)
+            bs = self.block_size
+            self.bm.record_lookup(-(-seq.num_ram_hit_tokens // bs), seq.num_tokens // bs)
             self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - seq.num_ram_hit_tokens
         seq.state = SeqState.RUNNING
         self.running.append(seq)
@@ -267,8 +287,11 @@ class Scheduler:
             self.loading.remove(seq)
             first = seq.num_registered
             seq.pending_load = None
-            seq.num_computed = (first + n) * self.block_size
-            self._publish(seq, first, first + n)
+            done = first + n
+            seq.num_computed = min(done * self.block_size, seq.num_tokens - 1)
+            # A loaded block whose last token is about to be recomputed is published after
+            # that (by commit), not before.
+            self._publish(seq, first, seq.num_computed // self.block_size)
             self._start_running(seq)
         for seq in list(self._draining):
             if self.lower.finish_load(seq.pending_load) is not None:

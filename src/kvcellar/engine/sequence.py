@@ -72,7 +72,10 @@ class EventStream:
             self._sync_q.put(event)
 
     async def get(self, timeout: float | None = None) -> TokenEvent:
+        """The next event; ``asyncio.TimeoutError`` if none arrives within ``timeout``."""
         assert self._async_q is not None, "stream was built without an event loop"
+        if not self._async_q.empty():  # wait_for(timeout<=0) would give up without looking
+            return self._async_q.get_nowait()
         return await asyncio.wait_for(self._async_q.get(), timeout)
 
     def get_sync(self, timeout: float | None = None) -> TokenEvent:

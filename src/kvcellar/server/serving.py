@@ -104,7 +104,7 @@ class OpenAIServing:
 
     def _room(self, prompt_len: int) -> int:
         """Default max_tokens: whatever the context (and the KV pool) leaves."""
-        pool_tokens = (self.engine.blocks.num_blocks - 1) * self.engine.block_size
+        pool_tokens = self.engine.pool_tokens
         return max(1, min(self.engine.max_model_len, pool_tokens) - prompt_len)
 
     def _timeouts(self, req: ChatCompletionRequest | CompletionRequest) -> Timeouts:
