@@ -72,7 +72,8 @@ def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> fl
     """ms per engine step while ``batch`` sequences decode (their prefill excluded)."""
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     handles = [engine.submit(prompt_of(context, 7 + i), params) for i in range(batch)]
-    while any(s.in_prefill or s.num_computed == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+    engine.step()  # drains the inbox: from here on the scheduler sees every sequence
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
     engine.step()  # every sequence is decoding from here on
     t0 = time.perf_counter()

@@ -59,6 +59,7 @@ def decode_step_ms(engine: Engine, ids: list[int], steps: int = 8) -> float:
 def batch_decode_ms(engine: Engine, batch: int, context: int, steps: int = 16) -> float:
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     handles = [engine.submit(prompt_of(context, 500 + i), params) for i in range(batch)]
+    engine.step()  # drains the inbox: from here on the scheduler sees every sequence
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
     engine.step()
