@@ -350,11 +350,15 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    styles = {"cold_s": ("cold", "o-"), "ram_hit_s": ("RAM hit", "s-"), "disk_hit_s": ("disk hit", "^-"),
-              "partial_s": ("partial", "d-"), "floor_s": ("floor", "k--")}
-    for name, res in result["targets"].items():
+    # colour = phase, line style and marker = target
+    phases = {"cold_s": ("cold", "tab:blue"), "ram_hit_s": ("RAM hit", "tab:orange"),
+              "disk_hit_s": ("disk hit", "tab:green"), "partial_s": ("partial", "tab:red"),
+              "floor_s": ("floor", "dimgray")}
+    looks = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "d")]
+    for t_index, (name, res) in enumerate(result["targets"].items()):
+        line, marker = looks[t_index % len(looks)]
         lengths = [int(n) for n in res["lengths"]]
-        for key, (label, style) in styles.items():
+        for key, (label, colour) in phases.items():
             rows = [res["lengths"][str(n)][key] for n in lengths]
             pts = [(n, r) for n, r in zip(lengths, rows, strict=False) if r is not None]
             if not pts:
@@ -366,8 +370,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
                                                                           for _, r in pts]]
             else:
                 ys, err = [r * 1000 for _, r in pts], None
-            ax.errorbar(xs, ys, yerr=err, fmt=style, capsize=3, label=f"{name}: {label}",
-                        alpha=0.6 if key == "floor_s" else 1.0)
+            ax.errorbar(xs, ys, yerr=err, color=colour, linestyle=line, marker=marker, capsize=3,
+                        label=f"{name}: {label}", alpha=0.6 if key == "floor_s" else 1.0)
     all_lengths = sorted({int(n) for res in result["targets"].values() for n in res["lengths"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(all_lengths, [str(n) for n in all_lengths])
@@ -385,6 +389,10 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         vals = [(res["lengths"].get(str(n)) or {}).get("ratios", {}).get("disk_over_floor") for n in all_lengths]
         ax2.bar([j + i * width for j in range(len(all_lengths))], [v or 0 for v in vals], width, label=name)
     ax2.axhline(1.5, color="red", linestyle="--", label="target 1.5x")
+    ratios = [v for res in result["targets"].values() for row in res["lengths"].values()
+              for v in [row.get("ratios", {}).get("disk_over_floor")] if v]
+    if ratios and max(ratios) > 10:
+        ax2.set_yscale("log")
     ax2.axhline(1.0, color="black", linewidth=0.8)
     ax2.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(all_lengths))], [str(n) for n in all_lengths])
     ax2.set_xlabel("prompt tokens")
