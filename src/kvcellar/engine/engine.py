@@ -369,11 +369,16 @@ class Engine:
         self.stats["engine_computed_tokens"] += plan.num_tokens
         row = 0
         for item in plan.items:
-            self.scheduler.commit(item)
-            if item.sample:
-                seq = item.seq
-                self._append(seq, sample_row(logits[row], seq.params, seq.output_ids, seq.generator))
-                row += 1
+            seq = item.seq
+            try:
+                self.scheduler.commit(item)
+                if item.sample:
+                    row += 1
+                    self._append(seq, sample_row(logits[row - 1], seq.params, seq.output_ids, seq.generator))
+            except Exception as exc:  # one sequence's failure must not strand the others
+                log.exception("post-processing sequence %d failed", seq.seq_id)
+                self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="error",
+                                             error=f"{type(exc).__name__}: {exc}"))
         if self.lower is not None:
             self.lower.flush()
         self.stats["engine_step_seconds"] += time.perf_counter() - t0
