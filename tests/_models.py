@@ -120,3 +120,39 @@ def expected_cached(prompt_len: int, common: int, computed: int | None = None, b
     limit = min(common, prompt_len, computed if computed is not None else common)
     full = (limit // block_size) * block_size
     return prompt_len - 1 if full == prompt_len else full
+
+
+LOGPROB_TOL = 2e-4  # fp32: cached and uncached runs differ by ~1e-5
+
+
+def uncached_runner(loaded: LoadedModel, params: Any) -> Any:
+    """Cache-disabled results per prompt (memoised): the reference cached runs must equal."""
+    engine = make_engine(loaded, prefix_caching=False)
+    memo: dict[tuple[int, ...], Any] = {}
+
+    def run(prompt: Sequence[int]) -> Any:
+        key = tuple(prompt)
+        if key not in memo:
+            memo[key] = engine.generate([list(prompt)], params)[0]
+        return memo[key]
+
+    return run
+
+
+def assert_same_output(result: Any, reference: Any, tol: float = LOGPROB_TOL) -> None:
+    """Greedy tokens identical, text identical, logprobs within ``tol``."""
+    assert result.token_ids == reference.token_ids
+    assert result.text == reference.text
+    assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=tol)
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """Every sequence gone, every block back: free or cached, none referenced."""
+    bm = engine.blocks
+    assert engine.num_active() == 0
+    assert bm.num_used == 0
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free + bm.num_evictable == bm.num_blocks - 1
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting and not sched.loading and not sched._draining
+    assert not sched._inflight

@@ -8,11 +8,20 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from tests._models import chat_ids, embedded, expected_cached, make_engine, tiny_model
+from tests._models import (
+    LOGPROB_TOL,
+    assert_no_leaks,
+    assert_same_output,
+    chat_ids,
+    embedded,
+    expected_cached,
+    make_engine,
+    tiny_model,
+    uncached_runner,
+)
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=True, top_logprobs=3)
-TOL = 2e-4
 SYSTEM = (
     "You are a meticulous assistant for a software team. Answer precisely, cite the relevant "
     "function names, keep answers short, and never invent APIs that do not exist. "
@@ -27,17 +36,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def uncached(model):
-    """Reference results from an engine with prefix caching off (memoised per prompt)."""
-    engine = make_engine(model, prefix_caching=False)
-    memo: dict[tuple[int, ...], object] = {}
-
-    def run(prompt):
-        key = tuple(prompt)
-        if key not in memo:
-            memo[key] = engine.generate([prompt], GREEDY)[0]
-        return memo[key]
-
-    return run
+    return uncached_runner(model, GREEDY)
 
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:
@@ -53,19 +52,6 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def assert_same(result, reference):
-    assert result.token_ids == reference.token_ids
-    assert result.text == reference.text
-    assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=TOL)
-
-
-def assert_no_leaks(engine):
-    bm = engine.blocks
-    assert engine.num_active() == 0
-    assert bm.num_used == 0
-    assert all(b.ref_count == 0 for b in bm.blocks)
-    assert bm.num_free + bm.num_evictable == bm.num_blocks - 1
-    assert not engine.scheduler._inflight
 
 
 def test_full_prefix_hit(model, uncached):
@@ -76,8 +62,8 @@ def test_full_prefix_hit(model, uncached):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == expected_hit(len(prompt), len(prompt))
     assert second.num_cached_tokens >= len(prompt) - BS + 1
-    assert_same(first, uncached(prompt))
-    assert_same(second, uncached(prompt))
+    assert_same_output(first, uncached(prompt))
+    assert_same_output(second, uncached(prompt))
     assert_no_leaks(engine)
 
 
@@ -96,7 +82,7 @@ def test_block_aligned_prompt_still_computes_last_token(model, uncached):
     third = engine.generate([prompt], GREEDY)[0]  # the shared block still holds the original KV
     assert third.num_cached_tokens == len(prompt) - 1
     for r in (first, again, third):
-        assert_same(r, uncached(prompt))
+        assert_same_output(r, uncached(prompt))
     assert_no_leaks(engine)
 
 
@@ -108,7 +94,7 @@ def test_partial_prefix_shared_system_prompt(model, uncached):
     result = engine.generate([b], GREEDY)[0]
     assert result.num_cached_tokens == expected_hit(len(b), common_prefix(a, b))
     assert result.num_cached_tokens >= 32
-    assert_same(result, uncached(b))
+    assert_same_output(result, uncached(b))
 
 
 def test_multi_turn_reuses_previous_reply(model, uncached):
@@ -129,7 +115,7 @@ def test_multi_turn_reuses_previous_reply(model, uncached):
     expect = expected_hit(len(prompt2), common_prefix(history, prompt2), computed)
     assert expect > (len(prompt1) // BS) * BS, "turn 2 must reuse blocks of turn 1's reply"
     assert result.num_cached_tokens == expect
-    assert_same(result, uncached(prompt2))
+    assert_same_output(result, uncached(prompt2))
 
 
 def test_concurrent_requests_sharing_a_prefix(model, uncached):
@@ -139,7 +125,7 @@ def test_concurrent_requests_sharing_a_prefix(model, uncached):
     prompts = [chat_ids(model, q, SYSTEM) for q in questions]
     results = engine.generate(prompts, GREEDY)  # all submitted before the first step
     for prompt, result in zip(prompts, results, strict=True):
-        assert_same(result, uncached(prompt))
+        assert_same_output(result, uncached(prompt))
     shared = expected_hit(min(map(len, prompts)), common_prefix(prompts[0], prompts[1]))
     # the first computes the shared blocks; the others wait for them and reuse them
     assert sorted(r.num_cached_tokens for r in results) == [0, shared, shared, shared]
@@ -157,8 +143,8 @@ def test_after_eviction_recompute_is_identical(model, uncached):
     assert engine.blocks.stats["kv_evictions"] > 0
     again = engine.generate([target], GREEDY)[0]
     assert again.num_cached_tokens < expected_hit(len(target), len(target))
-    assert_same(first, uncached(target))
-    assert_same(again, uncached(target))
+    assert_same_output(first, uncached(target))
+    assert_same_output(again, uncached(target))
     assert_no_leaks(engine)
 
 
@@ -173,7 +159,7 @@ def test_cache_salt_isolates(model, uncached):
     assert unsalted.num_cached_tokens == 0
     assert same.num_cached_tokens == expected_hit(len(prompt), len(prompt))
     for r in (other, unsalted, same):
-        assert_same(r, uncached(prompt))
+        assert_same_output(r, uncached(prompt))
 
 
 def test_forced_collisions_change_nothing(model):
@@ -188,7 +174,7 @@ def test_forced_collisions_change_nothing(model):
     engine = make_engine(model, key_bytes=1)
     for _ in range(2):
         for result, ref in zip(engine.generate(prompts, params), reference, strict=True):
-            assert_same(result, ref)
+            assert_same_output(result, ref)
     assert engine.blocks.stats["kv_collisions"] > 0
     assert engine.blocks.stats["kv_lookup_hits"] > 0, "the second round must still hit where keys are intact"
     assert_no_leaks(engine)
@@ -240,5 +226,5 @@ def test_preempted_sequences_resume_with_identical_output(model):
     assert tight.scheduler.stats["sched_preemptions"] > 0
     for a, b in zip(roomy, results, strict=True):
         assert a.token_ids == b.token_ids
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=TOL)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOL)
     assert_no_leaks(tight)

@@ -10,19 +10,26 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcellar.config import DiskSettings, Settings
 from kvcellar.engine import SamplingParams
 from kvcellar.runtime import attach_disk_tier
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
-from tests._models import chat_ids, embedded, expected_cached, make_engine, tiny_model
+from tests._models import (
+    assert_no_leaks,
+    assert_same_output,
+    chat_ids,
+    embedded,
+    expected_cached,
+    make_engine,
+    tiny_model,
+    uncached_runner,
+)
 from tests.helpers import wait_until
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
-TOL = 2e-4
 SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
 
@@ -34,15 +41,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def uncached(model):
-    engine = make_engine(model, prefix_caching=False)
-    memo: dict = {}
-
-    def run(prompt):
-        if tuple(prompt) not in memo:
-            memo[tuple(prompt)] = engine.generate([prompt], GREEDY)[0]
-        return memo[tuple(prompt)]
-
-    return run
+    return uncached_runner(model, GREEDY)
 
 
 def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskTierConfig | None = None, **kw):
@@ -53,16 +52,6 @@ def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskTi
     return engine
 
 
-def assert_same(result, reference):
-    assert result.token_ids == reference.token_ids
-    assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=TOL)
-
-
-def assert_no_leaks(engine):
-    bm = engine.blocks
-    assert engine.num_active() == 0 and bm.num_used == 0
-    assert not engine.scheduler.loading and not engine.scheduler._draining
-    assert bm.num_free + bm.num_evictable == bm.num_blocks - 1
 
 
 def block_files(root: Path) -> list[Path]:
@@ -85,14 +74,14 @@ def test_restart_serves_prefix_from_disk(model, uncached, tmp_path):
     assert b.num_cached_tokens == expected_cached(len(prompt), len(prompt)) >= len(prompt) - BS
     assert second.scheduler.stats["sched_lower_tier_hit_tokens"] == b.num_cached_tokens
     assert second.blocks.stats["kv_lookup_hits"] == 0
-    assert_same(a, uncached(prompt))
-    assert_same(b, uncached(prompt))
+    assert_same_output(a, uncached(prompt))
+    assert_same_output(b, uncached(prompt))
 
     other = ask(model, "Review: round currency amounts with banker's rounding.")  # partial prefix
     c = second.generate([other], GREEDY)[0]
     shared = next(i for i, (x, y) in enumerate(zip(prompt, other, strict=False)) if x != y)
     assert c.num_cached_tokens == (shared // BS) * BS
-    assert_same(c, uncached(other))
+    assert_same_output(c, uncached(other))
     assert_no_leaks(second)
     assert second.shutdown(30)
 
@@ -107,11 +96,11 @@ def test_block_aligned_prompt_from_disk_recomputes_only_the_last_token(model, un
     result = second.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == len(prompt) - 1
     assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
-    assert_same(result, uncached(prompt))
+    assert_same_output(result, uncached(prompt))
     again = second.generate([prompt], GREEDY)[0]  # RAM now holds every block, the last one included
     assert again.num_cached_tokens == len(prompt) - 1
     assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
-    assert_same(again, uncached(prompt))
+    assert_same_output(again, uncached(prompt))
     assert_no_leaks(second)
     second.shutdown(30)
 
@@ -134,8 +123,8 @@ def test_promote_after_ram_drop(model, uncached, tmp_path):
     again = engine.generate([prompt], GREEDY)[0]  # now a RAM hit: promoted blocks are registered
     assert engine.snapshot()["ssd_load_hits"] - loads_before == loaded
     assert again.num_cached_tokens == promoted.num_cached_tokens
-    assert_same(promoted, uncached(prompt))
-    assert_same(again, uncached(prompt))
+    assert_same_output(promoted, uncached(prompt))
+    assert_same_output(again, uncached(prompt))
     engine.shutdown(30)
 
 
@@ -172,7 +161,7 @@ def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, da
     second = tiered(model, tmp_path)
     result = second.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == victim * BS  # blocks before the damaged one are used
-    assert_same(result, uncached(prompt))
+    assert_same_output(result, uncached(prompt))
     stats = second.snapshot()
     assert stats["ssd_corrupt_total"] + stats.get("ssd_load_missing", 0) >= 1
     second.lower.tier.wait_idle(30)
@@ -182,7 +171,7 @@ def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, da
     again = second.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert second.snapshot()["ssd_load_hits"] > loads_before
-    assert_same(again, uncached(prompt))
+    assert_same_output(again, uncached(prompt))
     second.shutdown(30)
 
 
@@ -216,7 +205,7 @@ def test_evict_only_writes_blocks_when_ram_drops_them(model, uncached, tmp_path)
     restarted = tiered(model, tmp_path, policy="evict_only")
     result = restarted.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens >= len(prompt) - BS
-    assert_same(result, uncached(prompt))
+    assert_same_output(result, uncached(prompt))
     restarted.shutdown(30)
 
 
@@ -236,7 +225,7 @@ def test_cancel_while_loading_frees_blocks_after_the_read(model, uncached, tmp_p
     assert_no_leaks(engine)
     result = engine.generate([long_prompt], GREEDY)[0]  # the pool and the tier still work
     assert result.num_cached_tokens >= len(long_prompt) - BS
-    assert_same(result, uncached(long_prompt))
+    assert_same_output(result, uncached(long_prompt))
     engine.shutdown(30)
 
 
@@ -276,7 +265,7 @@ def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, sm
     engine = tiered(model, small_fs, tier_config=cfg)
     prompts = [ask(model, f"Review change {i}: " + "amount += fee; " * (5 + i)) for i in range(6)]
     for prompt in prompts:
-        assert_same(engine.generate([prompt], GREEDY)[0], uncached(prompt))
+        assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
     stats = engine.snapshot()
     # the tier made room (LRU) or dropped writes it could not fit; it never failed a request
     pressure = ("ssd_evicted_blocks", "ssd_write_errors", "ssd_dropped_no_space", "writer_dropped_backoff")
@@ -295,7 +284,7 @@ def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
     engine = tiered(model, small_fs, tier_config=cfg)
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     a = ask(model, "Review: fees computed in floats.")
-    assert_same(engine.generate([a], GREEDY)[0], uncached(a))
+    assert_same_output(engine.generate([a], GREEDY)[0], uncached(a))
     assert engine.tier_health()["state"] == "degraded"
     assert engine.snapshot()["ssd_write_errors"] >= 1
     assert block_files(small_fs) == []
@@ -303,7 +292,7 @@ def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
     subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
     wait_until(lambda: engine.tier_health()["state"] == "ok", timeout=30, what="the tier to recover")
     b = ask(model, "Review: ledger entries written twice on retry.")
-    assert_same(engine.generate([b], GREEDY)[0], uncached(b))
+    assert_same_output(engine.generate([b], GREEDY)[0], uncached(b))
     assert len(block_files(small_fs)) > 0, "writes resume once the fault clears"
     assert os.access(small_fs, os.W_OK)
     engine.shutdown(30)

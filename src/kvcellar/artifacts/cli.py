@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from kvcellar.units import format_bytes
+
 
 def add_models_commands(subparsers: Any) -> None:
     """Register ``models`` under the top-level sub-command parsers."""
@@ -49,14 +51,6 @@ def _open(args: argparse.Namespace) -> Any:
     return ArtifactCache.open(args.cache_dir, load_artifact_config(file_values, cli_values))
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
@@ -74,8 +68,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     cache = _open(args)
     entries = cache.entries()
     stats = cache.stats()
-    lines = [f"{cache.root}: {len(entries)} entries, {_size(stats['artifact_bytes_used'])} of "
-             f"{_size(stats['artifact_bytes_limit'])}; lifetime hits {stats['artifact_lifetime_hits']:.0f}, "
+    lines = [f"{cache.root}: {len(entries)} entries, {format_bytes(stats['artifact_bytes_used'])} of "
+             f"{format_bytes(stats['artifact_bytes_limit'])}; lifetime hits {stats['artifact_lifetime_hits']:.0f}, "
              f"misses {stats['artifact_lifetime_misses']:.0f}, builds {stats['artifact_lifetime_builds']:.0f}, "
              f"evictions {stats['artifact_lifetime_evictions']:.0f}, corrupt {stats['artifact_lifetime_corrupt']:.0f}"
              f"; hit rate {_rate(stats)}"]
@@ -85,7 +79,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     for e in entries:
         d = e.descriptor
         lines.append(f"{e.key[:10]:10} {str(d.get('name', '?'))[:28]:28} {d.get('dtype', '?')!s:9} "
-                     f"{_size(e.size_bytes):>10} {_when(e.created):16} {_when(e.last_access):16} "
+                     f"{format_bytes(e.size_bytes):>10} {_when(e.created):16} {_when(e.last_access):16} "
                      f"{e.access_count:>5} {'yes' if e.in_use else 'no':6}  {d.get('source', '?')}")
     payload = {"root": str(cache.root), "stats": stats,
                "entries": [{**vars(e), "path": str(e.path)} for e in entries]}
@@ -99,7 +93,7 @@ def cmd_models_prune(args: argparse.Namespace) -> int:
     report = cache.prune(older_than_s=older)
     text = (f"expired {len(report['expired'])}, evicted {len(report['evicted'])}, kept in use "
             f"{len(report['skipped_in_use'])}, damaged removed {report['damaged_removed']}, leftovers removed "
-            f"{report['tmp_removed']}; now {_size(cache.stats()['artifact_bytes_used'])}\n")
+            f"{report['tmp_removed']}; now {format_bytes(cache.stats()['artifact_bytes_used'])}\n")
     _emit(args, report, text)
     return 0
 

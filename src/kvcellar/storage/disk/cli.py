@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcellar.config import resolve_cache_dir
 from kvcellar.storage.disk import maintenance
+from kvcellar.units import format_bytes
 
 __all__ = ["add_cache_commands", "kv_root", "resolve_cache_dir", "run_cache_command"]
 
@@ -75,13 +76,13 @@ def run_cache_command(args: argparse.Namespace) -> int:
             desc = d["descriptor"] or {}
             if desc:
                 print("    " + ", ".join(f"{k}={v}" for k, v in desc.items() if v not in (None, "")))
-            print(f"    blocks {s.blocks}, {_size(s.bytes)}; temp files {s.tmp_files}; "
+            print(f"    blocks {s.blocks}, {format_bytes(s.bytes)}; temp files {s.tmp_files}; "
                   f"sessions live {s.live_sessions}, unclean {s.unclean_sessions}")
             if s.blocks:
                 print(f"    last access {d['oldest_access']} .. {d['newest_access']}; "
                       f"written {d['oldest_write']} .. {d['newest_write']}")
         total = sum(s.bytes for s in stats)
-        print(f"  total: {sum(s.blocks for s in stats)} blocks, {_size(total)}")
+        print(f"  total: {sum(s.blocks for s in stats)} blocks, {format_bytes(total)}")
         return 0
     if cmd == "verify":
         reports = maintenance.verify_cache(root, delete=not args.keep, progress=progress)
@@ -104,10 +105,10 @@ def run_cache_command(args: argparse.Namespace) -> int:
         if args.json:
             _dump(rep.as_dict())
         else:
-            print(f"prune: {rep.ttl_removed} expired block(s) ({_size(rep.ttl_bytes)}), "
-                  f"{rep.capacity_removed} over the size limit ({_size(rep.capacity_bytes)}), "
+            print(f"prune: {rep.ttl_removed} expired block(s) ({format_bytes(rep.ttl_bytes)}), "
+                  f"{rep.capacity_removed} over the size limit ({format_bytes(rep.capacity_bytes)}), "
                   f"{rep.orphan_tmp_removed} orphan temp file(s) removed; "
-                  f"{rep.remaining_blocks} block(s), {_size(rep.remaining_bytes)} remain")
+                  f"{rep.remaining_blocks} block(s), {format_bytes(rep.remaining_bytes)} remain")
             for name in rep.namespaces_removed:
                 print(f"  removed empty old-format namespace {name}")
         return 0
@@ -120,17 +121,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
                 print("clear: nothing to delete")
             for n in rep.namespaces:
                 live = f" (was open by {n['live_sessions']} running server(s))" if n["live_sessions"] else ""
-                print(f"  deleted {n['dir']}: {n['blocks']} block(s), {_size(n['bytes'])}{live}")
+                print(f"  deleted {n['dir']}: {n['blocks']} block(s), {format_bytes(n['bytes'])}{live}")
         return 0
     raise AssertionError(cmd)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _dump(obj: object) -> None:
