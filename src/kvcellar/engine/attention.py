@@ -32,6 +32,9 @@ ATTENTION_NAME = "kvcellar_paged"  # must not start with "paged|": the registry 
 # Spans up to this many queries fold GQA groups into query rows: bf16 SDPA with enable_gqa
 # was 4x slower for a 1-token query over 4096 keys here, and no faster up to ~32 queries.
 FOLD_GQA_MAX_QUERIES = 32
+# A prefill chunk on top of at least this many earlier tokens takes the mask-free split path
+# (``_chunk_over_past``): 15 % faster at 4096 earlier tokens, no gain below a few hundred.
+SPLIT_MIN_PAST = 256
 
 
 @dataclass
@@ -150,6 +153,9 @@ def paged_attention(
                 mask = mask.repeat(groups, 1)
             o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
             o = o.view(1, n_q_heads, n, head_dim)
+        elif mask is not None and window is None and q.device.type == "cpu" and \
+                span.context - n >= SPLIT_MIN_PAST:
+            o = _chunk_over_past(qp, k, v, span.context - n, n_kv_heads, groups, scaling)
         else:
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scaling, enable_gqa=groups > 1,
@@ -157,6 +163,31 @@ def paged_attention(
         out[span.start : span.start + n] = o[0].transpose(0, 1)
 
     return out[None], None
+
+
+def _chunk_over_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, n_kv_heads: int,
+                     groups: int, scale: float | None) -> torch.Tensor:
+    """Attention of a prefill chunk ``q [1, Hq, n, D]`` on top of ``past`` earlier tokens,
+    without a mask: (a) every query against the earlier keys, all visible, and (b) against
+    the chunk's own keys, causal; the two softmax partials merge exactly through their
+    log-sum-exp. SDPA with a [n, past + n] boolean mask was ~18 % slower on CPU (it expands
+    the mask per call and cannot skip masked tiles), and attention is most of a long prefill."""
+    _, n_q_heads, n, head_dim = q.shape
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    folded = q.reshape(1, n_kv_heads, groups * n, head_dim)  # all past keys visible: fold GQA
+    o_past, lse_past = flash(folded, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)[:2]
+    k_own, v_own = k[:, :, past:], v[:, :, past:]
+    if groups > 1:
+        k_own = k_own.repeat_interleave(groups, dim=1)
+        v_own = v_own.repeat_interleave(groups, dim=1)
+    o_own, lse_own = flash(q, k_own, v_own, 0.0, True, scale=scale)[:2]
+    lse_past = lse_past.reshape(1, n_q_heads, n, 1)
+    lse_own = lse_own.reshape(1, n_q_heads, n, 1)
+    top = torch.maximum(lse_past, lse_own)
+    w_past = torch.exp(lse_past - top)
+    w_own = torch.exp(lse_own - top)
+    merged = o_past.reshape(1, n_q_heads, n, head_dim).float() * w_past + o_own.float() * w_own
+    return (merged / (w_past + w_own)).to(q.dtype)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
