@@ -73,6 +73,7 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
         self._signalled = False
+        self._drained = False
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -87,7 +88,10 @@ class GracefulServer(uvicorn.Server):
         # shutdown is a normal exit (status 0).
         if self._signalled or self._loop is None or not self.started:
             self.should_exit = True
-            self.force_exit = self._signalled
+            # A second signal forces the exit, unless the drain is already over (e.g. `make`
+            # passing its own SIGTERM on): forcing then only cancels the app's lifespan
+            # mid-shutdown, which uvicorn reports as an error.
+            self.force_exit = self._signalled and not self._drained
             return
         self._signalled = True
         self.state.start_draining()
@@ -105,4 +109,5 @@ class GracefulServer(uvicorn.Server):
                   f"requests still running after {self.shutdown_timeout:g} s were cancelled") + "; exiting",
                   file=sys.stderr, flush=True)
         finally:
+            self._drained = True
             self.should_exit = True
