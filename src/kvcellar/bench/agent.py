@@ -302,7 +302,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5))
-    labels, p50, p95, ram, ssd, other = [], [], [], [], [], []
+    labels, p50, p95, ram, ssd, other, unknown = [], [], [], [], [], [], []
     for name, res in result["targets"].items():
         for n in ("1", "2"):
             s = res["summary"][n]
@@ -315,6 +315,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
             ram.append(r)
             ssd.append(d)
             other.append(max(0.0, c - r - d))
+            unknown.append(s["cached_ratio"] is None)
             turns = s["ttft_p50_by_turn_s"]
             xs = sorted(turns, key=int)
             ax2.plot([int(t) + 1 for t in xs], [(turns[t] or {}).get("median", 0) * 1000 for t in xs], "o-",
@@ -337,6 +338,9 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax3.bar(idx, ram, label="from RAM")
     ax3.bar(idx, ssd, bottom=ram, label="from SSD")
     ax3.bar(idx, other, bottom=[a + b for a, b in zip(ram, ssd, strict=False)], label="cached (tier n/a)")
+    for i in idx:
+        if unknown[i]:
+            ax3.text(i, 3, "n/a\n(not reported)", ha="center", fontsize=8)
     ax3.set_xticks(list(idx), labels, fontsize=8)
     ax3.set_ylabel("% of prompt tokens")
     ax3.set_ylim(0, 100)
