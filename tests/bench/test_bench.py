@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvcellar.bench import stats
-from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, load_tokenizer, shared_prefix_len
+from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, load_tokenizer, resolve_tokenizer, shared_prefix_len
 from kvcellar.bench.registry import discover
 from kvcellar.bench.targets import CommandTarget
 from kvcellar.cli import main
@@ -76,6 +76,9 @@ def test_prompts_are_tokenizer_exact(server: ServerProcess, models_dir: Path) ->
     # the server counts the same tokens
     r = server.post("/v1/chat/completions", {"model": MODEL, "messages": a.messages, "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens"] == 512
+    # without a prepared model, the embedded GGUF's own tokenizer makes the very same prompts
+    from_gguf = PromptMaker(resolve_tokenizer(None))
+    assert from_gguf.chat(300, "t300") == maker.chat(300, "t300")
 
 
 def test_command_target_restarts(tmp_path: Path) -> None:

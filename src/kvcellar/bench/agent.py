@@ -29,7 +29,7 @@ from typing import Any
 
 from kvcellar.bench import report
 from kvcellar.bench.client import ChatClient
-from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, load_tokenizer, sentences, words
+from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, resolve_tokenizer, sentences, words
 from kvcellar.bench.stats import percentile, ratio, summarize
 from kvcellar.bench.targets import Target, add_target_arguments, cleanup_cache, default_models_dir, targets_from_args
 
@@ -183,11 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             target.start()
             try:
                 if maker is None:
-                    tok_dir = args.tokenizer or find_tokenizer_dir(args.models_dir or default_models_dir(),
-                                                                   target.served_model())
-                    if tok_dir is None:
-                        raise SystemExit("no tokenizer: pass --tokenizer DIR or --models-dir with a prepared model")
-                    maker = PromptMaker(load_tokenizer(tok_dir))
+                    maker = PromptMaker(resolve_tokenizer(
+                        args.tokenizer or find_tokenizer_dir(args.models_dir or default_models_dir(),
+                                                             target.served_model())))
                 results[target.name] = _measure(target, maker, cfg)
             finally:
                 target.stop()

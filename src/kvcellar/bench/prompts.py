@@ -182,3 +182,21 @@ def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def resolve_tokenizer(path: Path | None) -> Any:
+    """The tokenizer in ``path`` (``--tokenizer``, or a prepared model's folder), else the
+    embedded default model's, read from its GGUF: a peer or a ``--base-url`` server on a
+    machine where kvcellar never prepared the model."""
+    if path is not None:
+        return load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    from kvcellar.engine.loader import ModelNotFoundError, find_embedded_gguf
+
+    try:
+        gguf = find_embedded_gguf()
+    except ModelNotFoundError as exc:
+        raise SystemExit(f"no tokenizer: pass --tokenizer DIR or --models-dir with a prepared model ({exc})") from exc
+    print(f"no prepared model found: using the embedded model's tokenizer ({gguf.name})", flush=True)
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -29,7 +29,7 @@ from typing import Any
 from kvcellar.bench import report
 from kvcellar.bench.client import ChatClient, StreamResult
 from kvcellar.bench.pagecache import drop_page_cache, method_name
-from kvcellar.bench.prompts import ChatPrompt, PromptMaker, find_tokenizer_dir, load_tokenizer, shared_prefix_len
+from kvcellar.bench.prompts import ChatPrompt, PromptMaker, find_tokenizer_dir, resolve_tokenizer, shared_prefix_len
 from kvcellar.bench.stats import ratio, summarize
 from kvcellar.bench.targets import (
     ProcessTarget,
@@ -92,9 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if prompts is None:
                     tok_dir = args.tokenizer or find_tokenizer_dir(args.models_dir or default_models_dir(),
                                                                    target.served_model())
-                    if tok_dir is None:
-                        raise SystemExit("no tokenizer: pass --tokenizer DIR or --models-dir with a prepared model")
-                    prompts = _build_prompts(PromptMaker(load_tokenizer(tok_dir)), cfg, tok_dir, args.context)
+                    maker = PromptMaker(resolve_tokenizer(tok_dir))
+                    prompts = _build_prompts(maker, cfg, tok_dir, args.context)
                 if kv_spec is None and target.is_kvcellar:
                     kv_spec = target.kv_spec()
                 if isinstance(target, ProcessTarget) and target.kind == "kvcellar":
@@ -118,12 +117,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # ---- prompts -------------------------------------------------------------------------------------
 
 
-def _build_prompts(maker: PromptMaker, cfg: dict[str, Any], tok_dir: Path,
+def _build_prompts(maker: PromptMaker, cfg: dict[str, Any], tok_dir: Path | None,
                    context: int | None) -> dict[int, list[tuple[ChatPrompt, ChatPrompt]]]:
     if context is None:
         try:
             context = int(json.loads((tok_dir / "config.json").read_text())["max_position_embeddings"])
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             context = 8192
     limit = context - cfg["decode_tokens"] - 1
     cfg["context"] = context
