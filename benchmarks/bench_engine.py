@@ -2,7 +2,8 @@
 
     python benchmarks/bench_engine.py [--dtype bfloat16] [--repeats 3] [--json out.json]
 
-* prefill tok/s at 512/2048/4096 tokens: kvcellar (chunked under its step budget, prefix
+* prefill tok/s at 512/2048/4096 tokens: kvcellar (chunked under its step budget: a lone
+  prompt gets the nothing-decoding budget, ``--max-prefill-step-tokens``; prefix
   cache off) vs one plain transformers forward over the prompt (SDPA, no cache reuse);
 * decode tok/s at batch 1 and 8 (context 512): kvcellar's step loop vs transformers with a
   DynamicCache, the same number of steps;
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--max-step-tokens", type=int, default=512)
+    ap.add_argument("--max-prefill-step-tokens", type=int, default=2048,
+                    help="budget of a step with nothing decoding (a lone prompt's prefill chunks)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -134,13 +137,15 @@ def main() -> None:
     loaded = load_model(None, dtype=args.dtype, device="cpu", cache_dir=kvcellar_cache())
     model = loaded.model
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=args.block_size, max_step_tokens=args.max_step_tokens,
-                       prefix_caching=False, max_num_seqs=16)
+                       max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
     engine = Engine(loaded, cfg)
     result: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(),
-                              "max_step_tokens": args.max_step_tokens, "block_size": args.block_size,
+                              "max_step_tokens": args.max_step_tokens,
+                              "max_prefill_step_tokens": args.max_prefill_step_tokens, "block_size": args.block_size,
                               "prefill": {}, "decode": {}}
 
-    print(f"prefill ({args.dtype}, {torch.get_num_threads()} threads, step budget {args.max_step_tokens})")
+    print(f"prefill ({args.dtype}, {torch.get_num_threads()} threads, step budget {args.max_step_tokens}, "
+          f"{max(args.max_step_tokens, args.max_prefill_step_tokens)} with nothing decoding)")
     print(f"{'tokens':>7} {'kvcellar tok/s':>22} {'transformers tok/s':>22} {'ratio':>6}")
     for n in [int(x) for x in args.lengths.split(",")]:
         ours, theirs = [], []

@@ -48,7 +48,9 @@ def embedded(dtype: str = "float32") -> LoadedModel:
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
-    cfg = {"kv_cache_gb": 0.1, "block_size": 16, "max_step_tokens": 512, "max_num_seqs": 16}
+    # max_prefill_step_tokens 0: a test's max_step_tokens is its chunk size, decoding or not
+    cfg = {"kv_cache_gb": 0.1, "block_size": 16, "max_step_tokens": 512, "max_prefill_step_tokens": 0,
+           "max_num_seqs": 16}
     cfg.update(overrides)
     return Engine(loaded, EngineConfig(**cfg))
 

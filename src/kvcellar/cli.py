@@ -24,7 +24,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (default 32)")
-    p.add_argument("--max-step-tokens", type=int, default=None, help="token budget per engine step (default 512)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="token budget per engine step while sequences are decoding (default 512)")
+    p.add_argument("--max-prefill-step-tokens", type=int, default=None,
+                   help="token budget of a step with no sequence decoding (default 2048; 0: --max-step-tokens)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
@@ -58,8 +61,8 @@ def load_settings(args: argparse.Namespace):
     engine = build_section(EngineConfig, file_values.get("engine", {}), {
         "dtype": None if get("dtype") in (None, "auto") else get("dtype"),
         "device": None if get("device") in (None, "auto") else get("device"),
-        **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens", "max_model_len",
-                               "prefix_caching")},
+        **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
+                               "max_prefill_step_tokens", "max_model_len", "prefix_caching")},
     })
     disk = build_section(DiskSettings, file_values.get("disk", {}), {
         k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks", "ssd_flush_interval_s",

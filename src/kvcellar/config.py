@@ -39,6 +39,11 @@ class EngineConfig:
     # Per-step token budget: decodes first, then prefill chunks fill what is left, so a long
     # prompt never stalls running decodes for more than one budget's worth of compute.
     max_step_tokens: int = 512
+    # Budget of a step in which no sequence is decoding: nobody waits between tokens, so a
+    # long prompt goes in fewer, larger chunks. Measured (bf16, 2 cores): prefill vs one
+    # transformers forward 0.87x/0.97x at 2048/4096 tokens with 512, 1.02x/1.06x with 2048.
+    # The price: a request arriving meanwhile waits for that larger step. 0: max_step_tokens.
+    max_prefill_step_tokens: int = 2048
     # Largest prompt + completion accepted; 0 means the model's own context length.
     max_model_len: int = 0
     # Reuse of cached prefix blocks; off only for comparisons and tests.

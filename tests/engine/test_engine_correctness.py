@@ -86,6 +86,32 @@ def test_chunked_prefill_equals_unchunked(model):
     assert_matches_reference(chunked, ref_tokens, ref_logprobs)
 
 
+def test_larger_prefill_chunks_only_while_nothing_decodes(model):
+    """With no sequence decoding a step may take max_prefill_step_tokens of prompt; once one
+    decodes, the budget falls back to max_step_tokens. Outputs are the same either way."""
+    tiny = tiny_model("llama", model.tokenizer)
+    text = " ".join(f"line {i}: red green blue" for i in range(40))
+    long_prompt = chat_ids(model, text)
+    short_prompt = chat_ids(model, "Hi")
+    n = len(long_prompt)
+    assert n > 256
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reference = {len(p): reference_greedy(tiny.model, p, params.max_tokens)[0] for p in (long_prompt, short_prompt)}
+
+    alone = make_engine(tiny, max_step_tokens=32, max_prefill_step_tokens=128)
+    result = alone.generate([long_prompt], params)[0]
+    assert result.token_ids == reference[n]
+    prefill_steps = -(-n // 128)
+    assert alone.stats["engine_steps"] == prefill_steps + params.max_tokens - 1
+
+    # The short prompt decodes from step 2 on: the long one continues 32 tokens at a time.
+    mixed = make_engine(tiny, max_step_tokens=32, max_prefill_step_tokens=128)
+    both = mixed.generate([short_prompt, long_prompt], params)
+    assert [r.token_ids for r in both] == [reference[len(short_prompt)], reference[n]]
+    first_step = 128 - len(short_prompt)
+    assert mixed.stats["engine_steps"] >= 1 + (n - first_step) // 32
+
+
 def test_unaligned_chunks_and_odd_block_size(model):
     """Chunk boundaries that fall inside blocks, and a block size that is not a power of two."""
     prompt = chat_ids(model, "Count from one to twenty in words, separated by commas.")

@@ -83,6 +83,7 @@ class Engine:
             self.blocks,
             max_num_seqs=cfg.max_num_seqs,
             max_step_tokens=cfg.max_step_tokens,
+            max_prefill_step_tokens=cfg.max_prefill_step_tokens,
             prefix_caching=cfg.prefix_caching,
             copy_block=self.pool.copy_block,
         )

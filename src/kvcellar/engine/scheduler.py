@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill over the paged KV pool.
 
-Every step the scheduler builds a plan under a token budget (``max_step_tokens``):
+Every step the scheduler builds a plan under a token budget: ``max_step_tokens`` while
+any sequence is decoding, else the larger ``max_prefill_step_tokens`` (no one is waiting
+for a next token, so prefill takes bigger, more efficient chunks):
 
 1. every running sequence that is decoding gets one token (decodes never wait behind a
    prefill); a decode that needs a new block and finds none preempts the most recently
@@ -74,6 +76,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_step_tokens: int,
+        max_prefill_step_tokens: int = 0,
         prefix_caching: bool = True,
         lower: LowerTierLink | None = None,
         copy_block: Callable[[int, int], None] | None = None,
@@ -82,6 +85,7 @@ class Scheduler:
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
+        self.max_prefill_step_tokens = max(max_step_tokens, max_prefill_step_tokens)
         self.prefix_caching = prefix_caching
         self.lower = lower
         # Copies one pool block's KV into another (engine-owned storage).
@@ -151,7 +155,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         if self.loading or self._draining:
             self._poll_loads()
-        budget = self.max_step_tokens
+        decoding = any(not seq.in_prefill for seq in self.running)
+        budget = self.max_step_tokens if decoding else self.max_prefill_step_tokens
         decodes: list[Scheduled] = []
         prefills: list[Scheduled] = []
 
