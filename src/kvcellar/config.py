@@ -43,7 +43,7 @@ class EngineConfig:
     # long prompt goes in fewer, larger chunks. Measured (bf16, 2 cores, benchmarks/
     # bench_engine.py): prefill vs one transformers forward at 2048/4096 tokens went from
     # 0.87x/0.97x (512-token chunks) to 1.04x/1.00x. The price: a request arriving meanwhile
-    # waits for that larger step (~2.5 s here) before its own first one. 0: max_step_tokens.
+    # waits for that larger step (2.7 s for 2048 tokens here) before its own first one. 0: max_step_tokens.
     max_prefill_step_tokens: int = 2048
     # Largest prompt + completion accepted; 0 means the model's own context length.
     max_model_len: int = 0
