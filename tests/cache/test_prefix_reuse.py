@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from kvcellar.bench.prompts import shared_prefix_len
 from kvcellar.engine import SamplingParams
 from tests._models import (
     LOGPROB_TOL,
@@ -41,15 +42,6 @@ def uncached(model):
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:
     return expected_cached(prompt_len, common, computed, BS)
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 
@@ -92,7 +84,7 @@ def test_partial_prefix_shared_system_prompt(model, uncached):
     b = chat_ids(model, "What does a Redis TTL do?", SYSTEM)
     engine.generate([a], GREEDY)
     result = engine.generate([b], GREEDY)[0]
-    assert result.num_cached_tokens == expected_hit(len(b), common_prefix(a, b))
+    assert result.num_cached_tokens == expected_hit(len(b), shared_prefix_len(a, b))
     assert result.num_cached_tokens >= 32
     assert_same_output(result, uncached(b))
 
@@ -112,7 +104,7 @@ def test_multi_turn_reuses_previous_reply(model, uncached):
     history = prompt1 + reply.token_ids
     computed = len(history) - 1  # the last generated token is never fed back
     result = engine.generate([prompt2], GREEDY)[0]
-    expect = expected_hit(len(prompt2), common_prefix(history, prompt2), computed)
+    expect = expected_hit(len(prompt2), shared_prefix_len(history, prompt2), computed)
     assert expect > (len(prompt1) // BS) * BS, "turn 2 must reuse blocks of turn 1's reply"
     assert result.num_cached_tokens == expect
     assert_same_output(result, uncached(prompt2))
@@ -126,7 +118,7 @@ def test_concurrent_requests_sharing_a_prefix(model, uncached):
     results = engine.generate(prompts, GREEDY)  # all submitted before the first step
     for prompt, result in zip(prompts, results, strict=True):
         assert_same_output(result, uncached(prompt))
-    shared = expected_hit(min(map(len, prompts)), common_prefix(prompts[0], prompts[1]))
+    shared = expected_hit(min(map(len, prompts)), shared_prefix_len(prompts[0], prompts[1]))
     # the first computes the shared blocks; the others wait for them and reuse them
     assert sorted(r.num_cached_tokens for r in results) == [0, shared, shared, shared]
     assert engine.scheduler.stats["sched_deferred_for_shared_prefix"] >= 3

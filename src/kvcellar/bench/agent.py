@@ -294,10 +294,7 @@ def _pct(summary: dict[str, Any] | None) -> str:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5))
     labels, p50, p95, ram, ssd, other, unknown = [], [], [], [], [], [], []
@@ -344,8 +341,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax3.set_ylim(0, 100)
     ax3.set_title("Cached prompt tokens by tier")
     ax3.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "agent.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return report.save_figure(fig, out_dir, "agent.png")

@@ -174,10 +174,7 @@ def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     names = list(result["targets"])
     levels = [str(c) for c in result["config"]["concurrency"]]
@@ -197,8 +194,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_title("Decode throughput by SSD policy")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "decode.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return report.save_figure(fig, out_dir, "decode.png")

@@ -56,6 +56,25 @@ def save_json(result: dict[str, Any], out_dir: Path, name: str = "result.json") 
     return path
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out_dir: Path, name: str) -> list[Path]:
+    """Write ``fig`` as ``out_dir/name`` and free it; the list a scenario's ``plot`` returns."""
+    path = out_dir / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return [path]
+
+
 # ---- cell formatting -----------------------------------------------------------------------
 
 

@@ -343,10 +343,7 @@ def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     # colour = phase, line style and marker = target
@@ -398,8 +395,4 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax2.set_ylabel("disk-hit TTFT / floor")
     ax2.set_title("Disk hit against the physical floor")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "ttft.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return report.save_figure(fig, out_dir, "ttft.png")
