@@ -1,0 +1,692 @@
+"""Per-family parsers that turn a model's raw output text into content and OpenAI ``tool_calls``.
+
+A model with tools writes its calls as text markup; each family has its own (see the classes). The raw
+text includes special tokens (the server detokenizes with ``skip_special_tokens=False`` when tools are
+active). One parser object reads one output, either whole (``parse``) or streamed (``feed`` pieces, then
+``finish``).
+
+Invariants, for every family:
+
+- ``parse(text)`` is by definition the stream fed ``text`` in one piece and finished, and the stream is
+  a function of the text only, never of where it was cut: for ANY cutting of an output into pieces, the
+  concatenated streamed content equals ``parse(text).content or ""``, and the calls rebuilt from the
+  deltas (name, concatenated arguments) equal ``parse(text).tool_calls`` (ids aside). Text that may still
+  turn out to be markup (``<tool_`` at the end of a piece, a leading ``{`` for llama3) is held back until
+  decided, so markup never reaches streamed content.
+- A block becomes a call when its function name has been read completely and is allowed (``tool_names``
+  is None, or holds the name); at that moment the call's first delta (index, id, name) is emitted. Until
+  then the block is held back; if it turns out not to be a call (invalid JSON, a key other than the ones
+  the family knows, no string ``name``, an unknown tool, the output ending first) its text is released
+  as content unchanged.
+- Once emitted, a call stays a call: its arguments are streamed raw as they arrive (the JSON value is
+  delimited by tracking strings, escapes and nesting, so no closing tag is awaited), and if the output
+  ends inside them (``max_tokens``) or the markup goes wrong after them, the call keeps what was
+  streamed. ``ToolCall.arguments`` is the model's arguments text as written, ``"{}"`` when it gave none.
+- Whitespace that only separates calls from each other, from the end of the output, or from the content
+  before them is not content: the whitespace run right before a call is dropped, and so is a
+  whitespace-only stretch after the last call. ``content`` is None when there are calls and nothing else;
+  with no calls it is the whole text, unchanged.
+
+Not thread-safe: one parser object belongs to one request.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar
+
+_JSON_WS = " \t\n\r"
+_ID_ALPHABET = string.ascii_letters + string.digits
+_NAME_KEY = "name"
+_ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
+_IGNORED_KEYS = frozenset({"id", "type"})  # string-valued keys some models add beside name/arguments
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # the arguments JSON text as the model wrote it; "{}" when it gave none
+    id: str  # "call_" + 24 random [A-Za-z0-9], see new_call_id()
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None  # text outside the markup; None when there are calls and nothing else
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class ToolCallDelta:
+    """One entry of a streamed ``delta.tool_calls``. A call's first entry carries ``id`` and ``name``;
+    the ``arguments`` fragments of one index concatenate to its ``ToolCall.arguments``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+class _Status(Enum):
+    MORE = "more"  # the buffer is used up; the object is not finished
+    DONE = "done"  # a call object ended (its call is emitted and ended)
+    INVALID = "invalid"  # not a call; its text so far is in parser._held, the offending char in parser._buf
+    MALFORMED = "malformed"  # the call was emitted, then the markup broke at parser._buf[0]
+
+
+class _Literal(Enum):
+    MATCH = "match"
+    PARTIAL = "partial"  # the buffer is a proper prefix of the literal: wait for more text
+    NO = "no"
+
+
+class _NestingScanner:
+    """Finds the end of one JSON object or array fed in pieces, starting at its opening bracket.
+    Tracks strings and escapes so brackets and quotes inside strings do not count; does not
+    otherwise validate the JSON (a truncated or sloppy value is the model's, streamed as written)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def scan(self, text: str) -> int:
+        """Index just past the closing bracket if it is in ``text``, else -1."""
+        for i, c in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
+
+
+class ToolParser(ABC):
+    """Reads one output. ``feed`` the pieces in order, then ``finish`` once; or ``parse`` a whole text
+    (a fresh parser with the same ``tool_names``; this object's stream is untouched).
+
+    Subclasses implement ``_advance`` (consume what can be decided from ``_buf``; return False when
+    it needs more text) and ``_end`` (the output ended: settle whatever state is open). They report
+    through ``_content``, ``_release_held``, ``_start_call``, ``_args`` and ``_end_call``.
+    """
+
+    family: ClassVar[str]
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        self._tool_names = frozenset(tool_names) if tool_names is not None else None
+        self._buf = ""  # received, not yet consumed
+        self._held = ""  # consumed markup of a block not yet decided: content if it is not a call
+        self._ws_pending = ""  # trailing whitespace of the content so far, not yet emitted
+        self._after_call = False  # a call was emitted and no content other than whitespace since
+        self._calls = 0
+        self._args_sent = False  # the current call has streamed some arguments
+        self._out = StreamDelta()
+
+    def parse(self, text: str) -> ParsedOutput:
+        fresh = type(self)(self._tool_names)
+        return collect([fresh.feed(text), fresh.finish()])
+
+    def feed(self, text: str) -> StreamDelta:
+        self._buf += text
+        while self._advance(final=False):
+            pass
+        return self._take()
+
+    def finish(self) -> StreamDelta:
+        while self._advance(final=True):
+            pass
+        self._end()
+        if self._ws_pending and not self._after_call:
+            self._out.content += self._ws_pending
+        self._ws_pending = ""
+        return self._take()
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    @abstractmethod
+    def _advance(self, final: bool) -> bool: ...
+
+    @abstractmethod
+    def _end(self) -> None: ...
+
+    # -- what subclasses report --
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        core = text.rstrip()
+        if not core:
+            self._ws_pending += text
+            return
+        self._out.content += self._ws_pending + core
+        self._ws_pending = text[len(core) :]
+        self._after_call = False
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, ""
+        self._content(held)
+
+    def _allowed(self, name: str) -> bool:
+        return bool(name) and (self._tool_names is None or name in self._tool_names)
+
+    def _start_call(self, name: str) -> None:
+        self._held = ""
+        self._ws_pending = ""
+        self._after_call = True
+        self._args_sent = False
+        self._out.tool_calls.append(ToolCallDelta(index=self._calls, id=new_call_id(), name=name))
+        self._calls += 1
+
+    def _args(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self._args_sent = True
+        last = self._out.tool_calls[-1] if self._out.tool_calls else None
+        if last is not None and last.index == self._calls - 1:
+            last.arguments += fragment
+        else:
+            self._out.tool_calls.append(ToolCallDelta(index=self._calls - 1, arguments=fragment))
+
+    def _end_call(self) -> None:
+        if not self._args_sent:
+            self._args("{}")
+
+    # -- buffer helpers --
+
+    def _consume(self, n: int, *, hold: bool) -> str:
+        taken, self._buf = self._buf[:n], self._buf[n:]
+        if hold:
+            self._held += taken
+        return taken
+
+    def _skip_ws(self, *, hold: bool) -> None:
+        n = len(self._buf) - len(self._buf.lstrip(_JSON_WS))
+        if n:
+            self._consume(n, hold=hold)
+
+    def _literal(self, literal: str, final: bool) -> _Literal:
+        if self._buf.startswith(literal):
+            return _Literal.MATCH
+        if not final and literal.startswith(self._buf):
+            return _Literal.PARTIAL
+        return _Literal.NO
+
+    def _content_until(self, marker: str, final: bool) -> bool:
+        """Emit content up to ``marker`` (consumed, held). True when the marker was found; otherwise
+        holds back a tail that could be the marker's start (unless ``final``)."""
+        i = self._buf.find(marker)
+        if i >= 0:
+            self._content(self._consume(i, hold=False))
+            self._consume(len(marker), hold=True)
+            return True
+        keep = 0 if final else _partial_tail(self._buf, marker)
+        self._content(self._consume(len(self._buf) - keep, hold=False))
+        return False
+
+    def _take(self) -> StreamDelta:
+        out, self._out = self._out, StreamDelta()
+        return out
+
+
+def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
+    """Rebuild a whole output from its stream: content concatenated, calls joined by index."""
+    content = "".join(d.content for d in deltas)
+    calls: list[ToolCall] = []
+    for d in deltas:
+        for t in d.tool_calls:
+            if t.index == len(calls):
+                calls.append(ToolCall(name=t.name or "", arguments="", id=t.id or ""))
+            calls[t.index].arguments += t.arguments
+    return ParsedOutput(content=None if calls and not content.strip() else content, tool_calls=calls)
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class _CallObject:
+    """One JSON call object ``{"name": "fn", "arguments": {...}}`` read from ``parser._buf``.
+
+    Keys: ``name`` (a non-empty string), one of ``arguments``/``parameters`` (an object, streamed raw),
+    and the ignored string keys ``id``/``type``; any other key, a repeated key or another value type
+    breaks the object. Consumed text is appended to ``parser._held`` until the call is emitted (when
+    the name is read and allowed; arguments read before it are buffered and sent right after).
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._p = parser
+        self._state = "open"
+        self._raw = ""  # the string being read (key or value), escapes undecoded
+        self._escaped = False
+        self._key = ""
+        self._seen: set[str] = set()
+        self._nesting = _NestingScanner()
+        self._early_args = ""  # arguments read before the name
+        self.committed = False
+
+    def advance(self) -> _Status:
+        p = self._p
+        while p._buf:
+            state = self._state
+            if state in ("key_string", "value_string"):
+                self._read_string()
+                if self._state == state:
+                    continue  # the string goes on past the buffer
+                status = self._string_done(state)
+                if status is not None:
+                    return status
+                continue
+            if state == "arguments":
+                end = self._nesting.scan(p._buf)
+                piece = self._take(len(p._buf) if end < 0 else end)
+                if self.committed:
+                    p._args(piece)
+                else:
+                    self._early_args += piece
+                if end >= 0:
+                    self._state = "after_value"
+                continue
+            self._skip_ws()
+            if not p._buf:
+                break
+            c = p._buf[0]
+            if state == "open" and c == "{":
+                self._state = "first_key"
+            elif state in ("first_key", "key") and c == '"':
+                self._state, self._raw, self._escaped = "key_string", "", False
+            elif state in ("first_key", "after_value") and c == "}":
+                self._take(1)
+                if not self.committed:
+                    return _Status.INVALID
+                p._end_call()
+                return _Status.DONE
+            elif state == "after_value" and c == ",":
+                self._state = "key"
+            elif state == "colon" and c == ":":
+                self._state = "value"
+            elif state == "value" and c == '"' and self._key not in _ARGUMENT_KEYS:
+                self._state, self._raw, self._escaped = "value_string", "", False
+            elif state == "value" and c == "{" and self._key in _ARGUMENT_KEYS:
+                self._state = "arguments"
+                continue  # the scanner reads the opening bracket itself
+            else:
+                return self._broken()
+            self._take(1)
+        return _Status.MORE
+
+    def end(self) -> _Status:
+        """The output ended inside the object: an emitted call stands as streamed."""
+        if not self.committed:
+            return _Status.INVALID
+        self._p._end_call()
+        return _Status.DONE
+
+    def _take(self, n: int) -> str:
+        return self._p._consume(n, hold=not self.committed)
+
+    def _skip_ws(self) -> None:
+        self._p._skip_ws(hold=not self.committed)
+
+    def _broken(self) -> _Status:
+        return _Status.MALFORMED if self.committed else _Status.INVALID
+
+    def _read_string(self) -> None:
+        buf = self._p._buf
+        for i, c in enumerate(buf):
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._raw += buf[:i]
+                self._take(i + 1)
+                self._state = "string_read"
+                return
+        self._raw += buf
+        self._take(len(buf))
+
+    def _string_done(self, state: str) -> _Status | None:
+        try:
+            value = json.loads('"' + self._raw + '"')
+        except ValueError:
+            return self._broken()
+        if state == "key_string":
+            known = value == _NAME_KEY or value in _ARGUMENT_KEYS or value in _IGNORED_KEYS
+            canonical = "arguments" if value in _ARGUMENT_KEYS else value
+            if not known or canonical in self._seen:
+                return self._broken()
+            self._seen.add(canonical)
+            self._key, self._state = value, "colon"
+            return None
+        self._state = "after_value"
+        if self._key != _NAME_KEY:
+            return None
+        if not self._p._allowed(value):
+            return _Status.INVALID  # the name comes before any commit
+        self.committed = True
+        self._p._start_call(value)
+        self._p._args(self._early_args)
+        return None
+
+
+class HermesParser(ToolParser):
+    """Hermes, Qwen2/2.5/3 and kvcellar's fallback format: any number of
+    ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` blocks anywhere in the output
+    (whitespace inside the tags optional); the text around them is content.
+
+    A block that is not a call stays content up to and including its ``</tool_call>``. After an
+    emitted call, anything other than whitespace before ``</tool_call>`` is dropped up to it; a missing
+    ``</tool_call>`` (a stop string ate it, or the output ended) does not undo the call, and a
+    ``<tool_call>`` right after a call's object also opens the next block.
+    """
+
+    family = "hermes"
+    OPEN: ClassVar[str] = "<tool_call>"
+    CLOSE: ClassVar[str] = "</tool_call>"
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._state = "content"
+        self._obj = _CallObject(self)
+
+    def _advance(self, final: bool) -> bool:
+        state = self._state
+        if state == "content":
+            if not self._content_until(self.OPEN, final):
+                return False
+            self._obj, self._state = _CallObject(self), "object"
+        elif state == "object":
+            status = self._obj.advance()
+            if status is _Status.MORE:
+                return False
+            if status is _Status.INVALID:
+                self._release_held()
+            self._state = {_Status.DONE: "close", _Status.INVALID: "invalid", _Status.MALFORMED: "swallow"}[status]
+        elif state == "close":
+            self._skip_ws(hold=False)
+            if not self._buf:
+                return False
+            closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
+            if closing is _Literal.MATCH:
+                self._consume(len(self.CLOSE), hold=False)
+                self._state = "content"
+            elif opening is _Literal.MATCH:
+                self._state = "content"
+            elif _Literal.PARTIAL in (closing, opening):
+                return False
+            else:
+                self._state = "swallow"
+        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped), up to CLOSE
+            found = self._content_until(self.CLOSE, final) if state == "invalid" else self._drop_until_close(final)
+            if not found:
+                return False
+            if state == "invalid":
+                self._release_held()
+            else:
+                self._held = ""
+            self._state = "content"
+        return True
+
+    def _drop_until_close(self, final: bool) -> bool:
+        i = self._buf.find(self.CLOSE)
+        if i >= 0:
+            self._consume(i + len(self.CLOSE), hold=False)
+            return True
+        keep = 0 if final else _partial_tail(self._buf, self.CLOSE)
+        self._consume(len(self._buf) - keep, hold=False)
+        return False
+
+    def _end(self) -> None:
+        if self._state == "object" and self._obj.end() is _Status.INVALID:
+            self._release_held()
+
+
+class Llama3Parser(ToolParser):
+    """Llama 3.1/3.2/3.3 JSON tool calling: the whole output (after optional whitespace and an
+    optional ``<|python_tag|>``) is one call object ``{"name": "fn", "parameters": {...}}``
+    (``"arguments"`` accepted too), or several separated by ``;``.
+
+    An output that does not start that way, or whose first object is not a call, is content,
+    unchanged. After a call, text that is not ``;`` and another object is content; an object after
+    ``;`` that is not a call is content from the ``;`` on; a trailing ``;`` is dropped; text after a
+    call broken mid-object is dropped.
+    """
+
+    family = "llama3"
+    PYTHON_TAG: ClassVar[str] = "<|python_tag|>"
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._state = "start"
+        self._obj = _CallObject(self)
+
+    def _advance(self, final: bool) -> bool:
+        state = self._state
+        if state == "plain":
+            self._content(self._consume(len(self._buf), hold=False))
+            return False
+        if state == "swallow":
+            self._buf = ""
+            return False
+        if state == "object":
+            status = self._obj.advance()
+            if status is _Status.MORE:
+                return False
+            if status is _Status.INVALID:
+                self._release_held()
+            self._state = {_Status.DONE: "between", _Status.INVALID: "plain", _Status.MALFORMED: "swallow"}[status]
+            return True
+        self._skip_ws(hold=True)
+        if not self._buf:
+            return False
+        if state == "start":
+            tag = self._literal(self.PYTHON_TAG, final)
+            if tag is _Literal.PARTIAL:
+                return False
+            if tag is _Literal.MATCH:
+                self._consume(len(self.PYTHON_TAG), hold=True)
+                self._state = "tagged"
+                return True
+        if state in ("start", "tagged", "separated") and self._buf[0] == "{":
+            self._obj, self._state = _CallObject(self), "object"
+        elif state == "between" and self._buf[0] == ";":
+            self._consume(1, hold=True)
+            self._state = "separated"
+        else:
+            self._release_held()
+            self._state = "plain"
+        return True
+
+    def _end(self) -> None:
+        if self._state == "object":
+            if self._obj.end() is _Status.INVALID:
+                self._release_held()
+        elif self._state == "separated":
+            self._held = ""
+        else:
+            self._release_held()
+
+
+class MistralParser(ToolParser):
+    """Mistral: ``[TOOL_CALLS]`` then a JSON array of call objects (v3 tokenizers), or
+    ``[TOOL_CALLS]fn[ARGS]{...}``, repeated for parallel calls (v11+; an optional ``[CALL_ID]id``
+    between the name and ``[ARGS]`` is skipped). Text outside the markup is content.
+
+    A ``[TOOL_CALLS]`` not followed by a call is content as written, and the text after it is read
+    again. In an array whose first call was emitted, anything broken drops the rest of the output.
+    """
+
+    family = "mistral"
+    MARK: ClassVar[str] = "[TOOL_CALLS]"
+    ARGS: ClassVar[str] = "[ARGS]"
+    CALL_ID: ClassVar[str] = "[CALL_ID]"
+    _NAME_CHARS: ClassVar[frozenset[str]] = frozenset(string.ascii_letters + string.digits + "_-.")
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._state = "content"
+        self._obj = _CallObject(self)
+        self._nesting = _NestingScanner()
+        self._name = ""
+        self._array_called = False  # the current array has an emitted call: a broken element drops the rest
+
+    def _advance(self, final: bool) -> bool:
+        state = self._state
+        if state == "content":
+            if not self._content_until(self.MARK, final):
+                return False
+            self._state = "marked"
+            return True
+        if state == "swallow":
+            self._buf = ""
+            return False
+        if state == "object":
+            return self._advance_object()
+        if state == "name":
+            return self._advance_name(final)
+        if state == "call_id":
+            n = len(self._buf) - len(self._buf.lstrip(_ID_ALPHABET))
+            self._consume(n, hold=False)
+            if not self._buf:
+                return False
+            found = self._literal(self.ARGS, final)
+            if found is _Literal.PARTIAL:
+                return False
+            if found is _Literal.MATCH:
+                self._consume(len(self.ARGS), hold=False)
+                self._state = "args_open"
+            else:
+                self._end_call()
+                self._state = "content"
+            return True
+        if state == "args":
+            end = self._nesting.scan(self._buf)
+            self._args(self._consume(len(self._buf) if end < 0 else end, hold=False))
+            if end < 0:
+                return False
+            self._end_call()
+            self._state = "content"
+            return True
+        hold = state in ("marked", "array_open")
+        self._skip_ws(hold=hold)
+        if not self._buf:
+            return False
+        c = self._buf[0]
+        if state == "marked" and c == "[":
+            self._consume(1, hold=True)
+            self._array_called, self._state = False, "array_open"
+        elif state == "marked" and c in self._NAME_CHARS:
+            self._name, self._state = "", "name"
+        elif state in ("array_open", "element") and c == "{":
+            self._obj, self._state = _CallObject(self), "object"
+        elif state == "array_next" and c in ",]":
+            self._consume(1, hold=False)
+            self._state = "element" if c == "," else "content"
+        elif state == "args_open" and c == "{":
+            self._nesting, self._state = _NestingScanner(), "args"
+        elif state == "args_open":
+            self._end_call()
+            self._state = "content"
+        elif hold:
+            self._release_held()
+            self._state = "content"
+        else:
+            self._state = "swallow"
+        return True
+
+    def _advance_object(self) -> bool:
+        status = self._obj.advance()
+        if status is _Status.MORE:
+            return False
+        if status is _Status.DONE:
+            self._array_called, self._state = True, "array_next"
+        elif status is _Status.INVALID and not self._array_called:
+            self._release_held()
+            self._state = "content"
+        else:
+            self._held = ""
+            self._state = "swallow"
+        return True
+
+    def _advance_name(self, final: bool) -> bool:
+        n = 0
+        while n < len(self._buf) and self._buf[n] in self._NAME_CHARS:
+            n += 1
+        self._name += self._consume(n, hold=True)
+        if not self._buf:
+            return False
+        for marker, next_state in ((self.ARGS, "args_open"), (self.CALL_ID, "call_id")):
+            found = self._literal(marker, final)
+            if found is _Literal.PARTIAL:
+                return False
+            if found is _Literal.MATCH:
+                self._consume(len(marker), hold=True)
+                if self._allowed(self._name):
+                    self._start_call(self._name)
+                    self._state = next_state
+                else:
+                    self._release_held()
+                    self._state = "content"
+                return True
+        self._release_held()
+        self._state = "content"
+        return True
+
+    def _end(self) -> None:
+        if self._state == "object":
+            if self._obj.end() is _Status.INVALID:
+                self._release_held()
+        elif self._state in ("call_id", "args_open", "args"):
+            self._end_call()
+        else:
+            self._release_held()
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser)}
+
+
+def parser_for_template(chat_template: str | None) -> type[ToolParser]:
+    """The parser family a chat template's model writes, decided from the template text, first rule
+    that holds: ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_tag|>``, or
+    ``<|start_header_id|>`` together with ``parameters`` -> llama3; anything else (no template, or one
+    without tool markup) -> hermes, because kvcellar's own fallback tool prompt asks for hermes markup.
+    """
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return HermesParser
+    if "[TOOL_CALLS]" in template:
+        return MistralParser
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
+        return Llama3Parser
+    return HermesParser
