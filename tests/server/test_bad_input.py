@@ -38,6 +38,15 @@ def completion_body(**fields: Any) -> dict[str, Any]:
 
 _DROP = object()
 
+def _tool(name: str = "get_weather", parameters: Any = None) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+_TOOL = _tool(parameters={"type": "object", "properties": {"city": {"type": "string"}}})
+
 # (id, path, body (dict -> JSON, bytes -> raw), expected status, expected param or None for "any")
 CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("malformed-json", CHAT, b'{"model": ', 400, None),
@@ -98,7 +107,35 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("seed-string", CHAT, chat_body(seed="abc"), 400, "seed"),
     ("seed-too-big", CHAT, chat_body(seed=2**70), 400, "seed"),
     ("logit-bias", CHAT, chat_body(logit_bias={"50": 10}), 400, "logit_bias"),
-    ("response-format-json", CHAT, chat_body(response_format={"type": "json_object"}), 400, "response_format"),
+    ("tool-choice-bogus", CHAT, chat_body(tools=[_TOOL], tool_choice="bogus"), 400, "tool_choice"),
+    ("tool-choice-unknown-name", CHAT, chat_body(tools=[_TOOL], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), 400, "tool_choice"),
+    ("tool-choice-without-tools", CHAT, chat_body(tool_choice="required"), 400, "tool_choice"),
+    ("tool-schema-malformed", CHAT, chat_body(tools=[_tool(parameters={"type": "object", "properties": {
+        "city": {"type": "strin"}}})]), 400, "tools[0].function.parameters"),
+    ("tool-schema-not-object", CHAT, chat_body(tools=[_tool(parameters={"type": "array"})]), 400,
+     "tools[0].function.parameters"),
+    ("tool-schema-uncompilable", CHAT, chat_body(tools=[_tool(parameters={"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "(?<=x)y"}}})], tool_choice="required"), 400,
+     "tools[0].function.parameters"),
+    ("tool-duplicate-name", CHAT, chat_body(tools=[_TOOL, _TOOL]), 400, "tools[1].function.name"),
+    ("tool-bad-name", CHAT, chat_body(tools=[_tool(name="get weather!")]), 400, "tools[0].function.name"),
+    ("tool-wrong-type", CHAT, chat_body(tools=[{"type": "retrieval"}]), 400, "tools[0].type"),
+    ("tool-message-without-id", CHAT, chat_body(messages=[{"role": "user", "content": "hi"},
+                                                          {"role": "tool", "content": "18C"}]), 400,
+     "messages[1].tool_call_id"),
+    ("assistant-call-bad-arguments-type", CHAT, chat_body(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]), 400,
+     "messages[0].tool_calls[0].function.arguments"),
+    ("response-format-schema-missing", CHAT, chat_body(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema"),
+    ("response-format-schema-malformed", CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": "a"}}}), 400, "response_format.json_schema.schema"),
+    ("response-format-schema-uncompilable", CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(?=a)b"}}}), 400, "response_format.json_schema.schema"),
+    ("completion-response-format-malformed", COMPLETIONS, completion_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400,
+     "response_format.json_schema.schema"),
     ("response-format-bad", CHAT, chat_body(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("stop-token-ids-strings", CHAT, chat_body(stop_token_ids=["a"]), 400, "stop_token_ids[0]"),
     ("cache-salt-number", CHAT, chat_body(cache_salt=5), 400, "cache_salt"),

@@ -106,6 +106,8 @@ HERMES_SAMPLES = [
     '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>',  # unknown tool
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}, "oops"}</tool_call>Done.',
     "The capital of France is Paris. <tool and < tags and <tool_call are fine.\n",
+    'I will use <tool_call> now.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"q": 1}} junk <tool_call>{"name": "get_time"}</tool_call>',
     "",
     "  \n",
     'Text <tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call> middle text\n\n'
@@ -171,6 +173,17 @@ def test_hermes_unknown_tool_is_content_only_when_tools_are_given() -> None:
     text = 'Ok.\n<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>'
     assert HermesParser(TOOLS).parse(text) == ParsedOutput(content=text, tool_calls=[])
     assert calls(HermesParser(None).parse(text)) == [("delete_everything", "{}")]
+
+
+def test_hermes_next_open_tag_ends_a_broken_block() -> None:
+    out = HermesParser(TOOLS).parse(
+        'I will use <tool_call> now.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    assert out.content == "I will use <tool_call> now." and calls(out) == [("get_time", "{}")]
+    # after an emitted call, junk before the close tag is dropped; the next block still counts
+    text = '<tool_call>{"name": "search", "arguments": {"q": 1}} junk <tool_call>{"name": "get_time"}</tool_call>'
+    out = HermesParser(TOOLS).parse(text)
+    assert out.content is None and calls(out) == [("search", '{"q": 1}'), ("get_time", "{}")]
 
 
 def test_hermes_no_calls_is_content_unchanged() -> None:
@@ -376,7 +389,7 @@ ALL_SAMPLES = (
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), tools_given=st.booleans())
 def test_random_splits_agree_with_parse(data: st.DataObject, tools_given: bool) -> None:
     parser_cls, text = data.draw(st.sampled_from(ALL_SAMPLES))

@@ -27,6 +27,7 @@ from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.config import EngineConfig
+from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.kv_pool import KVLayout, KVPool
 from kvcellar.engine.loader import LoadedModel
@@ -100,6 +101,8 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or loaded.max_context, loaded.max_context)
         self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
         self.lower: LowerTierLink | None = None
+        # Structured outputs: grammars compiled for this tokenizer (llguidance loads lazily).
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, loaded.eos_token_ids)
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -156,6 +159,8 @@ class Engine:
             stop_matcher=StopMatcher(params.stop),
             eos_token_ids=frozenset() if params.ignore_eos else self.loaded.eos_token_ids,
             generator=params.make_generator(self.device),
+            constraint=(self.grammars.constraint(params.grammar, params.max_tokens)
+                        if params.grammar is not None else None),
         )
         self._inbox.put(("add", seq))
         self._wake.set()
@@ -375,7 +380,8 @@ class Engine:
                 self.scheduler.commit(item)
                 if item.sample:
                     row += 1
-                    self._append(seq, sample_row(logits[row - 1], seq.params, seq.output_ids, seq.generator))
+                    self._append(seq, sample_row(logits[row - 1], seq.params, seq.output_ids, seq.generator,
+                                                 seq.constraint))
             except Exception as exc:  # one sequence's failure must not strand the others
                 log.exception("post-processing sequence %d failed", seq.seq_id)
                 self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="error",
@@ -408,16 +414,24 @@ class Engine:
         n_out = seq.num_tokens - seq.num_prompt_tokens
         self.stats["engine_generated_tokens"] += 1
         finish = None
+        error = None
         is_eos = tok in seq.eos_token_ids or tok in params.stop_token_ids
-        if is_eos:
+        grammar_done = False
+        if seq.constraint is not None:
+            if not seq.constraint.accept(tok):  # masked sampling makes this a bug, never a user error
+                finish, error = "error", f"constrained decoding failed: {seq.constraint.error}"
+            grammar_done = seq.constraint.finished
+        if finish is not None:
+            text = ""
+        elif is_eos:
             finish = "stop"
             text = self._flush_text(seq)
         else:
             text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(tok))
             if stopped:
                 finish = "stop"
-            elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
+            elif grammar_done or n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "stop" if grammar_done else "length"
                 tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush().rstrip(REPLACEMENT))
                 text += tail
                 if stopped:
@@ -432,6 +446,7 @@ class Engine:
             top_logprobs=res.top_logprobs,
             finish_reason=finish,
             is_eos=is_eos,
+            error=error,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=n_out,

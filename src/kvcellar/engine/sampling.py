@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvcellar.engine.constraints import Grammar, TokenConstraint
 
 MAX_TOP_LOGPROBS = 20
 
@@ -32,6 +36,9 @@ class SamplingParams:
     top_logprobs: int = 0
     # Text options (applied by the detokenizer)
     skip_special_tokens: bool = True
+    # Output must match this grammar (structured outputs, forced tool calls); each sequence
+    # gets its own matcher state from it.
+    grammar: Grammar | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -79,10 +86,15 @@ def apply_penalties(logits: torch.Tensor, output_ids: list[int], params: Samplin
 
 
 def sample_row(
-    logits: torch.Tensor, params: SamplingParams, output_ids: list[int], generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, output_ids: list[int], generator: torch.Generator | None,
+    constraint: TokenConstraint | None = None,
 ) -> SampleResult:
-    """Pick the next token from one row of float32 logits ``[vocab]``."""
+    """Pick the next token from one row of float32 logits ``[vocab]``. With a
+    ``constraint``, tokens its grammar forbids are never picked (logprobs stay those of the
+    model's own distribution)."""
     raw = logits
+    if constraint is not None:
+        logits = constraint.mask(logits)
     logits = apply_penalties(logits, output_ids, params)
     if params.greedy:
         token = int(torch.argmax(logits))

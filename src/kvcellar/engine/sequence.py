@@ -14,6 +14,7 @@ import torch
 
 from kvcellar.cache.block_manager import Block
 from kvcellar.cache.hashing import chain_digest
+from kvcellar.engine.constraints import TokenConstraint
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.sampling import SamplingParams
 
@@ -95,6 +96,7 @@ class Sequence:
     stop_matcher: StopMatcher
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
+    constraint: TokenConstraint | None = None  # grammar state (structured outputs)
     arrival: float = field(default_factory=time.monotonic)
     state: SeqState = SeqState.WAITING
     blocks: list[Block] = field(default_factory=list)

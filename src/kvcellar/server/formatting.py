@@ -16,11 +16,12 @@ import copy
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcellar.engine import TokenEvent
+from kvcellar.server.tools.parsers import StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
 RawLogprob = tuple[int, float, list[tuple[int, float]] | None]
 
@@ -94,6 +95,7 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    parser: ToolParser | None = None  # streamed chat with tools: this choice's call parser
 
 
 @dataclass
@@ -109,6 +111,28 @@ class RequestShape:
     top_logprobs: int
     include_usage: bool
     echo_texts: Sequence[str] | None = None  # completions with echo: each prompt's text
+    tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: reads calls out of the text
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": delta.index}
+    fn: dict[str, Any] = {"arguments": delta.arguments}
+    if delta.id is not None:
+        out["id"] = delta.id
+        out["type"] = "function"
+    if delta.name is not None:
+        fn["name"] = delta.name
+    out["function"] = fn
+    return out
+
+
+def final_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended normally after calling tools finishes with ``tool_calls``."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class ResponseBuilder:
@@ -120,6 +144,9 @@ class ResponseBuilder:
         self.object = "chat.completion" if shape.kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if shape.kind == "chat" else "text_completion"
         self.choices = [ChoiceState(i, i // shape.n) for i in range(shape.n * shape.num_prompts)]
+        if shape.tool_parser is not None:
+            for c in self.choices:
+                c.parser = shape.tool_parser()
 
     # ---- shared -------------------------------------------------------------------------
 
@@ -185,11 +212,19 @@ class ResponseBuilder:
         for c in self.choices:
             text = "".join(c.text)
             if self.shape.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                finish = c.finish_reason
+                if c.parser is not None:
+                    parsed = c.parser.parse(text)
+                    if parsed.tool_calls:
+                        message["content"] = parsed.content
+                        message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+                        finish = final_reason(finish, True)
                 out.append({
                     "index": c.index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "logprobs": self._chat_logprobs(c.logprobs) if self.shape.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                 })
             else:
                 echo = self.shape.echo_texts[c.prompt_index] if self.shape.echo_texts is not None else ""
@@ -240,20 +275,45 @@ class ResponseBuilder:
             return []
         out: list[dict[str, Any]] = []
         if self.shape.kind == "chat":
-            if ev.text or (final and c.pending):
+            delta = self._chat_delta(c, ev.text, final)
+            if delta.content or delta.tool_calls or (final and c.pending):
                 logprobs = self._chat_logprobs(c.pending) if self.shape.logprobs else None
                 c.pending = []
-                out.append(self._chunk([{"index": index, "delta": {"content": ev.text}, "logprobs": logprobs,
+                body: dict[str, Any] = {}
+                if delta.content or not delta.tool_calls:
+                    body["content"] = delta.content
+                if delta.tool_calls:
+                    body["tool_calls"] = [tool_call_delta_json(d) for d in delta.tool_calls]
+                out.append(self._chunk([{"index": index, "delta": body, "logprobs": logprobs,
                                          "finish_reason": None}]))
             if final:
+                called = c.parser is not None and c.parser.called
                 out.append(self._chunk([{"index": index, "delta": {}, "logprobs": None,
-                                         "finish_reason": ev.finish_reason}]))
+                                         "finish_reason": final_reason(ev.finish_reason, called)}]))
         elif ev.text or final:
             logprobs = self._legacy_logprobs(c, c.pending) if self.shape.logprobs else None
             c.pending = []
             out.append(self._chunk([{"index": index, "text": ev.text, "logprobs": logprobs,
                                      "finish_reason": ev.finish_reason if final else None}]))
         return out
+
+    @staticmethod
+    def _chat_delta(c: ChoiceState, text: str, final: bool) -> StreamDelta:
+        """What of ``text`` a streamed chat choice sends: all of it as content, or, with
+        tools, the content and call fragments its parser has decided on so far."""
+        if c.parser is None:
+            return StreamDelta(content=text)
+        delta = c.parser.feed(text) if text else StreamDelta()
+        if final:
+            end = c.parser.finish()
+            delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls)
+        merged: list[ToolCallDelta] = []
+        for d in delta.tool_calls:  # one entry per call and chunk, as OpenAI sends them
+            if merged and merged[-1].index == d.index:
+                merged[-1].arguments += d.arguments
+            else:
+                merged.append(ToolCallDelta(d.index, d.id, d.name, d.arguments))
+        return StreamDelta(delta.content, merged)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.shape.model,

@@ -57,16 +57,62 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionCallText(_Request):
+    name: FunctionName
+    arguments: str = Field(max_length=1 << 20)
+
+
+class MessageToolCall(_Request):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema: stored as json_schema, read and written as "schema".
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Request):
@@ -102,8 +148,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -117,6 +163,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
     best_of: Int | None = Field(None, ge=1, le=128)
 
 
@@ -149,17 +196,29 @@ class ChatLogprobs(_Response):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(_Response):
@@ -172,16 +231,29 @@ class ChatCompletion(_Response):
     usage: Usage
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(_Response):

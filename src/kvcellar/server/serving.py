@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from kvcellar.engine import Engine, SamplingParams, TokenEvent
+from kvcellar.engine.constraints import Grammar
 from kvcellar.engine.tokenization import encode_chat, encode_prompt
 from kvcellar.errors import InvalidRequestError
 from kvcellar.server import errors
@@ -35,8 +36,11 @@ from kvcellar.server.config import ServerConfig
 from kvcellar.server.formatting import RequestShape, ResponseBuilder, TokenTexts
 from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, Timeouts
 from kvcellar.server.metrics import ServerMetrics
-from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
 from kvcellar.server.streaming import DONE, ClientDisconnected, SSEResponse, sse, until_disconnect
+from kvcellar.server.tools.grammar import forced_call_grammar
+from kvcellar.server.tools.render import ToolPrompting
+from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
 
 log = logging.getLogger("kvcellar.server")
 
@@ -84,6 +88,10 @@ class OpenAIServing:
         self.tokens = TokenTexts(engine.tokenizer)
         self.inflight = Inflight()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
+        self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
+        # llguidance's view of the tokenizer takes ~0.5 s: build it before the first
+        # constrained request needs it (on the same thread that compiles grammars).
+        self._tokenizer_thread.submit(engine.grammars.prepare)
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -165,8 +173,8 @@ class OpenAIServing:
         out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             out["name"] = m.name
-        if m.tool_calls is not None:
-            out["tool_calls"] = m.tool_calls
+        if m.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             out["tool_call_id"] = m.tool_call_id
         return out
@@ -177,21 +185,41 @@ class OpenAIServing:
         check_text(req)
         self.check_model(req.model)
         self._common_checks(req)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise errors.invalid(f"response_format '{req.response_format.type}' is not supported by this server.",
-                                 param="response_format", code="unsupported_parameter")
         if req.top_logprobs and not req.logprobs:
             raise errors.invalid("top_logprobs requires logprobs to be true.", param="top_logprobs")
         n = self._choice_count(req, 1)
+        check_tool_messages(req.messages)
+        tools = plan_tools(req)
         messages = [self._message(m, i) for i, m in enumerate(req.messages)]
-        template_kwargs: dict[str, Any] = {"tools": req.tools} if req.tools else {}
+        messages, template_kwargs = self.tool_prompting.prepare(messages, tools.tools if tools else None)
         prompt = await self._on_tokenizer_thread(encode_chat, self.engine.tokenizer, messages, **template_kwargs)
+        grammar = await self._on_tokenizer_thread(self._chat_grammar, req.response_format, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, limit if limit is not None else self._room(len(prompt)),
                               bool(req.logprobs), req.top_logprobs or 0)
+        parse_calls = tools is not None and tools.choice != "none"
+        if parse_calls and req.skip_special_tokens is None and self.tool_prompting.markup_is_special:
+            params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
+        params.grammar = grammar
         shape = RequestShape("chat", req.model, self.fingerprint, n, 1, bool(req.logprobs), req.top_logprobs or 0,
-                             bool(req.stream and req.stream_options and req.stream_options.include_usage))
+                             bool(req.stream and req.stream_options and req.stream_options.include_usage),
+                             tool_parser=self.tool_prompting.parser_factory(tools) if parse_calls else None)
         return await self._run(shape, [prompt], self._per_choice(params, n), req, receive)
+
+    def _chat_grammar(self, fmt: ResponseFormat | None, tools: ToolPlan | None) -> Grammar | None:
+        """Forced tool calls win over ``response_format`` (the output is the calls)."""
+        if tools is not None and tools.forced:
+            return forced_call_grammar(self.engine.grammars, self.tool_prompting.family, tools.forced_tools,
+                                       parallel=tools.parallel and tools.choice == "required",
+                                       mistral_token_id=self.tool_prompting.mistral_token_id)
+        return self._format_grammar(fmt)
+
+    def _format_grammar(self, fmt: ResponseFormat | None) -> Grammar | None:
+        schema = response_schema(fmt)
+        if schema is None:
+            return None
+        param = "response_format" if fmt is None or fmt.type == "json_object" else "response_format.json_schema.schema"
+        return self.engine.grammars.json_schema(schema, param=param)
 
     async def completions(self, req: CompletionRequest, receive: Receive) -> Response:
         check_text(req)
@@ -225,6 +253,7 @@ class OpenAIServing:
         logprobs = req.logprobs is not None
         params = self._params(req, req.max_tokens if req.max_tokens is not None else 16, logprobs,
                               req.logprobs or 0)
+        params.grammar = await self._on_tokenizer_thread(self._format_grammar, req.response_format)
         shape = RequestShape("completion", req.model, self.fingerprint, n, len(prompts), logprobs, req.logprobs or 0,
                              bool(req.stream and req.stream_options and req.stream_options.include_usage),
                              echo_texts)

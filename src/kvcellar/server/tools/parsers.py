@@ -405,8 +405,9 @@ class HermesParser(ToolParser):
     ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` blocks anywhere in the output
     (whitespace inside the tags optional); the text around them is content.
 
-    A block that is not a call stays content up to and including its ``</tool_call>``. After an
-    emitted call, anything other than whitespace before ``</tool_call>`` is dropped up to it; a missing
+    A block that is not a call stays content up to and including its ``</tool_call>`` (or up to the
+    next ``<tool_call>``, which opens a new block). After an emitted call, anything other than
+    whitespace before ``</tool_call>`` is dropped the same way; a missing
     ``</tool_call>`` (a stop string ate it, or the output ended) does not undo the call, and a
     ``<tool_call>`` right after a call's object also opens the next block.
     """
@@ -447,25 +448,29 @@ class HermesParser(ToolParser):
                 return False
             else:
                 self._state = "swallow"
-        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped), up to CLOSE
-            found = self._content_until(self.CLOSE, final) if state == "invalid" else self._drop_until_close(final)
-            if not found:
+        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
+            if not self._finish_block(keep_text=state == "invalid", final=final):
                 return False
-            if state == "invalid":
-                self._release_held()
-            else:
-                self._held = ""
             self._state = "content"
         return True
 
-    def _drop_until_close(self, final: bool) -> bool:
-        i = self._buf.find(self.CLOSE)
-        if i >= 0:
-            self._consume(i + len(self.CLOSE), hold=False)
-            return True
-        keep = 0 if final else _partial_tail(self._buf, self.CLOSE)
-        self._consume(len(self._buf) - keep, hold=False)
-        return False
+    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
+        """Pass the rest of a block that is not (or no longer) a call, up to and including its
+        ``</tool_call>``, or up to a ``<tool_call>`` that opens the next block, whichever comes first.
+        True when the block's end was found; otherwise holds back a tail that may be either tag."""
+        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
+        found = close >= 0 or open_ >= 0
+        if open_ >= 0 and (close < 0 or open_ < close):
+            end = open_
+        elif close >= 0:
+            end = close + len(self.CLOSE)
+        else:
+            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
+            end = len(self._buf) - keep
+        passed = self._consume(end, hold=False)
+        if keep_text:
+            self._content(passed)
+        return found
 
     def _end(self) -> None:
         if self._state == "object" and self._obj.end() is _Status.INVALID:

@@ -1,0 +1,70 @@
+"""Grammars that force a valid tool call (``tool_choice: "required"`` or a named function).
+
+The output must be exactly what the model family's parser reads back as calls, with
+``arguments`` valid against the tool's ``parameters`` schema:
+
+* ``hermes`` (and the fallback format): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  blocks separated by a newline when parallel calls are allowed;
+* ``llama3``: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
+* ``mistral``: the ``[TOOL_CALLS]`` special token, then a JSON array of ``{"name", "arguments"}``.
+
+Each call body is an inline JSON schema (``%json``) with one ``anyOf`` branch per allowed
+function, so the name decides which arguments schema applies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvcellar.engine.constraints import JSON_STYLE, Grammar, GrammarCompiler
+from kvcellar.errors import InvalidRequestError
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if params is not None else EMPTY_PARAMETERS
+
+
+def _call_schema(tools: Sequence[dict[str, Any]], args_key: str) -> dict[str, Any]:
+    branches = [{
+        "type": "object",
+        "properties": {"name": {"const": t["function"]["name"]}, args_key: parameters_of(t)},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    } for t in tools]
+    schema: dict[str, Any] = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    return {**schema, "x-guidance": JSON_STYLE}
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal
+
+
+def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]], *,
+                        parallel: bool, mistral_token_id: int | None = None) -> Grammar:
+    """A grammar whose every complete output is one call (or, with ``parallel``, one or
+    more calls) of ``tools``."""
+    for i, tool in enumerate(tools):  # blame the right tool for a schema the engine refuses
+        compiler.json_schema(parameters_of(tool), param=f"tools[{i}].function.parameters")
+
+    def calls(separator: str) -> str:
+        return f"call ({_lit(separator)} call)*" if parallel else "call"
+
+    if family == "llama3":
+        body = json.dumps(_call_schema(tools, "parameters"))
+        lark = f"start: {calls('; ')}\ncall: %json {body}\n"
+    elif family == "mistral":
+        if mistral_token_id is None:
+            raise InvalidRequestError("this model's tokenizer has no [TOOL_CALLS] token", param="tool_choice")
+        body = json.dumps(_call_schema(tools, "arguments"))
+        lark = f"start: <[{mistral_token_id}]> {_lit('[')} {calls(', ')} {_lit(']')}\ncall: %json {body}\n"
+    else:  # hermes and the fallback format
+        body = json.dumps(_call_schema(tools, "arguments"))
+        lark = (f"start: {calls(chr(10))}\n"
+                f"call: {_lit('<tool_call>' + chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
+                f"body: %json {body}\n")
+    return compiler.lark(lark, param="tools", description=f"tool_call:{family}")
