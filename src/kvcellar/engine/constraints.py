@@ -45,6 +45,9 @@ class Grammar:
 
     source: str  # llguidance's serialized grammar
     description: str  # for logs: "json_schema", "tool_call", ...
+    # Steer toward the end when max_tokens runs short (see TokenConstraint). Off for
+    # grammars of free text with constrained islands, which accept after every token.
+    steer_to_end: bool = True
 
 
 class GrammarCompiler:
@@ -86,20 +89,21 @@ class GrammarCompiler:
             raise InvalidRequestError(f"Invalid schema for '{param}': {exc}", param=param) from None
         return self._compile(source, "json_schema", param)
 
-    def lark(self, lark: str, *, param: str, description: str) -> Grammar:
+    def lark(self, lark: str, *, param: str, description: str, steer_to_end: bool = True) -> Grammar:
         import llguidance
 
-        return self._compile(llguidance.LLMatcher.grammar_from_lark(lark), description, param)
+        return self._compile(llguidance.LLMatcher.grammar_from_lark(lark), description, param, steer_to_end)
 
-    def _compile(self, source: str, description: str, param: str) -> Grammar:
+    def _compile(self, source: str, description: str, param: str, steer_to_end: bool = True) -> Grammar:
         import time
 
         import llguidance
 
+        key = f"{int(steer_to_end)}{source}"
         with self._lock:
-            hit = self._cache.get(source)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(source)
+                self._cache.move_to_end(key)
                 self.stats["grammar_cache_hits"] += 1
                 return hit
         lltok = self._tokenizer()
@@ -109,11 +113,11 @@ class GrammarCompiler:
             detail = messages[0] if messages else "unknown error"
             raise InvalidRequestError(f"Invalid schema for '{param}': the grammar engine cannot compile it "
                                       f"({detail.strip()}).", param=param, code="invalid_schema")
-        grammar = Grammar(source, description)
+        grammar = Grammar(source, description, steer_to_end)
         with self._lock:
             self.stats["grammar_compiled"] += 1
             self.stats["grammar_compile_seconds"] += time.perf_counter() - t0
-            self._cache[source] = grammar
+            self._cache[key] = grammar
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
@@ -126,7 +130,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"The grammar could not be instantiated: {matcher.get_error()}")
         assert self._closers is not None
-        return TokenConstraint(matcher, self._closers, max_tokens)
+        return TokenConstraint(matcher, self._closers, max_tokens if grammar.steer_to_end else None)
 
 
 class TokenConstraint:
@@ -147,11 +151,13 @@ class TokenConstraint:
     Engine thread only.
     """
 
-    def __init__(self, matcher: Any, closers: torch.Tensor, max_tokens: int) -> None:
+    def __init__(self, matcher: Any, closers: torch.Tensor, max_tokens: int | None) -> None:
+        """``max_tokens``: the sequence's budget to steer within; None: no steering."""
         self._matcher = matcher
         self._closers = closers
-        self.reserve = min(64, max(12, max_tokens // 5))
-        self._max_tokens = max_tokens
+        self._steer = max_tokens is not None
+        self._max_tokens = max_tokens or 0
+        self.reserve = min(64, max(12, self._max_tokens // 5))
         self._generated = 0
         self._last_accepting = 0
         self._longest_stretch = 0
@@ -163,7 +169,7 @@ class TokenConstraint:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
         n = min(logits.shape[-1], len(bias))  # logits past the tokenizer's ids stay forbidden
         allowed[:n] = torch.frombuffer(bytearray(bias[:n]), dtype=torch.uint8) != 0
-        if self._max_tokens - self._generated <= self.reserve:
+        if self._steer and self._max_tokens - self._generated <= self.reserve:
             closing = allowed[:n] & self._closers[:n]
             if bool(closing.any()):
                 allowed[:n] = closing
@@ -184,7 +190,7 @@ class TokenConstraint:
         budget left would likely not hold another complete stretch."""
         if self._matcher.is_stopped():
             return True
-        if not self._matcher.is_accepting():
+        if not self._steer or not self._matcher.is_accepting():
             return False
         return self._max_tokens - self._generated < self._longest_stretch + self.reserve
 

@@ -38,7 +38,7 @@ from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, 
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
 from kvcellar.server.streaming import DONE, ClientDisconnected, SSEResponse, sse, until_disconnect
-from kvcellar.server.tools.grammar import forced_call_grammar
+from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
 
@@ -207,11 +207,15 @@ class OpenAIServing:
         return await self._run(shape, [prompt], self._per_choice(params, n), req, receive)
 
     def _chat_grammar(self, fmt: ResponseFormat | None, tools: ToolPlan | None) -> Grammar | None:
-        """Forced tool calls win over ``response_format`` (the output is the calls)."""
+        """Forced tool calls win over ``response_format`` (the output is the calls), which
+        wins over keeping ``auto`` calls well-formed."""
+        family = self.tool_prompting.family
         if tools is not None and tools.forced:
-            return forced_call_grammar(self.engine.grammars, self.tool_prompting.family, tools.forced_tools,
+            return forced_call_grammar(self.engine.grammars, family, tools.forced_tools,
                                        parallel=tools.parallel and tools.choice == "required",
                                        mistral_token_id=self.tool_prompting.mistral_token_id)
+        if fmt is None and tools is not None and tools.choice == "auto":
+            return auto_call_grammar(self.engine.grammars, family, tools.tools)
         return self._format_grammar(fmt)
 
     def _format_grammar(self, fmt: ResponseFormat | None) -> Grammar | None:

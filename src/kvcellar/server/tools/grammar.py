@@ -8,6 +8,11 @@ The output must be exactly what the model family's parser reads back as calls, w
 * ``llama3``: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
 * ``mistral``: the ``[TOOL_CALLS]`` special token, then a JSON array of ``{"name", "arguments"}``.
 
+With ``tool_choice: "auto"`` the model decides; for the Hermes markup (and so the fallback
+format) ``auto_call_grammar`` still keeps what it decides well-formed: text is free, but
+once ``<tool_call>`` appears (a lazy trigger: it matches wherever the text contains it),
+the block must be a valid call followed by ``</tool_call>``.
+
 Each call body is an inline JSON schema (``%json``) with one ``anyOf`` branch per allowed
 function, so the name decides which arguments schema applies.
 """
@@ -68,3 +73,20 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
                 f"call: {_lit('<tool_call>' + chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
                 f"body: %json {body}\n")
     return compiler.lark(lark, param="tools", description=f"tool_call:{family}")
+
+
+def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]]) -> Grammar | None:
+    """Free text with well-formed calls, or None where the family has no such grammar
+    (llama3 and mistral outputs are parsed only)."""
+    if family != "hermes":
+        return None
+    for i, tool in enumerate(tools):
+        compiler.json_schema(parameters_of(tool), param=f"tools[{i}].function.parameters")
+    body = json.dumps(_call_schema(tools, "arguments"))
+    lark = ("%llguidance {}\n"
+            "start: call* TEXT\n"
+            f"call: call_trigger {_lit(chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
+            f"call_trigger[lazy]: TEXT {_lit('<tool_call>')}\n"
+            f"body: %json {body}\n"
+            "TEXT: /(.|\\n)*/\n")
+    return compiler.lark(lark, param="tools", description=f"tool_call_auto:{family}", steer_to_end=False)
