@@ -182,6 +182,11 @@ def test_bad_input(server: ServerProcess, path: str, body: Any, status: int, par
     assert_openai_error(send(server, path, body), status, param)
 
 
+def test_empty_body_says_so(server: ServerProcess) -> None:
+    err = assert_openai_error(send(server, CHAT, b""), 400)
+    assert "body is empty" in err["message"] and "None" not in err["message"]
+
+
 def test_context_length_code(server: ServerProcess) -> None:
     err = assert_openai_error(send(server, CHAT, chat_body(max_tokens=10**9)), 400)
     assert err["code"] == "context_length_exceeded"

@@ -133,3 +133,16 @@ def test_log_formats() -> None:
     assert line.endswith('request finished id=cmpl-1 finish=stop note="has space"')
     obj = json.loads(JsonFormatter().format(record))
     assert obj["msg"] == "request finished" and obj["finish"] == "stop"
+
+
+def test_usage_counts_tokens_of_a_stream_that_never_finished() -> None:
+    """A client that hangs up mid-stream: the request log still shows what it used."""
+    from kvcellar.engine import TokenEvent
+    from kvcellar.server.formatting import RequestShape, ResponseBuilder
+
+    builder = ResponseBuilder(RequestShape("chat", "m", "fp", 1, 1, False, 0, False), None)  # type: ignore[arg-type]
+    for i in range(3):
+        builder.chunks_for(0, TokenEvent(1, 100 + i, "x", num_prompt_tokens=20, num_cached_tokens=16,
+                                         num_output_tokens=i + 1))
+    assert builder.usage() == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23,
+                               "prompt_tokens_details": {"cached_tokens": 16}}

@@ -81,6 +81,11 @@ def shutting_down() -> APIError:
                     code="shutting_down")
 
 
+def cancelled_by_shutdown() -> APIError:
+    return APIError(503, "The server is shutting down; the request was cancelled before it finished.",
+                    type=SERVER_ERROR, code="shutting_down")
+
+
 def timed_out(kind: str, seconds: float) -> APIError:
     what = "the first token" if kind == "first_token" else "the next token"
     return APIError(504, f"Timed out after {seconds:g} s waiting for {what}; the request was cancelled.",
@@ -157,7 +162,9 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]]) -> APIError:
         if first_param is None:
             first_param = param
         kind = err.get("type", "")
-        if kind == "missing":
+        if kind == "missing" and param is None:
+            messages.append("The request body is empty: send a JSON object (Content-Type: application/json).")
+        elif kind == "missing":
             messages.append(f"Missing required parameter: '{param}'.")
             code = "missing_required_parameter" if len(seen) == 1 else code
         elif param is None:

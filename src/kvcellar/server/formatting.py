@@ -154,6 +154,9 @@ class ResponseBuilder:
         if ev.finish_reason is not None:
             choice.finish_reason = ev.finish_reason
             choice.error = ev.error
+        if ev.finish_reason is not None or ev.token_id is not None:
+            # Every token event carries the counts so far: a request that ends early (client
+            # gone, timeout) still reports what it used.
             choice.num_prompt_tokens = ev.num_prompt_tokens
             choice.num_cached_tokens = ev.num_cached_tokens
             choice.num_output_tokens = ev.num_output_tokens

@@ -317,8 +317,8 @@ class OpenAIServing:
     @staticmethod
     def _check_event(ev: TokenEvent) -> None:
         """Raise for an engine-side end that is not a normal finish."""
-        if ev.finish_reason == "abort":  # not ours: ours are filtered out by Generation
-            raise errors.shutting_down()
+        if ev.finish_reason == "abort":  # not ours (ours are filtered out by Generation): shutdown
+            raise errors.cancelled_by_shutdown()
         if ev.finish_reason == "error":
             raise errors.APIError(500, f"Generation failed: {ev.error or 'engine error'}", type=errors.SERVER_ERROR)
 
