@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a lighthouse
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("keyed"), "--shutdown-timeout", "4", api_key=API_KEY,
+    proc = ServerProcess(tmp_path_factory.mktemp("keyed"), "--shutdown-timeout", "8", api_key=API_KEY,
                          models_dir=models_dir).start()
     try:
         yield proc
