@@ -228,14 +228,17 @@ class Engine:
         return LowerTierLink.block_spec(self.pool)
 
     def attach_tier(self, tier: KVTier, policy: str = "write_through") -> None:
-        """Put ``tier`` below the RAM tier (before ``start``). The engine owns it from here
-        on and closes it in ``shutdown``. ``policy``: write_through or evict_only."""
+        """Put ``tier`` below the RAM tier and the tiers attached before it (attach the
+        fastest first; before ``start``). The engine owns it from here on and closes it in
+        ``shutdown``. ``policy``: write_through, evict_only or read_only."""
         if self._thread is not None:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
             raise ValueError("a lower tier needs prefix caching")
-        self.lower = LowerTierLink(tier, self.pool, self.blocks.key, policy=policy, wake=self._wake.set)
-        self.scheduler.lower = self.lower
+        if self.lower is None:
+            self.lower = LowerTierLink(self.pool, self.blocks.key, wake=self._wake.set)
+            self.scheduler.lower = self.lower
+        self.lower.attach(tier, policy)
         if policy == "evict_only":
             self.blocks.on_evict = self.lower.evicted
 
@@ -308,9 +311,10 @@ class Engine:
             **(lower.snapshot() if lower is not None else {}),
         }
 
-    def tier_health(self) -> dict[str, object] | None:
+    def tier_health(self) -> dict[str, dict[str, object]]:
+        """Each lower tier's health with its policy, by tier name (empty without tiers)."""
         lower = self.lower
-        return None if lower is None else {"name": lower.tier.name, "policy": lower.policy, **lower.tier.health()}
+        return {} if lower is None else lower.health()
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ for a next token, so prefill takes bigger, more efficient chunks):
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
    prompt) waits a step or more and then reuses it instead of computing it twice.
 
-When the RAM tier's prefix ends, the next blocks may sit in a lower tier (``lower``, the
-SSD): admission then reserves pool blocks, starts loading them and parks the sequence in
+When the RAM tier's prefix ends, the next blocks may sit in lower tiers (``lower``: the
+SSD, a remote store): admission then reserves pool blocks, starts loading them and parks the sequence in
 LOADING while the engine keeps stepping everyone else; once the tier has verified them
 they are published like computed blocks and the prefill goes on from there. A block
 that fails to load is simply computed. A sequence cancelled while loading keeps its
@@ -40,7 +40,7 @@ from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.engine.sequence import SeqState, Sequence
 
 if TYPE_CHECKING:
-    from kvcellar.cache.tiering import LowerTierLink
+    from kvcellar.cache.tiering import LoadPlan, LowerTierLink
 
 
 def _no_copy(src: int, dst: int) -> None:
@@ -227,6 +227,7 @@ class Scheduler:
         digests: list[bytes] = []
         cow: Block | None = None
         lower = 0
+        plan: LoadPlan | None = None
         if self.prefix_caching:
             digests = seq.digests(n_full, bs)
             tokens = [seq.block_tokens(i, bs) for i in range(n_full)]
@@ -237,7 +238,8 @@ class Scheduler:
             if hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
             elif self.lower is not None and len(hits) < n_full:
-                lower = self.lower.lookup(digests[len(hits) : n_full])
+                plan = self.lower.lookup(digests[len(hits) : n_full])
+                lower = plan.num_blocks
         total = (seq.num_tokens + bs - 1) // bs
         need = total - len(hits)
         # Keep one block per running decode in reserve so admission does not force an
@@ -265,8 +267,9 @@ class Scheduler:
             assert self.lower is not None
             first = len(hits)
             span = range(first, first + lower)
+            assert plan is not None
             seq.pending_load = self.lower.start_load(
-                [seq.blocks[i] for i in span], [digests[i] for i in span],
+                plan, [seq.blocks[i] for i in span], [digests[i] for i in span],
                 [tuple(seq.block_tokens(i, bs)) for i in span])
             seq.state = SeqState.LOADING
             self.loading.append(seq)
