@@ -75,6 +75,7 @@ def test_replica_b_serves_what_a_computed_and_promotes_it_to_its_ssd(model, unca
     s = b.snapshot()
     assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS)  # all of it from Redis
     assert s["ssd_link_loaded_blocks"] == 0 and s["remote_corrupt_total"] == 0
+    assert result.cached_tokens_by_tier == {"ram": 0, "remote": result.num_cached_tokens}
     assert tier(b, "ssd").wait_idle(30)
     assert b.snapshot()["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to B's SSD
     assert_no_leaks(b)
@@ -105,6 +106,8 @@ def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached
     s = both.snapshot()
     assert s["ssd_link_loaded_blocks"] == half // BS
     assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) - half // BS
+    assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS,
+                                            "remote": result.num_cached_tokens - half // BS * BS}
     both.shutdown(30)
 
 

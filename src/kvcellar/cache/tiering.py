@@ -68,6 +68,7 @@ class PendingLoad:
     plan: LoadPlan
     futures: list[concurrent.futures.Future[int]]  # one per run of the plan
     staging: list[torch.Tensor] = field(default_factory=list)  # CPU buffers when the pool is not on CPU
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
 
 
 class LowerTierLink:
@@ -168,6 +169,8 @@ class LowerTierLink:
                 block.loaded_from = index + 1
                 valid += 1
             self._count(index, "loaded_blocks", got)
+            if got:
+                pending.loaded_by_tier[self.tiers[index].tier.name] = got
             self._count(index, "load_failed_blocks", n - got)
             broken = broken or got < n
             pos += n

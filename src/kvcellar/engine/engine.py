@@ -60,6 +60,7 @@ class GenerationResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
 
@@ -216,6 +217,7 @@ class Engine:
                     result.top_logprobs.append(ev.top_logprobs)
             texts.append(ev.text)
             result.num_cached_tokens = ev.num_cached_tokens
+            result.cached_tokens_by_tier = ev.cached_tokens_by_tier or {}
             if ev.finish_reason is not None:
                 result.finish_reason = ev.finish_reason
                 result.error = ev.error
@@ -457,6 +459,7 @@ class Engine:
         seq.finish_reason = event.finish_reason
         event.num_prompt_tokens = seq.num_prompt_tokens
         event.num_cached_tokens = seq.num_cached_tokens or 0
+        event.cached_tokens_by_tier = dict(seq.cached_tokens_by_tier)
         event.num_output_tokens = seq.num_tokens - seq.num_prompt_tokens
         if event.finish_reason == "abort":
             self.stats["engine_requests_aborted"] += 1

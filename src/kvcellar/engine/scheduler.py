@@ -277,9 +277,11 @@ class Scheduler:
         self._start_running(seq)
         return True
 
-    def _start_running(self, seq: Sequence) -> None:
+    def _start_running(self, seq: Sequence, loaded_by_tier: dict[str, int] | None = None) -> None:
         if seq.num_cached_tokens is None:  # first admission (not a resumption after preemption)
             seq.num_cached_tokens = seq.num_computed
+            seq.cached_tokens_by_tier = _split_by_tier(seq.num_ram_hit_tokens, seq.num_computed,
+                                                       loaded_by_tier or {}, self.block_size)
             bs = self.block_size
             self.bm.record_lookup(-(-seq.num_ram_hit_tokens // bs), seq.num_tokens // bs)
             self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - seq.num_ram_hit_tokens
@@ -294,13 +296,14 @@ class Scheduler:
                 continue
             self.loading.remove(seq)
             first = seq.num_registered
+            loaded_by_tier = seq.pending_load.loaded_by_tier
             seq.pending_load = None
             done = first + n
             seq.num_computed = min(done * self.block_size, seq.num_tokens - 1)
             # A loaded block whose last token is about to be recomputed is published after
             # that (by commit), not before.
             self._publish(seq, first, seq.num_computed // self.block_size)
-            self._start_running(seq)
+            self._start_running(seq, loaded_by_tier)
         for seq in list(self._draining):
             if self.lower.finish_load(seq.pending_load) is not None:
                 self._draining.remove(seq)
@@ -330,3 +333,18 @@ class Scheduler:
             full = seq.num_computed // self.block_size
             if full > seq.num_registered:
                 self._publish(seq, seq.num_registered, full)
+
+
+def _split_by_tier(ram_tokens: int, cached_tokens: int, loaded_blocks: dict[str, int],
+                   block_size: int) -> dict[str, int]:
+    """Cached prompt tokens per tier, in tier order. The last loaded block may be partly
+    recomputed (the last prompt token always is), so the deepest tier absorbs the difference."""
+    split = {"ram": ram_tokens, **{name: n * block_size for name, n in loaded_blocks.items()}}
+    excess = sum(split.values()) - cached_tokens
+    for name in reversed(list(split)):
+        if excess <= 0:
+            break
+        cut = min(excess, split[name])
+        split[name] -= cut
+        excess -= cut
+    return split
