@@ -12,7 +12,8 @@ import pytest
 from kvcellar.storage import BlockSpec
 from kvcellar.storage.remote.config import RemoteTierConfig
 from kvcellar.storage.remote.tier import RemoteTier
-from tests.remote.redis_server import RedisServer
+from tests.helpers import wait_until
+from tests.remote.redis_server import RedisServer, cluster_port
 from tests.storage.helpers import SPEC
 
 
@@ -64,3 +65,27 @@ def open_remote() -> Iterator[Callable[..., RemoteTier]]:
     yield make
     for t in opened:
         t.close(10)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
+    """A 3-node Redis Cluster (masters only) on loopback, stopped by PID at teardown."""
+    import shutil
+    import subprocess
+
+    nodes = [RedisServer(tmp_path / f"node{i}", cluster_port(), **{"cluster-enabled": "yes",
+                                                    "cluster-config-file": f"nodes-{i}.conf",
+                                                    "cluster-node-timeout": "5000"}) for i in range(3)]
+    try:
+        for node in nodes:
+            node.start()
+        cli = shutil.which("redis-cli") or "redis-cli"
+        made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+                               "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stdout + made.stderr
+        wait_until(lambda: all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO") for n in nodes),
+                   timeout=30, what="the cluster to settle")
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()

@@ -14,6 +14,14 @@ import redis
 from tests.helpers import free_port, wait_until
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535:
+            return port
+
+
 class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None, **settings: str) -> None:
         self.workdir = workdir
@@ -40,13 +48,14 @@ class RedisServer:
         conf.write_text("".join(f"{k} {v}\n" for k, v in lines.items()))
         with open(self.workdir / f"redis-{self.port}.log", "ab") as log:
             self.proc = subprocess.Popen([binary, str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        wait_until(self._answers, timeout=30, what=f"redis-server on port {self.port}")
+        wait_until(self._answers_or_exited, timeout=30, what=f"redis-server on port {self.port}")
+        assert self.proc.poll() is None, f"redis-server exited with {self.proc.returncode}"
         return self
 
-    def _answers(self) -> bool:
+    def _answers_or_exited(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            return True
         try:
             return bool(self.client().ping())
         except redis.ConnectionError:

@@ -107,3 +107,18 @@ def test_a_full_queue_drops_instead_of_waiting(redis_server, open_remote):
     assert s["remote_stored_blocks"] + s["remote_dropped_queue_full"] + s["remote_dropped_backoff"] \
         + s["remote_dropped_error"] == 40
     wait_until(lambda: tier.health()["state"] == "ok", timeout=30, what="recovery after the stall")
+
+
+def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster, open_remote):
+    blocks = chain(24)
+    tier = open_remote(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}")
+    stored(tier, blocks)
+    assert tier.stats()["remote_stored_blocks"] == 24
+    per_node = [n.client().dbsize() for n in redis_cluster]
+    assert sum(per_node) == 24 and all(per_node)  # sharded by key slot across the 3 nodes
+    reader = open_remote(f"redis+cluster://127.0.0.1:{redis_cluster[1].port}")  # any node is a seed
+    assert reader.lookup([b.key for b in blocks]) == 24
+    loads = [load_request(b) for b in blocks]
+    assert reader.load(loads).result(30) == 24
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+    assert reader.health()["remote"]["cluster"] is True
