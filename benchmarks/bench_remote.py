@@ -39,6 +39,9 @@ from tests.remote.redis_server import RedisServer  # (the one way a real redis-s
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+REMOTE_TIMEOUT_S = 0.25
+
+
 def engine_with(model, cfg: EngineConfig, url: str | None, ssd_dir: Path | None) -> Engine:
     engine = Engine(model, cfg)
     if ssd_dir is not None:
@@ -46,7 +49,8 @@ def engine_with(model, cfg: EngineConfig, url: str | None, ssd_dir: Path | None)
                                     descriptor=engine.descriptor))
     if url is not None:
         engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec,
-                                      RemoteTierConfig(load_timeout_s=60.0, queue_blocks=1024)))
+                                      RemoteTierConfig(timeout_s=REMOTE_TIMEOUT_S, load_timeout_s=60.0,
+                                                       queue_blocks=1024)))
     return engine
 
 
@@ -113,6 +117,7 @@ def ttft_table(model, cfg, server, sizes, repeats, work: Path, rng) -> list[dict
         kv_bytes = cached["remote"] // cfg.block_size * block_bytes
         rows.append({"tokens": n, "kv_bytes": kv_bytes, "cached": cached,
                      **{k: v for k, v in samples.items()}})
+        print(f"[{n} tokens] {json.dumps(rows[-1])}", flush=True)
     return rows
 
 
@@ -131,6 +136,7 @@ def decode_cost(model, cfg, server, streams: int, rounds: int, rng) -> list[dict
             stored = engine.snapshot().get("remote_link_stored_blocks", 0)
             engine.shutdown(60)
             out.append({"round": r, "variant": variant, "tok_s": tokens / dt, "remote_blocks_offered": stored})
+            print(f"[decode] {json.dumps(out[-1])}", flush=True)
     return out
 
 
@@ -141,8 +147,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds per variant")
+    ap.add_argument("--remote-timeout", type=float, default=2.0,
+                    help="per round trip; larger than the serving default so a loaded machine measures "
+                         "loads, not dropped writes (default %(default)s)")
     ap.add_argument("--json", default=None, help="write every figure here")
     args = ap.parse_args()
+    global REMOTE_TIMEOUT_S
+    REMOTE_TIMEOUT_S = args.remote_timeout
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(1234)
     model = load_model(None, dtype=args.dtype, device="cpu", cache_dir=resolve_cache_dir())

@@ -143,3 +143,20 @@ def test_a_redis_that_is_down_degrades_to_compute(model, uncached, tmp_path):
     again = engine.generate([prompt], GREEDY)[0]  # the RAM tier still works
     assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     engine.shutdown(30)
+
+
+def test_a_full_redis_with_noeviction_drops_writes_and_answers_stay_right(model, uncached, private_redis):
+    redis = private_redis(maxmemory="2mb", **{"maxmemory-policy": "noeviction"}).start()  # ~2 fp32 blocks
+    engine = replica(model, redis.url, None)
+    prompts = [ask(model, f"Question {i}: may a partial refund exceed the capture?") for i in range(3)]
+    for prompt in prompts:
+        assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
+    assert tier(engine, "remote").wait_idle(30)
+    s, health = engine.snapshot(), engine.tier_health()["remote"]
+    # writes back off and probe; the state may already be "ok" again between two failed writes
+    assert s["remote_dropped_oom"] >= 1 and "maxmemory" in str(health["last_error"])
+    engine.blocks.evict_all()  # what did fit is still served, verified
+    result = engine.generate([prompts[0]], GREEDY)[0]
+    assert_same_output(result, uncached(prompts[0]))
+    assert result.num_cached_tokens == engine.snapshot()["remote_link_loaded_blocks"] * BS
+    engine.shutdown(30)

@@ -121,9 +121,10 @@ class RemoteTier(KVTier):
         try:
             client = self._redis()
             client.ping()
-            if self._wfault.in_episode:  # full: a write must succeed again before we call it cleared
+            if self._wfault.in_episode:  # full: a block-sized write must succeed again to clear it
                 probe_key = self.layout.key(b"\0probe")
-                client.set(probe_key, b"1", px=1000)
+                client.set(probe_key, bytes(self.spec.nbytes), px=1000)
+                client.delete(probe_key)
                 self._wfault.success(probe=True)
         except redis.RedisError as e:
             self._c.inc("probe_failures")
