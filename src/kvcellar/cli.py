@@ -12,6 +12,7 @@ from kvcellar.bench.cli import add_bench_commands
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, cmd_serve
 from kvcellar.storage.disk.cli import add_cache_commands
+from kvcellar.storage.remote.cli import add_remote_args, remote_cli_values
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -50,11 +51,13 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-min-free-gb", type=float, default=None,
                    help="free space the SSD tier always leaves on the filesystem, GiB (default 1)")
     p.add_argument("--ssd-ttl-days", type=float, default=None, help="drop blocks unused this long (default 7)")
+    add_remote_args(p)
 
 
 def load_settings(args: argparse.Namespace):
     """Settings from defaults < config file < environment < flags (SPEC §8)."""
     from kvcellar.config import DiskSettings, EngineConfig, Settings, build_section, read_config_file, resolve_cache_dir
+    from kvcellar.storage.remote.config import RemoteSettings
 
     file_values = read_config_file(getattr(args, "config", None))
     get = lambda name: getattr(args, name, None)  # noqa: E731
@@ -68,11 +71,14 @@ def load_settings(args: argparse.Namespace):
         k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks", "ssd_flush_interval_s",
                             "disk_cache_gb", "disk_min_free_gb", "ssd_ttl_days")})
     disk.validate()
+    remote = build_section(RemoteSettings, file_values.get("remote", {}), remote_cli_values(args))
+    remote.validate()
     if not engine.prefix_caching:
         disk.ssd_policy = "off"
+        remote.remote_url = ""
     model = get("model") or file_values.get("model")
     return Settings(model=model, cache_dir=resolve_cache_dir(get("cache_dir") or file_values.get("cache_dir")),
-                    engine=engine, disk=disk, sections={"file": file_values})
+                    engine=engine, disk=disk, remote=remote, sections={"file": file_values})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcellar.storage.remote.config import RemoteSettings
+
 DEFAULT_CACHE_DIR = Path("~/.cache/kvcellar")
 
 
@@ -111,6 +113,7 @@ class Settings:
     cache_dir: Path = field(default_factory=resolve_cache_dir)
     engine: EngineConfig = field(default_factory=EngineConfig)
     disk: DiskSettings = field(default_factory=DiskSettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
     sections: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,7 +164,7 @@ def env_overrides(obj: Any, prefix: str = "KVCELLAR_") -> dict[str, str]:
 
 
 def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[server]``."""
+    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[remote]``, ``[server]``."""
     if path is None:
         path = os.environ.get("KVCELLAR_CONFIG")
     if not path:

@@ -30,15 +30,32 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
     engine.attach_tier(tier, disk.ssd_policy)
 
 
+def attach_remote_tier(engine: Engine, settings: Settings) -> None:
+    """Put the shared remote tier (Redis/Valkey) under the SSD tier when a URL is given.
+    Keys carry the same fingerprint as the disk directory, so only replicas of the same
+    model, dtype and block size share blocks. A server that is down is not an error here:
+    the tier starts degraded and connects when it can."""
+    remote = settings.remote
+    remote.validate()
+    if not remote.remote_url:
+        return
+    from kvcellar.storage.remote.tier import RemoteTier
+
+    tier = RemoteTier(remote.remote_url, engine.fingerprint, engine.block_spec, remote.to_tier_config())
+    engine.attach_tier(tier, remote.remote_policy)
+    log.info("remote tier %r attached (%s)", tier, remote.remote_policy)
+
+
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
     """Load the model (through the artifact cache under the cache root) unless given, build
-    the engine and attach the SSD tier. The caller starts it and owns ``shutdown``."""
+    the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
     if loaded is None:
         cfg = settings.engine
         loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir)
     engine = Engine(loaded, settings.engine)
     try:
         attach_disk_tier(engine, settings)
+        attach_remote_tier(engine, settings)
     except Exception:
         engine.shutdown(timeout=0)
         raise

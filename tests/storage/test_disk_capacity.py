@@ -7,7 +7,7 @@ import os
 import random
 import threading
 
-from kvcellar.storage.disk.format import file_size_for
+from kvcellar.storage.block_format import file_size_for
 from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
 
 FILE = file_size_for(SPEC)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcellar.storage import DiskTier
-from kvcellar.storage.disk import format as fmt
+from kvcellar.storage import block_format as fmt
 from tests.storage.helpers import SPEC, bits_equal, block, chain, load_request
 
 HEADER = fmt.header_size_for(SPEC.block_size)

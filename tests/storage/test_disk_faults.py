@@ -34,7 +34,7 @@ def test_read_only_remount_degrades_then_recovers(tmpfs, open_tier, caplog) -> N
     during = chain(12, start=100)
 
     def failed_attempts() -> int:
-        if tier.health()["write_backoff_s"] == 0:
+        if tier.health()["ssd"]["write_backoff_s"] == 0:
             tier.store(during)  # one attempt per back-off window; the rest are dropped
             tier.wait_idle(30)
         return tier.stats()["ssd_write_errors"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcellar.storage import BlockSpec
-from kvcellar.storage.disk import format as fmt
+from kvcellar.storage import block_format as fmt
 from kvcellar.storage.disk import layout, measure_read_bandwidth
 from kvcellar.storage.disk.bandwidth import measure_read_bandwidth_detailed
 from tests.storage.helpers import SPEC

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvcellar.storage import BlockSpec
+from kvcellar.storage.block_format import header_size_for
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.cli import add_cache_commands, kv_root
-from kvcellar.storage.disk.format import header_size_for
 from tests.storage.helpers import REPO, SPEC, chain, child_env, files
 
 LONG_AGO = 1_000_000_000 * 10**9  # 2001

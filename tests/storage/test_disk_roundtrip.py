@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig, KVTier
-from kvcellar.storage.disk.format import FORMAT_VERSION
+from kvcellar.storage.block_format import FORMAT_VERSION
 from tests.storage.helpers import SPEC, SPEC_F32, bits_equal, block, chain, files, load_request, spawn_child
 
 

@@ -33,7 +33,9 @@ class Block:
     ref_count: int = 0
     digest: bytes | None = None  # set while registered
     token_ids: tuple[int, ...] | None = None  # set while registered
-    from_lower_tier: bool = False  # content was loaded from a lower tier (no need to store it back)
+    # 1 + index of the lower tier this content was loaded from (it is stored back only into
+    # faster tiers); 0: computed here.
+    loaded_from: int = 0
 
     @property
     def registered(self) -> bool:
@@ -151,7 +153,7 @@ class BlockManager:
                 if block.registered:
                     self._evictable[block.block_id] = block
                 else:
-                    block.from_lower_tier = False
+                    block.loaded_from = 0
                     self._free.append(block)
 
     def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
@@ -189,7 +191,7 @@ class BlockManager:
         del self._table[self.key(block.digest)]
         block.digest = None
         block.token_ids = None
-        block.from_lower_tier = False
+        block.loaded_from = 0
 
     # ---- reporting ------------------------------------------------------------------------
 

@@ -1,27 +1,36 @@
-"""The link between the RAM tier and a tier below it (the SSD today, a remote store later).
+"""The link between the RAM tier and the tiers below it: RAM -> [SSD, remote, ...].
 
 The scheduler and block manager talk to ``LowerTierLink`` in their own vocabulary
-(digests, pool blocks); it speaks ``storage.base.KVTier`` (keys, tensors) to the tier. It
-never sees requests; the tier never sees blocks of the pool.
+(digests, pool blocks); it speaks ``storage.base.KVTier`` (keys, tensors) to each tier, in
+the order they were attached (fastest first). It never sees requests; tiers never see
+blocks of the pool.
 
-Writes:
+Reads: ``lookup`` asks each tier in turn how many of the next keys it holds, from where
+the previous one stopped, and returns a ``LoadPlan`` (tier -> run of keys); only keys a
+tier answered present are loaded, so nothing is staged for a block nobody holds.
+``start_load`` reads every run straight into the pool blocks the scheduler reserved (a
+pinned staging copy on accelerators), all tiers in parallel, while the engine keeps
+stepping other sequences; ``finish_load`` polls and returns the leading run that every
+tier verified (digest, token ids, checksum).
+
+Writes, per tier and its policy:
 * ``write_through``: every block registered in RAM (computed from a prompt or from
   generated tokens) is copied out and stored; copies are batched per engine step.
 * ``evict_only``: a block is stored when the RAM tier drops it.
-Blocks that came from the tier are never stored back.
-
-Reads: ``lookup`` says how many of the next blocks to try; ``start_load`` reads them
-straight into the pool blocks the scheduler reserved (a staging copy on accelerators) while
-the engine keeps stepping other sequences; ``finish_load`` polls. A block counts only once
-the tier has verified its digest, token ids and checksum.
+* ``read_only``: never stored (e.g. a remote store filled by other replicas).
+A block loaded from tier i is stored only into the faster tiers 0..i-1 (promotion: a
+remote hit lands in RAM and, per the SSD's policy, on the SSD), never back into i or
+below. Each tier is asked ``wants(key)`` before the block is copied off the pool, and one
+copy is shared by every tier that wants it (tiers never modify what they are given).
 
 Threading: every method is called from the engine thread, except the wake-up callback
-the tier's future runs on its own thread.
+the tiers' futures run on their own threads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,64 +40,94 @@ from kvcellar.cache.block_manager import Block
 from kvcellar.engine.kv_pool import KVPool
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 
-POLICIES = ("write_through", "evict_only")
+POLICIES = ("write_through", "evict_only", "read_only")
+
+
+@dataclass
+class AttachedTier:
+    tier: KVTier
+    policy: str
+    batch: list[StoreRequest] = field(default_factory=list)  # this step's write-through copies
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Where the next blocks of a prefix are: ``runs`` of (tier index, count), in prefix
+    order. ``num_blocks`` is their total, the blocks the scheduler reserves."""
+
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(n for _, n in self.runs)
 
 
 @dataclass
 class PendingLoad:
     blocks: list[Block]
-    digests: list[bytes]
-    token_blocks: list[tuple[int, ...]]
-    future: concurrent.futures.Future[int]
+    plan: LoadPlan
+    futures: list[concurrent.futures.Future[int]]  # one per run of the plan
     staging: list[torch.Tensor] = field(default_factory=list)  # CPU buffers when the pool is not on CPU
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
 
 
 class LowerTierLink:
     def __init__(
         self,
-        tier: KVTier,
         pool: KVPool,
         key_of: Callable[[bytes], bytes],
         *,
-        policy: str = "write_through",
         wake: Callable[[], None] | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown tier policy {policy!r}; use one of {', '.join(POLICIES)}")
-        self.tier = tier
         self.pool = pool
         self.key_of = key_of
-        self.policy = policy
+        self.tiers: list[AttachedTier] = []
         self._wake = wake
         self._on_cpu = pool.device.type == "cpu"
-        self._batch: list[StoreRequest] = []
-        # Counters carry the tier's name (ssd_link_*), so they are reported with that tier.
-        self._p = f"{tier.name}_link_"
-        self.stats = {self._p + k: 0 for k in
-                      ("lookups", "lookup_blocks", "loaded_blocks", "load_failed_blocks", "stored_blocks")}
+        self.stats: dict[str, int] = {}
+
+    def attach(self, tier: KVTier, policy: str = "write_through") -> None:
+        """Add ``tier`` below the ones attached so far (attach the fastest first)."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown tier policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if any(t.tier.name == tier.name for t in self.tiers):
+            raise ValueError(f"a tier named {tier.name!r} is already attached")
+        self.tiers.append(AttachedTier(tier, policy))
+        # Counters carry the tier's name (ssd_link_*, remote_link_*): reported with that tier.
+        p = f"{tier.name}_link_"
+        self.stats.update({p + k: 0 for k in ("lookups", "lookup_blocks", "loaded_blocks", "load_failed_blocks",
+                                              "stored_blocks", "declined_blocks")})
 
     @staticmethod
     def block_spec(pool: KVPool) -> BlockSpec:
         layout = pool.layout
         return BlockSpec(dtype=layout.dtype, shape=layout.block_shape, block_size=layout.block_size)
 
+    def _count(self, index: int, what: str, n: int = 1) -> None:
+        self.stats[f"{self.tiers[index].tier.name}_link_{what}"] += n
+
     # ---- reads ----------------------------------------------------------------------------
 
-    def lookup(self, digests: Sequence[bytes]) -> int:
-        """How many of the leading ``digests`` to try loading: all of them if the tier holds
-        the first, else none. Only the first is checked here (one stat on the engine
-        thread): the load itself opens the rest in parallel and reports the verified run,
-        where checking them one by one first would cost a serial stat chain, slow on a
-        cold directory cache, before any byte is read."""
-        if not digests:
-            return 0
-        self.stats[self._p + "lookups"] += 1
-        if self.tier.lookup([self.key_of(digests[0])]) == 0:
-            return 0
-        self.stats[self._p + "lookup_blocks"] += len(digests)
-        return len(digests)
+    def lookup(self, digests: Sequence[bytes]) -> LoadPlan:
+        """Which tiers hold the leading ``digests``: each tier is asked for the keys after
+        the run of the tier above it, and its answer is taken per key."""
+        keys = [self.key_of(d) for d in digests]
+        runs: list[tuple[int, int]] = []
+        pos = 0
+        for i, attached in enumerate(self.tiers):
+            if pos == len(keys):
+                break
+            self._count(i, "lookups")
+            n = max(0, min(int(attached.tier.lookup(keys[pos:])), len(keys) - pos))
+            if n:
+                self._count(i, "lookup_blocks", n)
+                runs.append((i, n))
+                pos += n
+        return LoadPlan(tuple(runs))
 
-    def start_load(self, blocks: list[Block], digests: list[bytes], token_blocks: list[tuple[int, ...]]) -> PendingLoad:
+    def start_load(self, plan: LoadPlan, blocks: list[Block], digests: list[bytes],
+                   token_blocks: list[tuple[int, ...]]) -> PendingLoad:
+        """Read the blocks of ``plan`` into ``blocks`` (one per digest, in order)."""
         staging: list[torch.Tensor] = []
         requests = []
         for block, digest, tokens in zip(blocks, digests, token_blocks, strict=True):
@@ -98,64 +137,111 @@ class LowerTierLink:
                 dest = torch.empty(self.pool.layout.block_shape, dtype=self.pool.layout.dtype, pin_memory=True)
                 staging.append(dest)
             requests.append(LoadRequest(self.key_of(digest), digest, tokens, dest))
-        future = self.tier.load(requests)
-        if self._wake is not None:
-            future.add_done_callback(lambda _f: self._wake())  # type: ignore[misc]
-        return PendingLoad(blocks, digests, token_blocks, future, staging)
+        futures = []
+        pos = 0
+        for index, n in plan.runs:
+            future = self.tiers[index].tier.load(requests[pos: pos + n])
+            if self._wake is not None:
+                future.add_done_callback(lambda _f: self._wake())  # type: ignore[misc]
+            futures.append(future)
+            pos += n
+        return PendingLoad(blocks, plan, futures, staging)
 
     def finish_load(self, pending: PendingLoad) -> int | None:
-        """Number of leading blocks now valid in the pool, or None while still reading."""
-        if not pending.future.done():
+        """Number of leading blocks now valid in the pool, or None while still reading.
+        Blocks after the first one that failed are not used, even if a later tier's run
+        read fine: a prefix has no holes."""
+        if not all(f.done() for f in pending.futures):
             return None
-        try:
-            n = int(pending.future.result())
-        except Exception:  # the contract says this does not happen; a miss is the safe answer
-            n = 0
-        for i in range(n):
-            block = pending.blocks[i]
-            if not self._on_cpu:
-                self.pool.block(block.block_id).copy_(pending.staging[i], non_blocking=True)
-            block.from_lower_tier = True
-        self.stats[self._p + "loaded_blocks"] += n
-        self.stats[self._p + "load_failed_blocks"] += len(pending.blocks) - n
-        return n
+        valid = 0
+        pos = 0
+        broken = False
+        for (index, n), future in zip(pending.plan.runs, pending.futures, strict=True):
+            try:
+                got = max(0, min(int(future.result()), n))
+            except Exception:  # the contract says this does not happen; a miss is the safe answer
+                got = 0
+            if broken:
+                got = 0
+            for block in pending.blocks[pos: pos + got]:
+                if not self._on_cpu:
+                    self.pool.block(block.block_id).copy_(pending.staging[valid], non_blocking=True)
+                block.loaded_from = index + 1
+                valid += 1
+            self._count(index, "loaded_blocks", got)
+            if got:
+                pending.loaded_by_tier[self.tiers[index].tier.name] = got
+            self._count(index, "load_failed_blocks", n - got)
+            broken = broken or got < n
+            pos += n
+        return valid
 
     def touch(self, digests: Sequence[bytes]) -> None:
-        """RAM hits: keep the tier's copies recently used, so hot blocks do not age out there."""
-        if digests and self.policy == "write_through":
-            self.tier.touch([self.key_of(d) for d in digests])
+        """RAM hits: keep the write-through tiers' copies recently used, so hot blocks do
+        not age out there."""
+        if not digests:
+            return
+        keys = [self.key_of(d) for d in digests]
+        for attached in self.tiers:
+            if attached.policy == "write_through":
+                attached.tier.touch(keys)
 
     # ---- writes ---------------------------------------------------------------------------
 
     def published(self, block: Block) -> None:
-        """A block was registered in RAM (called by the scheduler after it is computed)."""
-        if self.policy == "write_through" and not block.from_lower_tier:
-            self._batch.append(self._store_request(block))
+        """A block was registered in RAM (computed, or loaded: then it is promoted into
+        the tiers above the one it came from)."""
+        self._store(block, "write_through", batch=True)
 
     def evicted(self, block: Block) -> None:
         """The RAM tier is about to reuse ``block`` (its data is still intact)."""
-        if self.policy == "evict_only" and not block.from_lower_tier:
-            self.stats[self._p + "stored_blocks"] += 1
-            self.tier.store([self._store_request(block)])
+        self._store(block, "evict_only", batch=False)
 
     def flush(self) -> None:
-        """Hand this step's write-through copies to the tier (bounded time)."""
-        if self._batch:
-            batch, self._batch = self._batch, []
-            self.stats[self._p + "stored_blocks"] += len(batch)
-            self.tier.store(batch)
+        """Hand this step's write-through copies to the tiers (bounded time)."""
+        for attached in self.tiers:
+            if attached.batch:
+                batch, attached.batch = attached.batch, []
+                attached.tier.store(batch)
 
-    def _store_request(self, block: Block) -> StoreRequest:
+    def _store(self, block: Block, policy: str, *, batch: bool) -> None:
         assert block.digest is not None and block.token_ids is not None
-        data = self.pool.block(block.block_id)
-        data = data.clone() if self._on_cpu else data.to("cpu")
-        return StoreRequest(self.key_of(block.digest), block.digest, block.token_ids, data)
+        above = block.loaded_from - 1 if block.loaded_from else len(self.tiers)
+        key = self.key_of(block.digest)
+        request: StoreRequest | None = None
+        for i, attached in enumerate(self.tiers[:above]):
+            if attached.policy != policy:
+                continue
+            if not attached.tier.wants(key):
+                self._count(i, "declined_blocks")
+                continue
+            if request is None:
+                data = self.pool.block(block.block_id)
+                data = data.clone() if self._on_cpu else data.to("cpu")
+                request = StoreRequest(key, block.digest, block.token_ids, data)
+            self._count(i, "stored_blocks")
+            if batch:
+                attached.batch.append(request)
+            else:
+                attached.tier.store([request])
 
     # ---- reporting and shutdown -------------------------------------------------------------
 
     def snapshot(self) -> dict[str, float]:
-        return {**self.stats, **self.tier.stats()}
+        out: dict[str, float] = dict(self.stats)
+        for attached in self.tiers:
+            out.update(attached.tier.stats())
+        return out
+
+    def health(self) -> dict[str, dict[str, object]]:
+        """Each tier's ``health()`` with its policy, by tier name."""
+        return {a.tier.name: {"policy": a.policy, **a.tier.health()} for a in self.tiers}
 
     def close(self, timeout: float) -> bool:
+        """Flush, then close every tier within ``timeout`` (shared, in order)."""
         self.flush()
-        return self.tier.close(timeout)
+        deadline = time.monotonic() + timeout
+        clean = True
+        for attached in self.tiers:
+            clean = attached.tier.close(max(0.5, deadline - time.monotonic())) and clean
+        return clean

@@ -61,6 +61,7 @@ class GenerationResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[float] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
 
@@ -221,6 +222,7 @@ class Engine:
                     result.top_logprobs.append(ev.top_logprobs)
             texts.append(ev.text)
             result.num_cached_tokens = ev.num_cached_tokens
+            result.cached_tokens_by_tier = ev.cached_tokens_by_tier or {}
             if ev.finish_reason is not None:
                 result.finish_reason = ev.finish_reason
                 result.error = ev.error
@@ -233,14 +235,17 @@ class Engine:
         return LowerTierLink.block_spec(self.pool)
 
     def attach_tier(self, tier: KVTier, policy: str = "write_through") -> None:
-        """Put ``tier`` below the RAM tier (before ``start``). The engine owns it from here
-        on and closes it in ``shutdown``. ``policy``: write_through or evict_only."""
+        """Put ``tier`` below the RAM tier and the tiers attached before it (attach the
+        fastest first; before ``start``). The engine owns it from here on and closes it in
+        ``shutdown``. ``policy``: write_through, evict_only or read_only."""
         if self._thread is not None:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
             raise ValueError("a lower tier needs prefix caching")
-        self.lower = LowerTierLink(tier, self.pool, self.blocks.key, policy=policy, wake=self._wake.set)
-        self.scheduler.lower = self.lower
+        if self.lower is None:
+            self.lower = LowerTierLink(self.pool, self.blocks.key, wake=self._wake.set)
+            self.scheduler.lower = self.lower
+        self.lower.attach(tier, policy)
         if policy == "evict_only":
             self.blocks.on_evict = self.lower.evicted
 
@@ -313,9 +318,10 @@ class Engine:
             **(lower.snapshot() if lower is not None else {}),
         }
 
-    def tier_health(self) -> dict[str, object] | None:
+    def tier_health(self) -> dict[str, dict[str, object]]:
+        """Each lower tier's health with its policy, by tier name (empty without tiers)."""
         lower = self.lower
-        return None if lower is None else {"name": lower.tier.name, "policy": lower.policy, **lower.tier.health()}
+        return {} if lower is None else lower.health()
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -468,6 +474,7 @@ class Engine:
         seq.finish_reason = event.finish_reason
         event.num_prompt_tokens = seq.num_prompt_tokens
         event.num_cached_tokens = seq.num_cached_tokens or 0
+        event.cached_tokens_by_tier = dict(seq.cached_tokens_by_tier)
         event.num_output_tokens = seq.num_tokens - seq.num_prompt_tokens
         if event.finish_reason == "abort":
             self.stats["engine_requests_aborted"] += 1

@@ -16,8 +16,8 @@ for a next token, so prefill takes bigger, more efficient chunks):
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
    prompt) waits a step or more and then reuses it instead of computing it twice.
 
-When the RAM tier's prefix ends, the next blocks may sit in a lower tier (``lower``, the
-SSD): admission then reserves pool blocks, starts loading them and parks the sequence in
+When the RAM tier's prefix ends, the next blocks may sit in lower tiers (``lower``: the
+SSD, a remote store): admission then reserves pool blocks, starts loading them and parks the sequence in
 LOADING while the engine keeps stepping everyone else; once the tier has verified them
 they are published like computed blocks and the prefill goes on from there. A block
 that fails to load is simply computed. A sequence cancelled while loading keeps its
@@ -40,7 +40,7 @@ from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.engine.sequence import SeqState, Sequence
 
 if TYPE_CHECKING:
-    from kvcellar.cache.tiering import LowerTierLink
+    from kvcellar.cache.tiering import LoadPlan, LowerTierLink
 
 
 def _no_copy(src: int, dst: int) -> None:
@@ -227,6 +227,7 @@ class Scheduler:
         digests: list[bytes] = []
         cow: Block | None = None
         lower = 0
+        plan: LoadPlan | None = None
         if self.prefix_caching:
             digests = seq.digests(n_full, bs)
             tokens = [seq.block_tokens(i, bs) for i in range(n_full)]
@@ -237,7 +238,8 @@ class Scheduler:
             if hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
             elif self.lower is not None and len(hits) < n_full:
-                lower = self.lower.lookup(digests[len(hits) : n_full])
+                plan = self.lower.lookup(digests[len(hits) : n_full])
+                lower = plan.num_blocks
         total = (seq.num_tokens + bs - 1) // bs
         need = total - len(hits)
         # Keep one block per running decode in reserve so admission does not force an
@@ -265,8 +267,9 @@ class Scheduler:
             assert self.lower is not None
             first = len(hits)
             span = range(first, first + lower)
+            assert plan is not None
             seq.pending_load = self.lower.start_load(
-                [seq.blocks[i] for i in span], [digests[i] for i in span],
+                plan, [seq.blocks[i] for i in span], [digests[i] for i in span],
                 [tuple(seq.block_tokens(i, bs)) for i in span])
             seq.state = SeqState.LOADING
             self.loading.append(seq)
@@ -274,9 +277,11 @@ class Scheduler:
         self._start_running(seq)
         return True
 
-    def _start_running(self, seq: Sequence) -> None:
+    def _start_running(self, seq: Sequence, loaded_by_tier: dict[str, int] | None = None) -> None:
         if seq.num_cached_tokens is None:  # first admission (not a resumption after preemption)
             seq.num_cached_tokens = seq.num_computed
+            seq.cached_tokens_by_tier = _split_by_tier(seq.num_ram_hit_tokens, seq.num_computed,
+                                                       loaded_by_tier or {}, self.block_size)
             bs = self.block_size
             self.bm.record_lookup(-(-seq.num_ram_hit_tokens // bs), seq.num_tokens // bs)
             self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - seq.num_ram_hit_tokens
@@ -291,13 +296,14 @@ class Scheduler:
                 continue
             self.loading.remove(seq)
             first = seq.num_registered
+            loaded_by_tier = seq.pending_load.loaded_by_tier
             seq.pending_load = None
             done = first + n
             seq.num_computed = min(done * self.block_size, seq.num_tokens - 1)
             # A loaded block whose last token is about to be recomputed is published after
             # that (by commit), not before.
             self._publish(seq, first, seq.num_computed // self.block_size)
-            self._start_running(seq)
+            self._start_running(seq, loaded_by_tier)
         for seq in list(self._draining):
             if self.lower.finish_load(seq.pending_load) is not None:
                 self._draining.remove(seq)
@@ -327,3 +333,18 @@ class Scheduler:
             full = seq.num_computed // self.block_size
             if full > seq.num_registered:
                 self._publish(seq, seq.num_registered, full)
+
+
+def _split_by_tier(ram_tokens: int, cached_tokens: int, loaded_blocks: dict[str, int],
+                   block_size: int) -> dict[str, int]:
+    """Cached prompt tokens per tier, in tier order. The last loaded block may be partly
+    recomputed (the last prompt token always is), so the deepest tier absorbs the difference."""
+    split = {"ram": ram_tokens, **{name: n * block_size for name, n in loaded_blocks.items()}}
+    excess = sum(split.values()) - cached_tokens
+    for name in reversed(list(split)):
+        if excess <= 0:
+            break
+        cut = min(excess, split[name])
+        split[name] -= cut
+        excess -= cut
+    return split

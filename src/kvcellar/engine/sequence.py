@@ -46,6 +46,8 @@ class TokenEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    # Where the cached prompt tokens came from: {"ram": n, "ssd": n, "remote": n} (final event)
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 class EventStream:
@@ -104,6 +106,7 @@ class Sequence:
     num_registered: int = 0  # leading blocks published to the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_ram_hit_tokens: int = 0  # of those, found in the RAM tier (the rest came from below)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # set at first admission
     finish_reason: str | None = None
     cancelled: bool = False
     pending_load: Any = None  # lower-tier load in flight (engine-owned handle)

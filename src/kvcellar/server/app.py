@@ -97,7 +97,8 @@ class ServerState:
     def health(self) -> dict[str, Any]:
         stats = self.stats()
         groups = group_by_prefix(stats)
-        tier = self.engine.tier_health()
+        tiers = self.engine.tier_health()
+        ssd = tiers.get("ssd")
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.serving.model_name,
@@ -109,8 +110,9 @@ class ServerState:
             "kv_blocks_used": int(stats.get("kv_blocks_used", 0)),
             # Whether the previous run on this cache dir shut down cleanly (writer drained,
             # index flushed); null without an SSD tier.
-            "last_shutdown_clean": None if tier is None else tier.get("last_shutdown_clean"),
-            "ssd": tier,
+            "last_shutdown_clean": None if ssd is None else ssd.get("last_shutdown_clean"),
+            "ssd": ssd,
+            **{name: h for name, h in tiers.items() if name != "ssd"},  # e.g. "remote"
             **groups,
         }
 

@@ -95,6 +95,7 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
     parser: ToolParser | None = None  # streamed chat with tools: this choice's call parser
 
 
@@ -159,6 +160,7 @@ class ResponseBuilder:
             # gone, timeout) still reports what it used.
             choice.num_prompt_tokens = ev.num_prompt_tokens
             choice.num_cached_tokens = ev.num_cached_tokens
+            choice.cached_tokens_by_tier = ev.cached_tokens_by_tier
             choice.num_output_tokens = ev.num_output_tokens
         if self.shape.logprobs and ev.token_id is not None and not ev.is_eos and ev.logprob is not None:
             return (ev.token_id, ev.logprob, ev.top_logprobs)

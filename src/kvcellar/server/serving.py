@@ -362,4 +362,6 @@ class OpenAIServing:
             "finish": ",".join(str(c.finish_reason) for c in builder.choices),
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
             "completion_tokens": usage["completion_tokens"], "ttft_ms": ttft,
+            # where the cached tokens came from (first choice): {"ram": n, "ssd": n, "remote": n}
+            "cached_by_tier": builder.choices[0].cached_tokens_by_tier if builder.choices else None,
             "total_ms": round((time.monotonic() - gen.created) * 1000, 1)}})

@@ -1,9 +1,12 @@
 """The tier interface below the RAM block pool.
 
 A tier stores fixed-size KV blocks under opaque keys. The disk tier
-(``storage/disk``) implements it today; a shared remote tier (Redis/Valkey,
-Mooncake Store) will implement the same verbs. The engine talks to tiers only
-through this module: it never sees files, sockets or threads.
+(``storage/disk``) and the shared remote tier (``storage/remote``, Redis/Valkey)
+implement it; a datacenter store (Mooncake, LMCache server) would implement the
+same verbs. The engine talks to tiers only through this module (via
+``cache/tiering.py``, which chains RAM -> [tier, tier, ...]): it never sees
+files, sockets or threads. Every tier stores the same verified block bytes
+(``storage/block_format.py``).
 
 Contract every implementation keeps:
 
@@ -15,7 +18,14 @@ Contract every implementation keeps:
   caller (wrong dtype/shape, non-contiguous tensors, wrong number of token ids).
 - A block is served only after its identity (``digest`` and ``token_ids``) and
   integrity were verified; a block that fails is deleted and counted.
-- ``store`` is called from the engine's step loop and is bounded in time.
+- ``store`` is called from the engine's step loop and is bounded in time;
+  ``wants`` lets the caller skip copying a block off the pool when the store
+  would be dropped anyway.
+- A key ``lookup`` answered present is leased until the following ``load`` has
+  resolved (a load-scoped lease: ``load`` pins its keys while it reads), so
+  this process's own eviction never removes it in between. ``pin``/``unpin``
+  take the same lease explicitly. Other processes (another replica, Redis'
+  own eviction) may still remove it: the load then misses, never fails.
 - ``close`` is the only shutdown path that guarantees a drained writer.
 """
 
@@ -133,6 +143,26 @@ class KVTier(ABC):
         budget, fault back-off, no space) are dropped and counted.
         """
 
+    def wants(self, key: bytes) -> bool:
+        """Whether a ``store`` of ``key`` would be admitted now: False when the
+        tier already holds it, is closing, backing off after faults, or its
+        queue is full. Cheap and without I/O (the caller asks before copying
+        the block off the pool); advisory: ``store`` may still drop it."""
+        return True
+
+    def pin(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
+        """Keep ``keys`` from this process's eviction until ``unpin``. Tiers
+        whose eviction this process does not control (a shared Redis) keep the
+        no-op: a key evicted there is a miss on load, which is always safe."""
+
+    def unpin(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
+        """Undo one ``pin`` of each of ``keys``."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys`` (absent ones are ignored); returns how many were
+        removed. Never raises for I/O faults (they are counted)."""
+
     def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
         """Mark ``keys`` as recently used (for LRU/TTL), e.g. for blocks hot in
         a faster tier that never need to be loaded from this one. Optional."""
@@ -143,11 +173,39 @@ class KVTier(ABC):
 
     @abstractmethod
     def health(self) -> dict[str, object]:
-        """State for ``/health``: at least ``state`` ("ok" or "degraded"),
-        ``last_shutdown_clean``, ``writer_queue_depth`` and ``last_error``."""
+        """State for ``/health``, built by ``tier_health``: the generic keys
+        every tier has, plus one sub-dict named after the tier for the rest."""
 
     @abstractmethod
     def close(self, timeout: float) -> bool:
         """Stop admitting work, drain pending writes within ``timeout`` seconds,
         record the shutdown. True if everything admitted was written or
         deliberately dropped before the deadline. Idempotent."""
+
+
+def tier_health(
+    name: str,
+    *,
+    degraded: bool,
+    last_error: str | None,
+    last_error_time: float | None,
+    writer_queue_depth: int,
+    closed: bool,
+    last_shutdown_clean: bool | None,
+    detail: dict[str, object],
+) -> dict[str, object]:
+    """The one shape of ``KVTier.health()``: generic keys that callers may rely on
+    for any tier, and ``detail`` under the tier's ``name``.
+
+    ``state`` is "ok" or "degraded" (faults in progress; the tier misses and drops
+    instead of failing); ``last_shutdown_clean`` is None for tiers that keep no
+    state of their own across restarts."""
+    return {
+        "state": "degraded" if degraded else "ok",
+        "last_error": last_error,
+        "last_error_time": last_error_time,
+        "writer_queue_depth": writer_queue_depth,
+        "closed": closed,
+        "last_shutdown_clean": last_shutdown_clean,
+        name: detail,
+    }

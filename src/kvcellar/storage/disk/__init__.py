@@ -4,9 +4,9 @@ Public surface: ``DiskTier``, ``DiskTierConfig``, ``measure_read_bandwidth``;
 ``maintenance`` and ``cli`` for the ``kvcellar cache`` commands.
 """
 
+from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.bandwidth import measure_read_bandwidth
 from kvcellar.storage.disk.config import DiskTierConfig
-from kvcellar.storage.disk.format import FORMAT_VERSION
 from kvcellar.storage.disk.tier import DiskTier
 
 __all__ = ["FORMAT_VERSION", "DiskTier", "DiskTierConfig", "measure_read_bandwidth"]

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcellar.storage.disk.counters import Counters
+from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.table import BlockTable
 
 

@@ -50,7 +50,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcellar.storage.disk.format import FILE_SUFFIX, FORMAT_VERSION
+from kvcellar.storage.block_format import FILE_SUFFIX, FORMAT_VERSION
 
 BLOCKS_DIR = "blocks"
 SESSIONS_DIR = "sessions"

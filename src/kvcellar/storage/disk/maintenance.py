@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.disk.format import (
+from kvcellar.storage.block_format import (
     FILE_SUFFIX,
     FORMAT_VERSION,
     HEADER_ALIGN,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcellar.storage.base import BlockSpec, LoadRequest
-from kvcellar.storage.disk.format import HeaderError, check_geometry, decode_header, payload_checksum
+from kvcellar.storage.block_format import HeaderError, check_geometry, decode_header, payload_checksum
 
 
 class Outcome(enum.Enum):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.disk.format import HeaderError, check_geometry, decode_header, file_size_for, header_size_for
+from kvcellar.storage.block_format import HeaderError, check_geometry, decode_header, file_size_for, header_size_for
 from kvcellar.storage.disk.layout import NamespaceLayout, key_from_block_name, shard_of, tmp_owner
 
 O_NOATIME = getattr(os, "O_NOATIME", 0)

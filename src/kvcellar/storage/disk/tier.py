@@ -1,7 +1,7 @@
 """DiskTier: the persistent SSD tier of the KV cache (SPEC §5).
 
 Composition (one file per concept beside this one):
-  layout.py    where files live; format.py what a block file holds
+  layout.py    where files live; ../block_format.py what a block file holds
   writer.py    atomic writes + the writer thread and its bounded queue
   reader.py    verified reads straight into the caller's tensors + reader threads
   table.py     in-memory LRU/size bookkeeping, pins and lookup leases
@@ -36,24 +36,24 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
-from kvcellar.storage.disk.capacity import CapacityGuard
-from kvcellar.storage.disk.config import DiskTierConfig
-from kvcellar.storage.disk.counters import Counters
-from kvcellar.storage.disk.faults import FaultTracker
-from kvcellar.storage.disk.format import (
+from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
+from kvcellar.storage.block_format import (
     FORMAT_VERSION,
     check_identity,
     encode_header,
     header_size_for,
     payload_checksum,
 )
+from kvcellar.storage.counters import Counters
+from kvcellar.storage.disk.capacity import CapacityGuard
+from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into, tensor_bytes
 from kvcellar.storage.disk.recovery import scan_namespace
 from kvcellar.storage.disk.sessions import Session, StaleSession, close_session, open_session, scan_sessions
 from kvcellar.storage.disk.table import BlockTable
 from kvcellar.storage.disk.writer import BlockWriter, fsync_dir, write_block_file
+from kvcellar.storage.faults import FaultTracker
 
 _log = logging.getLogger("kvcellar.storage.disk")
 
@@ -235,6 +235,29 @@ class DiskTier(KVTier):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._table.touch(keys, persist=True)
+
+    def wants(self, key: bytes) -> bool:
+        if self._closing or self._table.contains(key) or self._wfault.backing_off():
+            return False
+        with self._claims_lock:
+            return key not in self._claims
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        self._table.pin(list(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._table.unpin(list(keys))
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Unlink the block files of ``keys``. A read in progress keeps its open file
+        (POSIX unlink), so removing a block that is being loaded is safe."""
+        n = 0
+        for k in keys:
+            existed = self.layout.block_path(k).exists()
+            self._table.discard(k)
+            if self._unlink_block(k) and existed:
+                n += 1
+        return n
 
     # ------------------------------------------------------------------ load
     def load(self, requests: Sequence[LoadRequest]) -> concurrent.futures.Future[int]:
@@ -575,21 +598,19 @@ class DiskTier(KVTier):
         degraded = self._session is None or self._wfault.in_episode or self._rfault.in_episode
         errors = [(f.last_error_time or 0.0, f.last_error) for f in (self._wfault, self._rfault) if f.last_error]
         last_time, last_error = max(errors) if errors else (None, None)
-        return {
-            "state": "degraded" if degraded else "ok",
-            "last_shutdown_clean": self._last_shutdown_clean,
-            "unclean_previous_sessions": len(self._stale),
-            "writer_queue_depth": self._writer.queue_depth if self._writer else 0,
-            "writer_in_flight": (self._writer.in_flight if self._writer else 0),
-            "write_backoff_s": round(self._wfault.backoff_remaining(), 3),
-            "last_error": last_error,
-            "last_error_time": last_time,
-            "scan_complete": self._scan_done.is_set(),
-            "closed": self._close_result is not None,
-            "path": str(self.layout.dir),
-            "durability": self.config.durability,
-            "async_writes": self.config.async_writes,
-        }
+        return tier_health(
+            self.name, degraded=degraded, last_error=last_error, last_error_time=last_time,
+            writer_queue_depth=self._writer.queue_depth if self._writer else 0,
+            closed=self._close_result is not None, last_shutdown_clean=self._last_shutdown_clean,
+            detail={
+                "unclean_previous_sessions": len(self._stale),
+                "writer_in_flight": (self._writer.in_flight if self._writer else 0),
+                "write_backoff_s": round(self._wfault.backoff_remaining(), 3),
+                "scan_complete": self._scan_done.is_set(),
+                "path": str(self.layout.dir),
+                "durability": self.config.durability,
+                "async_writes": self.config.async_writes,
+            })
 
     # ------------------------------------------------------------------ waiting and closing
     def wait_idle(self, timeout: float) -> bool:

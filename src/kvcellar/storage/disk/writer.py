@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcellar.storage.base import StoreRequest
-from kvcellar.storage.disk.counters import Counters
+from kvcellar.storage.counters import Counters
 
 _log = logging.getLogger("kvcellar.storage.disk")
 

@@ -1,4 +1,5 @@
 """Fault episodes: count every I/O fault, log once per episode, back off.
+Shared by the tiers (disk: OS errors; remote: connection errors, timeouts, OOM).
 
 An episode starts with the first fault after a success and ends with the next
 success (a block written or read, or a probe write). While a write episode is
@@ -13,7 +14,7 @@ import logging
 import threading
 import time
 
-from kvcellar.storage.disk.counters import Counters
+from kvcellar.storage.counters import Counters
 
 # Episodes flapping faster than this (a probe succeeds, the next write fails
 # again) are counted but not logged again.
@@ -40,8 +41,10 @@ class FaultTracker:
         where: str,
         backoff_initial_s: float = 0.0,
         backoff_max_s: float = 0.0,
+        tier: str = "disk",
     ) -> None:
         self.op = op
+        self._tier = tier
         self._counters = counters
         self._log = logger
         self._where = where
@@ -80,8 +83,8 @@ class FaultTracker:
                 self._last_logged_error = name
         if log:
             self._log.warning(
-                "disk tier %s fault in %s (%s): %s; further faults are counted, not logged, until it clears",
-                self.op, self._where, what, f"{name}: {exc}",
+                "%s tier %s fault in %s (%s): %s; further faults are counted, not logged, until it clears",
+                self._tier, self.op, self._where, what, f"{name}: {exc}",
             )
 
     def success(self, *, probe: bool = False) -> None:
@@ -95,7 +98,8 @@ class FaultTracker:
             if not probe:
                 self._delay = self._initial
         if ended:
-            self._log.info("disk tier %s fault in %s cleared after %d fault(s)", self.op, self._where, faults)
+            self._log.info("%s tier %s fault in %s cleared after %d fault(s)", self._tier, self.op, self._where,
+                           faults)
 
     @property
     def in_episode(self) -> bool:

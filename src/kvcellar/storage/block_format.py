@@ -1,8 +1,9 @@
-"""The on-disk block format (``.kvb`` files), version 1.
+"""The block format, version 1: one KV block as bytes, on disk and in a remote store.
 
-One file holds one KV block: a fixed-layout header padded to a multiple of
-4096 bytes, then the raw tensor bytes. docs/block-format.md has the byte table;
-this module is the only code that reads or writes it.
+One ``.kvb`` file (or one remote value) holds one KV block: a fixed-layout
+header padded to a multiple of 4096 bytes, then the raw tensor bytes.
+docs/block-format.md has the byte table; this module is the only code that
+encodes or checks it (``storage/disk`` and ``storage/remote`` share it).
 
 Why this shape:
 - The header carries everything needed to prove a file is the block asked
@@ -201,3 +202,49 @@ def check_identity(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[
         raise ValueError(f"expected {spec.block_size} token ids, got {len(token_ids)}")
     if any(not 0 <= t <= 0xFFFFFFFF for t in token_ids):
         raise ValueError("token ids must fit in an unsigned 32-bit integer")
+
+
+def identity_mismatch(header: BlockHeader, key: bytes, digest: bytes, token_ids: tuple[int, ...]) -> str | None:
+    """The failed identity check (``key``, ``digest``, ``tokens``), or None when the
+    header names exactly this block."""
+    if header.key != key:
+        return "key"
+    if header.digest != digest:
+        return "digest"
+    if header.token_ids != tuple(token_ids):
+        return "tokens"
+    return None
+
+
+def encode_block(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[int, ...],
+                 data: torch.Tensor, created_ns: int) -> bytes:
+    """One whole block (header + payload) as one bytes value, for stores that keep
+    values rather than files."""
+    payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns)
+    return b"".join((header, payload))
+
+
+def decode_block_into(value: bytes | memoryview, spec: BlockSpec, key: bytes, digest: bytes,
+                      token_ids: tuple[int, ...], dest: torch.Tensor) -> str | None:
+    """Check a whole-block value against the block asked for and copy its payload into
+    ``dest``. Returns None on success, else the failed check (``size``, a HeaderError
+    reason, ``key``, ``digest``, ``tokens``, ``checksum``). Identity is settled before a
+    byte reaches ``dest``; a damaged payload may land there but is reported."""
+    mv = memoryview(value)
+    header_size = header_size_for(spec.block_size)
+    if len(mv) != header_size + spec.nbytes:
+        return "size"
+    try:
+        header = decode_header(mv[:header_size])
+        check_geometry(header, spec)
+    except HeaderError as e:
+        return e.reason
+    reason = identity_mismatch(header, key, digest, token_ids)
+    if reason is not None:
+        return reason
+    out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    out[:] = mv[header_size:]
+    if payload_checksum(out) != header.payload_crc32:
+        return "checksum"
+    return None

@@ -1,0 +1,49 @@
+"""From a URL to a Redis client that never retries on its own and never blocks long.
+
+Retries and back-off belong to the tier (``storage/faults.py``): a client that retried
+inside a call would multiply the bounded wait the tier promises.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for logs and /health."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def is_cluster(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def open_client(url: str, timeout_s: float) -> Any:
+    """A ``redis.Redis`` (or ``RedisCluster`` for the ``+cluster`` schemes). A plain client
+    connects lazily; a cluster client asks its seed for the slot map here and raises
+    ``redis.RedisError`` when none answers."""
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "retry_on_timeout": False,
+    }
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        from redis.cluster import RedisCluster
+
+        plain = CLUSTER_SCHEMES[scheme] + url[len(scheme):]
+        return RedisCluster.from_url(plain, **common)
+    return redis.Redis.from_url(url, **common)

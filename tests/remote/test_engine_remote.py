@@ -1,0 +1,162 @@
+"""The engine over SSD + a real Redis, in process: replica B reuses what replica A
+computed, promotion into B's SSD, a prefix split across SSD and Redis, planted values,
+and a Redis that is down. Every output is compared with a cache-disabled run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcellar.engine import SamplingParams
+from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.tier import DiskTier
+from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.tier import RemoteTier
+from tests._models import (
+    assert_no_leaks,
+    assert_same_output,
+    chat_ids,
+    embedded,
+    expected_cached,
+    make_engine,
+    uncached_runner,
+)
+from tests.helpers import free_port
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+DOC = ("Section 4.2. A payment intent moves from created to authorized to captured; a refund references "
+       "a captured intent and may be partial. Idempotency keys are scoped per merchant and expire after "
+       "24 hours. Retries after a network timeout must reuse the key. " * 6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return embedded("float32")
+
+
+@pytest.fixture(scope="module")
+def uncached(model):
+    return uncached_runner(model, GREEDY)
+
+
+def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "write_through", **cfg):
+    """An engine with the SSD tier at ``ssd_dir`` and the remote tier at ``url`` (either may be absent)."""
+    engine = make_engine(model)
+    if ssd_dir is not None:
+        engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec,
+                                    DiskTierConfig(min_free_bytes=0), descriptor=engine.descriptor))
+    if url is not None:
+        cfg.setdefault("backoff_initial_s", 0.05)
+        engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec, RemoteTierConfig(**cfg)),
+                           remote_policy)
+    return engine
+
+
+def tier(engine, name: str):
+    return next(a.tier for a in engine.lower.tiers if a.tier.name == name)
+
+
+def ask(model, question: str) -> list[int]:
+    return chat_ids(model, question, DOC)
+
+
+def test_replica_b_serves_what_a_computed_and_promotes_it_to_its_ssd(model, uncached, redis_server, tmp_path):
+    prompt = ask(model, "Can a refund reference an authorized intent?")
+    a = replica(model, redis_server.url, tmp_path / "a")
+    a.generate([prompt], GREEDY)
+    assert a.shutdown(30)  # drains both writers
+
+    b = replica(model, redis_server.url, tmp_path / "b")
+    result = b.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt)) >= 0.9 * len(prompt)
+    assert_same_output(result, uncached(prompt))
+    s = b.snapshot()
+    assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS)  # all of it from Redis
+    assert s["ssd_link_loaded_blocks"] == 0 and s["remote_corrupt_total"] == 0
+    assert result.cached_tokens_by_tier == {"ram": 0, "remote": result.num_cached_tokens}
+    assert tier(b, "ssd").wait_idle(30)
+    assert b.snapshot()["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to B's SSD
+    assert_no_leaks(b)
+    b.shutdown(30)
+
+    again = replica(model, redis_server.url, tmp_path / "b")  # B restarted: its SSD comes first now
+    result = again.generate([prompt], GREEDY)[0]
+    assert_same_output(result, uncached(prompt))
+    s = again.snapshot()
+    assert s["ssd_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) and s["remote_link_loaded_blocks"] == 0
+    again.shutdown(30)
+
+
+def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached, redis_server, tmp_path):
+    prompt = ask(model, "Which state does a partial refund need?")
+    full = replica(model, redis_server.url, None)  # Redis gets every block
+    full.generate([prompt], GREEDY)
+    full.shutdown(30)
+    half = len(prompt) // 2
+    local = replica(model, None, tmp_path / "ssd")  # this SSD gets only the first half
+    local.generate([prompt[:half]], GREEDY)
+    local.shutdown(30)
+
+    both = replica(model, redis_server.url, tmp_path / "ssd")
+    result = both.generate([prompt], GREEDY)[0]
+    assert_same_output(result, uncached(prompt))
+    assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    s = both.snapshot()
+    assert s["ssd_link_loaded_blocks"] == half // BS
+    assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) - half // BS
+    assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS,
+                                            "remote": result.num_cached_tokens - half // BS * BS}
+    both.shutdown(30)
+
+
+def test_planted_values_are_misses_and_the_prefix_is_recomputed(model, uncached, redis_server, tmp_path):
+    prompt = ask(model, "How long do idempotency keys live?")
+    a = replica(model, redis_server.url, None)
+    a.generate([prompt], GREEDY)
+    a.shutdown(30)
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    chain = block_digests(root_digest(a.fingerprint), prompt, BS)
+    r = redis_server.client()
+    names = [f"kvc:{a.fingerprint}-v1:{a.blocks.key(d).hex()}" for d in chain]
+    victim = 3
+    r.set(names[victim], r.get(names[victim + 1]))  # a real block of this model, in the wrong place
+    r.set(f"kvc:other-model-v1:{a.blocks.key(chain[0]).hex()}", r.get(names[0]))  # another namespace
+
+    b = replica(model, redis_server.url, None)
+    result = b.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == victim * BS
+    assert_same_output(result, uncached(prompt))
+    assert b.snapshot()["remote_corrupt_key"] == 1
+    b.shutdown(30)
+
+
+def test_a_redis_that_is_down_degrades_to_compute(model, uncached, tmp_path):
+    prompt = ask(model, "Must a retry reuse the key?")
+    engine = replica(model, f"redis://127.0.0.1:{free_port()}/0", tmp_path / "ssd")
+    result = engine.generate([prompt], GREEDY)[0]
+    assert_same_output(result, uncached(prompt))
+    health = engine.tier_health()
+    assert health["remote"]["state"] == "degraded" and health["ssd"]["state"] == "ok"
+    again = engine.generate([prompt], GREEDY)[0]  # the RAM tier still works
+    assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    engine.shutdown(30)
+
+
+def test_a_full_redis_with_noeviction_drops_writes_and_answers_stay_right(model, uncached, private_redis):
+    redis = private_redis(maxmemory="2mb", **{"maxmemory-policy": "noeviction"}).start()  # ~2 fp32 blocks
+    engine = replica(model, redis.url, None)
+    prompts = [ask(model, f"Question {i}: may a partial refund exceed the capture?") for i in range(3)]
+    for prompt in prompts:
+        assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
+    assert tier(engine, "remote").wait_idle(30)
+    s, health = engine.snapshot(), engine.tier_health()["remote"]
+    # writes back off and probe; the state may already be "ok" again between two failed writes
+    assert s["remote_dropped_oom"] >= 1 and "maxmemory" in str(health["last_error"])
+    engine.blocks.evict_all()  # what did fit is still served, verified
+    result = engine.generate([prompts[0]], GREEDY)[0]
+    assert_same_output(result, uncached(prompts[0]))
+    assert result.num_cached_tokens == engine.snapshot()["remote_link_loaded_blocks"] * BS
+    engine.shutdown(30)
