@@ -128,6 +128,44 @@ def test_promote_after_ram_drop(model, uncached, tmp_path):
     engine.shutdown(30)
 
 
+def test_write_through_drops_are_written_later(model, uncached, tmp_path):
+    """Overload: a one-block queue that never waits drops most write-through blocks of a
+    burst. They stay in RAM, and shutdown hands them to the tier again, so after a restart
+    every full block of every finished request (prompt and generated tokens) is on disk."""
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    prompts = [ask(model, f"Review change {i}: " + "ledger.post(amount, fee); " * (4 + 2 * i)) for i in range(6)]
+    overloaded = DiskTierConfig(min_free_bytes=0, queue_blocks=1, enqueue_timeout_s=0.0)
+    first = tiered(model, tmp_path, tier_config=overloaded)
+    results = first.generate(prompts, GREEDY)  # one burst: every prompt is prefilled in the same steps
+    burst = first.snapshot()
+    assert first.shutdown(60)
+    closed = first.snapshot()
+    offered, dropped = burst["ssd_link_stored_blocks"], burst["writer_dropped_queue_full"]
+    written_later = closed["writer_written_after_drop"]
+    assert dropped > 0, "the burst did not overload the queue"
+    assert written_later == dropped
+
+    root = root_digest(first.fingerprint)
+    chains = [[first.blocks.key(d) for d in block_digests(root, list(p) + r.token_ids[:-1], BS)]
+              for p, r in zip(prompts, results, strict=True)]
+    second = tiered(model, tmp_path)
+    assert second.lower.tier.wait_scanned(30)
+    assert [second.lower.tier.lookup(keys) for keys in chains] == [len(keys) for keys in chains]
+    again = second.generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, again, strict=True):
+        assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    served = second.snapshot()["ssd_load_hits"]
+    prompt_blocks = {key for prompt, keys in zip(prompts, chains, strict=True)
+                     for key in keys[: expected_cached(len(prompt), len(prompt)) // BS]}
+    assert served == len(prompt_blocks)  # shared prefixes are read once, then hit in RAM
+    assert_same_output(again[-1], uncached(prompts[-1]))
+    print(f"\nwrite-through overload (queue 1 block, no wait): offered {offered}, dropped {dropped}, "
+          f"written later {written_later}; after restart: {served} distinct prompt blocks served from disk, "
+          f"{sum(map(len, chains))}/{sum(map(len, chains))} full blocks of the finished requests found")
+    second.shutdown(30)
+
+
 def _flip_payload_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
@@ -295,4 +333,13 @@ def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
     assert_same_output(engine.generate([b], GREEDY)[0], uncached(b))
     assert len(block_files(small_fs)) > 0, "writes resume once the fault clears"
     assert os.access(small_fs, os.W_OK)
+    # The blocks of ``a`` were dropped during the fault; RAM eviction now writes them.
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    a_keys = [engine.blocks.key(d) for d in block_digests(root_digest(engine.fingerprint), a, BS)]
+    assert engine.lower.tier.lookup(a_keys) == 0
+    assert engine.snapshot()["writer_written_after_drop"] == 0
+    engine.blocks.evict_all()  # the tmpfs holds only ~4 blocks: capacity evicts some of them again
+    assert engine.lower.tier.lookup(a_keys) > 0
+    assert engine.snapshot()["writer_written_after_drop"] >= 1
     engine.shutdown(30)

@@ -171,6 +171,10 @@ class BlockManager:
         self.stats["kv_registered"] += 1
         return True
 
+    def cached_blocks(self) -> list[Block]:
+        """Every registered block (used at shutdown to hand unsaved ones to a lower tier)."""
+        return list(self._table.values())
+
     def evict_all(self) -> int:
         """Drop every unreferenced cached block (tests; ``cache clear`` of the RAM tier)."""
         n = 0

@@ -8,6 +8,8 @@ Writes:
 * ``write_through``: every block registered in RAM (computed from a prompt or from
   generated tokens) is copied out and stored; copies are batched per engine step.
 * ``evict_only``: a block is stored when the RAM tier drops it.
+A write the tier dropped (queue full, fault) is not lost while the block is in RAM: when
+the RAM tier evicts it, or at shutdown, the link offers it again if the tier ``wants`` it.
 Blocks that came from the tier are never stored back.
 
 Reads: ``lookup`` says how many of the next blocks to try; ``start_load`` reads them
@@ -22,7 +24,8 @@ the tier's future runs on its own thread.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -134,7 +137,9 @@ class LowerTierLink:
 
     def evicted(self, block: Block) -> None:
         """The RAM tier is about to reuse ``block`` (its data is still intact)."""
-        if self.policy == "evict_only" and not block.from_lower_tier:
+        if block.from_lower_tier or block.digest is None:
+            return
+        if self.policy == "evict_only" or self.tier.wants(self.key_of(block.digest)):
             self.stats[self._p + "stored_blocks"] += 1
             self.tier.store([self._store_request(block)])
 
@@ -156,6 +161,22 @@ class LowerTierLink:
     def snapshot(self) -> dict[str, float]:
         return {**self.stats, **self.tier.stats()}
 
-    def close(self, timeout: float) -> bool:
+    def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
+        """Flush, offer the ``cached`` RAM blocks whose write-through store was dropped
+        (no step waits on the tier any more, so wait for its queue to drain if it is full),
+        then close the tier, all within ``timeout``."""
+        deadline = time.monotonic() + timeout
         self.flush()
-        return self.tier.close(timeout)
+        if self.policy == "write_through":
+            for block in cached:
+                if block.from_lower_tier or block.digest is None:
+                    continue
+                key = self.key_of(block.digest)
+                if not self.tier.wants(key):
+                    continue
+                request = self._store_request(block)
+                self.stats[self._p + "stored_blocks"] += 1
+                self.tier.store([request])
+                if self.tier.wants(key) and self.tier.wait_idle(max(0.0, deadline - time.monotonic())):
+                    self.tier.store([request])
+        return self.tier.close(max(0.0, deadline - time.monotonic()))

@@ -236,8 +236,8 @@ class Engine:
             raise ValueError("a lower tier needs prefix caching")
         self.lower = LowerTierLink(tier, self.pool, self.blocks.key, policy=policy, wake=self._wake.set)
         self.scheduler.lower = self.lower
-        if policy == "evict_only":
-            self.blocks.on_evict = self.lower.evicted
+        # evict_only: every evicted block is stored; write_through: those whose store was dropped.
+        self.blocks.on_evict = self.lower.evicted
 
     def start(self) -> None:
         if self._thread is not None:
@@ -255,7 +255,8 @@ class Engine:
             deadline = time.monotonic() + timeout
             clean = self._stop_engine(timeout)
             if self.lower is not None:
-                clean = self.lower.close(max(1.0, deadline - time.monotonic())) and clean
+                clean = self.lower.close(max(1.0, deadline - time.monotonic()),
+                                         cached=self.blocks.cached_blocks()) and clean
             self._shutdown_result = clean
             return clean
 

@@ -137,6 +137,17 @@ class KVTier(ABC):
         """Mark ``keys`` as recently used (for LRU/TTL), e.g. for blocks hot in
         a faster tier that never need to be loaded from this one. Optional."""
 
+    def wants(self, key: bytes) -> bool:
+        """Whether a ``store`` of ``key`` now would write it (not stored, not queued).
+        Asked before copying a block out of RAM to give a dropped write a second chance.
+        Optional: the default never asks for a second copy."""
+        return False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every admitted store has been written or dropped. Optional: tiers
+        without a queue are always idle."""
+        return True
+
     @abstractmethod
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges, every name prefixed by the owning component."""

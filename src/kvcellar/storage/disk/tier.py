@@ -40,6 +40,7 @@ from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.counters import Counters
+from kvcellar.storage.disk.dropped import DroppedKeys
 from kvcellar.storage.disk.faults import FaultTracker
 from kvcellar.storage.disk.format import (
     FORMAT_VERSION,
@@ -74,6 +75,7 @@ _SSD_COUNTERS = (
 _WRITER_COUNTERS = (
     "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
     "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
+    "written_after_drop",
 )
 _MAIN_THREAD_POLL_S = 0.25
 
@@ -128,6 +130,7 @@ class DiskTier(KVTier):
         # _claims_lock protects _claims: keys queued or being written (in-flight dedup).
         self._claims_lock = threading.Lock()
         self._claims: set[bytes] = set()
+        self._dropped = DroppedKeys()
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
         self._leftovers: set[Path] = set()
@@ -316,6 +319,7 @@ class DiskTier(KVTier):
                     self._wc.inc("enqueued")
                 else:
                     self._release_claim(r)
+                    self._dropped.add(r.key)
                     self._wc.inc("dropped_queue_full")
         finally:
             with self._life:
@@ -330,6 +334,7 @@ class DiskTier(KVTier):
             self._table.touch([r.key], persist=True)
             return False
         if self._wfault.backing_off():
+            self._dropped.add(r.key)
             self._wc.inc("dropped_backoff")
             return False
         with self._claims_lock:
@@ -338,6 +343,16 @@ class DiskTier(KVTier):
                 return False
             self._claims.add(r.key)
         return True
+
+    def wants(self, key: bytes) -> bool:
+        """True if a ``store`` of ``key`` now would write it: not known to be on disk, not
+        queued or being written, and writes are not backing off. The RAM tier asks this
+        before copying a block it evicts, so a write-through block whose store was dropped
+        gets its second chance without a copy of every evicted block."""
+        if self._closing or self._session is None or self._wfault.backing_off() or self._table.contains(key):
+            return False
+        with self._claims_lock:
+            return key not in self._claims
 
     def _release_claim(self, r: StoreRequest) -> None:
         with self._claims_lock:
@@ -348,6 +363,7 @@ class DiskTier(KVTier):
         atomically (with retries when persistent), account. Never raises for
         OS errors."""
         if self._session is None or self._wfault.backing_off():
+            self._dropped.add(r.key)
             self._wc.inc("dropped_backoff")
             return
         final = self.layout.block_path(r.key)
@@ -383,6 +399,7 @@ class DiskTier(KVTier):
                 if dir_retry:
                     dir_retry = False
                     continue
+                self._dropped.add(r.key)
                 self._wfault.failure(e, f"writing {final.name}")
                 return
             except OSError as e:
@@ -393,9 +410,12 @@ class DiskTier(KVTier):
                     continue
                 if retries:
                     self._wc.inc("retry_final_fail")
+                self._dropped.add(r.key)
                 self._wfault.failure(e, f"writing {final.name}")
                 return
         self._table.add(r.key, self.file_size)
+        if self._dropped.written(r.key):
+            self._wc.inc("written_after_drop")
         self._ssd.inc("stored_blocks")
         self._ssd.inc("stored_bytes", self.file_size)
         self._wfault.success()
