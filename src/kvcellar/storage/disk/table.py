@@ -103,6 +103,18 @@ class BlockTable:
             self._dirty.discard(key)
             self._gone[key] = self._now_ns_locked()
 
+    def discard_if_known(self, key: bytes) -> bool:
+        """``discard`` for a key whose file was found missing; True if it was known. Unknown
+        keys leave no trace (a miss on a block never written is not a removal)."""
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return False
+            self._bytes -= e.size
+            self._dirty.discard(key)
+            self._gone[key] = self._now_ns_locked()
+            return True
+
     def touch(self, keys: Iterable[bytes], *, persist: bool) -> None:
         """Move known ``keys`` to the most-recently-used end. ``persist``
         queues the new time for the file's atime (loads); lookups do not."""

@@ -221,6 +221,7 @@ class DiskTier(KVTier):
             try:
                 st = os.stat(self.layout.block_path(k))
             except OSError:
+                self._table.discard_if_known(k)  # removed behind our back (cache clear, another process)
                 break
             if st.st_size != self.file_size:
                 # Final names only ever come from renaming a complete file: a wrong size is a
@@ -327,9 +328,21 @@ class DiskTier(KVTier):
                 if self._entering == 0:
                     self._no_entering.notify_all()
 
+    def _on_disk(self, key: bytes) -> bool:
+        """The table knows ``key`` and its file still exists. The table can be stale (a
+        ``cache clear`` or another process's eviction removes files behind our back): an
+        entry whose file is gone is dropped here, so the block is written again instead of
+        skipped until the next rescan. One stat, only for keys the table knows."""
+        if not self._table.contains(key):
+            return False
+        if os.path.exists(self.layout.block_path(key)):
+            return True
+        self._table.discard_if_known(key)
+        return False
+
     def _admit(self, r: StoreRequest) -> bool:
         """Cheap checks in the caller's thread; claims the key if admitted."""
-        if self._table.contains(r.key):
+        if self._on_disk(r.key):
             self._ssd.inc("store_skipped_existing")
             self._table.touch([r.key], persist=True)
             return False
@@ -349,7 +362,7 @@ class DiskTier(KVTier):
         queued or being written, and writes are not backing off. The RAM tier asks this
         before copying a block it evicts, so a write-through block whose store was dropped
         gets its second chance without a copy of every evicted block."""
-        if self._closing or self._session is None or self._wfault.backing_off() or self._table.contains(key):
+        if self._closing or self._session is None or self._wfault.backing_off() or self._on_disk(key):
             return False
         with self._claims_lock:
             return key not in self._claims
