@@ -253,6 +253,52 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert "# TYPE kvcellar_artifact_bytes_used gauge" in metrics
 
 
+LEVELS = {  # every level of the snapshot: gauges; the issue found most exported as counters
+    "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable", "kv_blocks_used",
+    "engine_running", "engine_waiting", "engine_loading",
+    "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks", "ssd_scan_complete",
+    "writer_queue_depth", "writer_in_flight", "writer_pending_keys", "ssd_load_batches_in_flight",
+    "server_inflight_requests", "server_inflight_sequences",
+    "artifact_entries", "artifact_bytes_used", "artifact_bytes_limit",
+}
+
+
+def test_metrics_types_are_declared_at_the_source(client: Any, server: ServerProcess) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):  # the second is a RAM hit
+        chat(client, messages=[{"role": "user", "content": "Say hello to the metrics test. " * 4}], max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    stats = {k: v for group in server.health()["tiers"].values() for k, v in group.items()}
+    stats.update(server.health()["engine"], **server.health()["server"], **server.health()["artifact"])
+    for key in stats:
+        family = families["kvcellar_" + key.removesuffix("_total")] if key.endswith("_total") and \
+            "kvcellar_" + key not in families else families["kvcellar_" + key]
+        assert family.type == ("gauge" if key in LEVELS else "counter"), (key, family.type)
+    assert set(stats) >= LEVELS
+    for name in ("kvcellar_kv_lookup_hits", "kvcellar_engine_requests", "kvcellar_ssd_stored_blocks",
+                 "kvcellar_writer_dropped_queue_full", "kvcellar_writer_written_after_drop"):
+        assert families[name].type == "counter" and families[name].samples[0].name == name + "_total"
+
+    def sample(family: str, **labels: str) -> float:
+        (value,) = [s.value for s in families[family].samples if s.labels == labels]
+        return value
+
+    assert families["kvcellar_tier_state"].type == "gauge"
+    assert sample("kvcellar_tier_state", tier="ssd", state="ok") == 1.0
+    assert sample("kvcellar_tier_state", tier="ssd", state="degraded") == 0.0
+    assert sample("kvcellar_tier_state", tier="ram", state="ok") == 1.0
+    assert families["kvcellar_tier_last_shutdown_clean"].type == "gauge"
+    assert sample("kvcellar_tier_last_shutdown_clean", tier="ssd") == 1.0
+    for tier in ("ram", "ssd"):  # hit-rate pairs: blocks asked of each tier, and served by it
+        assert families["kvcellar_tier_queried_blocks"].type == families["kvcellar_tier_hit_blocks"].type == "counter"
+        assert 0 <= sample("kvcellar_tier_hit_blocks", tier=tier) <= sample("kvcellar_tier_queried_blocks", tier=tier)
+    ram_hits = sample("kvcellar_tier_hit_blocks", tier="ram")
+    assert ram_hits == stats["kv_lookup_hits"] > 0
+    assert sample("kvcellar_tier_queried_blocks", tier="ram") == stats["kv_lookup_hits"] + stats["kv_lookup_misses"]
+    assert sample("kvcellar_tier_queried_blocks", tier="ssd") == stats["ssd_link_queried_blocks"] > 0
+
+
 def test_openai_client_raises_typed_errors(client: Any) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         chat(client, model="gpt-4o")

@@ -45,6 +45,10 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockManager:
+    # Levels among the snapshot's keys (exported as gauges); the others are counts.
+    GAUGES = frozenset({"kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable",
+                        "kv_blocks_used"})
+
     def __init__(
         self,
         num_blocks: int,

@@ -68,7 +68,8 @@ class LowerTierLink:
         # Counters carry the tier's name (ssd_link_*), so they are reported with that tier.
         self._p = f"{tier.name}_link_"
         self.stats = {self._p + k: 0 for k in
-                      ("lookups", "lookup_blocks", "loaded_blocks", "load_failed_blocks", "stored_blocks")}
+                      ("lookups", "queried_blocks", "lookup_blocks", "loaded_blocks", "load_failed_blocks",
+                       "stored_blocks")}
 
     @staticmethod
     def block_spec(pool: KVPool) -> BlockSpec:
@@ -86,6 +87,7 @@ class LowerTierLink:
         if not digests:
             return 0
         self.stats[self._p + "lookups"] += 1
+        self.stats[self._p + "queried_blocks"] += len(digests)
         if self.tier.lookup([self.key_of(digests[0])]) == 0:
             return 0
         self.stats[self._p + "lookup_blocks"] += len(digests)

@@ -309,6 +309,33 @@ class Engine:
             **(lower.snapshot() if lower is not None else {}),
         }
 
+    # Levels among the snapshot's own keys (exported as gauges); the others are counts.
+    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading"})
+
+    def gauge_keys(self) -> frozenset[str]:
+        """The keys of ``snapshot`` that are levels, as their owners declare them."""
+        lower = self.lower
+        return self.GAUGES | BlockManager.GAUGES | (lower.tier.gauges if lower is not None else frozenset())
+
+    def tier_reports(self) -> list[dict[str, object]]:
+        """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked
+        of it and served by it (the hit-rate pair)."""
+        kv = self.blocks.stats
+        reports: list[dict[str, object]] = [{
+            "tier": "ram", "state": "ok", "last_shutdown_clean": None,
+            "queried_blocks": kv["kv_lookup_hits"] + kv["kv_lookup_misses"], "hit_blocks": kv["kv_lookup_hits"],
+        }]
+        lower = self.lower
+        if lower is not None:
+            health = lower.tier.health()
+            reports.append({
+                "tier": lower.tier.name, "state": health.get("state"),
+                "last_shutdown_clean": health.get("last_shutdown_clean"),
+                "queried_blocks": lower.stats[lower.tier.name + "_link_queried_blocks"],
+                "hit_blocks": lower.stats[lower.tier.name + "_link_loaded_blocks"],
+            })
+        return reports
+
     def tier_health(self) -> dict[str, object] | None:
         lower = self.lower
         return None if lower is None else {"name": lower.tier.name, "policy": lower.policy, **lower.tier.health()}

@@ -104,6 +104,8 @@ class KVTier(ABC):
     """
 
     name: str
+    # The keys of ``stats()`` that are levels (exported as gauges); the others are counts.
+    gauges: frozenset[str] = frozenset()
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:

@@ -103,6 +103,11 @@ class DiskTier(KVTier):
     """
 
     name = "ssd"
+    gauges = frozenset({
+        "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks",
+        "ssd_scan_complete", "writer_queue_depth", "writer_in_flight", "writer_pending_keys",
+        "ssd_load_batches_in_flight",
+    })
 
     def __init__(
         self,
