@@ -146,7 +146,7 @@ def test_other_format_version_is_a_different_directory(tmp_path, open_tier) -> N
     tier.store(blocks)
     tier.close(10)
     # An older kvcellar's directory under the same root is simply not seen.
-    (tmp_path / "ns-v1").rename(tmp_path / "ns-v0")
+    (tmp_path / f"ns-v{FORMAT_VERSION}").rename(tmp_path / "ns-v0")
     fresh = open_tier(tmp_path)
     assert fresh.lookup([b.key for b in blocks]) == 0
 

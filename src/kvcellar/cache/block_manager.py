@@ -34,6 +34,7 @@ class Block:
     digest: bytes | None = None  # set while registered
     token_ids: tuple[int, ...] | None = None  # set while registered
     from_lower_tier: bool = False  # content was loaded from a lower tier (no need to store it back)
+    parent: bytes | None = None  # digest of the previous block of its chain while registered (None: first)
 
     @property
     def registered(self) -> bool:
@@ -158,10 +159,11 @@ class BlockManager:
                     block.from_lower_tier = False
                     self._free.append(block)
 
-    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
+    def register(self, block: Block, digest: bytes, token_ids: Sequence[int], parent: bytes | None = None) -> bool:
         """Publish a computed block for reuse. Returns False when another block already
         holds this key (same content computed twice, or a key collision): this one then
-        stays private and returns to the free list when released."""
+        stays private and returns to the free list when released. ``parent``: the digest
+        of the block before it in its chain (lower tiers evict chains from the tail)."""
         if block.registered:
             return block.digest == digest
         key = self.key(digest)
@@ -171,6 +173,7 @@ class BlockManager:
             return False
         block.digest = digest
         block.token_ids = tuple(token_ids)
+        block.parent = parent
         self._table[key] = block
         self.stats["kv_registered"] += 1
         return True
@@ -197,6 +200,7 @@ class BlockManager:
         del self._table[self.key(block.digest)]
         block.digest = None
         block.token_ids = None
+        block.parent = None
         block.from_lower_tier = False
 
     # ---- reporting ------------------------------------------------------------------------

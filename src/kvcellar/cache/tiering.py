@@ -156,7 +156,8 @@ class LowerTierLink:
         assert block.digest is not None and block.token_ids is not None
         data = self.pool.block(block.block_id)
         data = data.clone() if self._on_cpu else data.to("cpu")
-        return StoreRequest(self.key_of(block.digest), block.digest, block.token_ids, data)
+        parent = self.key_of(block.parent) if block.parent is not None else None
+        return StoreRequest(self.key_of(block.digest), block.digest, block.token_ids, data, parent)
 
     # ---- reporting and shutdown -------------------------------------------------------------
 

@@ -84,6 +84,9 @@ class StoreRequest:
     digest: bytes
     token_ids: tuple[int, ...]
     data: torch.Tensor
+    # Key of the previous block of the same chain (None for a chain's first block or when
+    # unknown): lets a tier evict a chain from its tail, never leaving blocks unreachable.
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from kvcellar.storage.disk.dropped import DroppedKeys
 from kvcellar.storage.disk.faults import FaultTracker
 from kvcellar.storage.disk.format import (
     FORMAT_VERSION,
+    MAX_KEY_LEN,
     check_identity,
     encode_header,
     header_size_for,
@@ -75,7 +76,7 @@ _SSD_COUNTERS = (
 _WRITER_COUNTERS = (
     "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
     "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
-    "written_after_drop",
+    "written_after_drop", "dropped_no_parent",
 )
 _MAIN_THREAD_POLL_S = 0.25
 
@@ -236,6 +237,7 @@ class DiskTier(KVTier):
             if not self._table.contains(k):  # written by another process, or not scanned yet
                 self._table.add(k, self.file_size, st.st_atime_ns)
             n += 1
+        self._table.link_chain(keys[:n])
         self._table.release_leases(keys[n:])
         self._table.touch(keys[:n], persist=False)
         self._ssd.inc("lookup_calls")
@@ -296,6 +298,7 @@ class DiskTier(KVTier):
                          self.layout.dir, reason, total)
 
     def _batch_done(self, requests: Sequence[LoadRequest], leading: int) -> None:
+        self._table.link_chain([r.key for r in requests[:leading]])
         self._table.unpin([r.key for r in requests])
         self._ssd.inc("load_calls")
         self._ssd.inc("load_hits", leading)
@@ -306,6 +309,8 @@ class DiskTier(KVTier):
         for r in requests:
             self.spec.check_tensor(r.data, "StoreRequest.data")
             check_identity(self.spec, r.key, r.digest, tuple(r.token_ids))
+            if r.parent is not None and not 1 <= len(r.parent) <= MAX_KEY_LEN:
+                raise ValueError(f"StoreRequest.parent must be 1..{MAX_KEY_LEN} bytes, got {len(r.parent)}")
         with self._life:
             if self._closing:
                 self._wc.inc("dropped_closed", len(requests))
@@ -344,6 +349,14 @@ class DiskTier(KVTier):
             return True
         self._table.discard_if_known(key)
         return False
+
+    def _parent_present(self, parent: bytes) -> bool:
+        if self._table.contains(parent):
+            return True
+        with self._claims_lock:
+            if parent in self._claims:
+                return True
+        return os.path.exists(self.layout.block_path(parent))
 
     def _admit(self, r: StoreRequest) -> bool:
         """Cheap checks in the caller's thread; claims the key if admitted."""
@@ -388,7 +401,7 @@ class DiskTier(KVTier):
         try:
             st = os.stat(final)
             if st.st_size == self.file_size:
-                self._table.add(r.key, self.file_size, st.st_atime_ns)
+                self._table.add(r.key, self.file_size, st.st_atime_ns, parent=r.parent)
                 self._ssd.inc("store_skipped_existing")
                 return
         except FileNotFoundError:
@@ -396,11 +409,17 @@ class DiskTier(KVTier):
         except OSError as e:
             self._wfault.failure(e, f"checking {final.name}")
             return
-        if not self._capacity.make_room(self.file_size):
+        # A block whose parent is not on disk is unreachable until the parent is written
+        # (a dropped write RAM offers again): it may use free space, never evict for it.
+        orphan = r.parent is not None and not self._parent_present(r.parent)
+        if not self._capacity.make_room(self.file_size, r.parent, may_evict=not orphan):
+            self._dropped.add(r.key)
+            if orphan:
+                self._wc.inc("dropped_no_parent")
             return
         payload = tensor_bytes(r.data)
         header = encode_header(self.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
-                               time.time_ns())
+                               time.time_ns(), r.parent)
         persistent = self.config.durability == "persistent"
         retries = self.config.persistent_retries if persistent else 0
         dir_retry = True  # one extra try if the shard directory vanished (cache clear)
@@ -431,7 +450,7 @@ class DiskTier(KVTier):
                 self._dropped.add(r.key)
                 self._wfault.failure(e, f"writing {final.name}")
                 return
-        self._table.add(r.key, self.file_size)
+        self._table.add(r.key, self.file_size, parent=r.parent)
         if self._dropped.written(r.key):
             self._wc.inc("written_after_drop")
         self._ssd.inc("stored_blocks")
@@ -522,10 +541,11 @@ class DiskTier(KVTier):
             tmp_older_than_ns=tmp_cutoff,
             check_headers_since_ns=check_since,
             stop=self._stop.is_set,
+            wants_parent=lambda key: not self._table.knows_parent(key),
         )
         if self._stop.is_set():
             return  # partial: must not drop entries it did not reach
-        adopted, dropped = self._table.merge_scan(rep.found, started)
+        adopted, dropped = self._table.merge_scan(rep.found, started, rep.parents)
         c = self._ssd
         c.inc("scans")
         c.inc("scan_seconds", rep.seconds)
