@@ -14,6 +14,7 @@ import pytest
 from kvcellar.config import DiskSettings, Settings
 from kvcellar.engine import SamplingParams
 from kvcellar.runtime import attach_disk_tier
+from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
@@ -308,14 +309,18 @@ def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, sm
     for prompt in prompts:
         assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
     stats = engine.snapshot()
-    # the tier made room (LRU) or dropped writes it could not fit; it never failed a request
+    # The free-space check runs before each write, so a full disk is a capacity decision, never a
+    # write error, and the tier stays healthy. The chains (one shared system prompt) are longer
+    # than the disk: they are cut at the tail (dropped), never evicted from the head.
     pressure = ("ssd_evicted_blocks", "ssd_write_errors", "ssd_dropped_no_space", "writer_dropped_backoff")
-    assert sum(stats[k] for k in pressure) > 0, {k: stats[k] for k in pressure}
+    assert stats["ssd_dropped_no_space"] > 0 and stats["ssd_write_errors"] == 0, {k: stats[k] for k in pressure}
     assert stats["ssd_stored_blocks"] > 0
+    (ns,) = maintenance.cache_stats(small_fs)
+    assert ns.blocks == stats["ssd_blocks"] > 0 and ns.unreachable_blocks == 0
     assert not [p for p in small_fs.rglob("*") if p.is_file() and ".tmp" in p.name]
     for path in block_files(small_fs):  # whatever is on disk is whole
         assert path.stat().st_size == engine.lower.tier.file_size
-    assert engine.tier_health()["state"] in ("ok", "degraded")
+    assert engine.tier_health()["state"] == "ok"
     engine.shutdown(30)
 
 

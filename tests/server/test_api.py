@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from kvcellar.server.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+from tests._models import expected_cached
 from tests.helpers import MODEL, ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
@@ -43,7 +44,10 @@ def test_chat_completion_shape(client: Any, server: ServerProcess) -> None:
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 8
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
+    again = chat(client, max_tokens=8)  # the same prompt: every whole block is reused
+    n = again.usage.prompt_tokens
+    assert n == resp.usage.prompt_tokens and again.usage.prompt_tokens_details.cached_tokens == expected_cached(n, n)
     # The raw body matches our documented model exactly (no missing fields).
     raw = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
     assert raw.status_code == 200
@@ -123,12 +127,18 @@ def test_stream_raw_sse_format(server: ServerProcess) -> None:
 
 
 def test_stream_include_usage(client: Any) -> None:
-    chunks = list(chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].choices == []
-    usage = chunks[-1].usage
-    assert usage.completion_tokens == 6
-    assert usage.prompt_tokens > 0
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    messages = [{"role": "user", "content": "Stream the usage of this prompt, twice. " * 3}]
+    for attempt in range(2):
+        chunks = list(chat(client, messages=messages, max_tokens=6, stream=True,
+                           stream_options={"include_usage": True}))
+        assert chunks[-1].choices == []
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 6
+        assert usage.prompt_tokens > 16
+        n = usage.prompt_tokens
+        # the template's default system prompt may already be cached; the second run reuses every whole block
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert 0 <= cached <= expected_cached(n, n) if attempt == 0 else cached == expected_cached(n, n)
 
 
 def test_n_2_seeded_sampling(client: Any) -> None:
@@ -215,7 +225,11 @@ def test_completions_batch_and_echo(client: Any) -> None:
     assert resp.choices[2].text == resp.choices[3].text
     single = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0)
     assert resp.choices[2].text == single.choices[0].text
-    assert resp.usage.prompt_tokens == 2 * single.usage.prompt_tokens or resp.usage.prompt_tokens > 0
+    red = client.completions.create(model=MODEL, prompt="Red, green,", max_tokens=4, temperature=0)
+    assert resp.choices[0].text == red.choices[0].text
+    # each prompt counts once, however many choices it has
+    assert resp.usage.prompt_tokens == red.usage.prompt_tokens + single.usage.prompt_tokens
+    assert resp.usage.completion_tokens == 4 * 4
     echo = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text == "One, two," + single.choices[0].text
 

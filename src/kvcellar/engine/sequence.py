@@ -103,7 +103,6 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_ram_hit_tokens: int = 0  # of those, found in the RAM tier (the rest came from below)
     finish_reason: str | None = None
-    cancelled: bool = False
     pending_load: Any = None  # lower-tier load in flight (engine-owned handle)
     _digests: list[bytes] = field(default_factory=list)
 
