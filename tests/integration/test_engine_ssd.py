@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,55 @@ def test_write_through_drops_are_written_later(model, uncached, tmp_path):
           f"written later {written_later}; after restart: {served} distinct prompt blocks served from disk, "
           f"{sum(map(len, chains))}/{sum(map(len, chains))} full blocks of the finished requests found")
     second.shutdown(30)
+
+
+def test_ttl_expired_prefix_is_a_miss_and_is_recomputed(model, uncached, tmp_path):
+    prompt = ask(model, "Review: the nightly job retries failed payouts forever.")
+    first = tiered(model, tmp_path)
+    first.generate([prompt], GREEDY)
+    assert first.shutdown(30)
+    expired = block_files(tmp_path)
+    assert len(expired) >= len(prompt) // BS
+    two_hours_ago = time.time_ns() - 2 * 3600 * 10**9
+    for path in expired:
+        os.utime(path, ns=(two_hours_ago, two_hours_ago))
+    second = tiered(model, tmp_path, tier_config=DiskTierConfig(min_free_bytes=0, ttl_s=3600))
+    assert second.lower.tier.wait_scanned(30)  # the start-up scan applies the TTL
+    result = second.generate([prompt], GREEDY)[0]
+    stats = second.snapshot()
+    assert result.num_cached_tokens == 0 and stats["ssd_load_hits"] == 0
+    assert stats["ssd_ttl_pruned_blocks"] == len(expired)
+    assert_same_output(result, uncached(prompt))
+    assert second.lower.tier.wait_idle(30)
+    assert len(block_files(tmp_path)) == len(expired)  # recomputed and written through again
+    second.shutdown(30)
+
+
+def test_ram_hits_keep_the_disk_copy_from_expiring(model, tmp_path):
+    """A prefix served from RAM never touches the disk; the link refreshes the disk copy's
+    access time, so the TTL prunes the cold prefix written at the same moment, not the hot one."""
+    hot, cold = list(range(1000, 1000 + 3 * BS + 1)), list(range(5000, 5000 + 3 * BS + 1))
+    cfg = DiskTierConfig(min_free_bytes=0, ttl_s=3.0, prune_interval_s=0.05)
+    engine = tiered(model, tmp_path, tier_config=cfg)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate([hot, cold], one)
+    tier = engine.lower.tier
+    assert tier.wait_idle(30)
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    root = root_digest(engine.fingerprint)
+    hot_paths, cold_paths = ([tier.layout.block_path(engine.blocks.key(d)) for d in block_digests(root, ids, BS)]
+                             for ids in (hot, cold))
+    assert all(p.exists() for p in hot_paths + cold_paths)
+
+    def cold_expired() -> bool:
+        assert engine.generate([hot], one)[0].num_cached_tokens == 3 * BS  # a RAM hit
+        return not any(p.exists() for p in cold_paths)
+
+    assert wait_until(cold_expired, timeout=120, what="the cold prefix to expire")
+    assert all(p.exists() for p in hot_paths)
+    assert engine.blocks.stats["kv_lookup_hits"] > 0 and engine.snapshot()["ssd_load_hits"] == 0
+    engine.shutdown(30)
 
 
 def _flip_payload_byte(path: Path) -> None:

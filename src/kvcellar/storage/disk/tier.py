@@ -76,7 +76,7 @@ _SSD_COUNTERS = (
 _WRITER_COUNTERS = (
     "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
     "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
-    "written_after_drop", "dropped_no_parent",
+    "written_after_drop", "dropped_no_parent", "deferred_for_reads",
 )
 _MAIN_THREAD_POLL_S = 0.25
 
@@ -162,7 +162,7 @@ class DiskTier(KVTier):
         self._writer: BlockWriter | None = None
         if config.async_writes:
             self._writer = BlockWriter(f"kvcellar-disk-writer-{ns8}", config.queue_blocks, self._write_one,
-                                       self._release_claim, self._reader.wait_idle, config.write_defer_max_s,
+                                       self._release_claim, self._defer_to_reads, config.write_defer_max_s,
                                        self._wc)
         self._maint = threading.Thread(target=self._maintenance, name=f"kvcellar-disk-maint-{ns8}", daemon=False)
         self._maint.start()
@@ -384,6 +384,12 @@ class DiskTier(KVTier):
             return False
         with self._claims_lock:
             return key not in self._claims
+
+    def _defer_to_reads(self, max_s: float) -> bool:
+        """Reads before writes: the writer waits (up to ``max_s``) while loads are in flight."""
+        if self._reader.active:
+            self._wc.inc("deferred_for_reads")
+        return self._reader.wait_idle(max_s)
 
     def _release_claim(self, r: StoreRequest) -> None:
         with self._claims_lock:
