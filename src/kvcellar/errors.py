@@ -26,9 +26,5 @@ class InvalidRequestError(KvcellarError):
         self.code = code
 
 
-class EngineOverloadedError(KvcellarError):
-    """The engine cannot take more requests right now (maps to HTTP 503)."""
-
-
 class EngineStoppedError(KvcellarError):
     """The engine is shutting down or has stopped (maps to HTTP 503)."""

@@ -135,6 +135,7 @@ def test_agent_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: p
         assert 0 <= median(s["cached_ratio"]) <= 1 and median(s["ram_ratio"]) >= 0
     # pass 2 repeats pass 1's sessions on a server that still holds them
     assert median(t["summary"]["2"]["cached_ratio"]) > median(t["summary"]["1"]["cached_ratio"])
+    assert median(t["summary"]["2"]["ram_ratio"]) > 0  # the server still holds pass 1's blocks in RAM
     assert len(t["repeats"][0]["passes"][0]["records"]) == 4
 
 

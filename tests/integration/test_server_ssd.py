@@ -146,3 +146,36 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
     assert namespaces[0]["bad"] == {} and namespaces[0]["unreadable"] == 0
     assert namespaces[0]["ok"] == namespaces[0]["checked"] > 0
     print(f"blocks stored before each kill: {stored_before_kill}; verified {namespaces[0]['ok']}", file=sys.stderr)
+
+
+def test_cache_clear_under_a_running_server_does_not_block_rewrites(tmp_path, models_dir, reference):
+    """After ``kvcellar cache clear`` the server's table still lists the deleted blocks.
+    A prefix recomputed after the clear must be written again, not skipped as present."""
+    cache = tmp_path / "cache"
+    question = "The disk is 95% full. What do I check first?"
+    # A pool of ~24 fp32 blocks (15 per filler prompt).
+    server = ServerProcess(cache, "--kv-cache-gb", "0.017", "--dtype", "float32", models_dir=models_dir).start()
+    try:
+        first = ask(server, question)
+        client = server.client()
+        for i in range(3):  # unrelated prompts push the first one out of RAM (it stays on disk)
+            client.completions.create(model=MODEL, prompt=f"Filler {i}: " + "tick tock " * 120, max_tokens=1)
+        server.wait_idle()
+        assert wait_until(lambda: server.health()["ssd"]["writer_queue_depth"] == 0, timeout=60)
+        clear = subprocess.run([*kvcellar_command(), "cache", "clear", "--cache-dir", str(cache)],
+                               capture_output=True, text=True, timeout=120)
+        assert clear.returncode == 0, clear.stderr
+        assert not list((cache / "kv").rglob("*.kvb"))
+        before = server.health()["tiers"]["ssd"]
+        again = ask(server, question)  # a RAM miss and a disk miss: recomputed
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.choices[0].message.content == reference(question) == first.choices[0].message.content
+        server.wait_idle()
+        assert wait_until(lambda: server.health()["ssd"]["writer_queue_depth"] == 0
+                          and server.health()["ssd"]["writer_in_flight"] == 0, timeout=60)
+        after = server.health()["tiers"]["ssd"]
+        rewritten = after["ssd_stored_blocks"] - before["ssd_stored_blocks"]
+        assert rewritten >= again.usage.prompt_tokens // BS - 1, (before, after)
+        assert after["ssd_store_skipped_existing"] == before["ssd_store_skipped_existing"]
+    finally:
+        assert server.stop() == 0

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from kvcellar.server.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+from tests._models import expected_cached
 from tests.helpers import MODEL, ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
@@ -43,7 +44,10 @@ def test_chat_completion_shape(client: Any, server: ServerProcess) -> None:
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 8
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
+    again = chat(client, max_tokens=8)  # the same prompt: every whole block is reused
+    n = again.usage.prompt_tokens
+    assert n == resp.usage.prompt_tokens and again.usage.prompt_tokens_details.cached_tokens == expected_cached(n, n)
     # The raw body matches our documented model exactly (no missing fields).
     raw = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
     assert raw.status_code == 200
@@ -123,12 +127,18 @@ def test_stream_raw_sse_format(server: ServerProcess) -> None:
 
 
 def test_stream_include_usage(client: Any) -> None:
-    chunks = list(chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].choices == []
-    usage = chunks[-1].usage
-    assert usage.completion_tokens == 6
-    assert usage.prompt_tokens > 0
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    messages = [{"role": "user", "content": "Stream the usage of this prompt, twice. " * 3}]
+    for attempt in range(2):
+        chunks = list(chat(client, messages=messages, max_tokens=6, stream=True,
+                           stream_options={"include_usage": True}))
+        assert chunks[-1].choices == []
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 6
+        assert usage.prompt_tokens > 16
+        n = usage.prompt_tokens
+        # the template's default system prompt may already be cached; the second run reuses every whole block
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert 0 <= cached <= expected_cached(n, n) if attempt == 0 else cached == expected_cached(n, n)
 
 
 def test_n_2_seeded_sampling(client: Any) -> None:
@@ -215,7 +225,11 @@ def test_completions_batch_and_echo(client: Any) -> None:
     assert resp.choices[2].text == resp.choices[3].text
     single = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0)
     assert resp.choices[2].text == single.choices[0].text
-    assert resp.usage.prompt_tokens == 2 * single.usage.prompt_tokens or resp.usage.prompt_tokens > 0
+    red = client.completions.create(model=MODEL, prompt="Red, green,", max_tokens=4, temperature=0)
+    assert resp.choices[0].text == red.choices[0].text
+    # each prompt counts once, however many choices it has
+    assert resp.usage.prompt_tokens == red.usage.prompt_tokens + single.usage.prompt_tokens
+    assert resp.usage.completion_tokens == 4 * 4
     echo = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text == "One, two," + single.choices[0].text
 
@@ -251,6 +265,52 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert "kvcellar_http_request_duration_seconds_bucket" in metrics
     assert "kvcellar_time_to_first_token_seconds_count" in metrics
     assert "# TYPE kvcellar_artifact_bytes_used gauge" in metrics
+
+
+LEVELS = {  # every level of the snapshot: gauges; the issue found most exported as counters
+    "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable", "kv_blocks_used",
+    "engine_running", "engine_waiting", "engine_loading",
+    "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks", "ssd_scan_complete",
+    "writer_queue_depth", "writer_in_flight", "writer_pending_keys", "ssd_load_batches_in_flight",
+    "server_inflight_requests", "server_inflight_sequences",
+    "artifact_entries", "artifact_bytes_used", "artifact_bytes_limit",
+}
+
+
+def test_metrics_types_are_declared_at_the_source(client: Any, server: ServerProcess) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):  # the second is a RAM hit
+        chat(client, messages=[{"role": "user", "content": "Say hello to the metrics test. " * 4}], max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    stats = {k: v for group in server.health()["tiers"].values() for k, v in group.items()}
+    stats.update(server.health()["engine"], **server.health()["server"], **server.health()["artifact"])
+    for key in stats:
+        family = families["kvcellar_" + key.removesuffix("_total")] if key.endswith("_total") and \
+            "kvcellar_" + key not in families else families["kvcellar_" + key]
+        assert family.type == ("gauge" if key in LEVELS else "counter"), (key, family.type)
+    assert set(stats) >= LEVELS
+    for name in ("kvcellar_kv_lookup_hits", "kvcellar_engine_requests", "kvcellar_ssd_stored_blocks",
+                 "kvcellar_writer_dropped_queue_full", "kvcellar_writer_written_after_drop"):
+        assert families[name].type == "counter" and families[name].samples[0].name == name + "_total"
+
+    def sample(family: str, **labels: str) -> float:
+        (value,) = [s.value for s in families[family].samples if s.labels == labels]
+        return value
+
+    assert families["kvcellar_tier_state"].type == "gauge"
+    assert sample("kvcellar_tier_state", tier="ssd", state="ok") == 1.0
+    assert sample("kvcellar_tier_state", tier="ssd", state="degraded") == 0.0
+    assert sample("kvcellar_tier_state", tier="ram", state="ok") == 1.0
+    assert families["kvcellar_tier_last_shutdown_clean"].type == "gauge"
+    assert sample("kvcellar_tier_last_shutdown_clean", tier="ssd") == 1.0
+    for tier in ("ram", "ssd"):  # hit-rate pairs: blocks asked of each tier, and served by it
+        assert families["kvcellar_tier_queried_blocks"].type == families["kvcellar_tier_hit_blocks"].type == "counter"
+        assert 0 <= sample("kvcellar_tier_hit_blocks", tier=tier) <= sample("kvcellar_tier_queried_blocks", tier=tier)
+    ram_hits = sample("kvcellar_tier_hit_blocks", tier="ram")
+    assert ram_hits == stats["kv_lookup_hits"] > 0
+    assert sample("kvcellar_tier_queried_blocks", tier="ram") == stats["kv_lookup_hits"] + stats["kv_lookup_misses"]
+    assert sample("kvcellar_tier_queried_blocks", tier="ssd") == stats["ssd_link_queried_blocks"] > 0
 
 
 def test_openai_client_raises_typed_errors(client: Any) -> None:

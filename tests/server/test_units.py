@@ -12,7 +12,7 @@ from kvcellar.errors import EngineStoppedError, InvalidRequestError, ModelNotFou
 from kvcellar.server import errors
 from kvcellar.server.cli import build_settings
 from kvcellar.server.logs import JsonFormatter, KeyValueFormatter
-from kvcellar.server.metrics import SnapshotCollector, group_by_prefix, is_gauge
+from kvcellar.server.metrics import SnapshotCollector, group_by_prefix
 from kvcellar.server.protocol import ChatCompletionRequest
 
 
@@ -76,16 +76,21 @@ def test_stats_grouped_by_prefix_with_tiers() -> None:
     assert group_by_prefix({})["tiers"] == {"ram": {}}
 
 
-def test_prometheus_types() -> None:
-    assert is_gauge("kv_blocks_used") and is_gauge("engine_waiting") and is_gauge("server_inflight_requests")
-    assert not is_gauge("kv_lookup_hits") and not is_gauge("engine_requests_total")
+def test_prometheus_kinds_come_from_declarations_not_names() -> None:
+    """A declared level is a gauge whatever its name; an undeclared key is a counter."""
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: {"kv_blocks_used": 3, "engine_requests_total": 9,
-                                                 "ssd_last_shutdown_clean": True}))
+    tiers = [{"tier": "ssd", "state": "degraded", "last_shutdown_clean": False, "queried_blocks": 7, "hit_blocks": 3}]
+    registry.register(SnapshotCollector(lambda: {"kv_blocks_total": 3, "engine_running": 2, "kv_lookup_hits": 9},
+                                        lambda: {"kv_blocks_total"}, lambda: tiers))
     text = generate_latest(registry).decode()
-    assert "# TYPE kvcellar_kv_blocks_used gauge" in text and "kvcellar_kv_blocks_used 3.0" in text
-    assert "kvcellar_engine_requests_total counter" in text and "kvcellar_engine_requests_total 9.0" in text
-    assert "kvcellar_ssd_last_shutdown_clean 1.0" in text
+    assert "# TYPE kvcellar_kv_blocks_total gauge" in text and "kvcellar_kv_blocks_total 3.0" in text
+    assert "# TYPE kvcellar_engine_running_total counter" in text  # not declared: a count
+    assert "kvcellar_kv_lookup_hits_total 9.0" in text
+    assert 'kvcellar_tier_state{state="degraded",tier="ssd"} 1.0' in text
+    assert 'kvcellar_tier_state{state="ok",tier="ssd"} 0.0' in text
+    assert 'kvcellar_tier_last_shutdown_clean{tier="ssd"} 0.0' in text
+    assert 'kvcellar_tier_queried_blocks_total{tier="ssd"} 7.0' in text
+    assert 'kvcellar_tier_hit_blocks_total{tier="ssd"} 3.0' in text
 
 
 def _serve_settings(*argv: str):

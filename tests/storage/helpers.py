@@ -28,19 +28,24 @@ def key_of(i: int, seed: int = 0, key_len: int = 32) -> bytes:
     return hashlib.blake2b(f"key:{seed}:{i}".encode(), digest_size=32).digest()[:key_len]
 
 
-def block(i: int, spec: BlockSpec = SPEC, *, seed: int = 0, key: bytes | None = None) -> StoreRequest:
-    """Block ``i`` of chain ``seed``: the same bytes in every process."""
+def block(i: int, spec: BlockSpec = SPEC, *, seed: int = 0, key: bytes | None = None,
+          linked: bool = False) -> StoreRequest:
+    """Block ``i`` of chain ``seed``: the same bytes in every process. ``linked``: its
+    parent is block ``i - 1`` of the same chain (as the engine stores them); otherwise
+    it stands alone."""
     digest = hashlib.blake2b(f"digest:{seed}:{i}".encode(), digest_size=32).digest()
     tokens = tuple((i * spec.block_size + j + seed * 7919) % 50_000 for j in range(spec.block_size))
     # Cheap to generate (the SIGKILL child spends its time writing, not here), distinct per (seed, i).
     n = spec.numel
     pattern = torch.arange(n, dtype=torch.int64).mul_(2654435761).add_(i * 40503 + seed * 65599 + 1)
     data = pattern.remainder_(65521).to(torch.float32).sub_(32760.0).mul_(1 / 4096).to(spec.dtype).reshape(spec.shape)
-    return StoreRequest(key if key is not None else key_of(i, seed), digest, tokens, data)
+    parent = key_of(i - 1, seed) if linked and i > 0 else None
+    return StoreRequest(key if key is not None else key_of(i, seed), digest, tokens, data, parent)
 
 
-def chain(n: int, spec: BlockSpec = SPEC, *, seed: int = 0, start: int = 0) -> list[StoreRequest]:
-    return [block(i, spec, seed=seed) for i in range(start, start + n)]
+def chain(n: int, spec: BlockSpec = SPEC, *, seed: int = 0, start: int = 0, linked: bool = False
+          ) -> list[StoreRequest]:
+    return [block(i, spec, seed=seed, linked=linked) for i in range(start, start + n)]
 
 
 def load_request(r: StoreRequest, dest: torch.Tensor | None = None) -> LoadRequest:

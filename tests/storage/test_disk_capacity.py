@@ -8,6 +8,7 @@ import random
 import threading
 
 from kvcellar.storage.block_format import file_size_for
+from kvcellar.storage.disk import maintenance
 from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
 
 FILE = file_size_for(SPEC)
@@ -31,6 +32,53 @@ def test_byte_limit_evicts_least_recently_used(tmp_path, open_tier) -> None:
     s = tier.stats()
     assert s["ssd_evicted_blocks"] == 3 and s["ssd_bytes"] == 5 * FILE == s["ssd_blocks"] * FILE
     assert len(files(tmp_path, ".kvb")) == 5
+
+
+def test_byte_limit_evicts_a_chain_from_its_tail(tmp_path, open_tier) -> None:
+    """Chain A is written before chain B, head first, so A's head is the oldest block; LRU
+    by block would delete it and leave A's tail unreachable. Eviction takes leaves only."""
+    tier = open_tier(tmp_path, async_writes=False, capacity_bytes=6 * FILE)
+    assert tier.wait_scanned(30)
+    a, b = chain(4, linked=True), chain(4, seed=1, linked=True)
+    for part in (a[:2], a[2:], b[:2], b[2:]):  # one store per engine step
+        tier.store(part)
+    assert on_disk(tier, a) == [1, 1, 0, 0] and on_disk(tier, b) == [1, 1, 1, 1]
+    # A chain longer than the limit is cut at its tail: its own prefix is never evicted for it.
+    c = chain(8, seed=2, linked=True)
+    for x in c:
+        tier.store([x])
+    assert on_disk(tier, c) == [1] * 6 + [0, 0] and on_disk(tier, a + b) == [0] * 8
+    s = tier.stats()
+    # c[6] found no room; c[7], unreachable without it, may not evict anything either
+    assert s["ssd_dropped_capacity"] == 2 and s["writer_dropped_no_parent"] == 1 and s["ssd_evicted_blocks"] == 8
+    assert maintenance.cache_stats(tmp_path)[0].unreachable_blocks == 0
+
+
+def test_tail_first_after_a_restart(tmp_path, open_tier) -> None:
+    """Parents come back from the headers: a new process also evicts tails first."""
+    first = open_tier(tmp_path, async_writes=False)
+    a, b = chain(4, linked=True), chain(4, seed=1, linked=True)
+    first.store(a)
+    first.store(b)
+    assert first.load([load_request(x) for x in a]).result(timeout=30) == 4  # A is now the recent one
+    assert first.close(10)  # flushes access times
+    second = open_tier(tmp_path, async_writes=False, capacity_bytes=6 * FILE)
+    assert second.wait_scanned(30)  # start-up scan, then the limit is enforced
+    assert on_disk(second, b) == [1, 1, 0, 0] and on_disk(second, a) == [1, 1, 1, 1]
+
+
+def test_stats_count_and_prune_removes_unreachable_blocks(tmp_path, open_tier) -> None:
+    tier = open_tier(tmp_path, async_writes=False)
+    a, b = chain(5, linked=True), chain(3, seed=1, linked=True)
+    tier.store(a + b)
+    assert tier.close(10)
+    tier.layout.block_path(a[1].key).unlink()  # e.g. another tool deleted one block: a[2:] are orphans
+    (st,) = maintenance.cache_stats(tmp_path)
+    assert (st.blocks, st.unreachable_blocks) == (7, 3)
+    rep = maintenance.prune_cache(tmp_path, ttl_s=3600)
+    assert rep.unreachable_removed == 3 and rep.remaining_blocks == 4
+    assert on_disk(tier, a) == [1, 0, 0, 0, 0] and on_disk(tier, b) == [1, 1, 1]
+    assert maintenance.cache_stats(tmp_path)[0].unreachable_blocks == 0
 
 
 def test_access_times_survive_a_restart(tmp_path, open_tier) -> None:

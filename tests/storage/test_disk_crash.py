@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from kvcellar.storage.block_format import FORMAT_VERSION
 from tests.storage.helpers import bits_equal, block, files, load_request, spawn_child
 
 CYCLES = 3
@@ -35,7 +36,7 @@ def test_sigkill_while_writing(tmp_path, open_tier, durability: str, async_write
         assert child.returncode == -signal.SIGKILL, stderr
         assert written >= 24, stderr
 
-        blocks_dir = tmp_path / "ns-v1" / "blocks"
+        blocks_dir = tmp_path / f"ns-v{FORMAT_VERSION}" / "blocks"
         orphans = len(files(blocks_dir, ".tmp"))
         tier = open_tier(tmp_path)
         assert tier.wait_scanned(60)

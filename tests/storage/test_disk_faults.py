@@ -4,9 +4,11 @@ tier never raises, counts, logs once per episode, degrades, and recovers."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -147,3 +149,41 @@ def test_filesystem_answering_eio(ext4_loop, open_tier) -> None:
     assert again.load(reqs).result(timeout=30) == 4
     assert all(bits_equal(r.dest, b.data) for r, b in zip(reqs, before, strict=True))
     assert again.health()["state"] == "ok"
+
+
+def test_persistent_writes_retry_until_a_transient_fault_clears(tmpfs, open_tier) -> None:
+    """persistent durability retries a failed write (bounded); a fault that clears in time
+    costs retries, not the block, and never starts a fault episode."""
+    fs = tmpfs("8m", nr_inodes=64)
+    tier = open_tier(fs.path, durability="persistent", persistent_retries=200, async_writes=False, min_free_bytes=0)
+    assert tier.wait_scanned(30)
+    fillers = []
+    with contextlib.suppress(OSError):  # take every free inode: the next create fails with ENOSPC
+        for i in range(1000):
+            (fs.path / f"fill{i}").touch()
+            fillers.append(fs.path / f"fill{i}")
+    b = block(0)
+    writer = threading.Thread(target=tier.store, args=([b],))
+    writer.start()
+    assert wait_until(lambda: tier.stats()["writer_retries"] >= 2, timeout=60)
+    for f in fillers:
+        f.unlink()
+    writer.join(60)
+    s = tier.stats()
+    assert s["ssd_stored_blocks"] == 1 and s["writer_retry_final_fail"] == 0 and s["ssd_write_errors"] == 0
+    assert tier.health()["state"] == "ok"
+    req = load_request(b)
+    assert tier.load([req]).result(timeout=30) == 1 and bits_equal(req.dest, b.data)
+
+
+def test_retries_are_bounded_then_the_fault_is_reported(tmpfs, open_tier) -> None:
+    fs = tmpfs("8m", nr_inodes=64)
+    tier = open_tier(fs.path, durability="persistent", persistent_retries=2, async_writes=False, min_free_bytes=0)
+    assert tier.wait_scanned(30)
+    with contextlib.suppress(OSError):
+        for i in range(1000):
+            (fs.path / f"fill{i}").touch()
+    tier.store([block(0)])  # returns after 2 retries
+    s = tier.stats()
+    assert s["writer_retries"] == 2 and s["writer_retry_final_fail"] == 1 and s["ssd_write_errors"] == 1
+    assert tier.health()["state"] == "degraded" and "ENOSPC" in tier.health()["last_error"]

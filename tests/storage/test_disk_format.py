@@ -26,11 +26,16 @@ def test_header_round_trip_and_layout() -> None:
     assert struct.unpack_from("<IIQ", buf, 32) == (16, 16, 123456789)
     assert struct.unpack_from("<8Q", buf, 48) == (2, 2, 16, 2, 8, 0, 0, 0)
     assert buf[112:144] == KEY and buf[176:208] == DIGEST
-    assert struct.unpack_from("<16I", buf, 208) == TOKENS
-    assert not any(buf[208 + 64 + 4:])  # zero padding up to the payload
+    assert buf[31] == 0 and not any(buf[208:272])  # a chain's first block has no parent
+    assert struct.unpack_from("<16I", buf, 272) == TOKENS
+    assert not any(buf[272 + 64 + 4:])  # zero padding up to the payload
     h = fmt.decode_header(buf)
     assert (h.key, h.digest, h.token_ids, h.shape, h.dtype) == (KEY, DIGEST, TOKENS, SPEC.shape, torch.bfloat16)
+    assert h.parent is None
     fmt.check_geometry(h, SPEC)
+    child = fmt.encode_header(SPEC, DIGEST, KEY, TOKENS, 1, 2, parent=KEY)
+    assert child[31] == 32 and child[208:240] == KEY
+    assert fmt.decode_header(child).parent == KEY
 
 
 def test_header_sizes_stay_page_aligned() -> None:

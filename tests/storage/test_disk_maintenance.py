@@ -33,7 +33,7 @@ def populated(tmp_path, open_tier):
     old = root / "alpha-v0" / "blocks" / "ab"
     old.mkdir(parents=True)
     (old / ("ab" * 32 + ".kvb")).write_bytes(b"old format")
-    bad = files(root / "alpha-v1", ".kvb")[0]
+    bad = files(root / "alpha-v2", ".kvb")[0]
     with open(bad, "r+b") as f:
         f.seek(header_size_for(16) + 10)
         f.write(b"\xff\xfe")
@@ -46,30 +46,30 @@ def populated(tmp_path, open_tier):
 def test_stats(populated) -> None:
     cache_dir, _ = populated
     stats = {s.info.dir_name: s for s in maintenance.cache_stats(kv_root(cache_dir))}
-    assert sorted(stats) == ["alpha-v0", "alpha-v1", "beta-v1"]
-    alpha = stats["alpha-v1"]
+    assert sorted(stats) == ["alpha-v0", "alpha-v2", "beta-v2"]
+    alpha = stats["alpha-v2"]
     assert alpha.blocks == 6 and alpha.tmp_files == 1 and alpha.bytes == 6 * (header_size_for(16) + SPEC.nbytes)
     assert alpha.info.descriptor["descriptor"] == {"weights": "a"} and alpha.info.spec == SPEC
     assert alpha.oldest_access_ns is not None and alpha.live_sessions == 0 and alpha.unclean_sessions == 0
-    assert stats["beta-v1"].blocks == 3 and not stats["alpha-v0"].info.current
+    assert stats["beta-v2"].blocks == 3 and not stats["alpha-v0"].info.current
 
 
 def test_verify_deletes_bad_blocks(populated) -> None:
     cache_dir, bad = populated
     reports = {r.info.dir_name: r for r in maintenance.verify_cache(kv_root(cache_dir))}
-    alpha = reports["alpha-v1"]
+    alpha = reports["alpha-v2"]
     assert (alpha.checked, alpha.ok, alpha.bad, alpha.deleted) == (6, 5, {"checksum": 1}, 1)
     assert not bad.exists()
-    assert reports["beta-v1"].ok == 3 and not reports["beta-v1"].bad
+    assert reports["beta-v2"].ok == 3 and not reports["beta-v2"].bad
     assert reports["alpha-v0"].skipped is not None
     again = {r.info.dir_name: r for r in maintenance.verify_cache(kv_root(cache_dir))}
-    assert again["alpha-v1"].ok == 5 and not again["alpha-v1"].bad
+    assert again["alpha-v2"].ok == 5 and not again["alpha-v2"].bad
 
 
 def test_prune_ttl_capacity_and_orphans(populated) -> None:
     cache_dir, _ = populated
     root = kv_root(cache_dir)
-    alpha = sorted(files(root / "alpha-v1", ".kvb"))
+    alpha = sorted(files(root / "alpha-v2", ".kvb"))
     for p in [*alpha[:2], *files(root / "alpha-v0", ".kvb")]:
         os.utime(p, ns=(LONG_AGO, LONG_AGO))  # last access long ago
     rep = maintenance.prune_cache(root, ttl_s=86400)
@@ -86,10 +86,10 @@ def test_clear_lists_and_deletes(populated) -> None:
     cache_dir, _ = populated
     root = kv_root(cache_dir)
     rep = maintenance.clear_cache(root, ["beta"])
-    assert [n["dir"] for n in rep.namespaces] == ["beta-v1"] and rep.namespaces[0]["blocks"] == 3
-    assert not (root / "beta-v1").exists() and (root / "alpha-v1").exists()
+    assert [n["dir"] for n in rep.namespaces] == ["beta-v2"] and rep.namespaces[0]["blocks"] == 3
+    assert not (root / "beta-v2").exists() and (root / "alpha-v2").exists()
     rep = maintenance.clear_cache(root)
-    assert sorted(n["dir"] for n in rep.namespaces) == ["alpha-v0", "alpha-v1"]
+    assert sorted(n["dir"] for n in rep.namespaces) == ["alpha-v0", "alpha-v2"]
     assert maintenance.list_namespaces(root) == []
 
 
@@ -114,7 +114,7 @@ def test_cli_in_process(populated, capsys, monkeypatch) -> None:
     assert "orphan temp" in capsys.readouterr().out
     assert _cli("cache", "clear", "--cache-dir", str(cache_dir)) == 0
     out = capsys.readouterr().out
-    assert "alpha-v1" in out and "beta-v1" in out
+    assert "alpha-v2" in out and "beta-v2" in out
     assert _cli("cache", "stats") == 0 and "(empty)" in capsys.readouterr().out
     assert _cli("cache", "verify", "--cache-dir", str(cache_dir / "missing")) == 2
 

@@ -12,7 +12,18 @@ import torch
 
 from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig, KVTier
 from kvcellar.storage.block_format import FORMAT_VERSION
-from tests.storage.helpers import SPEC, SPEC_F32, bits_equal, block, chain, files, load_request, spawn_child
+from tests.storage.helpers import (
+    SPEC,
+    SPEC_BIG,
+    SPEC_F32,
+    bits_equal,
+    block,
+    chain,
+    files,
+    load_request,
+    spawn_child,
+    wait_until,
+)
 
 
 @pytest.mark.parametrize("spec", [SPEC, SPEC_F32], ids=["bf16", "fp32"])
@@ -146,7 +157,7 @@ def test_other_format_version_is_a_different_directory(tmp_path, open_tier) -> N
     tier.store(blocks)
     tier.close(10)
     # An older kvcellar's directory under the same root is simply not seen.
-    (tmp_path / "ns-v1").rename(tmp_path / "ns-v0")
+    (tmp_path / f"ns-v{FORMAT_VERSION}").rename(tmp_path / "ns-v0")
     fresh = open_tier(tmp_path)
     assert fresh.lookup([b.key for b in blocks]) == 0
 
@@ -201,3 +212,44 @@ def test_unusable_root_is_degraded_not_an_exception(tmp_path) -> None:
     finally:
         assert tier.close(10) is True
     assert os.path.isfile(blocker)
+
+
+def test_close_that_cannot_drain_records_an_unclean_shutdown(tmp_path, open_tier) -> None:
+    """A writer not drained within the close timeout drops the rest (counted) and the next
+    opener reports last_shutdown_clean = False."""
+    tier = open_tier(tmp_path, spec=SPEC_BIG, durability="persistent", queue_blocks=512, enqueue_timeout_s=1.0)
+    tier.store(chain(300, SPEC_BIG))  # 300 fsync'd writes queued: far more than a zero timeout drains
+    assert tier.close(0.0) is False
+    s = tier.stats()
+    assert s["writer_dropped_abort"] > 0
+    assert s["ssd_stored_blocks"] + s["writer_dropped_abort"] <= 300
+    again = open_tier(tmp_path, spec=SPEC_BIG)
+    assert again.wait_scanned(30)
+    health = again.health()
+    assert health["last_shutdown_clean"] is False and health["unclean_previous_sessions"] == 1
+    assert again.stats()["ssd_recovered_unclean_sessions"] == 1
+    # everything that was written is whole: the scan found no bad file
+    assert again.stats()["ssd_blocks"] == s["ssd_stored_blocks"]
+
+
+def test_writes_wait_for_reads_in_flight(tmp_path, open_tier) -> None:
+    """Reads before writes: a queued write waits while a load is reading. The load is held
+    in flight by a real FIFO in place of a block file (open() blocks until a writer comes)."""
+    tier = open_tier(tmp_path, write_defer_max_s=120.0)
+    assert tier.wait_scanned(30)
+    stuck, queued = block(0), block(1)
+    fifo = tier.layout.block_path(stuck.key)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    pending = tier.load([load_request(stuck)])
+    try:
+        assert wait_until(lambda: tier.stats()["ssd_load_batches_in_flight"] == 1)
+        tier.store([queued])
+        assert wait_until(lambda: tier.stats()["writer_deferred_for_reads"] == 1)
+        assert not tier.layout.block_path(queued.key).exists() and tier.stats()["writer_in_flight"] == 0
+    finally:
+        with open(fifo, "wb"):  # the read sees an empty file: a miss, deleted as damaged
+            pass
+    assert pending.result(timeout=30) == 0
+    assert tier.wait_idle(30) and tier.layout.block_path(queued.key).exists()
+    assert tier.stats()["ssd_corrupt_size"] == 1 and not fifo.exists()

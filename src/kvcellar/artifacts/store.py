@@ -181,6 +181,9 @@ def _progress_enabled(progress: bool | None) -> bool:
 class ArtifactCache:
     """The artifact cache rooted at ``<cache_dir>/models``. See the module docstring."""
 
+    # Levels among the ``stats()`` keys (exported as gauges); the others are counts.
+    GAUGES = frozenset({"artifact_entries", "artifact_bytes_used", "artifact_bytes_limit"})
+
     def __init__(self, root: Path, *, max_bytes: int | None = None, verify: str = "fast") -> None:
         cfg = ArtifactConfig()
         self.root = Path(root)

@@ -36,6 +36,7 @@ class Block:
     # 1 + index of the lower tier this content was loaded from (it is stored back only into
     # faster tiers); 0: computed here.
     loaded_from: int = 0
+    parent: bytes | None = None  # digest of the previous block of its chain while registered (None: first)
 
     @property
     def registered(self) -> bool:
@@ -47,6 +48,10 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockManager:
+    # Levels among the snapshot's keys (exported as gauges); the others are counts.
+    GAUGES = frozenset({"kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable",
+                        "kv_blocks_used"})
+
     def __init__(
         self,
         num_blocks: int,
@@ -156,10 +161,11 @@ class BlockManager:
                     block.loaded_from = 0
                     self._free.append(block)
 
-    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
+    def register(self, block: Block, digest: bytes, token_ids: Sequence[int], parent: bytes | None = None) -> bool:
         """Publish a computed block for reuse. Returns False when another block already
         holds this key (same content computed twice, or a key collision): this one then
-        stays private and returns to the free list when released."""
+        stays private and returns to the free list when released. ``parent``: the digest
+        of the block before it in its chain (lower tiers evict chains from the tail)."""
         if block.registered:
             return block.digest == digest
         key = self.key(digest)
@@ -169,9 +175,14 @@ class BlockManager:
             return False
         block.digest = digest
         block.token_ids = tuple(token_ids)
+        block.parent = parent
         self._table[key] = block
         self.stats["kv_registered"] += 1
         return True
+
+    def cached_blocks(self) -> list[Block]:
+        """Every registered block (used at shutdown to hand unsaved ones to a lower tier)."""
+        return list(self._table.values())
 
     def evict_all(self) -> int:
         """Drop every unreferenced cached block (tests; ``cache clear`` of the RAM tier)."""
@@ -191,6 +202,7 @@ class BlockManager:
         del self._table[self.key(block.digest)]
         block.digest = None
         block.token_ids = None
+        block.parent = None
         block.loaded_from = 0
 
     # ---- reporting ------------------------------------------------------------------------

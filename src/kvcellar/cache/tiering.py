@@ -22,6 +22,9 @@ A block loaded from tier i is stored only into the faster tiers 0..i-1 (promotio
 remote hit lands in RAM and, per the SSD's policy, on the SSD), never back into i or
 below. Each tier is asked ``wants(key)`` before the block is copied off the pool, and one
 copy is shared by every tier that wants it (tiers never modify what they are given).
+A write-through store a tier dropped (queue full, fault) is not lost while the block is in
+RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if the tier
+``wants`` it (a block the tier already holds costs no copy).
 
 Threading: every method is called from the engine thread, except the wake-up callback
 the tiers' futures run on their own threads.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -95,8 +98,8 @@ class LowerTierLink:
         self.tiers.append(AttachedTier(tier, policy))
         # Counters carry the tier's name (ssd_link_*, remote_link_*): reported with that tier.
         p = f"{tier.name}_link_"
-        self.stats.update({p + k: 0 for k in ("lookups", "lookup_blocks", "loaded_blocks", "load_failed_blocks",
-                                              "stored_blocks", "declined_blocks")})
+        self.stats.update({p + k: 0 for k in ("lookups", "queried_blocks", "lookup_blocks", "loaded_blocks",
+                                              "load_failed_blocks", "stored_blocks", "declined_blocks")})
 
     @staticmethod
     def block_spec(pool: KVPool) -> BlockSpec:
@@ -118,6 +121,7 @@ class LowerTierLink:
             if pos == len(keys):
                 break
             self._count(i, "lookups")
+            self._count(i, "queried_blocks", len(keys) - pos)
             n = max(0, min(int(attached.tier.lookup(keys[pos:])), len(keys) - pos))
             if n:
                 self._count(i, "lookup_blocks", n)
@@ -191,11 +195,13 @@ class LowerTierLink:
     def published(self, block: Block) -> None:
         """A block was registered in RAM (computed, or loaded: then it is promoted into
         the tiers above the one it came from)."""
-        self._store(block, "write_through", batch=True)
+        self._store(block, ("write_through",), batch=True)
 
     def evicted(self, block: Block) -> None:
         """The RAM tier is about to reuse ``block`` (its data is still intact)."""
-        self._store(block, "evict_only", batch=False)
+        if block.digest is not None:
+            # evict_only tiers take it now; write-through ones only if their store was dropped
+            self._store(block, ("evict_only", "write_through"), batch=False)
 
     def flush(self) -> None:
         """Hand this step's write-through copies to the tiers (bounded time)."""
@@ -204,26 +210,34 @@ class LowerTierLink:
                 batch, attached.batch = attached.batch, []
                 attached.tier.store(batch)
 
-    def _store(self, block: Block, policy: str, *, batch: bool) -> None:
+    def _store(self, block: Block, policies: tuple[str, ...], *, batch: bool) -> None:
+        """Store ``block`` into each tier above the one it came from whose policy is in
+        ``policies`` and that ``wants`` it; one copy off the pool serves them all."""
         assert block.digest is not None and block.token_ids is not None
         above = block.loaded_from - 1 if block.loaded_from else len(self.tiers)
         key = self.key_of(block.digest)
         request: StoreRequest | None = None
         for i, attached in enumerate(self.tiers[:above]):
-            if attached.policy != policy:
+            if attached.policy not in policies:
                 continue
             if not attached.tier.wants(key):
-                self._count(i, "declined_blocks")
+                if batch:  # on eviction, "already stored" is the normal answer: not a decline
+                    self._count(i, "declined_blocks")
                 continue
             if request is None:
-                data = self.pool.block(block.block_id)
-                data = data.clone() if self._on_cpu else data.to("cpu")
-                request = StoreRequest(key, block.digest, block.token_ids, data)
+                request = self._store_request(block, key)
             self._count(i, "stored_blocks")
             if batch:
                 attached.batch.append(request)
             else:
                 attached.tier.store([request])
+
+    def _store_request(self, block: Block, key: bytes) -> StoreRequest:
+        assert block.digest is not None and block.token_ids is not None
+        data = self.pool.block(block.block_id)
+        data = data.clone() if self._on_cpu else data.to("cpu")
+        parent = self.key_of(block.parent) if block.parent is not None else None
+        return StoreRequest(key, block.digest, block.token_ids, data, parent)
 
     # ---- reporting and shutdown -------------------------------------------------------------
 
@@ -237,11 +251,31 @@ class LowerTierLink:
         """Each tier's ``health()`` with its policy, by tier name."""
         return {a.tier.name: {"policy": a.policy, **a.tier.health()} for a in self.tiers}
 
-    def close(self, timeout: float) -> bool:
-        """Flush, then close every tier within ``timeout`` (shared, in order)."""
-        self.flush()
+    def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
+        """Flush; offer each write-through tier the ``cached`` RAM blocks whose store it
+        dropped (no step waits on the tiers any more, so wait for a full queue to drain);
+        then close every tier, all within ``timeout`` (shared, in order)."""
         deadline = time.monotonic() + timeout
+        self.flush()
+        blocks = [b for b in cached if b.digest is not None]
         clean = True
-        for attached in self.tiers:
+        for i, attached in enumerate(self.tiers):
+            if attached.policy == "write_through":
+                self._offer_again(i, attached, blocks, deadline)
             clean = attached.tier.close(max(0.5, deadline - time.monotonic())) and clean
         return clean
+
+    def _offer_again(self, index: int, attached: AttachedTier, blocks: list[Block], deadline: float) -> None:
+        tier = attached.tier
+        for block in blocks:
+            if block.loaded_from and block.loaded_from - 1 <= index:
+                continue  # came from this tier or one below it
+            assert block.digest is not None
+            key = self.key_of(block.digest)
+            if not tier.wants(key):
+                continue
+            request = self._store_request(block, key)
+            self._count(index, "stored_blocks")
+            tier.store([request])
+            if tier.wants(key) and tier.wait_idle(max(0.0, deadline - time.monotonic())):
+                tier.store([request])  # dropped again (queue full): once more, now that it drained

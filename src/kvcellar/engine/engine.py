@@ -245,9 +245,9 @@ class Engine:
         if self.lower is None:
             self.lower = LowerTierLink(self.pool, self.blocks.key, wake=self._wake.set)
             self.scheduler.lower = self.lower
-        self.lower.attach(tier, policy)
-        if policy == "evict_only":
+            # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
             self.blocks.on_evict = self.lower.evicted
+        self.lower.attach(tier, policy)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -265,7 +265,8 @@ class Engine:
             deadline = time.monotonic() + timeout
             clean = self._stop_engine(timeout)
             if self.lower is not None:
-                clean = self.lower.close(max(1.0, deadline - time.monotonic())) and clean
+                clean = self.lower.close(max(1.0, deadline - time.monotonic()),
+                                         cached=self.blocks.cached_blocks()) and clean
             self._shutdown_result = clean
             return clean
 
@@ -317,6 +318,34 @@ class Engine:
             **self.blocks.snapshot(),
             **(lower.snapshot() if lower is not None else {}),
         }
+
+    # Levels among the snapshot's own keys (exported as gauges); the others are counts.
+    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading"})
+
+    def gauge_keys(self) -> frozenset[str]:
+        """The keys of ``snapshot`` that are levels, as their owners declare them."""
+        tiers = self.lower.tiers if self.lower is not None else []
+        return self.GAUGES | BlockManager.GAUGES | frozenset().union(*(a.tier.gauges for a in tiers))
+
+    def tier_reports(self) -> list[dict[str, object]]:
+        """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked
+        of it and served by it (the hit-rate pair)."""
+        kv = self.blocks.stats
+        reports: list[dict[str, object]] = [{
+            "tier": "ram", "state": "ok", "last_shutdown_clean": None,
+            "queried_blocks": kv["kv_lookup_hits"] + kv["kv_lookup_misses"], "hit_blocks": kv["kv_lookup_hits"],
+        }]
+        lower = self.lower
+        for attached in lower.tiers if lower is not None else []:
+            name = attached.tier.name
+            health = attached.tier.health()
+            reports.append({
+                "tier": name, "state": health.get("state"),
+                "last_shutdown_clean": health.get("last_shutdown_clean"),
+                "queried_blocks": lower.stats[name + "_link_queried_blocks"],
+                "hit_blocks": lower.stats[name + "_link_loaded_blocks"],
+            })
+        return reports
 
     def tier_health(self) -> dict[str, dict[str, object]]:
         """Each lower tier's health with its policy, by tier name (empty without tiers)."""

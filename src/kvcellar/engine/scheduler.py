@@ -318,7 +318,8 @@ class Scheduler:
             block = seq.blocks[i]
             if self._inflight.get(digests[i]) is seq:
                 del self._inflight[digests[i]]
-            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size)) and \
+            parent = digests[i - 1] if i > 0 else None
+            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size), parent) and \
                     self.lower is not None:
                 self.lower.published(block)
         seq.num_registered = max(seq.num_registered, end)

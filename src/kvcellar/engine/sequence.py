@@ -108,7 +108,6 @@ class Sequence:
     num_ram_hit_tokens: int = 0  # of those, found in the RAM tier (the rest came from below)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # set at first admission
     finish_reason: str | None = None
-    cancelled: bool = False
     pending_load: Any = None  # lower-tier load in flight (engine-owned handle)
     _digests: list[bytes] = field(default_factory=list)
 

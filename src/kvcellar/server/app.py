@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -59,8 +59,10 @@ class ServerState:
     """What the routes share; one per app."""
 
     def __init__(self, engine: Engine, config: ServerConfig,
-                 stats_sources: Sequence[Callable[[], Mapping[str, float]]] = ()) -> None:
+                 stats_sources: Sequence[Callable[[], Mapping[str, float]]] = (),
+                 stats_gauges: Collection[str] = ()) -> None:
         self.engine = engine
+        self.extra_gauges = frozenset(stats_gauges)  # levels among the extra sources' keys
         self.config = config
         # Every counter source, merged in this order by ``stats`` (their key prefixes keep them
         # apart): the engine (engine_, sched_, kv_, and whatever tiers it reports), the
@@ -74,7 +76,7 @@ class ServerState:
         self.serving = OpenAIServing(engine, config, self.metrics)
         self.started = time.time()
         self.admission = Admission()
-        self.metrics.registry.register(SnapshotCollector(self.stats))
+        self.metrics.registry.register(SnapshotCollector(self.stats, self.gauge_keys, engine.tier_reports))
 
     @property
     def draining(self) -> bool:
@@ -93,6 +95,12 @@ class ServerState:
             except Exception:  # a broken counter source must not take /health down
                 log.exception("stats source %r failed", source)
         return merged_stats(*parts, server)
+
+    def gauge_keys(self) -> frozenset[str]:
+        """The keys of ``stats`` that are levels, as each source's owner declares them."""
+        artifact_cache = getattr(getattr(self.engine.loaded, "artifact", None), "cache", None)
+        return (self.engine.gauge_keys() | ServerMetrics.GAUGES
+                | getattr(artifact_cache, "GAUGES", frozenset()) | self.extra_gauges)
 
     def health(self) -> dict[str, Any]:
         stats = self.stats()
@@ -118,12 +126,14 @@ class ServerState:
 
 
 def create_app(engine: Engine, settings: ServerConfig | None = None,
-               stats_sources: Sequence[Callable[[], Mapping[str, float]]] = ()) -> FastAPI:
+               stats_sources: Sequence[Callable[[], Mapping[str, float]]] = (),
+               stats_gauges: Collection[str] = ()) -> FastAPI:
     """``stats_sources``: extra callables returning prefixed counters (e.g. a tier that the
-    engine does not report itself), merged into /health and /metrics."""
+    engine does not report itself), merged into /health and /metrics; ``stats_gauges``: which
+    of their keys are levels (gauges), the rest being counts."""
     config = settings or ServerConfig()
     config.validate()
-    state = ServerState(engine, config, stats_sources)
+    state = ServerState(engine, config, stats_sources, stats_gauges)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -21,7 +21,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from kvcellar.errors import (
-    EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
     KvcellarError,
@@ -102,8 +101,6 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, EngineStoppedError):
         return shutting_down()
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), type=SERVER_ERROR, code="overloaded")
     if isinstance(exc, (ModelLoadError, KvcellarError)):
         return APIError(500, str(exc), type=SERVER_ERROR)
     return APIError(500, "The server hit an internal error while processing the request.", type=SERVER_ERROR)

@@ -1,17 +1,24 @@
 """The one place where every module's counters are merged, for /health and /metrics.
 
-Each module owns its counters under a prefix (``engine_``, ``sched_``, ``kv_``; later
-``ssd_``, ``writer_``, ``artifact_``; this layer's ``server_``). ``merged_stats`` flattens
-them into one dict; ``group_by_prefix`` shapes that for /health, where the prefixes that
-belong to a cache tier (``TIER_OF_PREFIX``) are listed under ``tiers``; ``SnapshotCollector``
-exports the same dict to Prometheus as ``kvcellar_<key>``: gauges for the keys that describe
-a current state (``GAUGE_MARKERS``), counters for the rest.
+Each module owns its counters under a prefix (``engine_``, ``sched_``, ``kv_``, ``ssd_``,
+``writer_``, ``artifact_``; this layer's ``server_``). ``merged_stats`` flattens them into
+one dict; ``group_by_prefix`` shapes that for /health, where the prefixes that belong to a
+cache tier (``TIER_OF_PREFIX``) are listed under ``tiers``; ``SnapshotCollector`` exports
+the same dict to Prometheus as ``kvcellar_<key>``.
+
+Kinds are declared where the numbers are made, never guessed from names: each owner lists
+which of its keys are levels (``Engine.gauge_keys``, ``BlockManager.GAUGES``,
+``KVTier.gauges``, ``ArtifactStore.GAUGES``, ``ServerMetrics.GAUGES``); those are gauges,
+every other key is a monotonic count and a counter. Per tier (``Engine.tier_reports``) the
+collector also exports the state as ``kvcellar_tier_state{tier,state}`` (1 for the current
+state), ``kvcellar_tier_last_shutdown_clean{tier}``, and the hit-rate pair
+``kvcellar_tier_queried_blocks_total{tier}`` / ``kvcellar_tier_hit_blocks_total{tier}``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,10 +27,8 @@ from prometheus_client.registry import Collector
 # Which tier each counter prefix reports for.
 TIER_OF_PREFIX = {"kv": "ram", "ssd": "ssd", "writer": "ssd", "remote": "remote"}
 
-# Substrings of keys that are gauges (a level, not a running total).
-GAUGE_MARKERS = ("_running", "_waiting", "_inflight", "_blocks_total", "_blocks_free", "_blocks_cached",
-                 "_blocks_used", "_queue", "_depth", "_bytes_used", "_bytes_limit", "_files", "_entries",
-                 "_size", "_capacity", "_clean", "_last_")
+# Every state a tier can report; the current one is exported as 1, the others as 0.
+TIER_STATES = ("ok", "degraded")
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -32,10 +37,6 @@ _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 def prefix_of(key: str) -> str:
     return key.split("_", 1)[0]
-
-
-def is_gauge(key: str) -> bool:
-    return any(marker in key for marker in GAUGE_MARKERS) or key.endswith("_state")
 
 
 def group_by_prefix(stats: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -52,22 +53,51 @@ def group_by_prefix(stats: Mapping[str, float]) -> dict[str, dict[str, float]]:
 
 
 class SnapshotCollector(Collector):
-    """Reads ``snapshot()`` on every scrape."""
+    """Reads ``snapshot()``, ``gauges()`` and ``tiers()`` on every scrape.
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
+    ``gauges``: the keys of the snapshot that are levels, as their owners declare them.
+    ``tiers``: one dict per cache tier, top first: ``tier`` (name), ``state`` (one of
+    ``TIER_STATES``), ``last_shutdown_clean`` (bool or None), ``queried_blocks`` (blocks
+    asked of the tier) and ``hit_blocks`` (of those, served by it)."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, float]], gauges: Callable[[], Collection[str]],
+                 tiers: Callable[[], Sequence[Mapping[str, object]]] = tuple) -> None:
         self._snapshot = snapshot
+        self._gauges = gauges
+        self._tiers = tiers
 
     def collect(self) -> Iterable[Metric]:
+        gauges = self._gauges()
         for key, value in sorted(self._snapshot().items()):
             if isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, (int, float)):
                 continue
             name = "kvcellar_" + _NAME_OK.sub("_", key)
-            if is_gauge(key):
-                yield GaugeMetricFamily(name, f"{key} (gauge)", value=value)
+            if key in gauges:
+                yield GaugeMetricFamily(name, f"{key} (level)", value=value)
             else:
-                yield CounterMetricFamily(name, f"{key} (counter)", value=value)
+                yield CounterMetricFamily(name, f"{key} (count)", value=value)
+        yield from self._tier_families(self._tiers())
+
+    @staticmethod
+    def _tier_families(tiers: Sequence[Mapping[str, object]]) -> Iterable[Metric]:
+        if not tiers:
+            return
+        state = GaugeMetricFamily("kvcellar_tier_state", "1 for the tier's current state", labels=["tier", "state"])
+        clean = GaugeMetricFamily("kvcellar_tier_last_shutdown_clean",
+                                  "1 if the previous run on this tier shut down cleanly", labels=["tier"])
+        queried = CounterMetricFamily("kvcellar_tier_queried_blocks", "blocks asked of the tier", labels=["tier"])
+        hits = CounterMetricFamily("kvcellar_tier_hit_blocks", "blocks the tier served", labels=["tier"])
+        for t in tiers:
+            name = str(t["tier"])
+            for s in TIER_STATES:
+                state.add_metric([name, s], 1.0 if t.get("state") == s else 0.0)
+            if t.get("last_shutdown_clean") is not None:
+                clean.add_metric([name], float(bool(t["last_shutdown_clean"])))
+            queried.add_metric([name], float(t.get("queried_blocks", 0)))  # type: ignore[arg-type]
+            hits.add_metric([name], float(t.get("hit_blocks", 0)))  # type: ignore[arg-type]
+        yield from (state, clean, queried, hits)
 
     def describe(self) -> Iterable[Metric]:
         return []  # dynamic: the set of keys grows as tiers attach
@@ -75,6 +105,9 @@ class SnapshotCollector(Collector):
 
 class ServerMetrics:
     """Counters and histograms of the HTTP layer. Touched from the event loop thread."""
+
+    # Levels among the server_ keys (ServerState adds them to the counters).
+    GAUGES = frozenset({"server_inflight_requests", "server_inflight_sequences"})
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)

@@ -94,6 +94,9 @@ class StoreRequest:
     digest: bytes
     token_ids: tuple[int, ...]
     data: torch.Tensor
+    # Key of the previous block of the same chain (None for a chain's first block or when
+    # unknown): lets a tier evict a chain from its tail, never leaving blocks unreachable.
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class KVTier(ABC):
     """
 
     name: str
+    # The keys of ``stats()`` that are levels (exported as gauges); the others are counts.
+    gauges: frozenset[str] = frozenset()
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -143,12 +148,15 @@ class KVTier(ABC):
         budget, fault back-off, no space) are dropped and counted.
         """
 
+    @abstractmethod
     def wants(self, key: bytes) -> bool:
-        """Whether a ``store`` of ``key`` would be admitted now: False when the
-        tier already holds it, is closing, backing off after faults, or its
-        queue is full. Cheap and without I/O (the caller asks before copying
-        the block off the pool); advisory: ``store`` may still drop it."""
-        return True
+        """Whether a ``store`` of ``key`` now would write it: False when the tier
+        already holds it or has it queued, is closing, or is backing off after
+        faults. Cheap, without waiting on I/O. The link asks before it copies a
+        block off the pool, for every store, and asks again when RAM evicts a
+        write-through block: a store that was dropped (queue full, fault) then
+        gets its second chance, and a block already stored costs no copy.
+        Advisory: ``store`` may still drop it."""
 
     def pin(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
         """Keep ``keys`` from this process's eviction until ``unpin``. Tiers
@@ -166,6 +174,11 @@ class KVTier(ABC):
     def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional verb, no-op by default
         """Mark ``keys`` as recently used (for LRU/TTL), e.g. for blocks hot in
         a faster tier that never need to be loaded from this one. Optional."""
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every admitted store has been written or dropped. Optional: tiers
+        without a queue are always idle."""
+        return True
 
     @abstractmethod
     def stats(self) -> dict[str, int | float]:

@@ -1,4 +1,4 @@
-"""The block format, version 1: one KV block as bytes, on disk and in a remote store.
+"""The block format, version 2: one KV block as bytes, on disk and in a remote store.
 
 One ``.kvb`` file (or one remote value) holds one KV block: a fixed-layout
 header padded to a multiple of 4096 bytes, then the raw tensor bytes.
@@ -9,6 +9,9 @@ Why this shape:
 - The header carries everything needed to prove a file is the block asked
   for: magic, version, dtype, shape, block size, key, chained digest, token
   ids, payload checksum, and a checksum over the header itself.
+- Version 2 adds the key of the block's parent in its chain (none for a chain's
+  first block), so eviction can go tail first and offline tools can find
+  blocks whose prefix is gone (unreachable: never served again).
 - The payload starts at a 4096-byte boundary, so it can be read with
   O_DIRECT or straight into an aligned tensor, with no extra copy.
 - The payload checksum is CRC-32 (``zlib.crc32``): 3.6 GB/s on one core here
@@ -31,7 +34,7 @@ import torch
 
 from kvcellar.storage.base import BlockSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"KVCBLOCK"
 FILE_SUFFIX = ".kvb"
 HEADER_ALIGN = 4096
@@ -56,10 +59,10 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 DTYPES_BY_CODE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 
 # magic, version, flags, header_size, payload_nbytes, payload_crc32,
-# dtype, ndim, key_len, reserved, block_size, num_tokens, created_ns,
-# shape[8], key[64], digest[32]
-_FIXED = struct.Struct("<8sHHIQIBBBBIIQ8Q64s32s")
-FIXED_SIZE = _FIXED.size  # 208
+# dtype, ndim, key_len, parent_len, block_size, num_tokens, created_ns,
+# shape[8], key[64], digest[32], parent[64]
+_FIXED = struct.Struct("<8sHHIQIBBBBIIQ8Q64s32s64s")
+FIXED_SIZE = _FIXED.size  # 272
 _CRC = struct.Struct("<I")
 
 
@@ -86,6 +89,7 @@ class BlockHeader:
     digest: bytes
     token_ids: tuple[int, ...]
     created_ns: int
+    parent: bytes | None = None  # key of the previous block of the chain; None for its first
 
 
 def header_size_for(block_size: int) -> int:
@@ -109,9 +113,12 @@ def encode_header(
     token_ids: tuple[int, ...],
     payload_crc32: int,
     created_ns: int,
+    parent: bytes | None = None,
 ) -> bytearray:
     """The full, padded header for one block (``header_size_for`` bytes)."""
     check_identity(spec, key, digest, token_ids)
+    if parent is not None and not 1 <= len(parent) <= MAX_KEY_LEN:
+        raise ValueError(f"parent key must be 1..{MAX_KEY_LEN} bytes, got {len(parent)}")
     if spec.dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {spec.dtype} has no block-format code")
     if len(spec.shape) > MAX_NDIM:
@@ -123,10 +130,10 @@ def encode_header(
     _FIXED.pack_into(
         buf, 0,
         MAGIC, FORMAT_VERSION, 0, size, spec.nbytes, payload_crc32,
-        DTYPE_CODES[spec.dtype], len(spec.shape), len(key), 0,
+        DTYPE_CODES[spec.dtype], len(spec.shape), len(key), len(parent or b""),
         n, n, created_ns,
         *shape8,
-        key.ljust(MAX_KEY_LEN, b"\0"), digest,
+        key.ljust(MAX_KEY_LEN, b"\0"), digest, (parent or b"").ljust(MAX_KEY_LEN, b"\0"),
     )
     struct.pack_into(f"<{n}I", buf, FIXED_SIZE, *token_ids)
     end = FIXED_SIZE + 4 * n
@@ -143,9 +150,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     mv = memoryview(buf)
     if len(mv) < FIXED_SIZE:
         raise HeaderError("truncated", f"{len(mv)} bytes")
-    (magic, version, _flags, hsize, nbytes, pcrc, dcode, ndim, klen, _res,
+    (magic, version, _flags, hsize, nbytes, pcrc, dcode, ndim, klen, plen,
      block_size, ntok, created_ns, *rest) = _FIXED.unpack_from(mv, 0)
-    shape8, key_field, digest = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
+    shape8, key_field, digest, parent_field = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1], rest[MAX_NDIM + 2]
     if magic != MAGIC:
         raise HeaderError("magic", repr(bytes(magic)))
     if version != FORMAT_VERSION:
@@ -158,8 +165,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     (stored_crc,) = _CRC.unpack_from(mv, end)
     if stored_crc != zlib.crc32(mv[:end]) & 0xFFFFFFFF:
         raise HeaderError("header_checksum")
-    if dcode not in DTYPES_BY_CODE or not 1 <= ndim <= MAX_NDIM or not 1 <= klen <= MAX_KEY_LEN:
-        raise HeaderError("geometry", f"dtype={dcode} ndim={ndim} key_len={klen}")
+    if dcode not in DTYPES_BY_CODE or not 1 <= ndim <= MAX_NDIM or not 1 <= klen <= MAX_KEY_LEN \
+            or plen > MAX_KEY_LEN:
+        raise HeaderError("geometry", f"dtype={dcode} ndim={ndim} key_len={klen} parent_len={plen}")
     token_ids = struct.unpack_from(f"<{ntok}I", mv, FIXED_SIZE)
     return BlockHeader(
         version=version,
@@ -173,6 +181,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         digest=bytes(digest),
         token_ids=token_ids,
         created_ns=created_ns,
+        parent=bytes(parent_field[:plen]) if plen else None,
     )
 
 

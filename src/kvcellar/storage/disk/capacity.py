@@ -1,5 +1,6 @@
 """Capacity rules of one namespace: the byte limit, the filesystem free-space
-floor and the TTL, enforced by evicting least-recently-used blocks.
+floor and the TTL, enforced by evicting least-recently-used blocks, tail of a
+chain first (BlockTable evicts leaves only).
 
 ``make_room`` runs before every write; ``enforce`` and ``prune_ttl`` run on the
 maintenance timer. The byte limit counts file sizes (header + payload) of the
@@ -45,18 +46,24 @@ class CapacityGuard:
             return None
         return st.f_bavail * st.f_frsize
 
-    def _evict(self, need: int) -> None:
-        n, freed = self._table.evict(need, self._unlink)
+    def _evict(self, need: int, keep_chain_of: bytes | None = None) -> None:
+        n, freed = self._table.evict(need, self._unlink, keep_chain_of=keep_chain_of)
         if n:
             self._c.inc("evicted_blocks", n)
             self._c.inc("evicted_bytes", freed)
 
-    def make_room(self, nbytes: int) -> bool:
+    def make_room(self, nbytes: int, parent: bytes | None = None, *, may_evict: bool = True) -> bool:
         """Evict until a write of ``nbytes`` fits under the byte limit and
-        above the free-space floor. False (counted) if it cannot."""
+        above the free-space floor. False (counted) if it cannot. ``parent``:
+        the chain the new block continues, which eviction must not cut (a chain
+        longer than the space is truncated at its tail, never orphaned).
+        ``may_evict=False``: only free space will do."""
         over = self._table.total_bytes + nbytes - self.capacity_bytes
+        if over > 0 and not may_evict:
+            self._c.inc("dropped_capacity")
+            return False
         if over > 0:
-            self._evict(over)
+            self._evict(over, parent)
             if self._table.total_bytes + nbytes > self.capacity_bytes:
                 self._c.inc("dropped_capacity")
                 return False
@@ -64,8 +71,11 @@ class CapacityGuard:
         if free is None:
             return True  # cannot tell; the write itself will report a fault
         deficit = self.min_free_bytes + nbytes - free
+        if deficit > 0 and not may_evict:
+            self._c.inc("dropped_no_space")
+            return False
         if deficit > 0:
-            self._evict(deficit)
+            self._evict(deficit, parent)
             free = self.free_bytes()
             if free is not None and self.min_free_bytes + nbytes > free:
                 self._c.inc("dropped_no_space")

@@ -76,8 +76,8 @@ def run_cache_command(args: argparse.Namespace) -> int:
             desc = d["descriptor"] or {}
             if desc:
                 print("    " + ", ".join(f"{k}={v}" for k, v in desc.items() if v not in (None, "")))
-            print(f"    blocks {s.blocks}, {format_bytes(s.bytes)}; temp files {s.tmp_files}; "
-                  f"sessions live {s.live_sessions}, unclean {s.unclean_sessions}")
+            print(f"    blocks {s.blocks}, {format_bytes(s.bytes)}; unreachable {s.unreachable_blocks}; "
+                  f"temp files {s.tmp_files}; sessions live {s.live_sessions}, unclean {s.unclean_sessions}")
             if s.blocks:
                 print(f"    last access {d['oldest_access']} .. {d['newest_access']}; "
                       f"written {d['oldest_write']} .. {d['newest_write']}")
@@ -107,6 +107,7 @@ def run_cache_command(args: argparse.Namespace) -> int:
         else:
             print(f"prune: {rep.ttl_removed} expired block(s) ({format_bytes(rep.ttl_bytes)}), "
                   f"{rep.capacity_removed} over the size limit ({format_bytes(rep.capacity_bytes)}), "
+                  f"{rep.unreachable_removed} unreachable ({format_bytes(rep.unreachable_bytes)}), "
                   f"{rep.orphan_tmp_removed} orphan temp file(s) removed; "
                   f"{rep.remaining_blocks} block(s), {format_bytes(rep.remaining_bytes)} remain")
             for name in rep.namespaces_removed:

@@ -32,6 +32,7 @@ from kvcellar.storage.block_format import (
     HeaderError,
     check_geometry,
     decode_header,
+    header_size_for,
     payload_checksum,
 )
 from kvcellar.storage.disk.layout import DESCRIPTOR_FILE, key_from_block_name, parse_namespace_dir, tmp_owner
@@ -135,6 +136,7 @@ class NamespaceStats:
     newest_write_ns: int | None = None
     live_sessions: int = 0
     unclean_sessions: int = 0
+    unreachable_blocks: int = 0  # blocks whose chain parent is gone: no prefix can reach them
 
     def as_dict(self) -> dict:
         return {
@@ -153,6 +155,7 @@ class NamespaceStats:
             "newest_write": _iso(self.newest_write_ns),
             "live_sessions": self.live_sessions,
             "unclean_sessions": self.unclean_sessions,
+            "unreachable_blocks": self.unreachable_blocks,
         }
 
 
@@ -167,11 +170,52 @@ def cache_stats(kv_root: Path, *, progress: bool = False) -> list[NamespaceStats
             st.newest_access_ns = max(f.atime_ns for f in blocks)
             st.oldest_write_ns = min(f.mtime_ns for f in blocks)
             st.newest_write_ns = max(f.mtime_ns for f in blocks)
+            st.unreachable_blocks = len(unreachable_blocks(ns, blocks, progress))
         with contextlib.suppress(OSError):
             sessions = scan_sessions(ns.path / "sessions", remove_stale=False)
             st.live_sessions, st.unclean_sessions = len(sessions.live_tokens), len(sessions.stale)
         out.append(st)
     return out
+
+
+def unreachable_blocks(ns: NamespaceInfo, blocks: list[_File], progress: bool = False) -> list[_File]:
+    """The blocks no lookup can reach any more: their chain parent (from the header) is
+    not on disk, or is itself unreachable. Reads every header; only the current format
+    records parents, so older namespaces report none."""
+    if not ns.current or not blocks:
+        return []
+    spec = ns.spec
+    size = HEADER_ALIGN if spec is None else header_size_for(spec.block_size)
+    by_key: dict[bytes, _File] = {}
+    parent_of: dict[bytes, bytes | None] = {}
+    for f in tqdm(blocks, desc=f"chains {ns.namespace[:12]}", unit="block", disable=not progress, leave=False):
+        key = key_from_block_name(os.path.basename(f.path))
+        if key is None:
+            continue
+        try:
+            fd = open_noatime(f.path)
+            try:
+                head = os.pread(fd, size, 0)
+            finally:
+                os.close(fd)
+            parent = decode_header(head).parent
+        except (OSError, HeaderError):
+            continue  # unreadable or damaged: verify's business, not a chain question
+        by_key[key] = f
+        parent_of[key] = parent
+    reachable: dict[bytes, bool] = {}
+    for key in parent_of:
+        path: list[bytes] = []
+        k: bytes | None = key
+        while k is not None and k not in reachable:
+            if k not in parent_of:  # the parent is gone
+                break
+            path.append(k)
+            k = parent_of[k]
+        ok = k is None or reachable.get(k, False)
+        for p in path:
+            reachable[p] = ok
+    return [by_key[k] for k, ok in reachable.items() if not ok]
 
 
 # ---------------------------------------------------------------------------- verify
@@ -267,6 +311,8 @@ class PruneReport:
     capacity_removed: int = 0
     capacity_bytes: int = 0
     orphan_tmp_removed: int = 0
+    unreachable_removed: int = 0
+    unreachable_bytes: int = 0
     namespaces_removed: list[str] = field(default_factory=list)
     remaining_blocks: int = 0
     remaining_bytes: int = 0
@@ -289,7 +335,8 @@ def prune_cache(
     """Delete blocks not accessed for ``ttl_s``; then, if ``capacity_bytes``
     is given, the least recently accessed blocks across all namespaces until
     the total fits; orphan temp files of dead sessions (older than 10
-    minutes); and old-format namespace directories left empty."""
+    minutes); blocks left unreachable (their chain parent is gone); and old-format
+    namespace directories left empty."""
     now = time.time_ns() if now_ns is None else now_ns
     cutoff = now - int(ttl_s * 1e9)
     rep = PruneReport()
@@ -305,13 +352,20 @@ def prune_cache(
             owner = tmp_owner(os.path.basename(f.path))
             if live is not None and owner not in live and now - f.mtime_ns > _ORPHAN_TMP_AGE_NS:
                 rep.orphan_tmp_removed += _unlink(f.path)
+        ns_keep = []
         for f in blocks:
             if f.atime_ns < cutoff:
                 if _unlink(f.path):
                     rep.ttl_removed += 1
                     rep.ttl_bytes += f.size
             else:
-                keep.append(f)
+                ns_keep.append(f)
+        for f in unreachable_blocks(ns, ns_keep, progress):
+            if _unlink(f.path):
+                rep.unreachable_removed += 1
+                rep.unreachable_bytes += f.size
+                ns_keep.remove(f)
+        keep.extend(ns_keep)
     total = sum(f.size for f in keep)
     if capacity_bytes is not None and total > capacity_bytes:
         keep.sort(key=lambda f: f.atime_ns)

@@ -13,7 +13,9 @@ processes and forget blocks they deleted. One pass over ``blocks/``:
   reaches the disk on power loss. Payload checksums are left to the load,
   which verifies every block it serves anyway;
 - everything else is reported with its size and last access (atime) so that
-  BlockTable can rebuild LRU order and byte totals.
+  BlockTable can rebuild LRU order and byte totals, and, for the keys the caller
+  asks about (those whose chain parent it does not know yet: every block at
+  start-up), the parent key from the header, so eviction goes tail first.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.block_format import HeaderError, check_geometry, decode_header, file_size_for, header_size_for
+from kvcellar.storage.block_format import (
+    BlockHeader,
+    HeaderError,
+    check_geometry,
+    decode_header,
+    file_size_for,
+    header_size_for,
+)
 from kvcellar.storage.disk.layout import NamespaceLayout, key_from_block_name, shard_of, tmp_owner
 
 O_NOATIME = getattr(os, "O_NOATIME", 0)
@@ -35,6 +44,7 @@ O_NOATIME = getattr(os, "O_NOATIME", 0)
 @dataclass
 class ScanReport:
     found: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> (size, atime_ns)
+    parents: dict[bytes, bytes | None] = field(default_factory=dict)  # key -> chain parent (headers read)
     bytes: int = 0
     orphan_tmp_removed: int = 0
     bad_size_removed: int = 0
@@ -56,9 +66,9 @@ def open_noatime(path: str | Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def check_block_header(path: str | Path, spec: BlockSpec, key: bytes) -> str | None:
-    """None if the file's header is a valid header of block ``key`` of
-    ``spec``; otherwise the reason."""
+def read_block_header(path: str | Path, spec: BlockSpec, key: bytes) -> BlockHeader | str:
+    """The file's header if it is a valid header of block ``key`` of ``spec``;
+    otherwise the reason. Raises OSError if the file cannot be read."""
     fd = open_noatime(path)
     try:
         buf = os.pread(fd, header_size_for(spec.block_size), 0)
@@ -69,7 +79,7 @@ def check_block_header(path: str | Path, spec: BlockSpec, key: bytes) -> str | N
         check_geometry(h, spec)
     except HeaderError as e:
         return e.reason
-    return None if h.key == key else "key"
+    return h if h.key == key else "key"
 
 
 def scan_namespace(
@@ -80,9 +90,11 @@ def scan_namespace(
     tmp_older_than_ns: int,
     check_headers_since_ns: int | None,
     stop: Callable[[], bool] = lambda: False,
+    wants_parent: Callable[[bytes], bool] = lambda key: False,
 ) -> ScanReport:
     """One reconciliation pass; see the module docstring. ``stop()`` aborts
-    early (the report is then partial and must not drop anything)."""
+    early (the report is then partial and must not drop anything);
+    ``wants_parent(key)``: read that block's header for its chain parent."""
     t0 = time.perf_counter()
     rep = ScanReport()
     expected = file_size_for(spec)
@@ -145,18 +157,22 @@ def scan_namespace(
             if st.st_size != expected:
                 rep.bad_size_removed += remove(e.path)
                 continue
-            if check_headers_since_ns is not None and st.st_mtime_ns >= check_headers_since_ns:
-                rep.headers_checked += 1
+            check = check_headers_since_ns is not None and st.st_mtime_ns >= check_headers_since_ns
+            if check or wants_parent(key):
+                rep.headers_checked += check
                 try:
-                    bad = check_block_header(e.path, spec, key)
+                    h = read_block_header(e.path, spec, key)
                 except FileNotFoundError:
                     continue
                 except OSError:
                     rep.errors += 1
                     continue
-                if bad is not None:
-                    rep.bad_header_removed += remove(e.path)
-                    continue
+                if isinstance(h, str):
+                    if check:
+                        rep.bad_header_removed += remove(e.path)
+                        continue
+                else:
+                    rep.parents[key] = h.parent
             rep.found[key] = (st.st_size, st.st_atime_ns)
             rep.bytes += st.st_size
     rep.seconds = time.perf_counter() - t0

@@ -39,6 +39,7 @@ from pathlib import Path
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
 from kvcellar.storage.block_format import (
     FORMAT_VERSION,
+    MAX_KEY_LEN,
     check_identity,
     encode_header,
     header_size_for,
@@ -47,6 +48,7 @@ from kvcellar.storage.block_format import (
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.dropped import DroppedKeys
 from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into, tensor_bytes
 from kvcellar.storage.disk.recovery import scan_namespace
@@ -74,6 +76,7 @@ _SSD_COUNTERS = (
 _WRITER_COUNTERS = (
     "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
     "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
+    "written_after_drop", "dropped_no_parent", "deferred_for_reads",
 )
 _MAIN_THREAD_POLL_S = 0.25
 
@@ -101,6 +104,11 @@ class DiskTier(KVTier):
     """
 
     name = "ssd"
+    gauges = frozenset({
+        "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks",
+        "ssd_scan_complete", "writer_queue_depth", "writer_in_flight", "writer_pending_keys",
+        "ssd_load_batches_in_flight",
+    })
 
     def __init__(
         self,
@@ -128,6 +136,7 @@ class DiskTier(KVTier):
         # _claims_lock protects _claims: keys queued or being written (in-flight dedup).
         self._claims_lock = threading.Lock()
         self._claims: set[bytes] = set()
+        self._dropped = DroppedKeys()
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
         self._leftovers: set[Path] = set()
@@ -153,7 +162,7 @@ class DiskTier(KVTier):
         self._writer: BlockWriter | None = None
         if config.async_writes:
             self._writer = BlockWriter(f"kvcellar-disk-writer-{ns8}", config.queue_blocks, self._write_one,
-                                       self._release_claim, self._reader.wait_idle, config.write_defer_max_s,
+                                       self._release_claim, self._defer_to_reads, config.write_defer_max_s,
                                        self._wc)
         self._maint = threading.Thread(target=self._maintenance, name=f"kvcellar-disk-maint-{ns8}", daemon=False)
         self._maint.start()
@@ -218,6 +227,7 @@ class DiskTier(KVTier):
             try:
                 st = os.stat(self.layout.block_path(k))
             except OSError:
+                self._table.discard_if_known(k)  # removed behind our back (cache clear, another process)
                 break
             if st.st_size != self.file_size:
                 # Final names only ever come from renaming a complete file: a wrong size is a
@@ -227,6 +237,7 @@ class DiskTier(KVTier):
             if not self._table.contains(k):  # written by another process, or not scanned yet
                 self._table.add(k, self.file_size, st.st_atime_ns)
             n += 1
+        self._table.link_chain(keys[:n])
         self._table.release_leases(keys[n:])
         self._table.touch(keys[:n], persist=False)
         self._ssd.inc("lookup_calls")
@@ -235,12 +246,6 @@ class DiskTier(KVTier):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._table.touch(keys, persist=True)
-
-    def wants(self, key: bytes) -> bool:
-        if self._closing or self._table.contains(key) or self._wfault.backing_off():
-            return False
-        with self._claims_lock:
-            return key not in self._claims
 
     def pin(self, keys: Sequence[bytes]) -> None:
         self._table.pin(list(keys))
@@ -310,6 +315,7 @@ class DiskTier(KVTier):
                          self.layout.dir, reason, total)
 
     def _batch_done(self, requests: Sequence[LoadRequest], leading: int) -> None:
+        self._table.link_chain([r.key for r in requests[:leading]])
         self._table.unpin([r.key for r in requests])
         self._ssd.inc("load_calls")
         self._ssd.inc("load_hits", leading)
@@ -320,6 +326,8 @@ class DiskTier(KVTier):
         for r in requests:
             self.spec.check_tensor(r.data, "StoreRequest.data")
             check_identity(self.spec, r.key, r.digest, tuple(r.token_ids))
+            if r.parent is not None and not 1 <= len(r.parent) <= MAX_KEY_LEN:
+                raise ValueError(f"StoreRequest.parent must be 1..{MAX_KEY_LEN} bytes, got {len(r.parent)}")
         with self._life:
             if self._closing:
                 self._wc.inc("dropped_closed", len(requests))
@@ -339,6 +347,7 @@ class DiskTier(KVTier):
                     self._wc.inc("enqueued")
                 else:
                     self._release_claim(r)
+                    self._dropped.add(r.key)
                     self._wc.inc("dropped_queue_full")
         finally:
             with self._life:
@@ -346,13 +355,34 @@ class DiskTier(KVTier):
                 if self._entering == 0:
                     self._no_entering.notify_all()
 
+    def _on_disk(self, key: bytes) -> bool:
+        """The table knows ``key`` and its file still exists. The table can be stale (a
+        ``cache clear`` or another process's eviction removes files behind our back): an
+        entry whose file is gone is dropped here, so the block is written again instead of
+        skipped until the next rescan. One stat, only for keys the table knows."""
+        if not self._table.contains(key):
+            return False
+        if os.path.exists(self.layout.block_path(key)):
+            return True
+        self._table.discard_if_known(key)
+        return False
+
+    def _parent_present(self, parent: bytes) -> bool:
+        if self._table.contains(parent):
+            return True
+        with self._claims_lock:
+            if parent in self._claims:
+                return True
+        return os.path.exists(self.layout.block_path(parent))
+
     def _admit(self, r: StoreRequest) -> bool:
         """Cheap checks in the caller's thread; claims the key if admitted."""
-        if self._table.contains(r.key):
+        if self._on_disk(r.key):
             self._ssd.inc("store_skipped_existing")
             self._table.touch([r.key], persist=True)
             return False
         if self._wfault.backing_off():
+            self._dropped.add(r.key)
             self._wc.inc("dropped_backoff")
             return False
         with self._claims_lock:
@@ -361,6 +391,22 @@ class DiskTier(KVTier):
                 return False
             self._claims.add(r.key)
         return True
+
+    def wants(self, key: bytes) -> bool:
+        """True if a ``store`` of ``key`` now would write it: not known to be on disk, not
+        queued or being written, and writes are not backing off. The RAM tier asks this
+        before copying a block it evicts, so a write-through block whose store was dropped
+        gets its second chance without a copy of every evicted block."""
+        if self._closing or self._session is None or self._wfault.backing_off() or self._on_disk(key):
+            return False
+        with self._claims_lock:
+            return key not in self._claims
+
+    def _defer_to_reads(self, max_s: float) -> bool:
+        """Reads before writes: the writer waits (up to ``max_s``) while loads are in flight."""
+        if self._reader.active:
+            self._wc.inc("deferred_for_reads")
+        return self._reader.wait_idle(max_s)
 
     def _release_claim(self, r: StoreRequest) -> None:
         with self._claims_lock:
@@ -371,13 +417,14 @@ class DiskTier(KVTier):
         atomically (with retries when persistent), account. Never raises for
         OS errors."""
         if self._session is None or self._wfault.backing_off():
+            self._dropped.add(r.key)
             self._wc.inc("dropped_backoff")
             return
         final = self.layout.block_path(r.key)
         try:
             st = os.stat(final)
             if st.st_size == self.file_size:
-                self._table.add(r.key, self.file_size, st.st_atime_ns)
+                self._table.add(r.key, self.file_size, st.st_atime_ns, parent=r.parent)
                 self._ssd.inc("store_skipped_existing")
                 return
         except FileNotFoundError:
@@ -385,11 +432,17 @@ class DiskTier(KVTier):
         except OSError as e:
             self._wfault.failure(e, f"checking {final.name}")
             return
-        if not self._capacity.make_room(self.file_size):
+        # A block whose parent is not on disk is unreachable until the parent is written
+        # (a dropped write RAM offers again): it may use free space, never evict for it.
+        orphan = r.parent is not None and not self._parent_present(r.parent)
+        if not self._capacity.make_room(self.file_size, r.parent, may_evict=not orphan):
+            self._dropped.add(r.key)
+            if orphan:
+                self._wc.inc("dropped_no_parent")
             return
         payload = tensor_bytes(r.data)
         header = encode_header(self.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
-                               time.time_ns())
+                               time.time_ns(), r.parent)
         persistent = self.config.durability == "persistent"
         retries = self.config.persistent_retries if persistent else 0
         dir_retry = True  # one extra try if the shard directory vanished (cache clear)
@@ -406,6 +459,7 @@ class DiskTier(KVTier):
                 if dir_retry:
                     dir_retry = False
                     continue
+                self._dropped.add(r.key)
                 self._wfault.failure(e, f"writing {final.name}")
                 return
             except OSError as e:
@@ -416,9 +470,12 @@ class DiskTier(KVTier):
                     continue
                 if retries:
                     self._wc.inc("retry_final_fail")
+                self._dropped.add(r.key)
                 self._wfault.failure(e, f"writing {final.name}")
                 return
-        self._table.add(r.key, self.file_size)
+        self._table.add(r.key, self.file_size, parent=r.parent)
+        if self._dropped.written(r.key):
+            self._wc.inc("written_after_drop")
         self._ssd.inc("stored_blocks")
         self._ssd.inc("stored_bytes", self.file_size)
         self._wfault.success()
@@ -507,10 +564,11 @@ class DiskTier(KVTier):
             tmp_older_than_ns=tmp_cutoff,
             check_headers_since_ns=check_since,
             stop=self._stop.is_set,
+            wants_parent=lambda key: not self._table.knows_parent(key),
         )
         if self._stop.is_set():
             return  # partial: must not drop entries it did not reach
-        adopted, dropped = self._table.merge_scan(rep.found, started)
+        adopted, dropped = self._table.merge_scan(rep.found, started, rep.parents)
         c = self._ssd
         c.inc("scans")
         c.inc("scan_seconds", rep.seconds)

@@ -64,6 +64,7 @@ class RemoteTier(KVTier):
     network and never raises for a server that is down: the tier starts degraded then."""
 
     name = "remote"
+    gauges = frozenset({"remote_writer_queue_depth", "remote_ok_state"})
 
     def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteTierConfig | None = None) -> None:
         self.spec = spec
