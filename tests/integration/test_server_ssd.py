@@ -172,7 +172,7 @@ def test_cache_clear_under_a_running_server_does_not_block_rewrites(tmp_path, mo
         assert again.choices[0].message.content == reference(question) == first.choices[0].message.content
         server.wait_idle()
         assert wait_until(lambda: server.health()["ssd"]["writer_queue_depth"] == 0
-                          and server.health()["ssd"]["writer_in_flight"] == 0, timeout=60)
+                          and server.health()["ssd"]["ssd"]["writer_in_flight"] == 0, timeout=60)
         after = server.health()["tiers"]["ssd"]
         rewritten = after["ssd_stored_blocks"] - before["ssd_stored_blocks"]
         assert rewritten >= again.usage.prompt_tokens // BS - 1, (before, after)

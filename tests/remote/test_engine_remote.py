@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcellar.engine import SamplingParams
+from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteTierConfig
@@ -120,10 +121,11 @@ def test_planted_values_are_misses_and_the_prefix_is_recomputed(model, uncached,
 
     chain = block_digests(root_digest(a.fingerprint), prompt, BS)
     r = redis_server.client()
-    names = [f"kvc:{a.fingerprint}-v1:{a.blocks.key(d).hex()}" for d in chain]
+    names = [f"kvc:{a.fingerprint}-v{FORMAT_VERSION}:{a.blocks.key(d).hex()}" for d in chain]
     victim = 3
     r.set(names[victim], r.get(names[victim + 1]))  # a real block of this model, in the wrong place
-    r.set(f"kvc:other-model-v1:{a.blocks.key(chain[0]).hex()}", r.get(names[0]))  # another namespace
+    foreign = f"kvc:other-model-v{FORMAT_VERSION}:{a.blocks.key(chain[0]).hex()}"
+    r.set(foreign, r.get(names[0]))  # another namespace
 
     b = replica(model, redis_server.url, None)
     result = b.generate([prompt], GREEDY)[0]

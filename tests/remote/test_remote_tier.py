@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcellar.storage.block_format import encode_block
+from kvcellar.storage.block_format import FORMAT_VERSION, encode_block
 from kvcellar.storage.remote.connection import redacted
 from tests.helpers import wait_until
 from tests.storage.helpers import SPEC, SPEC_F32, bits_equal, chain, load_request
@@ -22,7 +22,7 @@ def test_roundtrip_between_two_tiers_sharing_one_server(redis_server, open_remot
     stored(writer, blocks)
     assert writer.stats()["remote_stored_blocks"] == 6
     keys = sorted(redis_server.client().keys("kvc:*"))
-    assert keys == sorted(f"kvc:fp-v1:{b.key.hex()}".encode() for b in blocks)
+    assert keys == sorted(f"kvc:fp-v{FORMAT_VERSION}:{b.key.hex()}".encode() for b in blocks)
 
     reader = open_remote(redis_server.url)  # another replica: nothing known locally
     assert reader.lookup([b.key for b in blocks]) == 6
@@ -31,7 +31,7 @@ def test_roundtrip_between_two_tiers_sharing_one_server(redis_server, open_remot
     assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
     s = reader.stats()
     assert s["remote_load_hits"] == 6 and s["remote_load_bytes"] == 6 * SPEC.nbytes
-    assert reader.health()["state"] == "ok" and reader.health()["remote"]["namespace"] == "fp-v1"
+    assert reader.health()["state"] == "ok" and reader.health()["remote"]["namespace"] == f"fp-v{FORMAT_VERSION}"
 
 
 def test_lookup_answers_per_key_and_stores_are_written_once(redis_server, open_remote):
@@ -51,7 +51,7 @@ def test_corrupt_and_foreign_values_are_counted_misses_and_deleted(redis_server,
     tier = open_remote(redis_server.url)
     stored(tier, blocks)
     r = redis_server.client()
-    name = lambda b: f"kvc:fp-v1:{b.key.hex()}"  # noqa: E731
+    name = lambda b: f"kvc:fp-v{FORMAT_VERSION}:{b.key.hex()}"  # noqa: E731
     value = bytearray(r.get(name(blocks[1])))
     value[-1] ^= 0xFF  # payload bit flip
     r.set(name(blocks[1]), bytes(value))
@@ -88,7 +88,7 @@ def test_remove_ttl_and_redacted_url(redis_server, open_remote):
     tier = open_remote(redis_server.url, ttl_s=600)
     stored(tier, blocks)
     r = redis_server.client()
-    assert 0 < r.pttl(f"kvc:fp-v1:{blocks[0].key.hex()}") <= 600_000
+    assert 0 < r.pttl(f"kvc:fp-v{FORMAT_VERSION}:{blocks[0].key.hex()}") <= 600_000
     assert tier.remove([b.key for b in blocks[:2]]) == 2
     assert tier.lookup([b.key for b in blocks]) == 0 and tier.lookup([blocks[2].key]) == 1
     assert redacted("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"

@@ -226,7 +226,7 @@ def test_close_that_cannot_drain_records_an_unclean_shutdown(tmp_path, open_tier
     again = open_tier(tmp_path, spec=SPEC_BIG)
     assert again.wait_scanned(30)
     health = again.health()
-    assert health["last_shutdown_clean"] is False and health["unclean_previous_sessions"] == 1
+    assert health["last_shutdown_clean"] is False and health["ssd"]["unclean_previous_sessions"] == 1
     assert again.stats()["ssd_recovered_unclean_sessions"] == 1
     # everything that was written is whole: the scan found no bad file
     assert again.stats()["ssd_blocks"] == s["ssd_stored_blocks"]

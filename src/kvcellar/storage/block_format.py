@@ -226,11 +226,11 @@ def identity_mismatch(header: BlockHeader, key: bytes, digest: bytes, token_ids:
 
 
 def encode_block(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[int, ...],
-                 data: torch.Tensor, created_ns: int) -> bytes:
+                 data: torch.Tensor, created_ns: int, parent: bytes | None = None) -> bytes:
     """One whole block (header + payload) as one bytes value, for stores that keep
     values rather than files."""
     payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
-    header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns)
+    header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns, parent)
     return b"".join((header, payload))
 
 

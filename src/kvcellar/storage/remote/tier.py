@@ -294,7 +294,8 @@ class RemoteTier(KVTier):
                 self._c.inc("store_skipped_existing", len(requests) - len(todo))
                 self._remember([r.key for r, _, there in zip(requests, names, present, strict=True) if there])
                 for r, name in todo:
-                    value = encode_block(self.spec, r.key, r.digest, tuple(r.token_ids), r.data, time.time_ns())
+                    value = encode_block(self.spec, r.key, r.digest, tuple(r.token_ids), r.data, time.time_ns(),
+                                         r.parent)
                     pipe.set(name, value, nx=True, px=self._ttl_ms or None)
                 results = pipe.execute(raise_on_error=False) if todo else []
             except redis.RedisError as e:
