@@ -54,6 +54,9 @@ class EngineConfig:
     key_bytes: int = 32
     dtype: str = "auto"
     device: str = "auto"
+    # The server runs every code path once before /health turns 200 (engine/warmup.py), so
+    # the first request after a start pays no one-off costs.
+    warmup: bool = True
 
 
 SSD_POLICIES = ("write_through", "evict_only", "off")

@@ -34,6 +34,7 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
+from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
 from kvcellar.storage.base import BlockSpec, KVTier
 
@@ -121,6 +122,8 @@ class Engine:
             "engine_generated_tokens": 0,
             "engine_steps": 0,
             "engine_step_seconds": 0.0,
+            "engine_warmup_steps": 0,  # steps ``warm_up`` ran before serving
+            "engine_warmup_seconds": 0.0,
         }
 
     # ---- public, any thread ---------------------------------------------------------------
@@ -239,6 +242,40 @@ class Engine:
         if policy == "evict_only":
             self.blocks.on_evict = self.lower.evicted
 
+    def warm_up(self) -> float:
+        """Run every code path a first request needs (``engine.warmup``) before ``start``, so
+        the first request after a start is not the one paying one-off costs. Leaves no trace:
+        its blocks are dropped, nothing reaches the lower tier, counters are restored (but
+        ``engine_warmup_*``). Returns the seconds it took."""
+        if self._thread is not None or self._seqs:
+            raise RuntimeError("warm up an idle engine before starting it")
+        t0 = time.perf_counter()
+        saved = [dict(self.stats), dict(self.scheduler.stats), dict(self.blocks.stats)]
+        lower, on_evict = self.lower, self.blocks.on_evict
+        self.lower = self.scheduler.lower = None  # warm-up blocks never reach the SSD
+        self.blocks.on_evict = None
+        steps = 0
+        try:
+            filler = self.tokenizer.encode("kvcellar warms up every path before it serves. ",
+                                           add_special_tokens=False)
+            limit = min(self.max_model_len, self.pool_tokens // 4)
+            for wave in warmup_waves(filler, self.block_size, limit):
+                before = self.stats["engine_steps"]
+                self.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
+                steps += int(self.stats["engine_steps"] - before)
+        finally:
+            self.blocks.evict_all()
+            self.lower = self.scheduler.lower = lower
+            self.blocks.on_evict = on_evict
+            for live, old in zip((self.stats, self.scheduler.stats, self.blocks.stats), saved, strict=True):
+                live.clear()
+                live.update(old)
+        self.runner.stats["runner_cold_paths"] = 0
+        seconds = time.perf_counter() - t0
+        self.stats["engine_warmup_steps"] = steps
+        self.stats["engine_warmup_seconds"] = seconds
+        return seconds
+
     def start(self) -> None:
         if self._thread is not None:
             return
@@ -304,6 +341,7 @@ class Engine:
             "engine_waiting": len(self.scheduler.waiting),
             "engine_loading": len(self.scheduler.loading),
             **self.scheduler.stats,
+            **self.runner.stats,
             **self.blocks.snapshot(),
             **(lower.snapshot() if lower is not None else {}),
         }
