@@ -508,7 +508,7 @@ def default_engine(model: str | None = None, **config: Any) -> Engine:
     from kvcellar.engine.loader import load_model
 
     cfg = EngineConfig(**config)
-    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device), cfg)
+    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights), cfg)
 
 
 __all__ = ["Engine", "GenerationResult", "RequestHandle", "default_engine"]
