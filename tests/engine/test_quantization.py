@@ -16,7 +16,7 @@ from torch import nn
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.loader import load_model
-from kvcellar.engine.quantization import INT8_KERNEL_MAX_ROWS, WeightOnlyInt8Linear, quantize_int8
+from kvcellar.engine.quantization import WeightOnlyInt8Linear, quantize_int8
 from tests._models import (
     assert_no_leaks,
     assert_same_output,
@@ -85,9 +85,20 @@ def test_engine_matches_the_dequantized_reference(model):
         assert got.token_ids == tokens[: len(got.token_ids)]
         ref = logprobs[torch.arange(len(got.token_ids)), torch.tensor(got.token_ids)]
         assert torch.allclose(torch.tensor(got.logprobs), ref, atol=2e-3)
-    # a prefill uses the dequantizing path, a decode the int8 kernel: both ran
-    assert len(prompts[0]) > INT8_KERNEL_MAX_ROWS
     assert_no_leaks(engine)
+
+
+def test_int8_kernel_matches_the_dequantized_weights():
+    """Where the int8 kernel runs (bf16 on AVX-512 BF16) and where it doesn't, a layer computes
+    ``x @ (q * scale).T``; run here with the kernel forced on, whatever this CPU prefers."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    layer = WeightOnlyInt8Linear.from_linear(linear)
+    x = torch.randn(3, 5, 96)
+    want = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
+    for max_rows in (0, 64):  # dequantizing path, then the int8 kernel
+        layer.kernel_max_rows = max_rows
+        assert torch.allclose(layer(x), want, atol=1e-4)
 
 
 def test_prefix_cache_paths_are_exact_with_int8(model):

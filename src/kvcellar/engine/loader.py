@@ -238,7 +238,7 @@ def load_model(
     ``weights``: ``full`` keeps the weights in ``dtype``; ``int8`` quantizes the linears
     (``engine.quantization``) after loading; the mode becomes part of the weights identity.
     """
-    from kvcellar.engine.quantization import WEIGHT_MODES, quantize_model
+    from kvcellar.engine.quantization import WEIGHT_MODES, int8_kernel_max_rows, quantize_model
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
@@ -278,6 +278,9 @@ def load_model(
     if weights != "full":
         t0 = time.perf_counter()
         quantize_model(hf_model, weights)
+        if int8_kernel_max_rows(torch_dtype, dev) == 0:
+            log.warning("--weights %s: no int8 kernel is faster than %s matmuls on this CPU; the weights take "
+                        "half the memory but are dequantized on every call (slower)", weights, torch_dtype)
         weights_id += f"|weights={weights}"  # other weights, other KV
         timings["quantize"] = time.perf_counter() - t0
 

@@ -7,12 +7,16 @@ embedded model. Each ``nn.Linear`` of the decoder layers (and the LM head) becom
 
 Two kernels, picked per call by the number of rows (tokens in the step):
 
-* up to ``INT8_KERNEL_MAX_ROWS`` rows: ``torch.ops.aten._weight_int8pack_mm``, torch's own
-  CPU kernel that reads the int8 weights directly (decode, short tails);
+* up to ``int8_kernel_max_rows(dtype)`` rows: ``torch.ops.aten._weight_int8pack_mm``,
+  torch's own CPU kernel that reads the int8 weights directly (decode, short tails);
 * more rows: the weight is dequantized to the compute dtype for that call and multiplied by
-  oneDNN (prefill chunks); the int8 kernel does not block over rows and loses there
-  (measured: 1.6x faster than bf16 ``linear`` at 1 row, 1.4x slower at 8, far slower at
-  prefill sizes). The cut-off is the measured cross-over (docs/performance.md).
+  oneDNN/MKL (prefill chunks); the int8 kernel does not block over rows and loses there.
+
+Where the int8 kernel pays depends on the CPU (docs/performance.md): with bf16 activations
+on AVX-512 BF16 it was 1.6x faster than bf16 ``linear`` at 1 row and 1.4x slower at 8; with
+fp32 activations on an AVX2-only CPU it was 7-12x slower than fp32 ``linear`` at every row
+count from 1 to 32, so there ``--weights int8`` only halves the weights' memory and the
+dequantizing path runs always (slower; the loader warns).
 
 Both compute ``x @ (q * scale).T`` up to rounding, so cached and uncached runs agree to the
 same tolerance as in the compute dtype. The LM head is quantized too (a tied embedding is
@@ -29,14 +33,25 @@ import torch.nn.functional as F
 from torch import nn
 
 WEIGHT_MODES = ("full", "int8")
-# Rows up to which the int8 kernel beats dequantize + oneDNN (measured cross-over, bf16, 2 cores).
-INT8_KERNEL_MAX_ROWS = 4
+# Rows up to which the int8 kernel beats bf16 ``linear`` on AVX-512 BF16: faster at 1 row,
+# slower at 8 (measured); 4 lies between the two measurements.
+INT8_KERNEL_MAX_ROWS_BF16 = 4
+
+
+def int8_kernel_max_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """Rows up to which ``_weight_int8pack_mm`` is used; 0 where it was measured to lose."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return 0
+    return INT8_KERNEL_MAX_ROWS_BF16
 
 
 class WeightOnlyInt8Linear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.kernel_max_rows = int8_kernel_max_rows(scales.dtype, qweight.device)
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], compute dtype
         self.register_buffer("bias", bias)
@@ -52,7 +67,7 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and rows.device.type == "cpu":
+        if rows.shape[0] <= self.kernel_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
             if self.bias is not None:
                 out = out + self.bias
@@ -73,8 +88,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_model(model: Any, mode: str) -> int:
-    """Replace the model's linears by weight-only quantized ones, in place. Returns how many
-    were replaced (0 for ``full``)."""
+    """Replace the model's linears by weight-only quantized ones, in place (on the model's
+    final device: the kernel choice depends on it). Returns how many were replaced (0 for
+    ``full``)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
     if mode == "full":
