@@ -34,6 +34,7 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
+from kvcellar.engine.tokenization import encode_chat
 from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
 from kvcellar.storage.base import BlockSpec, KVTier
@@ -256,8 +257,8 @@ class Engine:
         self.blocks.on_evict = None
         steps = 0
         try:
-            filler = self.tokenizer.encode("kvcellar warms up every path before it serves. ",
-                                           add_special_tokens=False)
+            # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
+            filler = encode_chat(self.tokenizer, [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(self.max_model_len, self.pool_tokens // 4)
             for wave in warmup_waves(filler, self.block_size, limit):
                 before = self.stats["engine_steps"]
