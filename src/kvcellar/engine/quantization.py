@@ -14,7 +14,7 @@ Two kernels, picked per call by the number of rows (tokens in the step):
 
 Where the int8 kernel pays depends on the CPU (docs/performance.md): with bf16 activations
 on AVX-512 BF16 it was 1.6x faster than bf16 ``linear`` at 1 row and 1.4x slower at 8; with
-fp32 activations on an AVX2-only CPU it was 7-12x slower than fp32 ``linear`` at every row
+fp32 activations on an AVX2-only CPU it was 7-50x slower than fp32 ``linear`` at every row
 count from 1 to 32, so there ``--weights int8`` only halves the weights' memory and the
 dequantizing path runs always (slower; the loader warns).
 
