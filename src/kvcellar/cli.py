@@ -32,6 +32,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
+    p.add_argument("--weights", default=None, choices=["full", "int8"],
+                   help="full: weights in --dtype (default); int8: weight-only int8 linears, faster decode")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                   help="serve without first running every code path once (faster start, slower first request)")
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +69,7 @@ def load_settings(args: argparse.Namespace):
         "dtype": None if get("dtype") in (None, "auto") else get("dtype"),
         "device": None if get("device") in (None, "auto") else get("device"),
         **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
-                               "max_prefill_step_tokens", "max_model_len", "prefix_caching")},
+                               "max_prefill_step_tokens", "max_model_len", "prefix_caching", "warmup", "weights")},
     })
     disk = build_section(DiskSettings, file_values.get("disk", {}), {
         k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks", "ssd_flush_interval_s",

@@ -56,6 +56,12 @@ class EngineConfig:
     key_bytes: int = 32
     dtype: str = "auto"
     device: str = "auto"
+    # The server runs every code path once before /health turns 200 (engine/warmup.py), so
+    # the first request after a start pays no one-off costs.
+    warmup: bool = True
+    # full: weights in ``dtype``; int8: weight-only int8 linears (engine/quantization.py),
+    # half the bytes a decode step reads.
+    weights: str = "full"
 
 
 SSD_POLICIES = ("write_through", "evict_only", "off")

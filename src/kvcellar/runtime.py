@@ -51,7 +51,8 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
     the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
     if loaded is None:
         cfg = settings.engine
-        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir)
+        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir,
+                            weights=cfg.weights)
     engine = Engine(loaded, settings.engine)
     try:
         attach_disk_tier(engine, settings)

@@ -61,6 +61,9 @@ class StepMeta:
     decode: DecodeBatch | None
     prefills: list[PrefillSpan]
     _mask_cache: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    # Names of the attention code paths this step ran (recorded by layer 0): the runner counts
+    # paths a request runs for the first time, which warm-up exists to make zero.
+    paths: set[str] = field(default_factory=set)
 
     def span_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Bottom-right causal (and sliding-window) mask of span ``i``; None when plain causal."""
@@ -121,6 +124,7 @@ def paged_attention(
     _, n_q_heads, total, head_dim = query.shape
     n_kv_heads = key.shape[1]
     groups = n_q_heads // n_kv_heads
+    record = meta.paths.add if layer == 0 else _ignore
 
     pool.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
@@ -133,7 +137,9 @@ def paged_attention(
         k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
         # [Hq, n, D] -> [n, Hkv, groups, D]: query heads of one KV head act as query rows.
         qd = q[:, :n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask(window), scale=scaling)
+        mask = meta.decode_mask(window)
+        record("decode" if mask is None else "decode_masked")
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling)
         out[:n] = o.reshape(n, n_q_heads, head_dim)
 
     for i, span in enumerate(meta.prefills):
@@ -146,6 +152,7 @@ def paged_attention(
         if groups > 1 and n <= FOLD_GQA_MAX_QUERIES:
             # Short spans (the tail after a prefix hit): fold the query heads of each KV head
             # into the query rows, as for decode; a causal mask is repeated per head.
+            record("prefill_folded")
             folded = qp.reshape(1, n_kv_heads, groups * n, head_dim)
             if mask is None and n > 1:
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
@@ -155,14 +162,20 @@ def paged_attention(
             o = o.view(1, n_q_heads, n, head_dim)
         elif mask is not None and window is None and q.device.type == "cpu" and \
                 span.context - n >= SPLIT_MIN_PAST:
+            record("prefill_split")
             o = _chunk_over_past(qp, k, v, span.context - n, n_kv_heads, groups, scaling)
         else:
+            record("prefill_causal" if mask is None else "prefill_masked")
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scaling, enable_gqa=groups > 1,
             )
         out[span.start : span.start + n] = o[0].transpose(0, 1)
 
     return out[None], None
+
+
+def _ignore(_path: str) -> None:
+    pass
 
 
 def _chunk_over_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, n_kv_heads: int,

@@ -35,6 +35,8 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
+from kvcellar.engine.tokenization import encode_chat
+from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
 from kvcellar.storage.base import BlockSpec, KVTier
 
@@ -125,6 +127,8 @@ class Engine:
             "engine_generated_tokens": 0,
             "engine_steps": 0,
             "engine_step_seconds": 0.0,
+            "engine_warmup_steps": 0,  # steps ``warm_up`` ran before serving
+            "engine_warmup_seconds": 0.0,
         }
 
     # ---- public, any thread ---------------------------------------------------------------
@@ -249,6 +253,40 @@ class Engine:
             self.blocks.on_evict = self.lower.evicted
         self.lower.attach(tier, policy)
 
+    def warm_up(self) -> float:
+        """Run every code path a first request needs (``engine.warmup``) before ``start``, so
+        the first request after a start is not the one paying one-off costs. Leaves no trace:
+        its blocks are dropped, nothing reaches the lower tier, counters are restored (but
+        ``engine_warmup_*``). Returns the seconds it took."""
+        if self._thread is not None or self._seqs:
+            raise RuntimeError("warm up an idle engine before starting it")
+        t0 = time.perf_counter()
+        saved = [dict(self.stats), dict(self.scheduler.stats), dict(self.blocks.stats)]
+        lower, on_evict = self.lower, self.blocks.on_evict
+        self.lower = self.scheduler.lower = None  # warm-up blocks never reach the SSD
+        self.blocks.on_evict = None
+        steps = 0
+        try:
+            # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
+            filler = encode_chat(self.tokenizer, [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
+            limit = min(self.max_model_len, self.pool_tokens // 4)
+            for wave in warmup_waves(filler, self.block_size, limit):
+                before = self.stats["engine_steps"]
+                self.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
+                steps += int(self.stats["engine_steps"] - before)
+        finally:
+            self.blocks.evict_all()
+            self.lower = self.scheduler.lower = lower
+            self.blocks.on_evict = on_evict
+            for live, old in zip((self.stats, self.scheduler.stats, self.blocks.stats), saved, strict=True):
+                live.clear()
+                live.update(old)
+        self.runner.stats["runner_cold_paths"] = 0
+        seconds = time.perf_counter() - t0
+        self.stats["engine_warmup_steps"] = steps
+        self.stats["engine_warmup_seconds"] = seconds
+        return seconds
+
     def start(self) -> None:
         if self._thread is not None:
             return
@@ -315,6 +353,7 @@ class Engine:
             "engine_waiting": len(self.scheduler.waiting),
             "engine_loading": len(self.scheduler.loading),
             **self.scheduler.stats,
+            **self.runner.stats,
             **self.blocks.snapshot(),
             **(lower.snapshot() if lower is not None else {}),
         }
@@ -521,7 +560,7 @@ def default_engine(model: str | None = None, **config: Any) -> Engine:
     from kvcellar.engine.loader import load_model
 
     cfg = EngineConfig(**config)
-    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device), cfg)
+    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights), cfg)
 
 
 __all__ = ["Engine", "GenerationResult", "RequestHandle", "default_engine"]

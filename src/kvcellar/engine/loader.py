@@ -220,6 +220,7 @@ def load_model(
     cache_dir: str | os.PathLike[str] | None = None,
     artifacts: Any = None,
     progress: bool | None = None,
+    weights: str = "full",
 ) -> LoadedModel:
     """Resolve and load a model and its tokenizer.
 
@@ -233,7 +234,14 @@ def load_model(
     source digests are memoized there too. Without either, a GGUF is dequantized in memory on
     every load. An unusable cache dir (permissions, disk full) degrades to that, with a
     warning. ``progress``: show preparation progress bars (None: when stderr is a terminal).
+
+    ``weights``: ``full`` keeps the weights in ``dtype``; ``int8`` quantizes the linears
+    (``engine.quantization``) after loading; the mode becomes part of the weights identity.
     """
+    from kvcellar.engine.quantization import WEIGHT_MODES, int8_kernel_max_rows, quantize_model
+
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model)
@@ -266,6 +274,15 @@ def load_model(
             # It validated but doesn't load: drop it and prepare it again, once.
             lease.invalidate(f"failed to load: {exc}")
             lease = None
+
+    if weights != "full":
+        t0 = time.perf_counter()
+        quantize_model(hf_model, weights)
+        if int8_kernel_max_rows(torch_dtype, dev) == 0:
+            log.warning("--weights %s: no int8 kernel is faster than %s matmuls on this CPU; the weights take "
+                        "half the memory but are dequantized on every call (slower)", weights, torch_dtype)
+        weights_id += f"|weights={weights}"  # other weights, other KV
+        timings["quantize"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     tok_id = tokenizer_identity(tokenizer)

@@ -18,6 +18,11 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         self.block_size = pool.layout.block_size
+        # Attention paths run so far (see ``StepMeta.paths``). The first run of a path pays
+        # one-off costs (kernel selection, lazy imports, allocator growth); ``runner_cold_paths``
+        # counts paths first run by a request, i.e. after warm-up (``Engine.warm_up``).
+        self.paths_seen: set[str] = set()
+        self.stats: dict[str, float] = {"runner_cold_paths": 0}
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -87,4 +92,8 @@ class ModelRunner:
         """Float32 logits ``[n_sampled, vocab]``, in plan order (decodes, then prefills that sample)."""
         inputs, meta = self.build(plan)
         out = self.model(**inputs, use_cache=False, kvcellar_meta=meta)
+        if not meta.paths <= self.paths_seen:
+            new = meta.paths - self.paths_seen
+            self.paths_seen |= new
+            self.stats["runner_cold_paths"] += len(new)
         return out.logits[0].float()

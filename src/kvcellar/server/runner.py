@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from typing import Any
@@ -28,6 +29,8 @@ from kvcellar.runtime import build_engine
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
 from kvcellar.server.cli import build_settings
+
+log = logging.getLogger(__name__)
 
 # After the engine drained, how long uvicorn may take to flush the last responses.
 FLUSH_SECONDS = 5.0
@@ -49,6 +52,12 @@ def serve(args: argparse.Namespace, settings: Any) -> int:
     # Prepared weights come from (and go to) the artifact cache under the cache root; KV
     # blocks live below it too (the SSD tier).
     engine = build_engine(settings)
+    if settings.engine.warmup:
+        try:
+            seconds = engine.warm_up()
+            print(f"kvcellar: warmed up in {seconds:.2f} s", file=sys.stderr, flush=True)
+        except Exception:  # a speed-up only: serve anyway, the first request pays the one-off costs
+            log.exception("warm-up failed; serving without it")
     app = create_app(engine, server_cfg)
     uv_config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_config=None,
                                access_log=server_cfg.access_log, lifespan="on",

@@ -1,0 +1,73 @@
+"""Warm-up: the engine runs every attention path before serving and leaves no trace.
+
+"Cold" is counted, not timed: ``runner_cold_paths`` counts attention paths a request runs
+for the first time in the process (kernel selection and lazy set-up happen then)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcellar.engine import SamplingParams
+from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.tier import DiskTier
+from tests._models import assert_same_output, chat_ids, embedded, make_engine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
+SYSTEM = "You answer questions about tea, briefly and precisely, citing the steeping time. " * 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return embedded("float32")
+
+
+def first_requests(model) -> list[list[int]]:
+    """A fresh prompt, then the same system prompt with another question (a prefix hit with
+    a tail), then a batch of two."""
+    return [chat_ids(model, "How long for green tea?", SYSTEM),
+            chat_ids(model, "And for a black tea, how long exactly?", SYSTEM),
+            chat_ids(model, "Oolong?"), chat_ids(model, "White tea?")]
+
+
+def serve_first_requests(engine, model) -> list:
+    prompts = first_requests(model)
+    return [*engine.generate(prompts[:2], GREEDY), *engine.generate(prompts[2:], GREEDY)]
+
+
+def test_without_warmup_first_requests_run_cold_paths(model):
+    """The counter the server test relies on does move when nothing was warmed."""
+    engine = make_engine(model)
+    serve_first_requests(engine, model)
+    assert engine.snapshot()["runner_cold_paths"] > 0
+
+
+def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
+    engine = make_engine(model)
+    tier = DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+                    descriptor=engine.descriptor)
+    engine.attach_tier(tier, "write_through")
+    before = engine.snapshot()
+    try:
+        seconds = engine.warm_up()
+        after = engine.snapshot()
+        assert seconds > 0 and after["engine_warmup_steps"] >= 4
+        # every attention path the engine has was run
+        assert engine.runner.paths_seen >= {"prefill_causal", "prefill_split", "prefill_folded", "prefill_masked",
+                                            "decode", "decode_masked"}
+        # no trace: no blocks kept, nothing sent to the SSD, counters as before
+        assert after["kv_blocks_cached"] == 0 and after["kv_blocks_used"] == 0
+        assert not list(tmp_path.rglob("*.kvb"))
+        for key in ("engine_requests_total", "engine_steps", "kv_registered", "kv_lookup_hits", "sched_admitted"):
+            assert after[key] == before[key], key
+
+        warmed = serve_first_requests(engine, model)
+        assert engine.snapshot()["runner_cold_paths"] == 0
+        # the outputs are those of an engine that was not warmed
+        cold = serve_first_requests(make_engine(model, prefix_caching=False), model)
+        for got, ref in zip(warmed, cold, strict=True):
+            assert_same_output(got, ref)
+        assert warmed[1].num_cached_tokens > 0
+    finally:
+        engine.shutdown(timeout=10)
