@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig, KVTier
+from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig
 from kvcellar.storage.block_format import FORMAT_VERSION
 from tests.storage.helpers import (
     SPEC,
@@ -30,7 +30,6 @@ from tests.storage.helpers import (
 @pytest.mark.parametrize("async_writes", [True, False], ids=["async", "sync"])
 def test_store_lookup_load_bit_identical(tmp_path, open_tier, spec: BlockSpec, async_writes: bool) -> None:
     tier = open_tier(tmp_path, spec=spec, async_writes=async_writes)
-    assert isinstance(tier, KVTier)
     blocks = chain(12, spec)
     tier.store(blocks)
     assert tier.wait_idle(30)

@@ -9,7 +9,7 @@ definition over the tokens generated so far:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +39,6 @@ class SamplingParams:
     # Output must match this grammar (structured outputs, forced tool calls); each sequence
     # gets its own matcher state from it.
     grammar: Grammar | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for impossible values."""
