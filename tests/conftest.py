@@ -34,7 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterat
         yield ServerProcess.attach(external)
         return
     cache_dir: Path = tmp_path_factory.mktemp("kvcellar-server-cache")
-    proc = ServerProcess(cache_dir, models_dir=models_dir).start()
+    proc = ServerProcess(cache_dir, models_dir=models_dir, warmup=True).start()
     try:
         yield proc
     finally:

@@ -60,10 +60,12 @@ class ServerProcess:
 
     def __init__(self, cache_dir: Path, *extra_args: str, log_dir: Path | None = None,
                  env: dict[str, str] | None = None, api_key: str | None = None,
-                 models_dir: Path | None = None) -> None:
+                 models_dir: Path | None = None, warmup: bool = False) -> None:
         """``models_dir``: a prepared-model artifact folder shared between servers (linked
         as ``<cache_dir>/models``), so that only the first start of a session prepares the
-        model; KV caches stay separate."""
+        model; KV caches stay separate. ``warmup``: run the server's warm-up before ready;
+        off by default (it costs seconds per start and changes no output), on for the
+        session server, which tests/server/test_warmup.py checks."""
         self.cache_dir = Path(cache_dir)
         if models_dir is not None:
             link = self.cache_dir / "models"
@@ -73,6 +75,7 @@ class ServerProcess:
                 link.symlink_to(Path(models_dir).resolve(), target_is_directory=True)
         self.extra_args: Sequence[str] = extra_args
         self.api_key = api_key
+        self.warmup = warmup
         self.log_path = (log_dir or self.cache_dir) / "server.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -98,6 +101,8 @@ class ServerProcess:
             self.port = free_port()
             cmd = [*kvcellar_command(), "serve", "--port", str(self.port), "--cache-dir", str(self.cache_dir),
                    *DEFAULT_SERVE_ARGS, *self.extra_args]
+            if not self.warmup:
+                cmd.append("--no-warmup")
             if self.api_key:
                 cmd += ["--api-key", self.api_key]
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
