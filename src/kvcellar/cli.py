@@ -60,6 +60,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 
 def load_settings(args: argparse.Namespace):
     """Settings from defaults < config file < environment < flags (SPEC §8)."""
+    from kvcellar.artifacts.config import load_artifact_config
     from kvcellar.config import DiskSettings, EngineConfig, Settings, build_section, read_config_file, resolve_cache_dir
     from kvcellar.storage.remote.config import RemoteSettings
 
@@ -77,12 +78,14 @@ def load_settings(args: argparse.Namespace):
     disk.validate()
     remote = build_section(RemoteSettings, file_values.get("remote", {}), remote_cli_values(args))
     remote.validate()
+    artifacts = load_artifact_config(file_values.get("artifacts", {}))
     if not engine.prefix_caching:
         disk.ssd_policy = "off"
         remote.remote_url = ""
     model = get("model") or file_values.get("model")
     return Settings(model=model, cache_dir=resolve_cache_dir(get("cache_dir") or file_values.get("cache_dir")),
-                    engine=engine, disk=disk, remote=remote, sections={"file": file_values})
+                    engine=engine, disk=disk, remote=remote, artifacts=artifacts,
+                    sections={"file": file_values})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -13,9 +13,12 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcellar.storage.remote.config import RemoteSettings
+
+if TYPE_CHECKING:
+    from kvcellar.artifacts.config import ArtifactConfig
 
 DEFAULT_CACHE_DIR = Path("~/.cache/kvcellar")
 
@@ -111,6 +114,12 @@ class DiskSettings:
         )
 
 
+def _default_artifacts() -> ArtifactConfig:
+    from kvcellar.artifacts.config import ArtifactConfig  # artifacts.config builds on this module
+
+    return ArtifactConfig()
+
+
 @dataclass
 class Settings:
     """Everything a running kvcellar needs, merged from defaults, file, env and flags."""
@@ -120,6 +129,7 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     disk: DiskSettings = field(default_factory=DiskSettings)
     remote: RemoteSettings = field(default_factory=RemoteSettings)
+    artifacts: ArtifactConfig = field(default_factory=_default_artifacts)
     sections: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -170,7 +180,8 @@ def env_overrides(obj: Any, prefix: str = "KVCELLAR_") -> dict[str, str]:
 
 
 def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[remote]``, ``[server]``."""
+    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[remote]``, ``[server]``,
+    ``[artifacts]``."""
     if path is None:
         path = os.environ.get("KVCELLAR_CONFIG")
     if not path:

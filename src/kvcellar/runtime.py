@@ -7,10 +7,14 @@ the benchmarks all build through ``build_engine``.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
 from kvcellar.engine.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from kvcellar.artifacts import ArtifactCache
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +50,28 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
     log.info("remote tier %r attached (%s)", tier, remote.remote_policy)
 
 
+def open_artifacts(settings: Settings) -> ArtifactCache | None:
+    """The model artifact cache under the cache root, opened with the ``[artifacts]``
+    settings; None when they turn it off or the directory is unusable (the loader then
+    prepares a GGUF in memory, with a warning)."""
+    from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
+
+    if not settings.artifacts.enabled:
+        log.info("model artifact cache off ([artifacts] enabled = false)")
+        return None
+    try:
+        return ArtifactCache.open(settings.cache_dir, settings.artifacts)
+    except ArtifactStoreError as exc:
+        log.warning("model artifact cache disabled for this run: %s", exc)
+        return None
+
+
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
     """Load the model (through the artifact cache under the cache root) unless given, build
     the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
     if loaded is None:
         cfg = settings.engine
-        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, cache_dir=settings.cache_dir,
+        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, artifacts=open_artifacts(settings),
                             weights=cfg.weights)
     engine = Engine(loaded, settings.engine)
     try:
