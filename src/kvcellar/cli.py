@@ -53,7 +53,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between flushes of access times (default 1)")
     p.add_argument("--disk-cache-gb", type=float, default=None, help="SSD tier byte limit, GiB (default 20)")
     p.add_argument("--disk-min-free-gb", type=float, default=None,
-                   help="free space the SSD tier always leaves on the filesystem, GiB (default 1)")
+                   help="free space the SSD tier always leaves on the filesystem, GiB (default: "
+                        "min(1, 5%% of the filesystem's size)); if it leaves no room for a block, start-up "
+                        "warns and /health shows the ssd state no_space")
     p.add_argument("--ssd-ttl-days", type=float, default=None, help="drop blocks unused this long (default 7)")
     add_remote_args(p)
 

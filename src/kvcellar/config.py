@@ -84,7 +84,9 @@ class DiskSettings:
     ssd_queue_blocks: int = 256
     ssd_flush_interval_s: float = 1.0
     disk_cache_gb: float = 20.0
-    disk_min_free_gb: float = 1.0
+    # Free space the tier always leaves on the filesystem. None (default): min(1 GiB, 5 % of
+    # the filesystem), so a small cache filesystem still gets a cache.
+    disk_min_free_gb: float | None = None
     ssd_ttl_days: float = 7.0
     ssd_prune_interval_s: float = 600.0
     ssd_io_threads: int = 8
@@ -94,7 +96,7 @@ class DiskSettings:
             raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.ssd_policy!r}")
         if self.ssd_durability not in ("best_effort", "persistent"):
             raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
-        if self.disk_cache_gb < 0 or self.disk_min_free_gb < 0 or self.ssd_ttl_days <= 0:
+        if self.disk_cache_gb < 0 or (self.disk_min_free_gb or 0) < 0 or self.ssd_ttl_days <= 0:
             raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
 
     def to_tier_config(self) -> Any:
@@ -107,7 +109,7 @@ class DiskSettings:
             queue_blocks=self.ssd_queue_blocks,
             flush_interval_s=self.ssd_flush_interval_s,
             capacity_bytes=int(self.disk_cache_gb * (1 << 30)),
-            min_free_bytes=int(self.disk_min_free_gb * (1 << 30)),
+            min_free_bytes=None if self.disk_min_free_gb is None else int(self.disk_min_free_gb * (1 << 30)),
             ttl_s=self.ssd_ttl_days * 86400.0,
             prune_interval_s=self.ssd_prune_interval_s,
             io_threads=self.ssd_io_threads,

@@ -324,6 +324,45 @@ def test_cancel_while_loading_frees_blocks_after_the_read(model, uncached, tmp_p
     engine.shutdown(30)
 
 
+def test_several_damaged_blocks_of_a_prompt_are_all_rewritten(model, uncached, tmp_path):
+    """Issue 14, F5: the first damaged block of the prompt is a miss and the prompt is
+    recomputed from there; the damaged blocks after it (never read) are checked when the
+    recomputed chain is stored and rewritten, so afterwards every file is valid."""
+    # Long enough that the reader threads (8) stop the load before reaching the later victims.
+    diff = "".join(f"+    refund_{i} = charge_{i}.amount - fee_{i}\n" for i in range(40))
+    prompt = ask(model, "Review: refunds are issued in the original currency.\n" + diff)
+    first = tiered(model, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.shutdown(30)
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    chain = block_digests(root_digest(first.fingerprint), prompt, BS)
+    files_by_key = {p.stem: p for p in block_files(tmp_path)}
+    n = len(prompt) // BS
+    victims = [2, n // 2, n // 2 + 1, n - 2]
+    assert n >= 30
+    for v in victims:
+        _flip_payload_byte(files_by_key[chain[v].hex()])
+
+    second = tiered(model, tmp_path)
+    result = second.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == victims[0] * BS
+    assert_same_output(result, uncached(prompt))
+    assert second.lower.tiers[0].tier.wait_idle(30)
+    (rep,) = maintenance.verify_cache(tmp_path, delete=False)
+    assert rep.bad == {} and rep.ok == rep.checked, rep.as_dict()
+    stats = second.snapshot()
+    assert stats["ssd_corrupt_total"] == 4, {k: v for k, v in stats.items() if "corrupt" in k or "store" in k}
+    assert all(chain[v].hex() in {p.stem for p in block_files(tmp_path)} for v in victims)
+    second.shutdown(30)
+
+    third = tiered(model, tmp_path)  # and the whole prompt is served from disk again
+    again = third.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    assert_same_output(again, uncached(prompt))
+    third.shutdown(30)
+
+
 def test_settings_attach_the_tier_with_its_policy(model, tmp_path):
     engine = make_engine(model)
     settings = Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="evict_only", disk_min_free_gb=0))

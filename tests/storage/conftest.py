@@ -7,7 +7,6 @@ import contextlib
 import fcntl
 import os
 import struct
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig
+from tests.mounts import Mount, mount_tmpfs, run, unmount
 from tests.storage.helpers import SPEC
 
 
@@ -34,25 +34,6 @@ def open_tier() -> Iterator[Callable[..., DiskTier]]:
         t.close(10)
 
 
-def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
-class Mount:
-    """A real filesystem mounted for one test."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def remount(self, mode: str) -> None:
-        r = _run("mount", "-o", f"remount,{mode}", str(self.path))
-        assert r.returncode == 0, r.stderr
-
-    def statvfs_free(self) -> int:
-        st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize
-
-
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
     """``tmpfs(size="4m", nr_inodes=None)`` mounts a size-limited tmpfs."""
@@ -60,19 +41,15 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
 
     def make(size: str = "4m", nr_inodes: int | None = None) -> Mount:
         mnt = tmp_path / f"tmpfs{len(mounted)}"
-        mnt.mkdir()
-        opts = f"size={size}" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
-        r = _run("mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt))
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+        m = mount_tmpfs(mnt, size, nr_inodes)
+        if isinstance(m, str):
+            pytest.skip(m)
         mounted.append(mnt)
-        return Mount(mnt)
+        return m
 
     yield make
     for mnt in mounted:
-        _run("mount", "-o", "remount,rw", str(mnt))
-        if _run("umount", str(mnt)).returncode != 0:
-            _run("umount", "-l", str(mnt))
+        unmount(mnt)
 
 
 _EXT4_IOC_SHUTDOWN = 0x8004587D
@@ -94,9 +71,9 @@ class Ext4Mount(Mount):
 
     def remount_image(self) -> None:
         """Unmount and mount the image again (the disk "came back")."""
-        r = _run("umount", str(self.path))
+        r = run("umount", str(self.path))
         assert r.returncode == 0, r.stderr
-        r = _run("mount", "-o", "loop", str(self.image), str(self.path))
+        r = run("mount", "-o", "loop", str(self.image), str(self.path))
         assert r.returncode == 0, r.stderr
 
 
@@ -111,10 +88,10 @@ def ext4_loop(tmp_path: Path) -> Iterator[Callable[[], Ext4Mount]]:
         mnt.mkdir()
         with open(img, "wb") as f:
             f.truncate(64 << 20)
-        r = _run("mkfs.ext4", "-q", "-F", str(img))
+        r = run("mkfs.ext4", "-q", "-F", str(img))
         if r.returncode != 0:
             pytest.skip(f"mkfs.ext4 unavailable: {r.stderr.strip()}")
-        r = _run("mount", "-o", "loop", str(img), str(mnt))
+        r = run("mount", "-o", "loop", str(img), str(mnt))
         if r.returncode != 0:
             pytest.skip(f"cannot loop-mount ext4 here: {r.stderr.strip()}")
         state["mnt"], state["img"] = mnt, img
@@ -123,5 +100,5 @@ def ext4_loop(tmp_path: Path) -> Iterator[Callable[[], Ext4Mount]]:
     yield make
     if "mnt" in state:
         with contextlib.suppress(Exception):
-            if _run("umount", str(state["mnt"])).returncode != 0:
-                _run("umount", "-l", str(state["mnt"]))
+            if run("umount", str(state["mnt"])).returncode != 0:
+                run("umount", "-l", str(state["mnt"]))

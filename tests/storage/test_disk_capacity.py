@@ -3,10 +3,13 @@ filesystem, TTL pruning on the timer, eviction racing concurrent reads."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
 
+from kvcellar.config import DiskSettings
+from kvcellar.server.metrics import TIER_STATES
 from kvcellar.storage.block_format import file_size_for
 from kvcellar.storage.disk import maintenance
 from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
@@ -98,7 +101,8 @@ def test_block_larger_than_capacity_is_dropped(tmp_path, open_tier) -> None:
     tier = open_tier(tmp_path, async_writes=False, capacity_bytes=FILE - 1)
     tier.store([block(0)])
     assert tier.stats()["ssd_dropped_capacity"] == 1 and not files(tmp_path, ".kvb")
-    assert tier.health()["state"] == "ok"
+    h = tier.health()
+    assert h["state"] == "no_space" and "byte limit" in h["ssd"]["no_space"]  # not a fault, but said
 
 
 def test_free_space_floor_on_a_small_tmpfs(tmpfs, open_tier) -> None:
@@ -130,7 +134,8 @@ def test_free_space_floor_on_a_small_tmpfs(tmpfs, open_tier) -> None:
     greedy.store([block(501, SPEC_BIG)])
     s = greedy.stats()
     assert s["ssd_dropped_no_space"] == 1 and s["ssd_stored_blocks"] == 0
-    assert greedy.health()["state"] == "ok"  # a full disk is a capacity decision, not a fault
+    # A full disk is a capacity decision, not a fault; a floor that leaves no room is said.
+    assert greedy.health()["state"] == "no_space" and greedy.health()["last_error"] is None
     assert not files(fs.path, ".tmp")
 
 
@@ -211,3 +216,42 @@ def test_eviction_racing_concurrent_reads(tmp_path, open_tier) -> None:
     s = tier.stats()
     assert s["ssd_evicted_blocks"] > 0, "the race was not exercised"
     assert s["ssd_corrupt_total"] == 0 and s["ssd_pinned_blocks"] == 0
+
+
+def test_default_floor_is_relative_to_a_small_filesystem(tmpfs, open_tier) -> None:
+    """Issue 14, F2: the default floor is min(1 GiB, 5 % of the filesystem). A fixed 1 GiB
+    floor switched the tier off on any smaller filesystem while it said "ok"."""
+    fs = tmpfs("4m")
+    tier = open_tier(fs.path, spec=SPEC_BIG, async_writes=False)  # the default floor
+    assert tier.wait_scanned(30)
+    fs_bytes = os.statvfs(fs.path).f_blocks * os.statvfs(fs.path).f_frsize
+    blocks = chain(150, SPEC_BIG)  # more than the filesystem holds
+    for i in range(0, 150, 10):
+        tier.store(blocks[i:i + 10])
+        assert fs.statvfs_free() >= int(fs_bytes * 0.05)
+    s = tier.stats()
+    assert s["ssd_stored_blocks"] > 0 and s["ssd_evicted_blocks"] > 0 and s["ssd_write_errors"] == 0
+    assert tier.lookup([b.key for b in blocks[-3:]]) == 3
+    h = tier.health()
+    assert h["state"] == "ok" and h["ssd"]["min_free_bytes"] == int(fs_bytes * 0.05)
+
+
+def test_floor_larger_than_the_filesystem_is_reported(tmpfs, open_tier, caplog) -> None:
+    """Issue 14, F2: a floor that leaves no room for a block is said at start-up and in
+    health (state "no_space"), not silently obeyed under "ok"."""
+    caplog.set_level(logging.WARNING, logger="kvcellar.storage.disk")
+    fs = tmpfs("4m")
+    tier = open_tier(fs.path, spec=SPEC_BIG, async_writes=False, min_free_bytes=1 << 30)
+    warnings = [r.getMessage() for r in caplog.records if "will store nothing" in r.getMessage()]
+    assert len(warnings) == 1 and "free-space floor (1.0 GiB" in warnings[0], warnings
+    tier.store(chain(3, SPEC_BIG))
+    assert tier.stats()["ssd_dropped_no_space"] == 3 and not files(fs.path, ".kvb")
+    h = tier.health()
+    assert h["state"] == "no_space" and h["last_error"] is None
+    assert "floor" in h["ssd"]["no_space"] and h["ssd"]["min_free_bytes"] == 1 << 30
+    assert "no_space" in TIER_STATES  # /metrics exports it as kvcellar_tier_state
+
+
+def test_settings_default_to_the_relative_floor() -> None:
+    assert DiskSettings().to_tier_config().min_free_bytes is None
+    assert DiskSettings(disk_min_free_gb=0.5).to_tier_config().min_free_bytes == 1 << 29

@@ -9,10 +9,11 @@ import logging
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 
-from tests.storage.helpers import bits_equal, block, chain, files, load_request, wait_until
+from tests.storage.helpers import SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
 
 # Small filesystems: no free-space floor; back off and probe quickly so recovery is observable.
 FAST_RECOVERY = {"fault_backoff_initial_s": 0.01, "fault_backoff_max_s": 0.05, "probe_interval_s": 0.02,
@@ -187,3 +188,82 @@ def test_retries_are_bounded_then_the_fault_is_reported(tmpfs, open_tier) -> Non
     s = tier.stats()
     assert s["writer_retries"] == 2 and s["writer_retry_final_fail"] == 1 and s["ssd_write_errors"] == 1
     assert tier.health()["state"] == "degraded" and "ENOSPC" in tier.health()["last_error"]
+
+
+def _fill(tier, fs, spec) -> None:
+    """Store blocks until making room needs evictions: the filesystem is full."""
+    i = 0
+    while tier.stats()["ssd_evicted_blocks"] == 0:
+        assert i < 1000, "the filesystem never filled"
+        tier.store(chain(10, spec, seed=7, start=i))
+        assert tier.wait_idle(30)
+        i += 10
+
+
+def test_full_disk_remounted_read_only_is_degraded(tmpfs, open_tier, caplog) -> None:
+    """Issue 14, F1: on a full filesystem every write must first delete (evict). When the
+    deletes fail (EROFS), the tier is degraded with that error, not "ok"."""
+    caplog.set_level(logging.INFO, logger="kvcellar.storage.disk")
+    fs = tmpfs("4m")
+    tier = open_tier(fs.path, spec=SPEC_BIG, async_writes=False, min_free_bytes=0)
+    assert tier.wait_scanned(30)
+    _fill(tier, fs, SPEC_BIG)
+    assert tier.health()["state"] == "ok" and tier.stats()["ssd_write_errors"] == 0
+
+    fs.remount("ro")
+    tier.store(chain(5, SPEC_BIG, seed=8))  # making room fails: the unlink answers EROFS
+    s, h = tier.stats(), tier.health()
+    assert h["state"] == "degraded" and "EROFS" in str(h["last_error"]), h
+    assert s["ssd_delete_errors"] >= 1 and s.get("ssd_delete_errors_erofs") == s["ssd_delete_errors"]
+    assert s["writer_dropped_backoff"] >= 1  # the rest backs off instead of failing one by one
+    assert len(_fault_warnings(caplog)) == 1
+
+    fs.remount("rw")
+    assert wait_until(lambda: tier.health()["state"] == "ok", timeout=60)
+    after = chain(3, SPEC_BIG, seed=9)
+    tier.store(after)
+    assert tier.lookup([b.key for b in after]) == 3
+    assert not files(fs.path, ".tmp")
+
+
+def test_recovery_after_a_long_read_only_episode(tmpfs, open_tier) -> None:
+    """Issue 14, F3, with the production back-off settings: failed probes do not lengthen
+    the back-off (they used to double it towards 60 s, so recovery waited ~15 s after the
+    fault cleared), probes keep running while writes back off, and once the filesystem is
+    writable the tier is "ok" and stores again."""
+    fs = tmpfs("8m")
+    tier = open_tier(fs.path, min_free_bytes=0)
+    cfg = tier.config
+    tier.store(chain(4))
+    assert tier.wait_idle(30)
+
+    fs.remount("ro")
+    tier.store(chain(4, start=50))  # one failed write starts the episode
+    assert tier.wait_idle(30)
+    assert tier.health()["state"] == "degraded"
+    backoffs: list[float] = []
+
+    def long_episode() -> bool:
+        backoffs.append(tier.health()["ssd"]["write_backoff_s"])
+        return tier.stats()["ssd_probe_failures"] >= 3
+
+    assert wait_until(long_episode, timeout=120)
+    s = tier.stats()
+    assert s["ssd_write_errors"] == 1  # probes are not counted as errors of blocks
+    # Only the one failed write set the back-off; three failed probes did not extend it.
+    assert max(backoffs) <= cfg.fault_backoff_initial_s, max(backoffs)
+
+    fs.remount("rw")
+    t0 = time.monotonic()
+    after = chain(4, start=100)
+
+    def writing_again() -> bool:
+        if tier.health()["state"] != "ok":
+            return False
+        tier.store(after)
+        tier.wait_idle(30)
+        return tier.lookup([b.key for b in after]) == 4
+
+    assert wait_until(writing_again, timeout=60)
+    print(f"recovered and storing {time.monotonic() - t0:.2f}s after the remount "
+          f"(probe interval {cfg.probe_interval_s}s)")

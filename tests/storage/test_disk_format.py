@@ -49,6 +49,7 @@ def test_header_sizes_stay_page_aligned() -> None:
 @pytest.mark.parametrize(("offset", "value", "reason"), [
     (0, b"X", "magic"), (8, b"\x07", "version"), (60, b"\x01", "header_checksum"),
     (12, b"\x00\x00\x00\x00", "geometry"),
+    (fmt.FIXED_SIZE + 4 * 16 + 4, b"\x01", "padding"), (4095, b"\xff", "padding"),
 ])
 def test_header_checks(offset: int, value: bytes, reason: str) -> None:
     buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 1, 2)
@@ -84,3 +85,18 @@ def test_read_bandwidth_probe(tmp_path, tmpfs) -> None:
     fs = tmpfs("16m")  # tmpfs accepts O_DIRECT since Linux 6.6; older kernels take the fadvise path
     bw = measure_read_bandwidth_detailed(fs.path, 4 << 20)
     assert bw.method in ("o_direct", "fadvise_dontneed") and bw.nbytes == 4 << 20 and bw.bytes_per_s > 0
+
+
+def test_padding_is_checked_without_a_new_format_version() -> None:
+    """Issue 14, F4: requiring zero padding keeps every file a version-2 writer made
+    valid (it always wrote zeros), so FORMAT_VERSION stays 2; another version is still
+    refused by the header check (a miss, never served)."""
+    assert fmt.FORMAT_VERSION == 2
+    buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 1, 2)
+    fmt.decode_header(buf)
+    fmt.decode_header(buf[:fmt.FIXED_SIZE + 4 * 16 + 4])  # a caller that read less checks what it has
+    older = bytearray(buf)
+    struct.pack_into("<H", older, 8, 1)
+    with pytest.raises(fmt.HeaderError) as e:
+        fmt.decode_header(older)
+    assert e.value.reason == "version"

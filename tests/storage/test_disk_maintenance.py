@@ -66,6 +66,20 @@ def test_verify_deletes_bad_blocks(populated) -> None:
     assert again["alpha-v2"].ok == 5 and not again["alpha-v2"].bad
 
 
+def test_verify_finds_a_flip_in_the_header_padding(tmp_path, open_tier) -> None:
+    """Issue 14, F4: ``cache verify`` reports a non-zero byte in the header padding."""
+    root = kv_root(tmp_path)
+    tier = open_tier(root, async_writes=False)
+    tier.store(chain(3))
+    tier.close(10)
+    victim = files(root, ".kvb")[1]
+    with open(victim, "r+b") as f:
+        f.seek(header_size_for(16) - 7)
+        f.write(b"\x04")
+    (rep,) = maintenance.verify_cache(root, delete=False)
+    assert (rep.checked, rep.ok, rep.bad) == (3, 2, {"padding": 1})
+
+
 def test_prune_ttl_capacity_and_orphans(populated) -> None:
     cache_dir, _ = populated
     root = kv_root(cache_dir)

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 TIER_OF_PREFIX = {"kv": "ram", "ssd": "ssd", "writer": "ssd", "remote": "remote"}
 
 # Every state a tier can report; the current one is exported as 1, the others as 0.
-TIER_STATES = ("ok", "degraded")
+TIER_STATES = ("ok", "degraded", "no_space")
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 

@@ -200,6 +200,7 @@ def tier_health(
     name: str,
     *,
     degraded: bool,
+    no_space: bool = False,
     last_error: str | None,
     last_error_time: float | None,
     writer_queue_depth: int,
@@ -210,11 +211,13 @@ def tier_health(
     """The one shape of ``KVTier.health()``: generic keys that callers may rely on
     for any tier, and ``detail`` under the tier's ``name``.
 
-    ``state`` is "ok" or "degraded" (faults in progress; the tier misses and drops
-    instead of failing); ``last_shutdown_clean`` is None for tiers that keep no
-    state of their own across restarts."""
+    ``state`` is "ok", "degraded" (faults in progress; the tier misses and drops
+    instead of failing) or "no_space" (no fault, but its limits leave no room to
+    store one block: it serves what it holds and stores nothing); a fault wins
+    over no_space. ``last_shutdown_clean`` is None for tiers that keep no state
+    of their own across restarts."""
     return {
-        "state": "degraded" if degraded else "ok",
+        "state": "degraded" if degraded else "no_space" if no_space else "ok",
         "last_error": last_error,
         "last_error_time": last_error_time,
         "writer_queue_depth": writer_queue_depth,

@@ -4,7 +4,10 @@ Shared by the tiers (disk: OS errors; remote: connection errors, timeouts, OOM).
 An episode starts with the first fault after a success and ends with the next
 success (a block written or read, or a probe write). While a write episode is
 backing off, writes are dropped without touching the disk; the delay doubles
-per fault up to a maximum and resets after a real block write succeeds.
+per fault of a real operation up to a maximum and resets after a real block
+write succeeds. A failed probe changes neither the back-off nor the counters:
+probes run on their own short interval, so the episode ends within one probe
+interval of the fault clearing however long it lasted (issue 14, F3).
 """
 
 from __future__ import annotations
@@ -60,13 +63,16 @@ class FaultTracker:
         self._last_log = -_RELOG_AFTER_S
         self._last_logged_error = ""
 
-    def failure(self, exc: BaseException, what: str, *, count: bool = True) -> None:
-        """Record a fault. ``count=False`` for probes: they extend the
-        back-off and the episode but are not errors of real blocks."""
+    def failure(self, exc: BaseException, what: str, *, probe: bool = False, counter: str | None = None) -> None:
+        """Record a fault. ``probe=True``: it keeps the episode going (and its last
+        error current) but is not an error of a real block and does not lengthen the
+        back-off. ``counter``: the counter prefix (default ``op``; e.g. "delete" for a
+        failed unlink, which is a fault of the write direction)."""
         name = error_name(exc)
-        if count:
-            self._counters.inc(f"{self.op}_errors")
-            self._counters.inc(f"{self.op}_errors_{name.lower()}")
+        if not probe:
+            prefix = counter or self.op
+            self._counters.inc(f"{prefix}_errors")
+            self._counters.inc(f"{prefix}_errors_{name.lower()}")
         now = time.monotonic()
         with self._lock:
             first = not self._in_episode
@@ -74,7 +80,7 @@ class FaultTracker:
             self._episode_faults += 1
             self._last_error = f"{self.op} {what}: {name}: {exc}"
             self._last_error_time = time.time()
-            if self._initial > 0:
+            if self._initial > 0 and not probe:
                 self._backoff_until = now + self._delay
                 self._delay = min(self._delay * 2, self._max)
             log = first and (now - self._last_log >= _RELOG_AFTER_S or name != self._last_logged_error)

@@ -4,8 +4,14 @@ chain first (BlockTable evicts leaves only).
 
 ``make_room`` runs before every write; ``enforce`` and ``prune_ttl`` run on the
 maintenance timer. The byte limit counts file sizes (header + payload) of the
-blocks this process knows of; the floor is read from ``statvfs`` each time, so
+blocks this process knows of; free space is read from ``statvfs`` each time, so
 it also reflects other processes and other files on the filesystem.
+
+The floor is ``min_free_bytes`` when given, else min(1 GiB, 5 % of the
+filesystem): a fixed 1 GiB floor silently switched the tier off on a
+filesystem smaller than that (issue 14, F2). ``no_space_reason`` says when the
+limits leave no room for a single block even after evicting everything this
+tier holds: the tier then reports the state "no_space" instead of "ok".
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ from pathlib import Path
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.table import BlockTable
 
+AUTO_FLOOR_MAX_BYTES = 1 << 30
+AUTO_FLOOR_FRACTION = 0.05
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
 
 class CapacityGuard:
     """Stateless apart from its collaborators; thread-safe because BlockTable is."""
@@ -26,7 +42,7 @@ class CapacityGuard:
         table: BlockTable,
         fs_path: Path,
         capacity_bytes: int,
-        min_free_bytes: int,
+        min_free_bytes: int | None,
         ttl_s: float,
         unlink: Callable[[bytes], bool],
         counters: Counters,
@@ -39,12 +55,51 @@ class CapacityGuard:
         self._unlink = unlink
         self._c = counters
 
-    def free_bytes(self) -> int | None:
+    def _statvfs(self) -> tuple[int, int] | None:
+        """(free bytes for us, filesystem size), or None if it cannot be read."""
         try:
             st = os.statvfs(self._fs_path)
         except OSError:
             return None
-        return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+    def free_bytes(self) -> int | None:
+        st = self._statvfs()
+        return None if st is None else st[0]
+
+    def _floor(self, fs_bytes: int) -> int:
+        if self.min_free_bytes is not None:
+            return self.min_free_bytes
+        return min(AUTO_FLOOR_MAX_BYTES, int(fs_bytes * AUTO_FLOOR_FRACTION))
+
+    def floor_bytes(self) -> int | None:
+        """The free-space floor in force (None: the filesystem cannot be read)."""
+        st = self._statvfs()
+        return None if st is None else self._floor(st[1])
+
+    def _free_and_floor(self) -> tuple[int, int] | None:
+        st = self._statvfs()
+        return None if st is None else (st[0], self._floor(st[1]))
+
+    def no_space_reason(self, nbytes: int) -> str | None:
+        """Why no block of ``nbytes`` can be written even after evicting every block this
+        tier holds, or None if one can (or the filesystem cannot be read)."""
+        if self.capacity_bytes < nbytes:
+            return (f"the byte limit ({_size(self.capacity_bytes)}, --disk-cache-gb) is smaller than one block "
+                    f"({_size(nbytes)})")
+        st = self._statvfs()
+        if st is None:
+            return None
+        free, fs_bytes = st
+        floor = self._floor(fs_bytes)
+        if floor + nbytes > fs_bytes:
+            return (f"the free-space floor ({_size(floor)}, --disk-min-free-gb) leaves no room for one block "
+                    f"on a filesystem of {_size(fs_bytes)}")
+        ours = self._table.total_bytes
+        if free + ours < floor + nbytes:
+            return (f"{_size(free)} free is below the free-space floor ({_size(floor)}, --disk-min-free-gb) "
+                    f"plus one block, even after evicting the {_size(ours)} this tier holds")
+        return None
 
     def _evict(self, need: int, keep_chain_of: bytes | None = None) -> None:
         n, freed = self._table.evict(need, self._unlink, keep_chain_of=keep_chain_of)
@@ -52,35 +107,42 @@ class CapacityGuard:
             self._c.inc("evicted_blocks", n)
             self._c.inc("evicted_bytes", freed)
 
-    def make_room(self, nbytes: int, parent: bytes | None = None, *, may_evict: bool = True) -> bool:
+    def make_room(self, nbytes: int, parent: bytes | None = None, *, may_evict: bool = True,
+                  count: bool = True) -> bool:
         """Evict until a write of ``nbytes`` fits under the byte limit and
-        above the free-space floor. False (counted) if it cannot. ``parent``:
-        the chain the new block continues, which eviction must not cut (a chain
-        longer than the space is truncated at its tail, never orphaned).
-        ``may_evict=False``: only free space will do."""
+        above the free-space floor. False (counted unless ``count=False``, for
+        writes that are not blocks) if it cannot. ``parent``: the chain the new
+        block continues, which eviction must not cut (a chain longer than the
+        space is truncated at its tail, never orphaned). ``may_evict=False``:
+        only free space will do."""
         over = self._table.total_bytes + nbytes - self.capacity_bytes
         if over > 0 and not may_evict:
-            self._c.inc("dropped_capacity")
+            self._count("dropped_capacity", count)
             return False
         if over > 0:
             self._evict(over, parent)
             if self._table.total_bytes + nbytes > self.capacity_bytes:
-                self._c.inc("dropped_capacity")
+                self._count("dropped_capacity", count)
                 return False
-        free = self.free_bytes()
-        if free is None:
+        ff = self._free_and_floor()
+        if ff is None:
             return True  # cannot tell; the write itself will report a fault
-        deficit = self.min_free_bytes + nbytes - free
+        free, floor = ff
+        deficit = floor + nbytes - free
         if deficit > 0 and not may_evict:
-            self._c.inc("dropped_no_space")
+            self._count("dropped_no_space", count)
             return False
         if deficit > 0:
             self._evict(deficit, parent)
-            free = self.free_bytes()
-            if free is not None and self.min_free_bytes + nbytes > free:
-                self._c.inc("dropped_no_space")
+            ff = self._free_and_floor()
+            if ff is not None and ff[1] + nbytes > ff[0]:
+                self._count("dropped_no_space", count)
                 return False
         return True
+
+    def _count(self, name: str, count: bool) -> None:
+        if count:
+            self._c.inc(name)
 
     def enforce(self) -> None:
         """Bring the namespace back under both limits (limits may have been
@@ -88,9 +150,9 @@ class CapacityGuard:
         over = self._table.total_bytes - self.capacity_bytes
         if over > 0:
             self._evict(over)
-        free = self.free_bytes()
-        if free is not None and free < self.min_free_bytes:
-            self._evict(self.min_free_bytes - free)
+        ff = self._free_and_floor()
+        if ff is not None and ff[0] < ff[1]:
+            self._evict(ff[1] - ff[0])
 
     def prune_ttl(self, now_ns: int) -> int:
         n, freed = self._table.expire(now_ns - int(self.ttl_s * 1e9), self._unlink)

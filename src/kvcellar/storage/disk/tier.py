@@ -8,6 +8,7 @@ Composition (one file per concept beside this one):
   capacity.py  byte limit, free-space floor, TTL
   recovery.py  the reconciliation scan (start-up and periodic)
   sessions.py  live/dead openers and last_shutdown_clean
+  suspects.py  blocks after a corrupt one in its chain: checked when stored again
   faults.py    fault episodes, logging once, back-off
 
 Threads (all named, none daemon):
@@ -15,6 +16,13 @@ Threads (all named, none daemon):
   kvcellar-disk-reader-<ns>-<i> reads load batches
   kvcellar-disk-maint-<ns>      start-up scan, then a timer: access-time flush,
                                 rescan + TTL prune + capacity, fault probes
+
+Faults: a failed write, delete (eviction, corrupt block) or probe puts the
+write direction in a fault episode: ``health()`` says "degraded" with the last
+error until a write or a probe succeeds. Probes run every ``probe_interval_s``
+during an episode. ``health()`` says "no_space" when the byte limit or the
+free-space floor leaves no room for one block even after evicting every block
+this tier holds (also logged at start-up).
 
 Shutdown: call ``close(timeout)``. If the program exits without it, the
 maintenance thread notices that the main thread has ended and performs the
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -35,6 +44,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
 from kvcellar.storage.block_format import (
@@ -53,6 +64,7 @@ from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into, tensor_bytes
 from kvcellar.storage.disk.recovery import scan_namespace
 from kvcellar.storage.disk.sessions import Session, StaleSession, close_session, open_session, scan_sessions
+from kvcellar.storage.disk.suspects import SuspectKeys
 from kvcellar.storage.disk.table import BlockTable
 from kvcellar.storage.disk.writer import BlockWriter, fsync_dir, write_block_file
 from kvcellar.storage.faults import FaultTracker
@@ -62,12 +74,12 @@ _log = logging.getLogger("kvcellar.storage.disk")
 _SSD_COUNTERS = (
     "lookup_calls", "lookup_hit_blocks",
     "load_calls", "load_hits", "load_misses", "load_bytes", "load_missing",
-    "stored_blocks", "stored_bytes", "store_skipped_existing",
+    "stored_blocks", "stored_bytes", "store_skipped_existing", "store_verified_existing", "store_repaired",
     "evicted_blocks", "evicted_bytes", "ttl_pruned_blocks", "ttl_pruned_bytes",
     "dropped_capacity", "dropped_no_space",
     "write_errors", "read_errors", "probe_failures", "atime_errors", "delete_errors",
     "corrupt_total", "corrupt_deleted", "corrupt_size", "corrupt_magic", "corrupt_version",
-    "corrupt_header_checksum", "corrupt_geometry", "corrupt_key", "corrupt_digest", "corrupt_tokens",
+    "corrupt_header_checksum", "corrupt_padding", "corrupt_geometry", "corrupt_key", "corrupt_digest", "corrupt_tokens",
     "corrupt_checksum",
     "recovered_orphan_tmp", "recovered_bad_size", "recovered_bad_header", "recovered_misplaced",
     "recovered_adopted", "recovered_unclean_sessions", "rescan_adopted", "rescan_dropped",
@@ -79,6 +91,7 @@ _WRITER_COUNTERS = (
     "written_after_drop", "dropped_no_parent", "deferred_for_reads",
 )
 _MAIN_THREAD_POLL_S = 0.25
+_PROBE_BYTES = 4096
 
 
 def _mkdir_private(path: Path) -> bool:
@@ -137,6 +150,7 @@ class DiskTier(KVTier):
         self._claims_lock = threading.Lock()
         self._claims: set[bytes] = set()
         self._dropped = DroppedKeys()
+        self._suspects = SuspectKeys()
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
         self._leftovers: set[Path] = set()
@@ -157,6 +171,9 @@ class DiskTier(KVTier):
         self._last_shutdown_clean = True
 
         self._open_namespace()
+        no_space = self._capacity.no_space_reason(self.file_size)
+        if no_space:
+            _log.warning("disk tier %s will store nothing: %s", self.layout.dir, no_space)
         ns8 = namespace[:8]
         self._reader = ReaderPool(config.io_threads, f"kvcellar-disk-reader-{ns8}", self._read_one, self._batch_done)
         self._writer: BlockWriter | None = None
@@ -168,7 +185,7 @@ class DiskTier(KVTier):
         self._maint.start()
 
     # ------------------------------------------------------------------ opening
-    def _open_namespace(self) -> bool:
+    def _open_namespace(self, *, probe: bool = False) -> bool:
         """Directories, session, descriptor. On an OS error the tier stays
         degraded and the maintenance thread retries as its probe."""
         try:
@@ -185,7 +202,7 @@ class DiskTier(KVTier):
             self._write_descriptor()
             return True
         except OSError as e:
-            self._wfault.failure(e, "opening the namespace directory")
+            self._wfault.failure(e, "opening the namespace directory", probe=probe)
             return False
 
     def _write_descriptor(self) -> None:
@@ -233,6 +250,7 @@ class DiskTier(KVTier):
                 # Final names only ever come from renaming a complete file: a wrong size is a
                 # damaged block. A miss, deleted and counted like any corrupt block.
                 self._corrupt(self.layout.block_path(k), k, "size", st.st_ino, st.st_dev)
+                self._suspects.add(keys[n + 1:])
                 break
             if not self._table.contains(k):  # written by another process, or not scanned yet
                 self._table.add(k, self.file_size, st.st_atime_ns)
@@ -296,9 +314,12 @@ class DiskTier(KVTier):
         return False
 
     def _corrupt(self, path: Path, key: bytes, reason: str, ino: int, dev: int) -> None:
+        """Count, forget and delete a block that failed a check. Its chain's later
+        blocks become suspects (see suspects.py) where the caller knows them."""
         self._ssd.inc("corrupt_total")
         self._ssd.inc(f"corrupt_{reason}")
         self._table.discard(key)
+        self._suspects.add([key])  # marks the load batch's failure as a corruption (_batch_done)
         try:
             st = os.stat(path)
             # A writer may have renamed a good copy over it since we opened it.
@@ -307,14 +328,17 @@ class DiskTier(KVTier):
                 self._ssd.inc("corrupt_deleted")
         except FileNotFoundError:
             pass
-        except OSError:
-            self._ssd.inc("delete_errors")
+        except OSError as e:
+            self._wfault.failure(e, f"deleting corrupt {path.name}", counter="delete")
         total = self._ssd.get("corrupt_total")
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("disk tier %s: deleted a block that failed its %s check (%d so far)",
                          self.layout.dir, reason, total)
 
     def _batch_done(self, requests: Sequence[LoadRequest], leading: int) -> None:
+        if leading < len(requests) and requests[leading].key in self._suspects:
+            # The run ended at a corrupt block: the rest of the chain was not read.
+            self._suspects.add(r.key for r in requests[leading + 1:])
         self._table.link_chain([r.key for r in requests[:leading]])
         self._table.unpin([r.key for r in requests])
         self._ssd.inc("load_calls")
@@ -377,7 +401,7 @@ class DiskTier(KVTier):
 
     def _admit(self, r: StoreRequest) -> bool:
         """Cheap checks in the caller's thread; claims the key if admitted."""
-        if self._on_disk(r.key):
+        if r.key not in self._suspects and self._on_disk(r.key):
             self._ssd.inc("store_skipped_existing")
             self._table.touch([r.key], persist=True)
             return False
@@ -397,7 +421,9 @@ class DiskTier(KVTier):
         queued or being written, and writes are not backing off. The RAM tier asks this
         before copying a block it evicts, so a write-through block whose store was dropped
         gets its second chance without a copy of every evicted block."""
-        if self._closing or self._session is None or self._wfault.backing_off() or self._on_disk(key):
+        if self._closing or self._session is None or self._wfault.backing_off():
+            return False
+        if key not in self._suspects and self._on_disk(key):
             return False
         with self._claims_lock:
             return key not in self._claims
@@ -421,12 +447,18 @@ class DiskTier(KVTier):
             self._wc.inc("dropped_backoff")
             return
         final = self.layout.block_path(r.key)
+        repairing = False
         try:
             st = os.stat(final)
             if st.st_size == self.file_size:
-                self._table.add(r.key, self.file_size, st.st_atime_ns, parent=r.parent)
-                self._ssd.inc("store_skipped_existing")
-                return
+                if r.key not in self._suspects:
+                    self._table.add(r.key, self.file_size, st.st_atime_ns, parent=r.parent)
+                    self._ssd.inc("store_skipped_existing")
+                    return
+                kept = self._check_existing(final, r)
+                if kept is not False:
+                    return
+                repairing = True
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -474,11 +506,36 @@ class DiskTier(KVTier):
                 self._wfault.failure(e, f"writing {final.name}")
                 return
         self._table.add(r.key, self.file_size, parent=r.parent)
+        self._suspects.discard(r.key)
         if self._dropped.written(r.key):
             self._wc.inc("written_after_drop")
+        if repairing:
+            self._ssd.inc("store_repaired")
         self._ssd.inc("stored_blocks")
         self._ssd.inc("stored_bytes", self.file_size)
         self._wfault.success()
+
+    def _check_existing(self, path: Path, r: StoreRequest) -> bool | None:
+        """Verify the existing file of a suspect key in full, as a load would. True: it
+        is this block, intact, and is kept. False: it was corrupt (counted, deleted) or
+        vanished; write it. None: it could not be read (a read fault); drop the store."""
+        scratch = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        res = read_block_into(str(path), self.spec, self._header_size,
+                              LoadRequest(r.key, r.digest, r.token_ids, scratch))
+        self._ssd.inc("store_verified_existing")
+        if res.outcome is Outcome.OK:
+            self._suspects.discard(r.key)
+            self._table.add(r.key, self.file_size, parent=r.parent)
+            self._ssd.inc("store_skipped_existing")
+            return True
+        if res.outcome is Outcome.IO_ERROR:
+            assert res.error is not None
+            self._rfault.failure(res.error, f"reading {path.name}")
+            self._dropped.add(r.key)
+            return None
+        if res.outcome is Outcome.CORRUPT:
+            self._corrupt(path, r.key, res.reason, res.ino, res.dev)
+        return False
 
     def _ensure_dir(self, d: Path, *, fsync_parent: bool) -> None:
         with self._misc_lock:
@@ -494,12 +551,16 @@ class DiskTier(KVTier):
             self._leftovers.add(path)
 
     def _unlink_block(self, key: bytes) -> bool:
+        """Delete a block's file (eviction, TTL, remove). A failure (EROFS, EIO, EACCES)
+        is a fault of the write direction like a failed write: without room, writes
+        cannot succeed either (issue 14, F1: a full disk remounted read-only said "ok")."""
+        path = self.layout.block_path(key)
         try:
-            os.unlink(self.layout.block_path(key))
+            os.unlink(path)
         except FileNotFoundError:
             pass
-        except OSError:
-            self._ssd.inc("delete_errors")
+        except OSError as e:
+            self._wfault.failure(e, f"deleting {path.name}", counter="delete")
             return False
         return True
 
@@ -523,9 +584,9 @@ class DiskTier(KVTier):
                 self.close(cfg.exit_drain_s)
                 return
             now = time.monotonic()
+            faulty = self._session is None or self._wfault.in_episode
             try:
-                if (self._session is None or self._wfault.in_episode) and not self._wfault.backing_off() \
-                        and now - last_probe >= cfg.probe_interval_s:
+                if faulty and now - last_probe >= cfg.probe_interval_s:
                     last_probe = now
                     self._probe()
                 if now >= next_flush:
@@ -537,8 +598,8 @@ class DiskTier(KVTier):
             except Exception:
                 _log.exception("disk tier maintenance failed")
             wake = min(next_flush, next_prune, now + _MAIN_THREAD_POLL_S)
-            if self._wfault.in_episode or self._session is None:
-                wake = min(wake, max(now + cfg.probe_interval_s, now + self._wfault.backoff_remaining()))
+            if faulty:
+                wake = min(wake, last_probe + cfg.probe_interval_s)
             self._stop.wait(max(0.001, wake - time.monotonic()))
 
     def _reconcile(self, *, startup: bool) -> None:
@@ -588,28 +649,28 @@ class DiskTier(KVTier):
         self._capacity.enforce()
 
     def _probe(self) -> None:
-        """Try a small write; success ends the write fault episode."""
+        """Try a small write; success ends the write fault episode. A failed probe
+        neither counts as a write error nor lengthens the back-off. On ENOSPC the
+        probe makes room as a write would (a full disk that was read-only can
+        only show it is writable again by evicting)."""
         if self._session is None:
-            if not self._open_namespace():
+            if not self._open_namespace(probe=True):
+                self._ssd.inc("probe_failures")
                 return
             self._reconcile(startup=True)
         assert self._session is not None
-        path = NamespaceLayout.tmp_path(self.layout.dir / ".probe", self._session.token, next(self._seq))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, bytes(4096))
-                if self.config.durability == "persistent":
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                self._probe_write()
+            except OSError as e:
+                if e.errno != errno.ENOSPC or not self._capacity.make_room(_PROBE_BYTES, count=False):
+                    raise
+                self._probe_write()
             if not self.layout.descriptor_path.exists():
                 self._write_descriptor()
         except OSError as e:
             self._ssd.inc("probe_failures")
-            self._wfault.failure(e, "probe write", count=False)
+            self._wfault.failure(e, "probe write", probe=True)
             return
         self._wfault.success(probe=True)
         with self._misc_lock:
@@ -621,6 +682,19 @@ class DiskTier(KVTier):
                 pass
             except OSError:
                 self._add_leftover(p)
+
+    def _probe_write(self) -> None:
+        assert self._session is not None
+        path = NamespaceLayout.tmp_path(self.layout.dir / ".probe", self._session.token, next(self._seq))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, bytes(_PROBE_BYTES))
+            if self.config.durability == "persistent":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def _flush_access_times(self) -> None:
         for key, t in self._table.take_dirty():
@@ -656,14 +730,19 @@ class DiskTier(KVTier):
         degraded = self._session is None or self._wfault.in_episode or self._rfault.in_episode
         errors = [(f.last_error_time or 0.0, f.last_error) for f in (self._wfault, self._rfault) if f.last_error]
         last_time, last_error = max(errors) if errors else (None, None)
+        no_space = self._capacity.no_space_reason(self.file_size)
         return tier_health(
-            self.name, degraded=degraded, last_error=last_error, last_error_time=last_time,
+            self.name, degraded=degraded, no_space=no_space is not None,
+            last_error=last_error, last_error_time=last_time,
             writer_queue_depth=self._writer.queue_depth if self._writer else 0,
             closed=self._close_result is not None, last_shutdown_clean=self._last_shutdown_clean,
             detail={
                 "unclean_previous_sessions": len(self._stale),
                 "writer_in_flight": (self._writer.in_flight if self._writer else 0),
                 "write_backoff_s": round(self._wfault.backoff_remaining(), 3),
+                "no_space": no_space,
+                "min_free_bytes": self._capacity.floor_bytes(),
+                "suspect_blocks": len(self._suspects),
                 "scan_complete": self._scan_done.is_set(),
                 "path": str(self.layout.dir),
                 "durability": self.config.durability,
