@@ -326,3 +326,40 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     assert_same_output(result, uncached(prompt))
     assert_no_leaks(engine)
     engine.shutdown(30)
+
+
+def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_path):
+    """Ten requests (six of them disk hits) through three slots of a 23-block pool:
+    prefetches, loads at admission, shared-prefix deferrals, preemptions (64-token decodes
+    outgrow the pool) and two cancels mix; every finished output equals the uncached one
+    and every block comes back."""
+    on_disk_prompts = [ask(model, f"Review change {i}: " + "ledger.post(amount, fee); " * (3 + i)) for i in range(6)]
+    writer = tiered(model, tmp_path)
+    writer.generate(on_disk_prompts, GREEDY)
+    assert writer.shutdown(30)
+    longer = SamplingParams(max_tokens=64, temperature=0.0, logprobs=True, ignore_eos=True)  # decodes grow: preemption
+    uncached = uncached_runner(model, longer)
+    fresh = [chat_ids(model, f"Explain rounding mode {i} in two lines.") for i in range(4)]
+    prompts = [p for pair in zip(on_disk_prompts, [*fresh, None, None], strict=True) for p in pair if p is not None]
+
+    engine = tiered(model, tmp_path, max_num_seqs=3, kv_cache_blocks=24)
+    handles = [engine.submit(p, longer) for p in prompts]
+    engine.step()
+    engine.step()
+    cancelled = {handles[3].seq_id, handles[6].seq_id}
+    for h in handles:
+        if h.seq_id in cancelled:
+            h.cancel()
+    engine.run_until_idle()
+    stats = engine.snapshot()
+    assert stats["sched_prefetch_reads"] > 0 and stats["sched_prefetched_blocks"] > 0
+    assert stats["sched_preemptions"] > 0
+    for prompt, handle in zip(prompts, handles, strict=True):
+        result = engine.collect(handle)
+        if handle.seq_id in cancelled:
+            assert result.finish_reason == "abort"
+            continue
+        assert_same_output(result, uncached(prompt))
+        assert sum(result.cached_tokens_by_tier.values()) == result.num_cached_tokens
+    assert_no_leaks(engine)
+    engine.shutdown(30)
