@@ -158,3 +158,4 @@ def assert_no_leaks(engine: Engine) -> None:
     sched = engine.scheduler
     assert not sched.running and not sched.waiting and not sched.loading and not sched._draining
     assert not sched._inflight
+    assert not sched.prefetch.reads

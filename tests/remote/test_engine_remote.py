@@ -5,6 +5,7 @@ and a Redis that is down. Every output is compared with a cache-disabled run."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,9 +43,10 @@ def uncached(model):
     return uncached_runner(model, GREEDY)
 
 
-def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "write_through", **cfg):
+def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "write_through",
+            engine_config: dict[str, Any] | None = None, **cfg):
     """An engine with the SSD tier at ``ssd_dir`` and the remote tier at ``url`` (either may be absent)."""
-    engine = make_engine(model)
+    engine = make_engine(model, **(engine_config or {}))
     if ssd_dir is not None:
         engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec,
                                     DiskTierConfig(min_free_bytes=0), descriptor=engine.descriptor))
@@ -110,6 +112,45 @@ def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS,
                                             "remote": result.num_cached_tokens - half // BS * BS}
     both.shutdown(30)
+
+
+def test_a_queued_request_prefetches_from_both_tiers_and_credits_each(model, uncached, redis_server, tmp_path):
+    """With the only sequence slot taken, the queued request's prefix (half on the SSD,
+    the rest in Redis) is read while it waits; admitted later as a RAM hit, it still
+    reports each block under the tier that served it, and Redis' blocks reach the SSD."""
+    prompt = ask(model, "Can a partial refund be retried?")
+    full = replica(model, redis_server.url, None)
+    full.generate([prompt], GREEDY)
+    full.shutdown(30)
+    half = len(prompt) // 2
+    local = replica(model, None, tmp_path / "ssd")
+    local.generate([prompt[:half]], GREEDY)
+    local.shutdown(30)
+
+    engine = replica(model, redis_server.url, tmp_path / "ssd", engine_config={"max_num_seqs": 1})
+    busy = engine.submit(chat_ids(model, "Count to fifty."), SamplingParams(max_tokens=30, temperature=0.0,
+                                                                            ignore_eos=True))
+    engine.step()
+    handle = engine.submit(prompt, GREEDY)
+    engine.step()
+    (read,) = engine.scheduler.prefetch.reads
+    assert read.pending.plan.runs == ((0, half // BS), (1, len(prompt) // BS - half // BS))
+    engine.run_until_idle()
+    result = engine.collect(handle)
+    assert engine.collect(busy).finish_reason == "length"
+    assert_same_output(result, uncached(prompt))
+    cached = expected_cached(len(prompt), len(prompt))
+    assert result.num_cached_tokens == cached
+    assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS, "remote": cached - half // BS * BS}
+    s = engine.snapshot()
+    assert s["sched_prefetched_blocks"] == len(prompt) // BS
+    assert s["ssd_link_loaded_blocks"] == half // BS
+    assert s["remote_link_loaded_blocks"] == len(prompt) // BS - half // BS
+    assert s["sched_lower_tier_hit_tokens"] == cached and s["kv_lookup_hits"] == 0
+    assert tier(engine, "ssd").wait_idle(30)
+    assert engine.snapshot()["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to the SSD
+    assert_no_leaks(engine)
+    engine.shutdown(30)
 
 
 def test_planted_values_are_misses_and_the_prefix_is_recomputed(model, uncached, redis_server, tmp_path):

@@ -11,7 +11,10 @@ tier answered present are loaded, so nothing is staged for a block nobody holds.
 ``start_load`` reads every run straight into the pool blocks the scheduler reserved (a
 pinned staging copy on accelerators), all tiers in parallel, while the engine keeps
 stepping other sequences; ``finish_load`` polls and returns the leading run that every
-tier verified (digest, token ids, checksum).
+tier verified (digest, token ids, checksum). The scheduler calls these for a sequence it
+admits and, ahead of admission, for one still waiting in the queue (prefetch,
+``engine/prefetch.py``, which reads ``plan.head(n)`` when its cap allows only part of a
+prefix); the link does not tell the two apart.
 
 Writes, per tier and its policy:
 * ``write_through``: every block registered in RAM (computed from a prompt or from
@@ -64,6 +67,16 @@ class LoadPlan:
     def num_blocks(self) -> int:
         return sum(n for _, n in self.runs)
 
+    def head(self, n: int) -> LoadPlan:
+        """The plan for its first ``n`` blocks only."""
+        runs: list[tuple[int, int]] = []
+        for index, count in self.runs:
+            if n <= 0:
+                break
+            runs.append((index, min(count, n)))
+            n -= count
+        return LoadPlan(tuple(runs))
+
 
 @dataclass
 class PendingLoad:
@@ -72,6 +85,10 @@ class PendingLoad:
     futures: list[concurrent.futures.Future[int]]  # one per run of the plan
     staging: list[torch.Tensor] = field(default_factory=list)  # CPU buffers when the pool is not on CPU
     loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
+
+    def block_tiers(self) -> list[str]:
+        """The tier name of each verified leading block (when done): runs are in prefix order."""
+        return [name for name, n in self.loaded_by_tier.items() for _ in range(n)]
 
 
 class LowerTierLink:

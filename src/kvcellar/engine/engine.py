@@ -90,6 +90,8 @@ class Engine:
             max_prefill_step_tokens=cfg.max_prefill_step_tokens,
             prefix_caching=cfg.prefix_caching,
             copy_block=self.pool.copy_block,
+            prefetch_pool_fraction=cfg.prefetch_pool_fraction,
+            prefetch_max_reads=cfg.prefetch_max_reads,
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.descriptor = kv_descriptor(
@@ -352,6 +354,7 @@ class Engine:
             "engine_running": len(self.scheduler.running),
             "engine_waiting": len(self.scheduler.waiting),
             "engine_loading": len(self.scheduler.loading),
+            "engine_prefetching": len(self.scheduler.prefetch.reads),
             **self.scheduler.stats,
             **self.runner.stats,
             **self.blocks.snapshot(),
@@ -359,7 +362,7 @@ class Engine:
         }
 
     # Levels among the snapshot's own keys (exported as gauges); the others are counts.
-    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading"})
+    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching"})
 
     def gauge_keys(self) -> frozenset[str]:
         """The keys of ``snapshot`` that are levels, as their owners declare them."""

@@ -14,14 +14,23 @@ for a next token, so prefill takes bigger, more efficient chunks):
    reserves blocks for the rest of the prompt up front so a chunked prefill never runs
    out half-way. A sequence whose next block is being computed right now by
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
-   prompt) waits a step or more and then reuses it instead of computing it twice.
+   prompt) waits a step or more and then reuses it instead of computing it twice;
+4. waiting sequences that were not admitted may start reading their next blocks from a
+   lower tier now (prefetch, ``engine/prefetch.py``), into free blocks and within a cap,
+   so the read overlaps this step's compute; the verified blocks are published as
+   ordinary cached blocks and admission finds them as RAM hits. A sequence whose prefix
+   continues into a read still in flight waits for it, like for a block being computed.
 
 When the RAM tier's prefix ends, the next blocks may sit in lower tiers (``lower``: the
 SSD, a remote store): admission then reserves pool blocks, starts loading them and parks the sequence in
 LOADING while the engine keeps stepping everyone else; once the tier has verified them
 they are published like computed blocks and the prefill goes on from there. A block
 that fails to load is simply computed. A sequence cancelled while loading keeps its
-blocks until the reader is done with them.
+blocks until the reader is done with them. A prefetch read (step 4) is the same load
+started earlier, for a sequence still waiting; it owns its blocks itself, so the
+sequence may be cancelled or admitted meanwhile. Blocks that a prefetch read for a
+sequence count, in its ``cached_tokens_by_tier`` and the hit counters, for the tier
+they came from, though admission finds them in RAM.
 
 After the forward, ``commit`` advances each sequence and publishes blocks that became
 full and computed to the prefix cache (prompt and generated blocks alike).
@@ -37,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcellar.cache.block_manager import Block, BlockManager
+from kvcellar.engine.prefetch import Prefetcher
 from kvcellar.engine.sequence import SeqState, Sequence
 
 if TYPE_CHECKING:
@@ -80,6 +90,8 @@ class Scheduler:
         prefix_caching: bool = True,
         lower: LowerTierLink | None = None,
         copy_block: Callable[[int, int], None] | None = None,
+        prefetch_pool_fraction: float = 0.25,
+        prefetch_max_reads: int = 4,
     ) -> None:
         self.bm = blocks
         self.block_size = blocks.block_size
@@ -102,6 +114,8 @@ class Scheduler:
             "sched_admitted": 0,
             "sched_lower_tier_hit_tokens": 0,
         }
+        self.prefetch = Prefetcher(blocks, max_blocks=int(prefetch_pool_fraction * (blocks.num_blocks - 1)),
+                                   max_reads=prefetch_max_reads, stats=self.stats)
 
     # ---- queue management -----------------------------------------------------------------
 
@@ -110,10 +124,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._draining)
+        return bool(self.waiting or self.running or self.loading or self._draining or self.prefetch.reads)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or cancelled) and free its blocks."""
+        self.prefetch.forget(seq)  # a read of its prefix goes on, for the prefix cache
         if seq.state == SeqState.LOADING:
             # The tier is still writing into its blocks: free them when the read is over.
             self.loading.remove(seq)
@@ -147,13 +162,14 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.state = SeqState.WAITING
+        seq.prefetch_checked = False
         self.waiting.appendleft(seq)
         self.stats["sched_preemptions"] += 1
 
     # ---- planning -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        if self.loading or self._draining:
+        if self.loading or self._draining or self.prefetch.reads:
             self._poll_loads()
         decoding = any(not seq.in_prefill for seq in self.running)
         budget = self.max_step_tokens if decoding else self.max_prefill_step_tokens
@@ -190,6 +206,9 @@ class Scheduler:
             prefills.append(self._chunk(seq, budget))
             budget -= prefills[-1].length
         self.waiting.extendleft(reversed(skipped))
+        if self.waiting and self.lower is not None and self.prefix_caching:
+            self.prefetch.start(self.waiting, self.lower, reserve=len(self.running),
+                                computing=self._inflight.__contains__)
 
         if not decodes and not prefills:
             return None
@@ -235,6 +254,9 @@ class Scheduler:
             if len(hits) < n_full and digests[len(hits)] in self._inflight:
                 self.stats["sched_deferred_for_shared_prefix"] += 1
                 return False
+            if len(hits) < n_full and self.prefetch.reading(digests[len(hits):]):
+                self.stats["sched_deferred_for_prefetch"] += 1
+                return False
             if hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
             elif self.lower is not None and len(hits) < n_full:
@@ -246,6 +268,7 @@ class Scheduler:
         # immediate preemption.
         reserve = sum(1 for s in self.running if not s.in_prefill)
         held = [*hits, cow] if cow is not None else hits
+        seq.hit_tiers = [self._tier_of_hit(seq, b) for b in held]
         available = self.bm.available(held)
         if need > available or (need + reserve > available and (self.running or self.loading)):
             return None
@@ -259,7 +282,6 @@ class Scheduler:
             self.copy_block(cow.block_id, seq.blocks[len(hits)].block_id)
             self.bm.release([cow])
             seq.num_computed = seq.num_tokens - 1
-        seq.num_ram_hit_tokens = seq.num_computed
         for i in range(len(hits), len(digests)):
             self._inflight.setdefault(digests[i], seq)
         self.stats["sched_admitted"] += 1
@@ -277,33 +299,43 @@ class Scheduler:
         self._start_running(seq)
         return True
 
-    def _start_running(self, seq: Sequence, loaded_by_tier: dict[str, int] | None = None) -> None:
+    @staticmethod
+    def _tier_of_hit(seq: Sequence, block: Block) -> str:
+        """A RAM hit on a block prefetched for ``seq`` counts for the tier it was read from."""
+        tier = seq.prefetched.get(block.digest) if block.digest is not None else None
+        return tier if tier is not None and block.loaded_from else "ram"
+
+    def _start_running(self, seq: Sequence, loaded_tiers: list[str] | None = None) -> None:
         if seq.num_cached_tokens is None:  # first admission (not a resumption after preemption)
-            seq.num_cached_tokens = seq.num_computed
-            seq.cached_tokens_by_tier = _split_by_tier(seq.num_ram_hit_tokens, seq.num_computed,
-                                                       loaded_by_tier or {}, self.block_size)
             bs = self.block_size
-            self.bm.record_lookup(-(-seq.num_ram_hit_tokens // bs), seq.num_tokens // bs)
-            self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - seq.num_ram_hit_tokens
+            seq.num_cached_tokens = seq.num_computed
+            seq.cached_tokens_by_tier = _split_by_tier([*seq.hit_tiers, *(loaded_tiers or ())],
+                                                       seq.num_computed, bs)
+            ram = seq.cached_tokens_by_tier["ram"]
+            self.bm.record_lookup(-(-ram // bs), seq.num_tokens // bs)
+            self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - ram
+        seq.prefetched.clear()
         seq.state = SeqState.RUNNING
         self.running.append(seq)
 
     def _poll_loads(self) -> None:
         assert self.lower is not None
+        if self.prefetch.reads:
+            self.prefetch.poll(self.lower)
         for seq in list(self.loading):
             n = self.lower.finish_load(seq.pending_load)
             if n is None:
                 continue
             self.loading.remove(seq)
             first = seq.num_registered
-            loaded_by_tier = seq.pending_load.loaded_by_tier
+            loaded_tiers = seq.pending_load.block_tiers()
             seq.pending_load = None
             done = first + n
             seq.num_computed = min(done * self.block_size, seq.num_tokens - 1)
             # A loaded block whose last token is about to be recomputed is published after
             # that (by commit), not before.
             self._publish(seq, first, seq.num_computed // self.block_size)
-            self._start_running(seq, loaded_by_tier)
+            self._start_running(seq, loaded_tiers)
         for seq in list(self._draining):
             if self.lower.finish_load(seq.pending_load) is not None:
                 self._draining.remove(seq)
@@ -336,16 +368,14 @@ class Scheduler:
                 self._publish(seq, seq.num_registered, full)
 
 
-def _split_by_tier(ram_tokens: int, cached_tokens: int, loaded_blocks: dict[str, int],
-                   block_size: int) -> dict[str, int]:
-    """Cached prompt tokens per tier, in tier order. The last loaded block may be partly
-    recomputed (the last prompt token always is), so the deepest tier absorbs the difference."""
-    split = {"ram": ram_tokens, **{name: n * block_size for name, n in loaded_blocks.items()}}
-    excess = sum(split.values()) - cached_tokens
-    for name in reversed(list(split)):
-        if excess <= 0:
+def _split_by_tier(block_tiers: list[str], cached_tokens: int, block_size: int) -> dict[str, int]:
+    """Cached prompt tokens per tier ("ram" always present), from the tier of each leading
+    block. The last cached block may be partly recomputed (the last prompt token always
+    is): its tier is credited with the tokens actually reused."""
+    split = {"ram": 0}
+    for i, name in enumerate(block_tiers):
+        n = min(block_size, cached_tokens - i * block_size)
+        if n <= 0:
             break
-        cut = min(excess, split[name])
-        split[name] -= cut
-        excess -= cut
+        split[name] = split.get(name, 0) + n
     return split

@@ -105,10 +105,14 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     num_registered: int = 0  # leading blocks published to the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
-    num_ram_hit_tokens: int = 0  # of those, found in the RAM tier (the rest came from below)
+    # Where the blocks reused at admission came from: "ram", or the lower tier that a
+    # prefetch read them from (the blocks a LOADING admission reads come after these).
+    hit_tiers: list[str] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # set at first admission
     finish_reason: str | None = None
     pending_load: Any = None  # lower-tier load in flight (engine-owned handle)
+    prefetch_checked: bool = False  # looked up for a prefetch during this wait (engine/prefetch.py)
+    prefetched: dict[bytes, str] = field(default_factory=dict)  # digest -> tier, blocks prefetched for it
     _digests: list[bytes] = field(default_factory=list)
 
     @property

@@ -1,0 +1,155 @@
+"""Prefetch: lower-tier reads for sequences that are still waiting in the queue.
+
+A sequence that is not admitted this step (no sequence slot, no token budget, no room)
+waits. If the blocks right after its RAM-tier prefix sit in a lower tier, the scheduler
+starts reading them now, into free pool blocks, so the read overlaps the other
+sequences' compute instead of following the wait. Once the tier has verified them they
+are published into the RAM prefix cache as ordinary cached blocks (registered,
+``ref_count == 0``, evictable, promoted into faster tiers like any loaded block), and
+admission later finds them as a plain RAM hit. The sequence remembers which tier each of
+them came from, so its ``cached_tokens_by_tier`` and the RAM/lower-tier hit counters
+credit the tier that served them, not the RAM tier.
+
+Bounds, so that a prefetch never takes what admitted sequences need:
+
+* blocks come from the free list only: a prefetch never evicts a cached block (on a pool
+  full of cached blocks it does nothing, and admission loads as before);
+* ``reserve`` free blocks stay untouched (the scheduler passes one per running sequence,
+  for its next decode block);
+* at most ``max_blocks`` pool blocks are being read into at once
+  (``EngineConfig.prefetch_pool_fraction`` of the pool), by at most ``max_reads`` reads
+  (``EngineConfig.prefetch_max_reads``); a prefix longer than what is left is read in
+  part, and admission loads the rest;
+* each waiting sequence is looked up once per wait (a remote lookup is a round trip on
+  the engine thread), front of the queue first, at most ``max_reads`` lookups per step.
+
+A read belongs to the pool, not to its sequence, which may be admitted, preempted,
+cancelled or finish while the read is in flight: the read holds its blocks until the
+tier is done with them, whatever happens to the sequence, then publishes the verified
+ones (valid KV: a cancelled request's prefix still serves the next one) and releases the
+rest. A block that fails to load, and every block after it, is released unpublished and
+computed later. While a read is in flight, a sequence whose prefix continues into its
+keys is not admitted (``reading``; the scheduler defers it a step, as it does for a block
+another sequence is computing): it waits for the read instead of reading the same keys
+again into other blocks.
+
+Counters (in the scheduler's ``stats``): ``sched_prefetch_reads`` (reads started),
+``sched_prefetched_blocks`` (blocks verified by a prefetch read),
+``sched_deferred_for_prefetch`` (admissions that waited for one).
+
+Threading: not thread-safe; only the engine thread calls in (through the scheduler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcellar.cache.block_manager import Block, BlockManager
+from kvcellar.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvcellar.cache.tiering import LowerTierLink, PendingLoad
+
+
+@dataclass(eq=False)
+class PrefetchRead:
+    """One read in flight: blocks ``first..first+len(blocks)`` of ``seq``'s prompt."""
+
+    seq: Sequence | None  # None once the sequence is gone (cancelled, finished)
+    first: int
+    digests: list[bytes]
+    token_blocks: list[tuple[int, ...]]
+    parent: bytes | None  # digest of block ``first - 1`` (None: the chain's first block)
+    blocks: list[Block]  # referenced by the read until it is over
+    pending: PendingLoad
+
+
+class Prefetcher:
+    def __init__(self, blocks: BlockManager, *, max_blocks: int, max_reads: int, stats: dict[str, int]) -> None:
+        self.bm = blocks
+        self.block_size = blocks.block_size
+        self.max_blocks = max(0, max_blocks)
+        self.max_reads = max(0, max_reads)
+        self.reads: list[PrefetchRead] = []
+        self._by_digest: dict[bytes, PrefetchRead] = {}
+        self._by_seq: dict[Sequence, PrefetchRead] = {}
+        self.stats = stats
+        stats.update({"sched_prefetch_reads": 0, "sched_prefetched_blocks": 0, "sched_deferred_for_prefetch": 0})
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool blocks held by reads in flight."""
+        return sum(len(r.blocks) for r in self.reads)
+
+    def reading(self, digests: Iterable[bytes]) -> bool:
+        """Whether a read in flight is loading any of ``digests``."""
+        return any(d in self._by_digest for d in digests)
+
+    def start(self, waiting: Iterable[Sequence], lower: LowerTierLink, *, reserve: int,
+              computing: Callable[[bytes], bool]) -> None:
+        """Start reads for ``waiting`` sequences (queue order) within the bounds.
+        ``computing(digest)``: another sequence is computing that block right now."""
+        bs = self.block_size
+        lookups = 0
+        for seq in waiting:
+            room = min(self.max_blocks - self.num_blocks, self.bm.num_free - reserve)
+            if room <= 0 or len(self.reads) >= self.max_reads or lookups >= self.max_reads:
+                return
+            if seq.prefetch_checked:
+                continue
+            n_full = seq.num_tokens // bs
+            digests = seq.digests(n_full, bs)
+            first = len(self.bm.match(digests, [seq.block_tokens(i, bs) for i in range(n_full)]))
+            if first < n_full and (computing(digests[first]) or self.reading(digests[first:])):
+                continue  # it will be in RAM soon; look again then
+            seq.prefetch_checked = True
+            if first == n_full:
+                continue
+            lookups += 1
+            plan = lower.lookup(digests[first:n_full]).head(room)
+            n = plan.num_blocks
+            if n == 0:
+                continue
+            blocks = self.bm.allocate(n)  # n <= num_free: nothing cached is evicted
+            span = range(first, first + n)
+            token_blocks = [tuple(seq.block_tokens(i, bs)) for i in span]
+            read = PrefetchRead(seq, first, digests[first: first + n], token_blocks,
+                                digests[first - 1] if first else None, blocks,
+                                lower.start_load(plan, blocks, digests[first: first + n], token_blocks))
+            self.reads.append(read)
+            self._by_seq[seq] = read
+            self._by_digest.update((d, read) for d in read.digests)
+            self.stats["sched_prefetch_reads"] += 1
+
+    def poll(self, lower: LowerTierLink) -> None:
+        """Publish the verified blocks of every read that is over; release all its blocks."""
+        for read in list(self.reads):
+            n = lower.finish_load(read.pending)
+            if n is None:
+                continue
+            tiers = read.pending.block_tiers()
+            for i in range(n):
+                parent = read.digests[i - 1] if i else read.parent
+                block = read.blocks[i]
+                if self.bm.register(block, read.digests[i], read.token_blocks[i], parent):
+                    lower.published(block)
+                    if read.seq is not None:
+                        read.seq.prefetched[read.digests[i]] = tiers[i]
+                # else: the same block was computed meanwhile; this copy stays private and is freed
+            self.bm.release(read.blocks)
+            self.stats["sched_prefetched_blocks"] += n
+            self.reads.remove(read)
+            for d in read.digests:
+                if self._by_digest.get(d) is read:
+                    del self._by_digest[d]
+            if read.seq is not None:
+                del self._by_seq[read.seq]
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` is gone: a read of its prefix goes on, for the prefix cache only."""
+        read = self._by_seq.pop(seq, None)
+        if read is not None:
+            read.seq = None
+        seq.prefetched.clear()
