@@ -58,8 +58,9 @@ class EngineConfig:
     # collisions; a hit always compares the full digest and the token ids.
     key_bytes: int = 32
     # Prefetch (engine/prefetch.py): a queued request's next blocks in a lower tier are read
-    # while it waits, into free pool blocks only: at most this fraction of the pool at once
-    # (0 turns prefetch off), by at most prefetch_max_reads reads in flight.
+    # while it waits, into free or least recently used cached blocks: at most this fraction
+    # of the pool read into or held for waiting requests (0 turns prefetch off), by at most
+    # prefetch_max_reads reads in flight.
     prefetch_pool_fraction: float = 0.25
     prefetch_max_reads: int = 4
     dtype: str = "auto"

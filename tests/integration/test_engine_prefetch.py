@@ -262,9 +262,13 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
     chain = block_digests(root_digest(engine.fingerprint), prompt, BS)
     victim = 3
     path = engine.lower.tiers[0].tier.layout.block_path(engine.blocks.key(chain[victim]))
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0xFF  # a payload byte: only the read's checksum catches it
-    path.write_bytes(bytes(data))
+    # after the start-up scan (which would drop a file caught half-written), in place
+    wait_until(lambda: engine.snapshot().get("ssd_scan_complete"), what="the start-up scan")
+    with open(path, "r+b") as fh:
+        fh.seek(-100, 2)
+        byte = fh.read(1)
+        fh.seek(-100, 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))  # a payload byte: only the read's checksum catches it
 
     busy = queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
@@ -323,6 +327,51 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     result = engine.collect(handle)
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": expected_cached(len(prompt), len(prompt))}
     assert engine.scheduler.stats["sched_prefetch_reads"] == 0
+    assert_same_output(result, uncached(prompt))
+    assert_no_leaks(engine)
+    engine.shutdown(30)
+
+
+def fill_pool(engine, model, leave_free: int) -> None:
+    """Cache unrelated prompts until exactly ``leave_free`` blocks are free: the steady
+    state of a long-running server, a pool of cached blocks nobody references."""
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    vocab = len(model.tokenizer)
+    i = 0
+    while (free := engine.blocks.num_free) > leave_free:
+        k = min(8, free - leave_free)  # a prompt of k full blocks leaves k cached blocks
+        engine.generate([[(5000 + 7919 * i + j) % vocab for j in range(k * BS)]], one)
+        i += 1
+    assert engine.blocks.num_free == leave_free and engine.blocks.num_evictable > 0
+
+
+def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_own_prefix(model, uncached, tmp_path):
+    """A prefetch takes free blocks first, then the least recently used cached ones, but
+    never the queued prompt's own RAM prefix, here the oldest blocks of the pool."""
+    prompt = ask(model, "Review: refunds skip the ledger entry when the amount is zero.")
+    on_disk(model, tmp_path, prompt)
+    engine = tiered(model, tmp_path, max_num_seqs=1, kv_cache_blocks=96)
+    engine.generate([ask(model, "Hello.")], SamplingParams(max_tokens=1, temperature=0.0))  # the system prompt
+    busy_blocks = -(-len(busy_prompt(model)) // BS)
+    fill_pool(engine, model, leave_free=busy_blocks + 1)  # the busy request's admission takes those
+    queue_behind_busy(model, engine)
+    assert engine.blocks.num_free == 1  # the busy request's next decode block: reserved
+    before = engine.snapshot()
+    handle = engine.submit(prompt, GREEDY)
+    engine.step()
+    seq = only_seq(engine, handle)
+    n_full = len(prompt) // BS
+    own = engine.blocks.match(seq.digests(n_full, BS), [seq.block_tokens(i, BS) for i in range(n_full)])
+    assert 0 < len(own) < n_full  # the shared system prompt is in RAM, the rest on disk only
+    (read,) = engine.scheduler.prefetch.reads
+    assert read.first == len(own) and len(read.blocks) == n_full - len(own)
+    engine.run_until_idle()
+    result = engine.collect(handle)
+    assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    assert result.cached_tokens_by_tier == {"ram": len(own) * BS, "ssd": result.num_cached_tokens - len(own) * BS}
+    after = engine.snapshot()
+    assert after["ssd_load_hits"] - before["ssd_load_hits"] == n_full - len(own)  # nothing read twice
+    assert after["kv_evictions"] > before["kv_evictions"]  # room was made from other cached blocks
     assert_same_output(result, uncached(prompt))
     assert_no_leaks(engine)
     engine.shutdown(30)

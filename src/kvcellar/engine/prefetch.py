@@ -12,14 +12,18 @@ credit the tier that served them, not the RAM tier.
 
 Bounds, so that a prefetch never takes what admitted sequences need:
 
-* blocks come from the free list only: a prefetch never evicts a cached block (on a pool
-  full of cached blocks it does nothing, and admission loads as before);
-* ``reserve`` free blocks stay untouched (the scheduler passes one per running sequence,
-  for its next decode block);
-* at most ``max_blocks`` pool blocks are being read into at once
-  (``EngineConfig.prefetch_pool_fraction`` of the pool), by at most ``max_reads`` reads
-  (``EngineConfig.prefetch_max_reads``); a prefix longer than what is left is read in
-  part, and admission loads the rest;
+* blocks come from the free list first, then from the least recently used cached blocks
+  nobody references (a long-running server's pool is full of those; it is what admission
+  would evict for the same request a little later), but never from the RAM prefix of the
+  sequence being prefetched nor from blocks already prefetched for sequences that still
+  wait (both are held while the read's blocks are allocated);
+* ``reserve`` blocks stay untouched (the scheduler passes one per running sequence, for
+  its next decode block);
+* at most ``max_blocks`` pool blocks (``EngineConfig.prefetch_pool_fraction`` of the pool)
+  are being read into or sit prefetched for sequences that still wait, by at most
+  ``max_reads`` reads in flight (``EngineConfig.prefetch_max_reads``); a prefix longer
+  than what is left is read in part, and admission loads the rest. So a long queue of
+  disk hits cannot churn more than that fraction of the RAM tier;
 * each waiting sequence is looked up once per wait (a remote lookup is a round trip on
   the engine thread), front of the queue first, at most ``max_reads`` lookups per step.
 
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcellar.cache.block_manager import Block, BlockManager
-from kvcellar.engine.sequence import Sequence
+from kvcellar.engine.sequence import SeqState, Sequence
 
 if TYPE_CHECKING:
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
@@ -75,6 +79,9 @@ class Prefetcher:
         self.reads: list[PrefetchRead] = []
         self._by_digest: dict[bytes, PrefetchRead] = {}
         self._by_seq: dict[Sequence, PrefetchRead] = {}
+        # Blocks published for a sequence that has not been admitted yet (with the digest
+        # they were published under: the pool may have reused a block since).
+        self._published: dict[Sequence, list[tuple[Block, bytes]]] = {}
         self.stats = stats
         stats.update({"sched_prefetch_reads": 0, "sched_prefetched_blocks": 0, "sched_deferred_for_prefetch": 0})
 
@@ -82,6 +89,17 @@ class Prefetcher:
     def num_blocks(self) -> int:
         """Pool blocks held by reads in flight."""
         return sum(len(r.blocks) for r in self.reads)
+
+    def _held_for_waiting(self) -> list[Block]:
+        """Unreferenced blocks prefetched for sequences that still wait (still holding what
+        was published); forgets sequences that were admitted meanwhile."""
+        out = []
+        for seq, published in list(self._published.items()):
+            if seq.state != SeqState.WAITING:
+                del self._published[seq]
+                continue
+            out.extend(b for b, d in published if b.digest == d and b.ref_count == 0)
+        return out
 
     def reading(self, digests: Iterable[bytes]) -> bool:
         """Whether a read in flight is loading any of ``digests``."""
@@ -94,25 +112,34 @@ class Prefetcher:
         bs = self.block_size
         lookups = 0
         for seq in waiting:
-            room = min(self.max_blocks - self.num_blocks, self.bm.num_free - reserve)
+            held = self._held_for_waiting()
+            room = min(self.max_blocks - self.num_blocks - len(held), self.bm.available() - len(held) - reserve)
             if room <= 0 or len(self.reads) >= self.max_reads or lookups >= self.max_reads:
                 return
             if seq.prefetch_checked:
                 continue
             n_full = seq.num_tokens // bs
             digests = seq.digests(n_full, bs)
-            first = len(self.bm.match(digests, [seq.block_tokens(i, bs) for i in range(n_full)]))
+            matched = self.bm.match(digests, [seq.block_tokens(i, bs) for i in range(n_full)])
+            first = len(matched)
             if first < n_full and (computing(digests[first]) or self.reading(digests[first:])):
                 continue  # it will be in RAM soon; look again then
             seq.prefetch_checked = True
             if first == n_full:
                 continue
             lookups += 1
-            plan = lower.lookup(digests[first:n_full]).head(room)
+            protect = {b.block_id: b for b in [*held, *matched] if b.ref_count == 0}
+            plan = lower.lookup(digests[first:n_full]).head(room - (len(protect) - len(held)))
             n = plan.num_blocks
-            if n == 0:
+            if n <= 0:
                 continue
-            blocks = self.bm.allocate(n)  # n <= num_free: nothing cached is evicted
+            # Held while allocating, so only other cached blocks are evicted; released
+            # right after (they return as the most recently used).
+            self.bm.acquire(list(protect.values()))
+            try:
+                blocks = self.bm.allocate(n)
+            finally:
+                self.bm.release(list(protect.values()))
             span = range(first, first + n)
             token_blocks = [tuple(seq.block_tokens(i, bs)) for i in span]
             read = PrefetchRead(seq, first, digests[first: first + n], token_blocks,
@@ -137,6 +164,7 @@ class Prefetcher:
                     lower.published(block)
                     if read.seq is not None:
                         read.seq.prefetched[read.digests[i]] = tiers[i]
+                        self._published.setdefault(read.seq, []).append((block, read.digests[i]))
                 # else: the same block was computed meanwhile; this copy stays private and is freed
             self.bm.release(read.blocks)
             self.stats["sched_prefetched_blocks"] += n
@@ -152,4 +180,5 @@ class Prefetcher:
         read = self._by_seq.pop(seq, None)
         if read is not None:
             read.seq = None
+        self._published.pop(seq, None)
         seq.prefetched.clear()

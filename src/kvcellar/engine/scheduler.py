@@ -16,7 +16,8 @@ for a next token, so prefill takes bigger, more efficient chunks):
    another sequence (same prefix, e.g. ``n > 1`` or concurrent clients sharing a system
    prompt) waits a step or more and then reuses it instead of computing it twice;
 4. waiting sequences that were not admitted may start reading their next blocks from a
-   lower tier now (prefetch, ``engine/prefetch.py``), into free blocks and within a cap,
+   lower tier now (prefetch, ``engine/prefetch.py``), into free or least recently used
+   cached blocks (never their own RAM prefix) within a cap,
    so the read overlaps this step's compute; the verified blocks are published as
    ordinary cached blocks and admission finds them as RAM hits. A sequence whose prefix
    continues into a read still in flight waits for it, like for a block being computed.
