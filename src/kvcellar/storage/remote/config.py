@@ -28,8 +28,12 @@ class RemoteTierConfig:
     queue_blocks: int = 64
     # Blocks per pipelined SET round trip.
     write_batch_blocks: int = 8
+    # Writes after an OOM from a full ``noeviction`` server back off this long, doubling.
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
+    # During a fault the writer thread probes the server this often (its own thread; a
+    # failed probe lengthens nothing): the tier is back within about this long of the server.
+    probe_interval_s: float = 0.5
     # Keys this process knows the store holds, so ``wants`` can decline them without I/O.
     known_keys: int = 65536
 

@@ -9,11 +9,14 @@ Data path:
           ``SET NX [PX ttl]`` per batch; a full queue drops, never waits
 
 Faults (storage/faults.py): a connection error or timeout starts an episode on the
-connection (lookups answer 0, loads miss, stores drop, all without touching the network
-until the back-off expires); ``OOM`` from a full ``noeviction`` server starts one on
-writes only (reads go on). The writer thread probes with ``PING`` while idle, so the tier
-recovers without traffic and without a restart. No call waits longer than
-``timeout_s`` per round trip; a load never longer than ``load_timeout_s`` in all.
+connection: lookups answer 0, loads miss, stores drop, all without touching the network,
+until the writer thread's probe (``PING`` every ``probe_interval_s``, on its own thread)
+gets an answer, so the engine thread never waits on a server known to be down and the
+tier is back within about one probe interval of the server, however long it was away
+(a failed probe does not lengthen anything). ``OOM`` from a full ``noeviction`` server
+starts an episode on writes only (reads go on), ended by a block-sized probe write. No
+call waits longer than ``timeout_s`` per round trip; a load never longer than
+``load_timeout_s`` in all.
 
 A corrupt or foreign value under one of our keys is a miss, counted, and deleted.
 Pins are no-ops: Redis evicts on its own (maxmemory + allkeys-lru), and a key gone
@@ -87,6 +90,7 @@ class RemoteTier(KVTier):
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._claims: set[bytes] = set()
         self._closed = False
+        self._last_probe = 0.0  # writer thread only
         ns8 = fingerprint[:8]
         self._loader = concurrent.futures.ThreadPoolExecutor(config.load_threads,
                                                              thread_name_prefix=f"kvcellar-remote-load-{ns8}")
@@ -100,24 +104,30 @@ class RemoteTier(KVTier):
                 self._client = open_client(self.url, self.config.timeout_s)
             return self._client
 
-    def _fault(self, exc: Exception, what: str) -> None:
+    def _fault(self, exc: Exception, what: str, *, probe: bool = False) -> None:
         if _is_oom(exc):
-            self._wfault.failure(exc, what)
+            self._wfault.failure(exc, what, probe=probe)
             return
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             self._c.inc("conn_errors")
-        self._conn.failure(exc, what)
+        self._conn.failure(exc, what, probe=probe)
         with self._known_lock:  # the server may come back empty (restarted without persistence)
             self._known.clear()
 
     def _usable(self) -> bool:
-        return not self._closed and not self._conn.backing_off()
+        """Whether engine-facing calls may touch the network: not during a connection
+        episode (only the probe ends it)."""
+        return not self._closed and not self._conn.in_episode
 
     def _probe_if_due(self) -> None:
-        """Writer thread, while idle: end a fault episode as soon as the server answers."""
-        if not (self._conn.in_episode or self._wfault.in_episode) or self._conn.backing_off() \
-                or self._wfault.backing_off():
+        """Writer thread, while idle: end a fault episode as soon as the server answers.
+        At most one probe per ``probe_interval_s``."""
+        if not (self._conn.in_episode or self._wfault.in_episode):
             return
+        now = time.monotonic()
+        if now - self._last_probe < self.config.probe_interval_s:
+            return
+        self._last_probe = now
         self._c.inc("probes")
         try:
             client = self._redis()
@@ -129,7 +139,7 @@ class RemoteTier(KVTier):
                 self._wfault.success(probe=True)
         except redis.RedisError as e:
             self._c.inc("probe_failures")
-            self._fault(e, "probe")
+            self._fault(e, "probe", probe=True)
             return
         self._conn.success(probe=True)
 
