@@ -19,6 +19,17 @@ def test_greedy_and_top_k_one_pick_the_argmax():
     assert all(sample_row(logits, SamplingParams(temperature=1.5, top_k=1), [], gen).token_id == 1 for _ in range(20))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-38, 1e-6])
+def test_tiny_temperatures_are_greedy_not_nan(temperature):
+    """A temperature this small overflows float32 logits to inf when divided (NaN
+    probabilities, a 500 found by the schema fuzzer); it samples greedily instead."""
+    logits = torch.tensor([1.0, 30.0, -5.0, 29.9])
+    params = SamplingParams(temperature=temperature)
+    params.validate()
+    assert params.greedy
+    assert sample_row(logits, params, [], params.make_generator(logits.device)).token_id == 1
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     gen = torch.Generator().manual_seed(1)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvcellar.engine.constraints import Grammar, TokenConstraint
 
 MAX_TOP_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
 
 
 @dataclass
@@ -59,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below MIN_TEMPERATURE sampling is greedy in effect, and dividing float32 logits by
+        # it would overflow to inf (a 5e-324 temperature from a fuzzer gave NaN probabilities).
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         if self.greedy:
