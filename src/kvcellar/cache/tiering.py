@@ -23,7 +23,9 @@ Writes, per tier and its policy:
 * ``read_only``: never stored (e.g. a remote store filled by other replicas).
 A block loaded from tier i is stored only into the faster tiers 0..i-1 (promotion: a
 remote hit lands in RAM and, per the SSD's policy, on the SSD), never back into i or
-below. Each tier is asked ``wants(key)`` before the block is copied off the pool, and one
+below, and only after the forward of the step that loaded it (``flush``: the first token
+of a lower-tier hit does not wait for those copies). Each tier is asked ``wants(key)``
+before the block is copied off the pool, and one
 copy is shared by every tier that wants it (tiers never modify what they are given).
 A write-through store a tier dropped (queue full, fault) is not lost while the block is in
 RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if the tier
@@ -105,6 +107,10 @@ class LowerTierLink:
         self._wake = wake
         self._on_cpu = pool.device.type == "cpu"
         self.stats: dict[str, int] = {}
+        # Loaded blocks published this step, with the digest they were published under:
+        # promoted at ``flush``, after the step's forward, so a lower-tier hit's first token
+        # does not wait for its copies off the pool.
+        self._promotions: list[tuple[Block, bytes]] = []
 
     def attach(self, tier: KVTier, policy: str = "write_through") -> None:
         """Add ``tier`` below the ones attached so far (attach the fastest first)."""
@@ -211,7 +217,11 @@ class LowerTierLink:
 
     def published(self, block: Block) -> None:
         """A block was registered in RAM (computed, or loaded: then it is promoted into
-        the tiers above the one it came from)."""
+        the tiers above the one it came from, at this step's ``flush``)."""
+        if block.loaded_from:
+            assert block.digest is not None
+            self._promotions.append((block, block.digest))
+            return
         self._store(block, ("write_through",), batch=True)
 
     def evicted(self, block: Block) -> None:
@@ -221,7 +231,14 @@ class LowerTierLink:
             self._store(block, ("evict_only", "write_through"), batch=False)
 
     def flush(self) -> None:
-        """Hand this step's write-through copies to the tiers (bounded time)."""
+        """Promote the blocks loaded this step (unless the pool reused one meanwhile: its
+        eviction already offered it) and hand this step's write-through copies to the
+        tiers (bounded time). The engine calls it after the step's forward."""
+        if self._promotions:
+            promotions, self._promotions = self._promotions, []
+            for block, digest in promotions:
+                if block.digest == digest:
+                    self._store(block, ("write_through",), batch=True)
         for attached in self.tiers:
             if attached.batch:
                 batch, attached.batch = attached.batch, []
