@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests._models import shared_models_dir
+from tests._models import embedded, shared_models_dir
 from tests.helpers import MODEL, ServerProcess
 
 
@@ -25,6 +25,13 @@ def models_dir() -> Path:
     """Prepared model artifacts shared by every server and in-process model of the session
     (``KVCELLAR_TEST_MODELS_DIR`` keeps them across sessions)."""
     return shared_models_dir()
+
+
+@pytest.fixture(scope="session")
+def model() -> Any:
+    """The embedded model in float32, loaded in process once (greedy outputs compare
+    exactly across runs). A module that needs another one defines its own ``model``."""
+    return embedded("float32")
 
 
 @pytest.fixture(scope="session")

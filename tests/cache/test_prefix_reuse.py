@@ -14,7 +14,6 @@ from tests._models import (
     assert_no_leaks,
     assert_same_output,
     chat_ids,
-    embedded,
     expected_cached,
     make_engine,
     tiny_model,
@@ -28,11 +27,6 @@ SYSTEM = (
     "function names, keep answers short, and never invent APIs that do not exist. "
     "The project is a Python web service with a PostgreSQL database and a Redis cache."
 )
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 @pytest.fixture(scope="module")

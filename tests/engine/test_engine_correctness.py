@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from tests._models import chat_ids, embedded, make_engine, reference_greedy, tiny_model
+from tests._models import chat_ids, make_engine, reference_greedy, tiny_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -20,11 +20,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=5)
 LOGPROB_TOL = 2e-4  # fp32; measured differences are ~1e-5
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 def assert_matches_reference(result, ref_tokens, ref_logprobs):

@@ -9,7 +9,7 @@ import torch
 
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.sampling import apply_penalties, sample_row
-from tests._models import chat_ids, embedded, make_engine
+from tests._models import chat_ids, make_engine
 
 
 def test_greedy_and_top_k_one_pick_the_argmax():
@@ -77,11 +77,6 @@ def test_logprobs_are_the_raw_distribution():
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 def test_seed_makes_sampling_reproducible_across_batches(model):

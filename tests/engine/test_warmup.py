@@ -7,20 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from kvcellar.engine import SamplingParams
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
-from tests._models import assert_same_output, chat_ids, embedded, make_engine
+from tests._models import assert_same_output, chat_ids, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
 SYSTEM = "You answer questions about tea, briefly and precisely, citing the steeping time. " * 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 def first_requests(model) -> list[list[int]]:

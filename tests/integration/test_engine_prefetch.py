@@ -26,7 +26,6 @@ from tests._models import (
     assert_no_leaks,
     assert_same_output,
     chat_ids,
-    embedded,
     expected_cached,
     make_engine,
     uncached_runner,
@@ -38,11 +37,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 BUSY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # holds the only slot
 SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 @pytest.fixture(scope="module")

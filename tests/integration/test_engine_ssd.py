@@ -37,11 +37,6 @@ SYSTEM = ("You review pull requests for a payments company. Flag anything that t
 
 
 @pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
-
-
-@pytest.fixture(scope="module")
 def uncached(model):
     return uncached_runner(model, GREEDY)
 

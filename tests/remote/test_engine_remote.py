@@ -19,7 +19,6 @@ from tests._models import (
     assert_no_leaks,
     assert_same_output,
     chat_ids,
-    embedded,
     expected_cached,
     make_engine,
     uncached_runner,
@@ -31,11 +30,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
 DOC = ("Section 4.2. A payment intent moves from created to authorized to captured; a refund references "
        "a captured intent and may be partial. Idempotency keys are scoped per merchant and expire after "
        "24 hours. Retries after a network timeout must reuse the key. " * 6)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return embedded("float32")
 
 
 @pytest.fixture(scope="module")
