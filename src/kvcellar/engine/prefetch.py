@@ -111,8 +111,8 @@ class Prefetcher:
         ``computing(digest)``: another sequence is computing that block right now."""
         bs = self.block_size
         lookups = 0
+        held = self._held_for_waiting()  # changes only when a read ends (poll)
         for seq in waiting:
-            held = self._held_for_waiting()
             room = min(self.max_blocks - self.num_blocks - len(held), self.bm.available() - len(held) - reserve)
             if room <= 0 or len(self.reads) >= self.max_reads or lookups >= self.max_reads:
                 return
