@@ -36,7 +36,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 bench: setup
 	$(BIN)/kvcellar bench $(ARGS)
