@@ -8,7 +8,7 @@ Composition (one file per concept beside this one):
   capacity.py  byte limit, free-space floor, TTL
   recovery.py  the reconciliation scan (start-up and periodic)
   sessions.py  live/dead openers and last_shutdown_clean
-  suspects.py  blocks after a corrupt one in its chain: checked when stored again
+  keys.py      keys to remember: dropped write-through stores, suspect files
   faults.py    fault episodes, logging once, back-off
 
 Threads (all named, none daemon):
@@ -59,12 +59,11 @@ from kvcellar.storage.block_format import (
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskTierConfig
-from kvcellar.storage.disk.dropped import DroppedKeys
+from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into, tensor_bytes
 from kvcellar.storage.disk.recovery import scan_namespace
 from kvcellar.storage.disk.sessions import Session, StaleSession, close_session, open_session, scan_sessions
-from kvcellar.storage.disk.suspects import SuspectKeys
 from kvcellar.storage.disk.table import BlockTable
 from kvcellar.storage.disk.writer import BlockWriter, fsync_dir, write_block_file
 from kvcellar.storage.faults import FaultTracker
@@ -149,8 +148,8 @@ class DiskTier(KVTier):
         # _claims_lock protects _claims: keys queued or being written (in-flight dedup).
         self._claims_lock = threading.Lock()
         self._claims: set[bytes] = set()
-        self._dropped = DroppedKeys()
-        self._suspects = SuspectKeys()
+        self._dropped = KeyRecord(1 << 16)  # write-through stores dropped (keys.py)
+        self._suspects = KeyRecord(1 << 14)  # files to check when stored again (keys.py)
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
         self._leftovers: set[Path] = set()
@@ -315,7 +314,7 @@ class DiskTier(KVTier):
 
     def _corrupt(self, path: Path, key: bytes, reason: str, ino: int, dev: int) -> None:
         """Count, forget and delete a block that failed a check. Its chain's later
-        blocks become suspects (see suspects.py) where the caller knows them."""
+        blocks become suspects (see keys.py) where the caller knows them."""
         self._ssd.inc("corrupt_total")
         self._ssd.inc(f"corrupt_{reason}")
         self._table.discard(key)
@@ -371,7 +370,7 @@ class DiskTier(KVTier):
                     self._wc.inc("enqueued")
                 else:
                     self._release_claim(r)
-                    self._dropped.add(r.key)
+                    self._dropped.add([r.key])
                     self._wc.inc("dropped_queue_full")
         finally:
             with self._life:
@@ -406,7 +405,7 @@ class DiskTier(KVTier):
             self._table.touch([r.key], persist=True)
             return False
         if self._wfault.backing_off():
-            self._dropped.add(r.key)
+            self._dropped.add([r.key])
             self._wc.inc("dropped_backoff")
             return False
         with self._claims_lock:
@@ -443,7 +442,7 @@ class DiskTier(KVTier):
         atomically (with retries when persistent), account. Never raises for
         OS errors."""
         if self._session is None or self._wfault.backing_off():
-            self._dropped.add(r.key)
+            self._dropped.add([r.key])
             self._wc.inc("dropped_backoff")
             return
         final = self.layout.block_path(r.key)
@@ -468,7 +467,7 @@ class DiskTier(KVTier):
         # (a dropped write RAM offers again): it may use free space, never evict for it.
         orphan = r.parent is not None and not self._parent_present(r.parent)
         if not self._capacity.make_room(self.file_size, r.parent, may_evict=not orphan):
-            self._dropped.add(r.key)
+            self._dropped.add([r.key])
             if orphan:
                 self._wc.inc("dropped_no_parent")
             return
@@ -491,7 +490,7 @@ class DiskTier(KVTier):
                 if dir_retry:
                     dir_retry = False
                     continue
-                self._dropped.add(r.key)
+                self._dropped.add([r.key])
                 self._wfault.failure(e, f"writing {final.name}")
                 return
             except OSError as e:
@@ -502,12 +501,12 @@ class DiskTier(KVTier):
                     continue
                 if retries:
                     self._wc.inc("retry_final_fail")
-                self._dropped.add(r.key)
+                self._dropped.add([r.key])
                 self._wfault.failure(e, f"writing {final.name}")
                 return
         self._table.add(r.key, self.file_size, parent=r.parent)
-        self._suspects.discard(r.key)
-        if self._dropped.written(r.key):
+        self._suspects.pop(r.key)
+        if self._dropped.pop(r.key):
             self._wc.inc("written_after_drop")
         if repairing:
             self._ssd.inc("store_repaired")
@@ -524,14 +523,14 @@ class DiskTier(KVTier):
                               LoadRequest(r.key, r.digest, r.token_ids, scratch))
         self._ssd.inc("store_verified_existing")
         if res.outcome is Outcome.OK:
-            self._suspects.discard(r.key)
+            self._suspects.pop(r.key)
             self._table.add(r.key, self.file_size, parent=r.parent)
             self._ssd.inc("store_skipped_existing")
             return True
         if res.outcome is Outcome.IO_ERROR:
             assert res.error is not None
             self._rfault.failure(res.error, f"reading {path.name}")
-            self._dropped.add(r.key)
+            self._dropped.add([r.key])
             return None
         if res.outcome is Outcome.CORRUPT:
             self._corrupt(path, r.key, res.reason, res.ino, res.dev)

@@ -21,7 +21,7 @@ fallback was rejected: a full queue means the disk is slower than KV
 production, and writing in the caller's thread makes the engine's step as
 slow as the disk (11 ms per block measured here with fsync; a stalled device
 takes seconds), while a dropped write-through block costs nothing now (it is
-still in RAM). It is not lost: the tier records the key (dropped.py) and
+still in RAM). It is not lost: the tier records the key (keys.py) and
 ``DiskTier.wants`` asks for it again when the RAM tier evicts the block or
 shuts down, when no step waits on the queue (cache/tiering.py).
 
