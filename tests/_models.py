@@ -156,6 +156,6 @@ def assert_no_leaks(engine: Engine) -> None:
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free + bm.num_evictable == bm.num_blocks - 1
     sched = engine.scheduler
-    assert not sched.running and not sched.waiting and not sched.loading and not sched._draining
-    assert not sched._inflight
-    assert not sched.prefetch.reads
+    assert not sched.running and not sched.waiting
+    assert not sched.cache.busy()  # no load, prefetch or cancelled load still reading
+    assert not sched.cache._computing

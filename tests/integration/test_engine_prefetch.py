@@ -156,7 +156,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     assert seq.state == SeqState.WAITING
     stats = engine.scheduler.stats
     assert stats["sched_prefetch_reads"] == 1
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     wanted = expected_cached(len(prompt), len(prompt)) // BS  # whole blocks on disk
     assert len(read.blocks) == len(prompt) // BS >= wanted
     assert engine.snapshot()["engine_prefetching"] == 1
@@ -164,7 +164,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     engine.step()  # publishes the blocks; the busy request still holds the slot
     assert seq.state == SeqState.WAITING and len(engine.scheduler.running) == 1
     assert stats["sched_prefetched_blocks"] == len(prompt) // BS
-    assert not engine.scheduler.prefetch.reads
+    assert not engine.scheduler.cache.prefetch.reads
     assert engine.blocks.match(seq.digests(len(prompt) // BS, BS),
                                [seq.block_tokens(i, BS) for i in range(len(prompt) // BS)])
 
@@ -192,7 +192,7 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     busy = queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     while engine.scheduler.running:  # the busy request ends; the read is still in flight
         engine.step()
     assert engine.collect(busy).finish_reason == "length"
@@ -200,7 +200,7 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     seq = only_seq(engine, handle)
     assert seq.state == SeqState.WAITING and not engine.scheduler.loading
     assert engine.scheduler.stats["sched_deferred_for_prefetch"] >= 1
-    assert engine.scheduler.prefetch.reads == [read]
+    assert engine.scheduler.cache.prefetch.reads == [read]
     assert engine.snapshot()["ssd_load_calls"] <= 1
 
     gate.open()
@@ -224,12 +224,12 @@ def test_cancel_while_prefetching_keeps_blocks_until_the_read_ends(model, uncach
     busy = queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     handle.cancel()
     engine.step()
     assert engine.collect(handle).finish_reason == "abort"
     # the tier may still write into these blocks: they stay referenced by the read
-    assert engine.scheduler.prefetch.reads == [read]
+    assert engine.scheduler.cache.prefetch.reads == [read]
     assert all(b.ref_count == 1 and not b.registered for b in read.blocks)
     busy.cancel()
     engine.step()
@@ -267,7 +267,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
     busy = queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()
     assert engine.scheduler.stats["sched_prefetched_blocks"] == victim
@@ -289,11 +289,11 @@ def test_prefix_longer_than_the_cap_is_read_in_part_and_the_rest_at_admission(mo
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, max_num_seqs=1)
     cap = 4
-    engine.scheduler.prefetch.max_blocks = cap
+    engine.scheduler.cache.prefetch.max_blocks = cap
     busy = queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     assert len(read.blocks) == cap < len(prompt) // BS
     engine.run_until_idle()
     result = engine.collect(handle)
@@ -316,7 +316,7 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     queue_behind_busy(model, engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    assert not engine.scheduler.prefetch.reads
+    assert not engine.scheduler.cache.prefetch.reads
     engine.run_until_idle()
     result = engine.collect(handle)
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": expected_cached(len(prompt), len(prompt))}
@@ -357,7 +357,7 @@ def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_ow
     n_full = len(prompt) // BS
     own = engine.blocks.match(seq.digests(n_full, BS), [seq.block_tokens(i, BS) for i in range(n_full)])
     assert 0 < len(own) < n_full  # the shared system prompt is in RAM, the rest on disk only
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     assert read.first == len(own) and len(read.blocks) == n_full - len(own)
     engine.run_until_idle()
     result = engine.collect(handle)

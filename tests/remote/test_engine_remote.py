@@ -127,7 +127,7 @@ def test_a_queued_request_prefetches_from_both_tiers_and_credits_each(model, unc
     engine.step()
     handle = engine.submit(prompt, GREEDY)
     engine.step()
-    (read,) = engine.scheduler.prefetch.reads
+    (read,) = engine.scheduler.cache.prefetch.reads
     assert read.pending.plan.runs == ((0, half // BS), (1, len(prompt) // BS - half // BS))
     engine.run_until_idle()
     result = engine.collect(handle)

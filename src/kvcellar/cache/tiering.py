@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcellar.cache.block_manager import Block
-from kvcellar.engine.kv_pool import KVPool
+from kvcellar.cache.kv_pool import KVPool
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 
 POLICIES = ("write_through", "evict_only", "read_only")

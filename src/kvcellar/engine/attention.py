@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvcellar.engine.kv_pool import KVPool
+from kvcellar.cache.kv_pool import KVPool
 
 ATTENTION_NAME = "kvcellar_paged"  # must not start with "paged|": the registry strips that prefix
 # Spans up to this many queries fold GQA groups into query rows: bf16 SDPA with enable_gqa

@@ -24,12 +24,12 @@ from typing import Any
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
+from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.config import EngineConfig
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
-from kvcellar.engine.kv_pool import KVLayout, KVPool
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
@@ -250,7 +250,7 @@ class Engine:
             raise ValueError("a lower tier needs prefix caching")
         if self.lower is None:
             self.lower = LowerTierLink(self.pool, self.blocks.key, wake=self._wake.set)
-            self.scheduler.lower = self.lower
+            self.scheduler.cache.lower = self.lower
             # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
             self.blocks.on_evict = self.lower.evicted
         self.lower.attach(tier, policy)
@@ -265,7 +265,7 @@ class Engine:
         t0 = time.perf_counter()
         saved = [dict(self.stats), dict(self.scheduler.stats), dict(self.blocks.stats)]
         lower, on_evict = self.lower, self.blocks.on_evict
-        self.lower = self.scheduler.lower = None  # warm-up blocks never reach the SSD
+        self.lower = self.scheduler.cache.lower = None  # warm-up blocks never reach the SSD
         self.blocks.on_evict = None
         steps = 0
         try:
@@ -278,7 +278,7 @@ class Engine:
                 steps += int(self.stats["engine_steps"] - before)
         finally:
             self.blocks.evict_all()
-            self.lower = self.scheduler.lower = lower
+            self.lower = self.scheduler.cache.lower = lower
             self.blocks.on_evict = on_evict
             for live, old in zip((self.stats, self.scheduler.stats, self.blocks.stats), saved, strict=True):
                 live.clear()
@@ -354,7 +354,7 @@ class Engine:
             "engine_running": len(self.scheduler.running),
             "engine_waiting": len(self.scheduler.waiting),
             "engine_loading": len(self.scheduler.loading),
-            "engine_prefetching": len(self.scheduler.prefetch.reads),
+            "engine_prefetching": len(self.scheduler.cache.prefetch.reads),
             **self.scheduler.stats,
             **self.runner.stats,
             **self.blocks.snapshot(),

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from kvcellar.cache.block_manager import NULL_BLOCK
+from kvcellar.cache.kv_pool import KVPool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
-from kvcellar.engine.kv_pool import KVPool
 from kvcellar.engine.scheduler import StepPlan
 
 

@@ -8,7 +8,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +17,9 @@ from kvcellar.cache.hashing import chain_digest
 from kvcellar.engine.constraints import TokenConstraint
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvcellar.cache.tiering import PendingLoad
 
 
 class SeqState(enum.Enum):
@@ -88,6 +91,32 @@ class EventStream:
 
 @dataclass(eq=False)
 class Sequence:
+    """One completion: its tokens, sampling state, and what it holds of the KV cache.
+
+    The cache counters (written only by ``cache/prefix_cache.py``) keep these invariants,
+    with ``bs`` the block size and ``n = num_tokens``:
+
+    * ``blocks`` is the block table: block ``i`` holds the KV of tokens
+      ``[i*bs, (i+1)*bs)``. Waiting: empty. Admitted (running or loading):
+      ``len(blocks) == ceil(n / bs)`` after each schedule (decode adds one block when a
+      token crosses a boundary).
+    * ``0 <= num_computed <= n``: tokens whose KV is in the pool. Running sequences are in
+      prefill while ``num_computed < n - 1``; a decode computes token ``n - 1``. Never more
+      than ``n - 1`` before the forward that samples: the last token is always computed.
+    * ``num_registered <= num_computed // bs``: the leading blocks published to the prefix
+      cache (reusable by others, never written again). Blocks after them are private.
+    * ``num_cached_tokens``: None until the first admission, then the prompt tokens reused
+      then (RAM hits plus lower-tier loads), fixed for the rest of the request: a resumption
+      after preemption reuses the sequence's own blocks, which is not a cache hit to report.
+      ``cached_tokens_by_tier`` splits it by tier and sums to it.
+    * While loading (``pending_load`` set), blocks
+      ``[num_registered, num_registered + pending_load.plan.num_blocks)`` are being written
+      by a lower tier: nothing else reads or frees them until the load is over, even if
+      the sequence is cancelled.
+    * Released (finished, cancelled, preempted): ``blocks == []``, ``num_computed == 0``,
+      ``num_registered == 0``.
+    """
+
     seq_id: int
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
@@ -110,8 +139,8 @@ class Sequence:
     hit_tiers: list[str] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # set at first admission
     finish_reason: str | None = None
-    pending_load: Any = None  # lower-tier load in flight (engine-owned handle)
-    prefetch_checked: bool = False  # looked up for a prefetch during this wait (engine/prefetch.py)
+    pending_load: PendingLoad | None = None  # lower-tier load in flight
+    prefetch_checked: bool = False  # looked up for a prefetch during this wait (cache/prefetch.py)
     prefetched: dict[bytes, str] = field(default_factory=dict)  # digest -> tier, blocks prefetched for it
     _digests: list[bytes] = field(default_factory=list)
 

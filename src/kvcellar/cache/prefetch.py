@@ -1,9 +1,9 @@
 """Prefetch: lower-tier reads for sequences that are still waiting in the queue.
 
 A sequence that is not admitted this step (no sequence slot, no token budget, no room)
-waits. If the blocks right after its RAM-tier prefix sit in a lower tier, the scheduler
-starts reading them now, into free pool blocks, so the read overlaps the other
-sequences' compute instead of following the wait. Once the tier has verified them they
+waits. If the blocks right after its RAM-tier prefix sit in a lower tier, the prefix
+cache (``cache/prefix_cache.py``) starts reading them now, into free pool blocks, so the
+read overlaps the other sequences' compute instead of following the wait. Once the tier has verified them they
 are published into the RAM prefix cache as ordinary cached blocks (registered,
 ``ref_count == 0``, evictable, promoted into faster tiers like any loaded block), and
 admission later finds them as a plain RAM hit. The sequence remembers which tier each of
@@ -33,7 +33,7 @@ tier is done with them, whatever happens to the sequence, then publishes the ver
 ones (valid KV: a cancelled request's prefix still serves the next one) and releases the
 rest. A block that fails to load, and every block after it, is released unpublished and
 computed later. While a read is in flight, a sequence whose prefix continues into its
-keys is not admitted (``reading``; the scheduler defers it a step, as it does for a block
+keys is not admitted (``reading``; admission defers it a step, as it does for a block
 another sequence is computing): it waits for the read instead of reading the same keys
 again into other blocks.
 
@@ -41,7 +41,7 @@ Counters (in the scheduler's ``stats``): ``sched_prefetch_reads`` (reads started
 ``sched_prefetched_blocks`` (blocks verified by a prefetch read),
 ``sched_deferred_for_prefetch`` (admissions that waited for one).
 
-Threading: not thread-safe; only the engine thread calls in (through the scheduler).
+Threading: not thread-safe; only the engine thread calls in (through the prefix cache).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcellar.cache.block_manager import Block, BlockManager
-from kvcellar.engine.sequence import SeqState, Sequence
+from kvcellar.cache.cached_sequence import CachedSequence
 
 if TYPE_CHECKING:
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 class PrefetchRead:
     """One read in flight: blocks ``first..first+len(blocks)`` of ``seq``'s prompt."""
 
-    seq: Sequence | None  # None once the sequence is gone (cancelled, finished)
+    seq: CachedSequence | None  # None once the sequence is gone (cancelled, finished)
     first: int
     digests: list[bytes]
     token_blocks: list[tuple[int, ...]]
@@ -78,10 +78,10 @@ class Prefetcher:
         self.max_reads = max(0, max_reads)
         self.reads: list[PrefetchRead] = []
         self._by_digest: dict[bytes, PrefetchRead] = {}
-        self._by_seq: dict[Sequence, PrefetchRead] = {}
+        self._by_seq: dict[CachedSequence, PrefetchRead] = {}
         # Blocks published for a sequence that has not been admitted yet (with the digest
         # they were published under: the pool may have reused a block since).
-        self._published: dict[Sequence, list[tuple[Block, bytes]]] = {}
+        self._published: dict[CachedSequence, list[tuple[Block, bytes]]] = {}
         self.stats = stats
         stats.update({"sched_prefetch_reads": 0, "sched_prefetched_blocks": 0, "sched_deferred_for_prefetch": 0})
 
@@ -92,12 +92,9 @@ class Prefetcher:
 
     def _held_for_waiting(self) -> list[Block]:
         """Unreferenced blocks prefetched for sequences that still wait (still holding what
-        was published); forgets sequences that were admitted meanwhile."""
+        was published)."""
         out = []
-        for seq, published in list(self._published.items()):
-            if seq.state != SeqState.WAITING:
-                del self._published[seq]
-                continue
+        for published in self._published.values():
             out.extend(b for b, d in published if b.digest == d and b.ref_count == 0)
         return out
 
@@ -105,7 +102,7 @@ class Prefetcher:
         """Whether a read in flight is loading any of ``digests``."""
         return any(d in self._by_digest for d in digests)
 
-    def start(self, waiting: Iterable[Sequence], lower: LowerTierLink, *, reserve: int,
+    def start(self, waiting: Iterable[CachedSequence], lower: LowerTierLink, *, reserve: int,
               computing: Callable[[bytes], bool]) -> None:
         """Start reads for ``waiting`` sequences (queue order) within the bounds.
         ``computing(digest)``: another sequence is computing that block right now."""
@@ -175,7 +172,12 @@ class Prefetcher:
             if read.seq is not None:
                 del self._by_seq[read.seq]
 
-    def forget(self, seq: Sequence) -> None:
+    def admitted(self, seq: CachedSequence) -> None:
+        """``seq`` was admitted: what was prefetched for it is no longer held for a waiting
+        sequence (it is part of ``seq``'s blocks now, or ordinary cached blocks)."""
+        self._published.pop(seq, None)
+
+    def forget(self, seq: CachedSequence) -> None:
         """``seq`` is gone: a read of its prefix goes on, for the prefix cache only."""
         read = self._by_seq.pop(seq, None)
         if read is not None:

@@ -1,0 +1,206 @@
+"""The scheduler and the prefix cache on the fake model runner (tests/fake_runner.py):
+batching, admission outcomes, preemption, copy-on-write, the tier link and prefetch, in
+milliseconds. The real-model end-to-end cases stay in test_engine_correctness.py,
+tests/cache and tests/integration."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcellar.cache.prefix_cache import Admission
+from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.engine.sequence import SeqState
+from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.tier import DiskTier
+from tests.fake_runner import VOCAB, Driver, reference
+
+BS = 4
+
+
+def random_workload(rng: random.Random, n: int) -> list[tuple[list[int], int]]:
+    """Prompts built from a few shared prefixes (some ending on a block boundary, some
+    repeated whole) and random tails."""
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.choice([0, 3, 4, 8, 13, 16]))] for _ in range(4)]
+    out = []
+    for _ in range(n):
+        tail = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 4, 7]))]
+        prompt = rng.choice(prefixes) + tail
+        out.append((prompt or [1], rng.randint(1, 9)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_generate_what_the_uncached_model_does(seed: int) -> None:
+    rng = random.Random(seed)
+    work = random_workload(rng, 40)
+    # a pool of 28 blocks forces evictions and preemptions; a small token budget chunks prefills
+    driver = Driver(num_blocks=28, max_num_seqs=6, max_step_tokens=12)
+    seqs = []
+    for prompt, max_tokens in work:
+        seqs.append(driver.submit(prompt, max_tokens))
+        if rng.random() < 0.3:
+            driver.step()  # arrivals between steps, joining running batches
+    driver.run()
+    assert [driver.done[s.seq_id] for s in seqs] == [reference(p, m) for p, m in work]
+    assert driver.runner.wrong_kv == 0
+    assert driver.bm.stats["kv_lookup_hits"] > 0
+    driver.assert_no_leaks()
+
+
+def test_preemption_under_a_full_pool_resumes_exactly() -> None:
+    driver = Driver(num_blocks=9, max_num_seqs=4, max_step_tokens=64)  # 8 usable blocks
+    work = [([i + 1] * 6, 14) for i in range(4)]  # each grows to 5 blocks: they cannot all fit
+    seqs = [driver.submit(p, m) for p, m in work]
+    driver.run()
+    assert driver.sched.stats["sched_preemptions"] > 0
+    assert [driver.done[s.seq_id] for s in seqs] == [reference(p, m) for p, m in work]
+    # a resumption reuses the sequence's own blocks: not reported as a cache hit
+    assert [s.num_cached_tokens for s in seqs] == [0, 0, 0, 0]
+    assert driver.runner.wrong_kv == 0
+    driver.assert_no_leaks()
+
+
+def test_a_block_being_computed_is_waited_for_not_computed_twice() -> None:
+    driver = Driver()
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    first, second = driver.submit(prompt, 2), driver.submit(prompt, 2)
+    driver.step()
+    assert first.state == SeqState.RUNNING and second.state == SeqState.WAITING
+    assert driver.sched.stats["sched_deferred_for_shared_prefix"] == 1
+    driver.run()
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 12
+    assert driver.done[second.seq_id] == driver.done[first.seq_id] == reference(prompt, 2)
+    driver.assert_no_leaks()
+
+
+def test_no_room_keeps_arrival_order_and_reserves_the_whole_prompt() -> None:
+    driver = Driver(num_blocks=8, max_num_seqs=4)  # 7 usable blocks
+    big = driver.submit(list(range(1, 22)), 3)  # 21 tokens + 3: 6 blocks
+    driver.step()
+    assert big.state == SeqState.RUNNING and len(big.blocks) == 6  # reserved up front
+    small, later = driver.submit([5, 6], 3), driver.submit([7], 1)
+    # one block is left, but the running decode keeps it in reserve: nothing is taken
+    assert driver.cache.admit(small, reserve=1, crowded=True) is Admission.NO_ROOM
+    assert small.blocks == [] and driver.bm.available() == 1
+    driver.step()
+    assert small.state == later.state == SeqState.WAITING  # the later one does not jump the queue
+    driver.run()
+    assert driver.done[small.seq_id] == reference([5, 6], 3) and driver.done[later.seq_id] == reference([7], 1)
+    driver.assert_no_leaks()
+
+
+def test_a_fully_cached_prompt_on_a_block_boundary_recomputes_one_token_in_a_copy() -> None:
+    driver = Driver()
+    prompt = list(range(10, 18))  # exactly 2 blocks
+    a = driver.submit(prompt, 3)
+    driver.run()
+    shared = driver.bm.match(a.digests(2, BS), [prompt[:4], prompt[4:]])
+    before = [driver.pool.block(b.block_id).clone() for b in shared]
+    b = driver.submit(prompt, 3)
+    driver.step()
+    assert b.num_computed == len(prompt)  # 7 reused + the last one recomputed
+    assert b.blocks[1] not in shared  # the last block is a private copy
+    assert all(driver.pool.block(x.block_id).equal(y) for x, y in zip(shared, before, strict=True))
+    driver.run()
+    assert b.num_cached_tokens == 7 and driver.done[b.seq_id] == reference(prompt, 3)
+    driver.assert_no_leaks()
+
+
+def test_cache_salt_and_disabled_caching_reuse_nothing() -> None:
+    prompt = list(range(1, 18))
+    salted = Driver()
+    salted.submit(prompt, 2, salt="a")
+    salted.run()
+    other = salted.submit(prompt, 2, salt="b")
+    salted.run()
+    assert other.num_cached_tokens == 0
+    off = Driver(prefix_caching=False)
+    off.submit(prompt, 2)
+    off.run()
+    again = off.submit(prompt, 2)
+    off.run()
+    assert again.num_cached_tokens == 0 and off.bm.stats["kv_registered"] == 0
+    assert off.done[again.seq_id] == reference(prompt, 2)
+
+
+def test_cancel_frees_blocks_and_leaves_published_ones_cached() -> None:
+    driver = Driver(max_step_tokens=8)
+    prompt = list(range(1, 30))
+    seq = driver.submit(prompt, 50)
+    for _ in range(3):
+        driver.step()  # 24 prompt tokens computed: 6 blocks published
+    assert seq.num_registered == 6
+    driver.cancel(seq)
+    assert seq.state == SeqState.FINISHED and seq.blocks == []
+    driver.assert_no_leaks()
+    assert driver.bm.num_evictable == 6
+    again = driver.submit(prompt, 2)
+    driver.run()
+    assert again.num_cached_tokens == 24 and driver.done[again.seq_id] == reference(prompt, 2)
+
+
+# ---- with a real SSD tier below RAM ----------------------------------------------------------
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Callable[..., DiskTier]]:
+    """``disk(driver, **config)``: a real SSD tier under ``driver``'s RAM tier."""
+    tiers: list[DiskTier] = []
+
+    def make(driver: Driver, **cfg: object) -> DiskTier:
+        spec = LowerTierLink.block_spec(driver.pool)
+        tier = DiskTier(tmp_path / "kv", "fake", spec, DiskTierConfig(min_free_bytes=0, **cfg))  # type: ignore[arg-type]
+        tiers.append(tier)
+        assert tier.wait_scanned(10)
+        driver.attach(tier)
+        return tier
+
+    yield make
+    for t in tiers:
+        t.close(10)
+
+
+def test_blocks_evicted_from_ram_come_back_from_the_disk(disk: Callable[..., DiskTier]) -> None:
+    driver = Driver(num_blocks=40)
+    tier = disk(driver, async_writes=False)
+    work = random_workload(random.Random(11), 12)
+    driver_seqs = [driver.submit(p, m) for p, m in work]
+    driver.run()
+    assert tier.wait_idle(10)
+    driver.bm.evict_all()
+    again = [driver.submit(p, m) for p, m in work]
+    driver.run()
+    expected = [reference(p, m) for p, m in work]
+    assert [driver.done[s.seq_id] for s in driver_seqs] == expected
+    assert [driver.done[s.seq_id] for s in again] == expected
+    from_disk = sum(s.cached_tokens_by_tier.get("ssd", 0) for s in again)
+    assert from_disk > 0 and driver.lower is not None
+    assert driver.lower.stats["ssd_link_loaded_blocks"] > 0
+    assert driver.runner.wrong_kv == 0
+    driver.assert_no_leaks()
+
+
+def test_a_waiting_request_prefetches_its_disk_blocks(disk: Callable[..., DiskTier]) -> None:
+    driver = Driver(num_blocks=64, max_num_seqs=1)
+    disk(driver, async_writes=False)
+    prompt = list(range(3, 40))  # 9 full blocks
+    driver.submit(prompt, 1)
+    driver.run()
+    driver.bm.evict_all()
+    driver.submit([1, 2, 3], 30)  # holds the only sequence slot for 30 steps
+    driver.step()
+    waiting = driver.submit(prompt, 2)
+    driver.step()
+    assert waiting.state == SeqState.WAITING and len(driver.cache.prefetch.reads) == 1
+    driver.run()
+    assert driver.sched.stats["sched_prefetch_reads"] == 1
+    assert driver.sched.stats["sched_prefetched_blocks"] == 9
+    assert driver.sched.stats["sched_admitted"] == 3 and driver.cache.loading == []
+    # found in RAM at admission, credited to the tier that served it
+    assert waiting.cached_tokens_by_tier == {"ram": 0, "ssd": 36}
+    assert driver.done[waiting.seq_id] == reference(prompt, 2)
+    driver.assert_no_leaks()
