@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvcellar.cache.block_manager import BlockManager
@@ -28,44 +27,21 @@ from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.config import EngineConfig
+from kvcellar.engine.blocking import GenerationResult, collect, run_to_end
 from kvcellar.engine.constraints import GrammarCompiler
-from kvcellar.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.output import final_event, token_event
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduler
-from kvcellar.engine.sequence import EventStream, SeqState, Sequence, TokenEvent
+from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
 from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestHandle:
-    seq_id: int
-    stream: EventStream
-    num_prompt_tokens: int
-    _engine: Engine = field(repr=False)
-
-    def cancel(self) -> None:
-        self._engine.cancel(self.seq_id)
-
-
-@dataclass
-class GenerationResult:
-    seq_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float] = field(default_factory=list)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    error: str | None = None
 
 
 class Engine:
@@ -171,7 +147,7 @@ class Engine:
         )
         self._inbox.put(("add", seq))
         self._wake.set()
-        return RequestHandle(seq.seq_id, stream, len(prompt), self)
+        return RequestHandle(seq.seq_id, stream, len(prompt), self.cancel)
 
     def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``InvalidRequestError`` unless the request fits the context and the pool."""
@@ -201,39 +177,16 @@ class Engine:
     def generate(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], *, cache_salt: str | None = None
     ) -> list[GenerationResult]:
-        """Blocking convenience: run completions of ``prompts`` to the end."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        handles = [self.submit(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, plist, strict=True)]
-        return [self.collect(h) for h in handles]
+        """Blocking convenience: run completions of ``prompts`` to the end (``engine/blocking.py``)."""
+        return run_to_end(self, prompts, params, cache_salt=cache_salt)
 
     def collect(self, handle: RequestHandle) -> GenerationResult:
-        result = GenerationResult(handle.seq_id, [], "", "", handle.num_prompt_tokens, 0)
-        texts = []
-        while True:
-            if self._thread is None:
-                while True:
-                    try:
-                        ev = handle.stream.get_sync(timeout=0)
-                        break
-                    except queue.Empty:
-                        if not self._step_or_wait():
-                            raise RuntimeError(f"sequence {handle.seq_id} is unknown or never finished") from None
-            else:
-                ev = handle.stream.get_sync()
-            if ev.token_id is not None:
-                result.token_ids.append(ev.token_id)
-                if ev.logprob is not None:
-                    result.logprobs.append(ev.logprob)
-                if ev.top_logprobs is not None:
-                    result.top_logprobs.append(ev.top_logprobs)
-            texts.append(ev.text)
-            result.num_cached_tokens = ev.num_cached_tokens
-            result.cached_tokens_by_tier = ev.cached_tokens_by_tier or {}
-            if ev.finish_reason is not None:
-                result.finish_reason = ev.finish_reason
-                result.error = ev.error
-                result.text = "".join(texts)
-                return result
+        return collect(self, handle)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the engine thread runs the step loop (else callers step it)."""
+        return self._thread is not None
 
     @property
     def block_spec(self) -> BlockSpec:
@@ -471,10 +424,10 @@ class Engine:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until no work is left (manual mode: tests, benchmarks)."""
         for _ in range(max_steps):
-            if not self._step_or_wait():
+            if not self.step_or_wait():
                 return
 
-    def _step_or_wait(self) -> bool:
+    def step_or_wait(self) -> bool:
         """Manual mode: one step, or a short wait for lower-tier reads. False when idle."""
         self._wake.clear()
         if self.step() or not self._inbox.empty():
@@ -485,57 +438,13 @@ class Engine:
         return False
 
     def _append(self, seq: Sequence, res: SampleResult) -> None:
-        tok = res.token_id
-        seq.token_ids.append(tok)
-        params = seq.params
-        n_out = seq.num_tokens - seq.num_prompt_tokens
+        seq.token_ids.append(res.token_id)
         self.stats["engine_generated_tokens"] += 1
-        finish = None
-        error = None
-        is_eos = tok in seq.eos_token_ids or tok in params.stop_token_ids
-        grammar_done = False
-        if seq.constraint is not None:
-            if not seq.constraint.accept(tok):  # masked sampling makes this a bug, never a user error
-                finish, error = "error", f"constrained decoding failed: {seq.constraint.error}"
-            grammar_done = seq.constraint.finished
-        if finish is not None:
-            text = ""
-        elif is_eos:
-            finish = "stop"
-            text = self._flush_text(seq)
-        else:
-            text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(tok))
-            if stopped:
-                finish = "stop"
-            elif grammar_done or n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "stop" if grammar_done else "length"
-                tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush().rstrip(REPLACEMENT))
-                text += tail
-                if stopped:
-                    finish = "stop"
-                else:
-                    text += seq.stop_matcher.flush()
-        event = TokenEvent(
-            seq_id=seq.seq_id,
-            token_id=tok,
-            text=text,
-            logprob=res.logprob,
-            top_logprobs=res.top_logprobs,
-            finish_reason=finish,
-            is_eos=is_eos,
-            error=error,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            num_output_tokens=n_out,
-        )
-        if finish is None:
+        event = token_event(seq, res, self.max_model_len)
+        if event.finish_reason is None:
             seq.emit(event)
         else:
             self._finish(seq, event)
-
-    def _flush_text(self, seq: Sequence) -> str:
-        text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush().rstrip(REPLACEMENT))
-        return text if stopped else text + seq.stop_matcher.flush()
 
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
         if seq.state == SeqState.FINISHED:
@@ -543,10 +452,7 @@ class Engine:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.seq_id, None)
         seq.finish_reason = event.finish_reason
-        event.num_prompt_tokens = seq.num_prompt_tokens
-        event.num_cached_tokens = seq.num_cached_tokens or 0
-        event.cached_tokens_by_tier = dict(seq.cached_tokens_by_tier)
-        event.num_output_tokens = seq.num_tokens - seq.num_prompt_tokens
+        final_event(seq, event)
         if event.finish_reason == "abort":
             self.stats["engine_requests_aborted"] += 1
         elif event.finish_reason == "error":

@@ -89,6 +89,19 @@ class EventStream:
         return self._sync_q.get(timeout=timeout)
 
 
+@dataclass
+class RequestHandle:
+    """What ``Engine.submit`` returns: the sequence's id, its event stream, and a way to cancel it."""
+
+    seq_id: int
+    stream: EventStream
+    num_prompt_tokens: int
+    _cancel: Callable[[int], None] = field(repr=False)
+
+    def cancel(self) -> None:
+        self._cancel(self.seq_id)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One completion: its tokens, sampling state, and what it holds of the KV cache.

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent
-from kvcellar.engine.engine import RequestHandle
+from kvcellar.engine.sequence import RequestHandle
 
 # asyncio.wait_for with a zero timeout gives up before even looking at the queue; an
 # already-expired deadline therefore waits this long, which still returns queued events.
