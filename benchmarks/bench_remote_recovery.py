@@ -32,6 +32,10 @@ def ask(server: ServerProcess, i: int) -> None:
     assert r.status_code == 200, r.text
 
 
+def stored_blocks(server: ServerProcess) -> int:
+    return int(server.health()["tiers"]["remote"]["counters"]["remote_stored_blocks"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outages", default="2,10,30", help="seconds Redis stays down, comma-separated")
@@ -66,22 +70,22 @@ def main() -> None:
                         if not loaded:  # an idle replica notices at its next request
                             counter[0] += 1
                             ask(server, counter[0])
-                        wait_until(lambda: server.health()["remote"]["state"] == "degraded", timeout=60,
+                        wait_until(lambda: server.health()["tiers"]["remote"]["state"] == "degraded", timeout=60,
                                    what="the tier to notice")
                         time.sleep(outage)
-                        stored = server.health()["tiers"]["remote"]["remote_stored_blocks"]
+                        stored = stored_blocks(server)
                         redis.start()
                         t0 = time.monotonic()
                         if not loaded:  # the first request after Redis is back
                             counter[0] += 1
                             ask(server, counter[0])
-                        wait_until(lambda: server.health()["remote"]["state"] == "ok", timeout=120,
+                        wait_until(lambda: server.health()["tiers"]["remote"]["state"] == "ok", timeout=120,
                                    interval=0.02, what="the tier to reconnect")
                         ok_s = time.monotonic() - t0
                         if not loaded:  # its blocks were dropped while the tier was down: a next one
                             counter[0] += 1
                             ask(server, counter[0])
-                        wait_until(lambda s=stored: server.health()["tiers"]["remote"]["remote_stored_blocks"] > s,
+                        wait_until(lambda s=stored: stored_blocks(server) > s,
                                    timeout=120, interval=0.02, what="a block stored in Redis again")
                         stored_s = time.monotonic() - t0
                         stop.set()

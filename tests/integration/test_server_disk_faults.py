@@ -34,11 +34,11 @@ def _prompt(i: int) -> str:
 
 
 def _ssd(server: ServerProcess) -> dict:
-    return server.health()["ssd"]
+    return server.health()["tiers"]["ssd"]
 
 
 def _stored(server: ServerProcess) -> int:
-    return server.health()["tiers"]["ssd"]["ssd_stored_blocks"]
+    return server.health()["tiers"]["ssd"]["counters"]["ssd_stored_blocks"]
 
 
 def _complete(server: ServerProcess, i: int) -> None:
@@ -59,7 +59,7 @@ def test_full_cache_disk_remounted_read_only_is_degraded_then_recovers(small_kv,
     server = ServerProcess(tmp_path / "cache", "--disk-min-free-gb", "0", models_dir=models_dir).start()
     try:
         i = 0
-        while server.health()["tiers"]["ssd"]["ssd_evicted_blocks"] == 0:  # fill it
+        while server.health()["tiers"]["ssd"]["counters"]["ssd_evicted_blocks"] == 0:  # fill it
             assert i < 12, server.health()["tiers"]["ssd"]
             _complete(server, i)
             wait_until(lambda: _written(server), timeout=60, what="the writer to drain")
@@ -71,7 +71,7 @@ def test_full_cache_disk_remounted_read_only_is_degraded_then_recovers(small_kv,
         ssd = wait_until(lambda: (s := _ssd(server))["state"] == "degraded" and s, timeout=60,
                          what="the tier to report the fault")
         assert "EROFS" in str(ssd["last_error"]), ssd
-        assert server.health()["tiers"]["ssd"]["ssd_delete_errors_erofs"] >= 1
+        assert server.health()["tiers"]["ssd"]["counters"]["ssd_delete_errors_erofs"] >= 1
 
         small_kv.remount("rw")
         t0 = time.monotonic()
@@ -107,7 +107,7 @@ def test_small_cache_filesystem_gets_a_relative_floor_or_says_no_space(small_kv,
         assert "will store nothing" in server.log_tail(20000)
         before = _stored(server)
         _complete(server, 2)  # still served; nothing stored
-        wait_until(lambda: server.health()["tiers"]["ssd"]["ssd_dropped_no_space"] > 0, timeout=60,
+        wait_until(lambda: server.health()["tiers"]["ssd"]["counters"]["ssd_dropped_no_space"] > 0, timeout=60,
                    what="the blocks to be dropped for want of space")
         assert _stored(server) == before
     finally:

@@ -64,13 +64,13 @@ def test_restart_serves_the_prefix_from_disk(tmp_path, models_dir, reference):
     try:
         health = second.health()
         assert health["last_shutdown_clean"] is True
-        assert health["ssd"]["state"] == "ok"
+        assert health["tiers"]["ssd"]["state"] == "ok"
         b = ask(second, "The disk is 95% full. What do I check first?")
         prompt_tokens = b.usage.prompt_tokens
         assert b.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - BS
         assert b.choices[0].message.content == a.choices[0].message.content
         assert b.choices[0].message.content == reference("The disk is 95% full. What do I check first?")
-        loaded = second.health()["tiers"]["ssd"]["ssd_load_hits"]
+        loaded = second.health()["tiers"]["ssd"]["counters"]["ssd_load_hits"]
         assert loaded * BS == b.usage.prompt_tokens_details.cached_tokens
 
         c = ask(second, "A replica is lagging by an hour. What now?")  # shares the system prompt only
@@ -110,11 +110,11 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
             health = server.health()
             if round_no > 0:
                 assert health["last_shutdown_clean"] is False
-                assert health["tiers"]["ssd"]["ssd_recovered_unclean_sessions"] >= 1
+                assert health["tiers"]["ssd"]["counters"]["ssd_recovered_unclean_sessions"] >= 1
             # write-heavy: many distinct long prompts at once; kill while blocks are being written
             _fire(server, questions(round_no))
             stored = wait_until(
-                lambda s=server: (n := s.health()["tiers"]["ssd"]["ssd_stored_blocks"]) >= 20 and n,
+                lambda s=server: (n := s.health()["tiers"]["ssd"]["counters"]["ssd_stored_blocks"]) >= 20 and n,
                 timeout=180, interval=0.01, what="blocks to reach the disk")
             stored_before_kill.append(stored)
         finally:
@@ -125,7 +125,7 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
     try:
         health = final.health()
         assert health["last_shutdown_clean"] is False
-        ssd = health["tiers"]["ssd"]
+        ssd = health["tiers"]["ssd"]["counters"]
         assert ssd["ssd_recovered_unclean_sessions"] >= 1
         cached = 0
         for q in [*questions(0)[:2], *questions(1)[:2], *questions(2)[:2]]:
@@ -133,7 +133,7 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
             assert r.choices[0].message.content == reference(q), q
             cached += r.usage.prompt_tokens_details.cached_tokens
         assert cached > 0, "blocks written before the kills are reused"
-        ssd = final.health()["tiers"]["ssd"]
+        ssd = final.health()["tiers"]["ssd"]["counters"]
         assert ssd["ssd_corrupt_total"] == 0, "a killed writer never leaves a final file that fails its checks"
     finally:
         assert final.stop() == 0
@@ -161,19 +161,19 @@ def test_cache_clear_under_a_running_server_does_not_block_rewrites(tmp_path, mo
         for i in range(3):  # unrelated prompts push the first one out of RAM (it stays on disk)
             client.completions.create(model=MODEL, prompt=f"Filler {i}: " + "tick tock " * 120, max_tokens=1)
         server.wait_idle()
-        assert wait_until(lambda: server.health()["ssd"]["writer_queue_depth"] == 0, timeout=60)
+        assert wait_until(lambda: server.health()["tiers"]["ssd"]["writer_queue_depth"] == 0, timeout=60)
         clear = subprocess.run([*kvcellar_command(), "cache", "clear", "--cache-dir", str(cache)],
                                capture_output=True, text=True, timeout=120)
         assert clear.returncode == 0, clear.stderr
         assert not list((cache / "kv").rglob("*.kvb"))
-        before = server.health()["tiers"]["ssd"]
+        before = server.health()["tiers"]["ssd"]["counters"]
         again = ask(server, question)  # a RAM miss and a disk miss: recomputed
         assert again.usage.prompt_tokens_details.cached_tokens == 0
         assert again.choices[0].message.content == reference(question) == first.choices[0].message.content
         server.wait_idle()
-        assert wait_until(lambda: server.health()["ssd"]["writer_queue_depth"] == 0
-                          and server.health()["ssd"]["ssd"]["writer_in_flight"] == 0, timeout=60)
-        after = server.health()["tiers"]["ssd"]
+        assert wait_until(lambda: server.health()["tiers"]["ssd"]["writer_queue_depth"] == 0
+                          and server.health()["tiers"]["ssd"]["ssd"]["writer_in_flight"] == 0, timeout=60)
+        after = server.health()["tiers"]["ssd"]["counters"]
         rewritten = after["ssd_stored_blocks"] - before["ssd_stored_blocks"]
         assert rewritten >= again.usage.prompt_tokens // BS - 1, (before, after)
         assert after["ssd_store_skipped_existing"] == before["ssd_store_skipped_existing"]

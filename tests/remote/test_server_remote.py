@@ -35,7 +35,8 @@ def ask(server: ServerProcess, question: str) -> dict[str, Any]:
 
 
 def tiers(server: ServerProcess) -> dict[str, Any]:
-    return server.health()["tiers"]
+    """Counters by tier."""
+    return {name: t["counters"] for name, t in server.health()["tiers"].items()}
 
 
 def replica(tmp_path: Path, name: str, models_dir: Path, url: str) -> ServerProcess:
@@ -44,8 +45,8 @@ def replica(tmp_path: Path, name: str, models_dir: Path, url: str) -> ServerProc
 
 
 def remote_drained(server: ServerProcess) -> bool:
-    h = server.health()
-    return h["remote"]["writer_queue_depth"] == 0 and h["tiers"]["remote"]["remote_stored_blocks"] > 0
+    remote = server.health()["tiers"]["remote"]
+    return remote["writer_queue_depth"] == 0 and remote["counters"]["remote_stored_blocks"] > 0
 
 
 def test_two_replicas_share_one_redis_and_survive_restarts(redis_server, models_dir, tmp_path):
@@ -64,7 +65,7 @@ def test_two_replicas_share_one_redis_and_survive_restarts(redis_server, models_
         t = tiers(b)
         assert t["remote"]["remote_link_loaded_blocks"] == -(-warm["cached"] // BS)  # all from Redis
         assert t["ssd"]["ssd_link_loaded_blocks"] == 0 and t["remote"]["remote_corrupt_total"] == 0
-        assert b.health()["remote"]["state"] == "ok"
+        assert b.health()["tiers"]["remote"]["state"] == "ok"
         metrics = httpx.get(b.url + "/metrics", timeout=10).text
         assert "kvcellar_remote_load_hits" in metrics and "kvcellar_remote_link_loaded_blocks" in metrics
     finally:
@@ -86,7 +87,7 @@ def test_redis_killed_during_loads_then_back(private_redis, models_dir, tmp_path
     a = replica(tmp_path, "a", models_dir, redis.url)
     try:
         cold = {q: ask(a, q) for q in questions}
-        wait_until(lambda: a.health()["tiers"]["remote"]["remote_writer_queue_depth"] == 0, timeout=60,
+        wait_until(lambda: a.health()["tiers"]["remote"]["counters"]["remote_writer_queue_depth"] == 0, timeout=60,
                    what="A's writes")
     finally:
         a.stop()
@@ -97,10 +98,10 @@ def test_redis_killed_during_loads_then_back(private_redis, models_dir, tmp_path
             redis.kill()  # while B looks up and loads them
             answers = {q: f.result(timeout=300) for q, f in futures.items()}  # every one 200 (ask asserts)
         assert all(answers[q]["text"] == cold[q]["text"] for q in questions)
-        wait_until(lambda: b.health()["remote"]["state"] == "degraded", timeout=30, what="the tier to notice")
-        assert b.health()["remote"]["last_error"]
+        wait_until(lambda: b.health()["tiers"]["remote"]["state"] == "degraded", timeout=30, what="the tier to notice")
+        assert b.health()["tiers"]["remote"]["last_error"]
         redis.start()  # same port, empty
-        wait_until(lambda: b.health()["remote"]["state"] == "ok", timeout=60, what="B to reconnect")
+        wait_until(lambda: b.health()["tiers"]["remote"]["state"] == "ok", timeout=60, what="B to reconnect")
         stored = tiers(b)["remote"]["remote_stored_blocks"]
         fresh = ask(b, "Disk is 97% full on the primary. What first? Answer in one line, with the command.")
         # the shared document is hot in B's RAM (it came from Redis: not stored back); the new

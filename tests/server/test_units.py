@@ -65,15 +65,13 @@ def test_integral_floats_count_as_integers() -> None:
                                                   **bad})
 
 
-def test_stats_grouped_by_prefix_with_tiers() -> None:
-    stats = {"engine_running": 1, "kv_blocks_used": 3, "kv_lookup_hits": 5, "ssd_reads": 2, "writer_queue": 4,
-             "server_requests_total": 7, "artifact_hits": 1}
-    groups = group_by_prefix(stats)
-    assert groups["tiers"] == {"ram": {"kv_blocks_used": 3, "kv_lookup_hits": 5},
-                               "ssd": {"ssd_reads": 2, "writer_queue": 4}}
-    assert groups["engine"] == {"engine_running": 1}
-    assert groups["artifact"] == {"artifact_hits": 1}
-    assert group_by_prefix({})["tiers"] == {"ram": {}}
+def test_stats_grouped_by_owner_prefix() -> None:
+    stats = {"engine_running": 1, "engine_steps": 4, "sched_admitted": 2, "server_requests_total": 7,
+             "artifact_hits": 1}
+    assert group_by_prefix(stats) == {"engine": {"engine_running": 1, "engine_steps": 4},
+                                      "sched": {"sched_admitted": 2}, "server": {"server_requests_total": 7},
+                                      "artifact": {"artifact_hits": 1}}
+    assert group_by_prefix({}) == {}
 
 
 def test_prometheus_kinds_come_from_declarations_not_names() -> None:

@@ -275,10 +275,13 @@ class LowerTierLink:
 
     # ---- reporting and shutdown -------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, float]:
-        out: dict[str, float] = dict(self.stats)
+    def stats_by_tier(self) -> dict[str, dict[str, float]]:
+        """Each tier's own counters and this link's for it (``<name>_link_*``), by tier name."""
+        out: dict[str, dict[str, float]] = {}
         for attached in self.tiers:
-            out.update(attached.tier.stats())
+            prefix = attached.tier.name + "_link_"
+            out[attached.tier.name] = {**{k: v for k, v in self.stats.items() if k.startswith(prefix)},
+                                       **attached.tier.stats()}
         return out
 
     def health(self) -> dict[str, dict[str, object]]:

@@ -299,9 +299,9 @@ class Engine:
         return (self.blocks.num_blocks - 1) * self.block_size
 
     def snapshot(self) -> dict[str, float]:
-        """Counters of the engine, scheduler, RAM tier and lower tier, merged (prefixes keep
-        them apart)."""
-        lower = self.lower
+        """Counters of the engine, scheduler, runner and every cache tier, merged into one
+        flat dict (each owner's prefix keeps them apart); ``tier_stats`` has the tiers' part
+        by tier."""
         return {
             **self.stats,
             "engine_running": len(self.scheduler.running),
@@ -310,9 +310,14 @@ class Engine:
             "engine_prefetching": len(self.scheduler.cache.prefetch.reads),
             **self.scheduler.stats,
             **self.runner.stats,
-            **self.blocks.snapshot(),
-            **(lower.snapshot() if lower is not None else {}),
+            **{k: v for counters in self.tier_stats().values() for k, v in counters.items()},
         }
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Counters per cache tier, top first: ``ram`` (the block manager's ``kv_*``), then
+        each lower tier's own and the link's for it."""
+        lower = self.lower
+        return {"ram": dict(self.blocks.snapshot()), **(lower.stats_by_tier() if lower is not None else {})}
 
     # Levels among the snapshot's own keys (exported as gauges); the others are counts.
     GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching"})

@@ -104,8 +104,8 @@ class ServerState:
 
     def health(self) -> dict[str, Any]:
         stats = self.stats()
-        groups = group_by_prefix(stats)
-        tiers = self.engine.tier_health()
+        tiers = self.tiers()
+        in_tiers = {k for counters in tiers.values() for k in counters}
         ssd = tiers.get("ssd")
         return {
             "status": "draining" if self.draining else "ok",
@@ -119,10 +119,16 @@ class ServerState:
             # Whether the previous run on this cache dir shut down cleanly (writer drained,
             # index flushed); null without an SSD tier.
             "last_shutdown_clean": None if ssd is None else ssd.get("last_shutdown_clean"),
-            "ssd": ssd,
-            **{name: h for name, h in tiers.items() if name != "ssd"},  # e.g. "remote"
-            **groups,
+            "tiers": tiers,
+            **group_by_prefix({k: v for k, v in stats.items() if k not in in_tiers}),
         }
+
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Each cache tier once, top first: its state and health (lower tiers: policy, last
+        error, writer queue, a tier-specific sub-dict) with its counters."""
+        health = self.engine.tier_health()
+        return {name: {**health.get(name, {"state": "ok"}), "counters": counters}
+                for name, counters in self.engine.tier_stats().items()}
 
 
 def create_app(engine: Engine, settings: ServerConfig | None = None,

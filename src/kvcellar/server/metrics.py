@@ -1,10 +1,12 @@
 """The one place where every module's counters are merged, for /health and /metrics.
 
-Each module owns its counters under a prefix (``engine_``, ``sched_``, ``kv_``, ``ssd_``,
-``writer_``, ``artifact_``; this layer's ``server_``). ``merged_stats`` flattens them into
-one dict; ``group_by_prefix`` shapes that for /health, where the prefixes that belong to a
-cache tier (``TIER_OF_PREFIX``) are listed under ``tiers``; ``SnapshotCollector`` exports
-the same dict to Prometheus as ``kvcellar_<key>``.
+Each module owns its counters under a prefix (``engine_``, ``sched_``, ``runner_``,
+``artifact_``; this layer's ``server_``); the cache tiers' counters come from the engine by
+tier (``Engine.tier_stats``: each tier names itself, so nothing here maps prefixes to
+tiers). ``merged_stats`` flattens every source into one dict, which ``SnapshotCollector``
+exports to Prometheus as ``kvcellar_<key>``; /health lists each tier once under ``tiers``
+(its state and health with its counters) and groups the rest by prefix
+(``group_by_prefix``).
 
 Kinds are declared where the numbers are made, never guessed from names: each owner lists
 which of its keys are levels (``Engine.gauge_keys``, ``BlockManager.GAUGES``,
@@ -24,9 +26,6 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-# Which tier each counter prefix reports for.
-TIER_OF_PREFIX = {"kv": "ram", "ssd": "ssd", "writer": "ssd", "remote": "remote"}
-
 # Every state a tier can report; the current one is exported as 1, the others as 0.
 TIER_STATES = ("ok", "degraded", "no_space")
 
@@ -35,21 +34,12 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def prefix_of(key: str) -> str:
-    return key.split("_", 1)[0]
-
-
 def group_by_prefix(stats: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """``{"tiers": {"ram": {...kv_*}}, "engine": {...}, "sched": {...}, ...}``."""
+    """``{"engine": {"engine_*": ...}, "sched": {...}, ...}``: one group per owner's prefix."""
     groups: dict[str, dict[str, float]] = {}
-    tiers: dict[str, dict[str, float]] = {}
     for key, value in stats.items():
-        prefix = prefix_of(key)
-        tier = TIER_OF_PREFIX.get(prefix)
-        target = tiers.setdefault(tier, {}) if tier else groups.setdefault(prefix, {})
-        target[key] = value
-    tiers.setdefault("ram", {})
-    return {"tiers": tiers, **groups}
+        groups.setdefault(key.split("_", 1)[0], {})[key] = value
+    return groups
 
 
 class SnapshotCollector(Collector):
