@@ -168,7 +168,8 @@ def list_entries(d: CacheDirectory) -> list[EntryInfo]:
 def prune(d: CacheDirectory, *, max_bytes: int | None = None, older_than_s: float | None = None) -> dict[str, Any]:
     """Scan, drop entries unused for ``older_than_s``, then enforce the size limit."""
     report: dict[str, Any] = dict(scan(d))
-    removed, in_use = [], []
+    removed: list[str] = []
+    in_use: list[str] = []
     if older_than_s is not None:
         cutoff = time.time() - older_than_s
         for row in d.index.entries():
@@ -185,7 +186,8 @@ def prune(d: CacheDirectory, *, max_bytes: int | None = None, older_than_s: floa
 def clear(d: CacheDirectory) -> dict[str, list[str]]:
     """Remove every entry no process holds."""
     scan(d)
-    removed, in_use = [], []
+    removed: list[str] = []
+    in_use: list[str] = []
     for row in d.index.entries():
         (removed if remove_if_unused(d, row.key) else in_use).append(row.key)
     for path in d.index.digest_paths():

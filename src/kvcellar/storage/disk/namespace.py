@@ -210,7 +210,7 @@ class OpenNamespace:
             pass
         except OSError as e:
             self.wfault.failure(e, f"deleting corrupt {path.name}", counter="delete")
-        total = c.get("corrupt_total")
+        total = int(c.get("corrupt_total"))
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("disk tier %s: deleted a block that failed its %s check (%d so far)",
                          self.layout.dir, reason, total)
