@@ -137,7 +137,7 @@ def test_replaced_file_is_not_deleted_by_a_stale_verdict(tmp_path, open_tier) ->
     tmp = path.with_name("replacement")
     tmp.write_bytes(good)
     os.replace(tmp, path)  # a writer renamed a good copy over it
-    tier._corrupt(path, b.key, "checksum", st.st_ino, st.st_dev)
+    tier._ns.corrupt(path, b.key, "checksum", st.st_ino, st.st_dev)
     assert path.exists()
     req = load_request(b)
     assert tier.load([req]).result(timeout=30) == 1 and bits_equal(req.dest, b.data)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvcellar.artifacts.store import ArtifactDescriptor, Builder
+from kvcellar.artifacts.descriptor import ArtifactDescriptor, Builder
 from kvcellar.errors import ModelLoadError
 
 QUANTIZATION_NONE = "none"

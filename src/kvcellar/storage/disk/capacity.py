@@ -3,7 +3,7 @@ floor and the TTL, enforced by evicting least-recently-used blocks, tail of a
 chain first (BlockTable evicts leaves only).
 
 ``make_room`` runs before every write; ``enforce`` and ``prune_ttl`` run on the
-maintenance timer. The byte limit counts file sizes (header + payload) of the
+upkeep timer (upkeep.py). The byte limit counts file sizes (header + payload) of the
 blocks this process knows of; free space is read from ``statvfs`` each time, so
 it also reflects other processes and other files on the filesystem.
 
