@@ -26,7 +26,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from kvcellar.artifacts import housekeeping
+import kvcellar.artifacts.housekeeping as housekeeping  # the module, not the package: no import cycle
 from kvcellar.artifacts.acquire import acquire_entry
 from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease, Builder
