@@ -204,3 +204,19 @@ def test_a_waiting_request_prefetches_its_disk_blocks(disk: Callable[..., DiskTi
     assert waiting.cached_tokens_by_tier == {"ram": 0, "ssd": 36}
     assert driver.done[waiting.seq_id] == reference(prompt, 2)
     driver.assert_no_leaks()
+
+
+def test_a_tier_that_would_drop_a_block_is_asked_before_it_is_copied(disk: Callable[..., DiskTier]) -> None:
+    """Item 6 of issue 14: a tier with no room (byte limit below one block) declines in
+    ``wants``; the link then makes no copy off the pool, and the tier drops nothing."""
+    driver = Driver()
+    tier = disk(driver, async_writes=False, capacity_bytes=1)
+    assert tier.health()["state"] == "no_space"
+    prompt = list(range(1, 30))
+    driver.submit(prompt, 3)
+    driver.run()
+    assert driver.lower is not None
+    link = driver.lower.stats
+    assert link["ssd_link_declined_blocks"] == len(prompt) // BS and link["ssd_link_stored_blocks"] == 0
+    assert tier.stats()["ssd_dropped_no_space"] == 0 and tier.stats()["ssd_stored_blocks"] == 0
+    driver.assert_no_leaks()

@@ -106,9 +106,9 @@ def test_small_cache_filesystem_gets_a_relative_floor_or_says_no_space(small_kv,
         assert ssd["state"] == "no_space" and "floor" in ssd["ssd"]["no_space"], ssd
         assert "will store nothing" in server.log_tail(20000)
         before = _stored(server)
-        _complete(server, 2)  # still served; nothing stored
-        wait_until(lambda: server.health()["tiers"]["ssd"]["counters"]["ssd_dropped_no_space"] > 0, timeout=60,
-                   what="the blocks to be dropped for want of space")
-        assert _stored(server) == before
+        _complete(server, 2)  # still served; nothing stored, nothing even copied off the pool for it
+        counters = server.health()["tiers"]["ssd"]["counters"]
+        assert counters["ssd_link_declined_blocks"] > 0 and counters["ssd_link_stored_blocks"] == 0, counters
+        assert counters["ssd_dropped_no_space"] == 0 and _stored(server) == before
     finally:
         assert server.stop() == 0

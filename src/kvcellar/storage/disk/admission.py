@@ -100,7 +100,7 @@ class WriteAdmission:
     def wants(self, key: bytes) -> bool:
         """True if a store of ``key`` now would be admitted (see ``DiskTier.wants``)."""
         ns = self._ns
-        if ns.session is None or ns.wfault.backing_off():
+        if ns.session is None or ns.wfault.backing_off() or not ns.capacity.has_room(ns.file_size):
             return False
         if key not in ns.suspects and self._on_disk(key):
             return False

@@ -11,12 +11,15 @@ The floor is ``min_free_bytes`` when given, else min(1 GiB, 5 % of the
 filesystem): a fixed 1 GiB floor silently switched the tier off on a
 filesystem smaller than that (issue 14, F2). ``no_space_reason`` says when the
 limits leave no room for a single block even after evicting everything this
-tier holds: the tier then reports the state "no_space" instead of "ok".
+tier holds: the tier then reports the state "no_space" instead of "ok", and ``has_room``
+(re-read at most once a second) makes ``wants`` say no, so the RAM tier does not copy
+blocks off its pool for a tier that would drop them (issue 14, item 6).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +28,8 @@ from kvcellar.storage.disk.table import BlockTable
 
 AUTO_FLOOR_MAX_BYTES = 1 << 30
 AUTO_FLOOR_FRACTION = 0.05
+# How long ``has_room`` trusts its last answer: it is asked before every block is copied.
+ROOM_CHECK_INTERVAL_S = 1.0
 
 
 def _size(n: int) -> str:
@@ -35,7 +40,8 @@ def _size(n: int) -> str:
 
 
 class CapacityGuard:
-    """Stateless apart from its collaborators; thread-safe because BlockTable is."""
+    """Stateless apart from its collaborators and the ``has_room`` memo; thread-safe
+    because BlockTable is (the memo is two plain assignments, a stale read is harmless)."""
 
     def __init__(
         self,
@@ -54,6 +60,8 @@ class CapacityGuard:
         self.ttl_s = ttl_s
         self._unlink = unlink
         self._c = counters
+        self._room = True
+        self._room_checked = float("-inf")
 
     def _statvfs(self) -> tuple[int, int] | None:
         """(free bytes for us, filesystem size), or None if it cannot be read."""
@@ -80,6 +88,15 @@ class CapacityGuard:
     def _free_and_floor(self) -> tuple[int, int] | None:
         st = self._statvfs()
         return None if st is None else (st[0], self._floor(st[1]))
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` can be written (``no_space_reason`` is None), as
+        of at most ``ROOM_CHECK_INTERVAL_S`` ago."""
+        now = time.monotonic()
+        if now - self._room_checked >= ROOM_CHECK_INTERVAL_S:
+            self._room = self.no_space_reason(nbytes) is None
+            self._room_checked = now
+        return self._room
 
     def no_space_reason(self, nbytes: int) -> str | None:
         """Why no block of ``nbytes`` can be written even after evicting every block this

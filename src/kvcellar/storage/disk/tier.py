@@ -231,7 +231,8 @@ class DiskTier(KVTier):
 
     def wants(self, key: bytes) -> bool:
         """True if a ``store`` of ``key`` now would write it: not known to be on disk, not
-        queued or being written, and writes are not backing off. The RAM tier asks this
+        queued or being written, writes are not backing off, and the limits leave room for
+        a block (state not ``no_space``). The RAM tier asks this
         before copying a block it evicts, so a write-through block whose store was dropped
         gets its second chance without a copy of every evicted block."""
         return not self._closing and self._admission.wants(key)
