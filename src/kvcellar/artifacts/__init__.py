@@ -1,12 +1,12 @@
 """The model artifact cache (SPEC §6): prepared models, content-addressed under ``<cache_dir>/models``.
 
 ``store`` holds the cache (entries, index, locks, validation, eviction), ``prepare`` the
-builders that turn a source into an entry (GGUF -> safetensors), ``cli`` the ``kvcellar
-models`` commands. The loader (``kvcellar.engine.loader.load_model``) is the only caller
-that prepares; importing this package does not import torch.
+builders that turn a source into an entry (GGUF -> safetensors), ``config`` its
+``[artifacts]`` settings, ``cli`` the ``kvcellar models`` commands. ``runtime.prepare_and_load``
+is the only caller that prepares; importing this package does not import torch.
 """
 
-from kvcellar.artifacts.config import ArtifactConfig, load_artifact_config
+from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.artifacts.store import (
     ARTIFACT_FORMAT_VERSION,
     ArtifactCache,
@@ -22,5 +22,4 @@ __all__ = [
     "ArtifactDescriptor",
     "ArtifactLease",
     "ArtifactStoreError",
-    "load_artifact_config",
 ]

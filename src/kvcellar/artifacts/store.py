@@ -61,8 +61,8 @@ from kvcellar.artifacts.manifest import (
     full_digest,
     stat_signature,
 )
-from kvcellar.config import resolve_cache_dir
 from kvcellar.errors import KvcellarError
+from kvcellar.paths import resolve_cache_dir
 
 log = logging.getLogger(__name__)
 
