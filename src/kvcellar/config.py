@@ -141,11 +141,11 @@ def _read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     path = path or os.environ.get("KVCELLAR_CONFIG")
     if not path:
         return {}
-    with open(path, "rb") as fh:
-        try:
+    try:
+        with open(path, "rb") as fh:
             return tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {path}: {exc}") from exc
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from exc
 
 
 def _coerce(value: Any, to: type | str) -> Any:
