@@ -26,10 +26,11 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 from transformers import DynamicCache
 
+from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, SamplingParams
 from kvcellar.engine.attention import ATTENTION_NAME
-from kvcellar.engine.loader import load_model
+from kvcellar.runtime import prepare_and_load
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    loaded = load_model(None, dtype=args.dtype, device="cpu", cache_dir=kvcellar_cache())
+    loaded = prepare_and_load(None, dtype=args.dtype, device="cpu", artifacts=ArtifactCache.open(kvcellar_cache()))
     model = loaded.model
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=args.block_size, max_step_tokens=args.max_step_tokens,
                        max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
@@ -199,7 +200,7 @@ def main() -> None:
 
 
 def kvcellar_cache():
-    from kvcellar.config import resolve_cache_dir
+    from kvcellar.paths import resolve_cache_dir
 
     return resolve_cache_dir(None)
 

@@ -21,9 +21,10 @@ import time
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
-from kvcellar.config import EngineConfig, resolve_cache_dir
+from kvcellar.artifacts import ArtifactCache
+from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, SamplingParams
-from kvcellar.engine.loader import load_model
+from kvcellar.runtime import prepare_and_load
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    loaded = load_model(None, dtype=args.dtype, device="cpu", cache_dir=resolve_cache_dir(None))
+    loaded = prepare_and_load(None, dtype=args.dtype, device="cpu", artifacts=ArtifactCache.open())
     rows = {}
     print(f"{args.tokens}-token prompt, {args.dtype}, {torch.get_num_threads()} threads, "
           f"step budget {args.max_step_tokens}; medians of {args.repeats} [min-max]")

@@ -23,11 +23,12 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
 from bench_engine import engine_decode_ms, engine_prefill, kvcellar_cache, profile_decode_step, prompt_of, stats
+from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine
 from kvcellar.engine.attention import ATTENTION_NAME
-from kvcellar.engine.loader import load_model
 from kvcellar.engine.tokenization import encode_chat
+from kvcellar.runtime import prepare_and_load
 
 PROMPTS = (
     "Explain what a hash table is in two sentences.",
@@ -84,7 +85,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    loaded = {mode: load_model(None, dtype=args.dtype, device="cpu", cache_dir=kvcellar_cache(), weights=mode)
+    loaded = {mode: prepare_and_load(None, dtype=args.dtype, device="cpu", weights=mode,
+                                         artifacts=ArtifactCache.open(kvcellar_cache()))
               for mode in ("full", "int8")}
     result: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     q = quality(loaded["full"].model, loaded["int8"].model, loaded["full"].tokenizer, args.new_tokens)

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
-from kvcellar.config import EngineConfig, resolve_cache_dir
+from kvcellar.artifacts import ArtifactCache
+from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, SamplingParams
-from kvcellar.engine.loader import load_model
+from kvcellar.runtime import prepare_and_load
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteTierConfig
@@ -156,7 +157,7 @@ def main() -> None:
     REMOTE_TIMEOUT_S = args.remote_timeout
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(1234)
-    model = load_model(None, dtype=args.dtype, device="cpu", cache_dir=resolve_cache_dir())
+    model = prepare_and_load(None, dtype=args.dtype, device="cpu", artifacts=ArtifactCache.open())
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=16, max_step_tokens=512, max_prefill_step_tokens=2048,
                        max_num_seqs=16)
     with tempfile.TemporaryDirectory(prefix="kvc-bench-remote-") as tmp:

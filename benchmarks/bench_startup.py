@@ -55,6 +55,7 @@ def child(args: argparse.Namespace) -> None:
     from kvcellar.engine import Engine, SamplingParams
     from kvcellar.engine.loader import load_model
     from kvcellar.engine.tokenization import encode_chat
+    from kvcellar.runtime import prepare_and_load
 
     out: dict[str, float | str | bool | None] = {"import": time.perf_counter() - t_start}
     t0 = time.perf_counter()
@@ -63,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         cache = ArtifactCache.open(args.cache_dir, ArtifactConfig(verify=args.verify))
         out["cache_open"] = time.perf_counter() - t0
-        loaded = load_model(None, dtype=args.dtype, device=args.device, artifacts=cache, progress=False)
+        loaded = prepare_and_load(None, dtype=args.dtype, device=args.device, artifacts=cache, progress=False)
     out.update(loaded.load_seconds)
     if loaded.artifact is not None:
         out["hit"] = loaded.artifact.hit

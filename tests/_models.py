@@ -22,8 +22,9 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine
 from kvcellar.engine.attention import ATTENTION_NAME
-from kvcellar.engine.loader import LoadedModel, load_model, wrap_model
+from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat
+from kvcellar.runtime import prepare_and_load
 
 
 @functools.cache
@@ -44,7 +45,7 @@ def shared_models_dir() -> Path:
 def embedded(dtype: str = "float32") -> LoadedModel:
     from kvcellar.artifacts.store import ArtifactCache
 
-    return load_model(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
+    return prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:

@@ -26,7 +26,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo "no llama-cpp-python venv at $VENV: run benchmarks/peer/setup_llama_cpp.sh first" >&2
     exit 2
 fi
-GGUF="${PEER_GGUF:-$("$KVPY" -c 'from kvcellar.engine.loader import find_embedded_gguf; print(find_embedded_gguf())')}"
+GGUF="${PEER_GGUF:-$("$KVPY" -c 'from kvcellar.model_source import find_embedded_gguf; print(find_embedded_gguf())')}"
 THREADS="${PEER_THREADS:-$(nproc)}"
 
 # The same OpenMP wait policy kvcellar sets for itself (kvcellar/__init__.py): spinning

@@ -9,8 +9,9 @@ import sys
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
+from kvcellar.config import Settings, load_settings
 from kvcellar.errors import KvcellarError
-from kvcellar.server.cli import add_serve_args, cmd_serve
+from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.storage.disk.cli import add_cache_commands
 from kvcellar.storage.remote.cli import add_remote_args, remote_cli_values
 
@@ -60,34 +61,30 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     add_remote_args(p)
 
 
-def load_settings(args: argparse.Namespace):
-    """Settings from defaults < config file < environment < flags (SPEC §8)."""
-    from kvcellar.artifacts.config import load_artifact_config
-    from kvcellar.config import DiskSettings, EngineConfig, Settings, build_section, read_config_file, resolve_cache_dir
-    from kvcellar.storage.remote.config import RemoteSettings
-
-    file_values = read_config_file(getattr(args, "config", None))
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of a command: its flags over ``config.load_settings``' defaults, file and
+    environment (SPEC §8)."""
     get = lambda name: getattr(args, name, None)  # noqa: E731
-    engine = build_section(EngineConfig, file_values.get("engine", {}), {
-        "dtype": None if get("dtype") in (None, "auto") else get("dtype"),
-        "device": None if get("device") in (None, "auto") else get("device"),
-        **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
-                               "max_prefill_step_tokens", "max_model_len", "prefix_caching", "warmup", "weights")},
+    return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"), flags={
+        "engine": {
+            # --dtype and --device default to "auto", which must not override the file
+            "dtype": None if get("dtype") == "auto" else get("dtype"),
+            "device": None if get("device") == "auto" else get("device"),
+            **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
+                                   "max_prefill_step_tokens", "max_model_len", "prefix_caching", "warmup",
+                                   "weights")},
+        },
+        "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks",
+                                     "ssd_flush_interval_s", "disk_cache_gb", "disk_min_free_gb", "ssd_ttl_days")},
+        "remote": remote_cli_values(args),
+        "server": server_cli_values(args),
     })
-    disk = build_section(DiskSettings, file_values.get("disk", {}), {
-        k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks", "ssd_flush_interval_s",
-                            "disk_cache_gb", "disk_min_free_gb", "ssd_ttl_days")})
-    disk.validate()
-    remote = build_section(RemoteSettings, file_values.get("remote", {}), remote_cli_values(args))
-    remote.validate()
-    artifacts = load_artifact_config(file_values.get("artifacts", {}))
-    if not engine.prefix_caching:
-        disk.ssd_policy = "off"
-        remote.remote_url = ""
-    model = get("model") or file_values.get("model")
-    return Settings(model=model, cache_dir=resolve_cache_dir(get("cache_dir") or file_values.get("cache_dir")),
-                    engine=engine, disk=disk, remote=remote, artifacts=artifacts,
-                    sections={"file": file_values})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvcellar.server.runner import serve
+
+    return serve(settings_from_args(args), log_level=args.log_level)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -95,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvcellar.engine.tokenization import encode_chat
     from kvcellar.runtime import build_engine
 
-    engine = build_engine(load_settings(args))
+    engine = build_engine(settings_from_args(args))
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -134,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(s)
     add_cache_args(s)
     add_serve_args(s)
-    s.set_defaults(func=lambda args: cmd_serve(args, load_settings(args)))
+    s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="print the completion of a one-turn chat")
     g.add_argument("--prompt", required=True)

@@ -1,9 +1,10 @@
-"""Configuration: one object, filled from defaults, a TOML file, the environment and CLI flags.
+"""Configuration: one typed ``Settings``, built by ``load_settings`` from defaults, a TOML
+file, the environment and command-line flags.
 
 Precedence, lowest to highest: dataclass defaults < config file (``--config`` or
-``KVCELLAR_CONFIG``) < environment (``KVCELLAR_<FIELD>``, upper-case) < CLI flags.
-Each section is a dataclass owned by the module that uses it; this file only holds
-the engine's knobs and the merging logic.
+``KVCELLAR_CONFIG``) < environment (``KVCELLAR_<FIELD>``, upper-case; ``KVCELLAR_ARTIFACT_<FIELD>``
+for ``[artifacts]``) < CLI flags. Each section is a dataclass owned by the module that uses
+it (this file holds the engine's); none of them imports this module.
 """
 
 from __future__ import annotations
@@ -11,22 +12,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvcellar.artifacts.config import ENV_PREFIX as ARTIFACT_ENV_PREFIX
+from kvcellar.artifacts.config import ArtifactConfig
+from kvcellar.paths import resolve_cache_dir
+from kvcellar.server.config import ServerConfig
+from kvcellar.storage.disk.config import DiskSettings
 from kvcellar.storage.remote.config import RemoteSettings
 
-if TYPE_CHECKING:
-    from kvcellar.artifacts.config import ArtifactConfig
-
-DEFAULT_CACHE_DIR = Path("~/.cache/kvcellar")
-
-
-def resolve_cache_dir(arg: str | os.PathLike[str] | None = None) -> Path:
-    """``--cache-dir``, else ``KVCELLAR_CACHE_DIR``, else ``~/.cache/kvcellar``."""
-    raw = arg or os.environ.get("KVCELLAR_CACHE_DIR") or DEFAULT_CACHE_DIR
-    return Path(raw).expanduser().resolve()
+ENV_PREFIX = "KVCELLAR_"
 
 
 @dataclass
@@ -57,7 +55,7 @@ class EngineConfig:
     # Bytes of the chained digest used as the hash-table key. Tests shrink it to force
     # collisions; a hit always compares the full digest and the token ids.
     key_bytes: int = 32
-    # Prefetch (engine/prefetch.py): a queued request's next blocks in a lower tier are read
+    # Prefetch (cache/prefetch.py): a queued request's next blocks in a lower tier are read
     # while it waits, into free or least recently used cached blocks: at most this fraction
     # of the pool read into or held for waiting requests (0 turns prefetch off), by at most
     # prefetch_max_reads reads in flight.
@@ -72,60 +70,11 @@ class EngineConfig:
     # half the bytes a decode step reads.
     weights: str = "full"
 
-
-SSD_POLICIES = ("write_through", "evict_only", "off")
-
-
-@dataclass
-class DiskSettings:
-    """Knobs of the SSD tier (SPEC §5), as users set them; ``to_tier_config`` maps them
-    onto ``storage.disk.DiskTierConfig``. Environment: ``KVCELLAR_SSD_POLICY=evict_only``."""
-
-    # write_through: every new full block goes to disk; evict_only: blocks go to disk when
-    # the RAM tier drops them; off: RAM only.
-    ssd_policy: str = "write_through"
-    # best_effort: one try, no fsync; persistent: fsync before a block counts, bounded retries.
-    ssd_durability: str = "best_effort"
-    ssd_async: bool = True
-    ssd_queue_blocks: int = 256
-    ssd_flush_interval_s: float = 1.0
-    disk_cache_gb: float = 20.0
-    # Free space the tier always leaves on the filesystem. None (default): min(1 GiB, 5 % of
-    # the filesystem), so a small cache filesystem still gets a cache.
-    disk_min_free_gb: float | None = None
-    ssd_ttl_days: float = 7.0
-    ssd_prune_interval_s: float = 600.0
-    ssd_io_threads: int = 8
-
     def validate(self) -> None:
-        if self.ssd_policy not in SSD_POLICIES:
-            raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.ssd_policy!r}")
-        if self.ssd_durability not in ("best_effort", "persistent"):
-            raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
-        if self.disk_cache_gb < 0 or (self.disk_min_free_gb or 0) < 0 or self.ssd_ttl_days <= 0:
-            raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
-
-    def to_tier_config(self) -> Any:
-        from kvcellar.storage.disk.config import DiskTierConfig
-
-        self.validate()
-        return DiskTierConfig(
-            durability=self.ssd_durability,  # type: ignore[arg-type]
-            async_writes=self.ssd_async,
-            queue_blocks=self.ssd_queue_blocks,
-            flush_interval_s=self.ssd_flush_interval_s,
-            capacity_bytes=int(self.disk_cache_gb * (1 << 30)),
-            min_free_bytes=None if self.disk_min_free_gb is None else int(self.disk_min_free_gb * (1 << 30)),
-            ttl_s=self.ssd_ttl_days * 86400.0,
-            prune_interval_s=self.ssd_prune_interval_s,
-            io_threads=self.ssd_io_threads,
-        )
-
-
-def _default_artifacts() -> ArtifactConfig:
-    from kvcellar.artifacts.config import ArtifactConfig  # artifacts.config builds on this module
-
-    return ArtifactConfig()
+        if min(self.block_size, self.max_num_seqs, self.max_step_tokens) < 1:
+            raise ValueError("block_size, max_num_seqs and max_step_tokens must be >= 1")
+        if not 0 <= self.prefetch_pool_fraction <= 1:
+            raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
 
 
 @dataclass
@@ -137,12 +86,66 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     disk: DiskSettings = field(default_factory=DiskSettings)
     remote: RemoteSettings = field(default_factory=RemoteSettings)
-    artifacts: ArtifactConfig = field(default_factory=_default_artifacts)
-    sections: dict[str, Any] = field(default_factory=dict)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    artifacts: ArtifactConfig = field(default_factory=ArtifactConfig)
 
     @property
     def kv_root(self) -> Path:
         return self.cache_dir / "kv"
+
+
+# The sections: a table of the config file each, and the prefix of their environment variables.
+SECTIONS = {"engine": ENV_PREFIX, "disk": ENV_PREFIX, "remote": ENV_PREFIX, "server": ENV_PREFIX,
+            "artifacts": ARTIFACT_ENV_PREFIX}
+TOP_LEVEL_KEYS = ("model", "cache_dir")
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    model: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    flags: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """``Settings`` from defaults < config file < environment < flags, validated.
+
+    ``config_file``: the TOML file (else ``KVCELLAR_CONFIG``, else none), with top-level
+    ``model`` and ``cache_dir`` and a table per section; an unknown table or key is an error.
+    ``flags``: per section, the values given on the command line (None: not given).
+    """
+    file_values = _read_config_file(config_file)
+    unknown = sorted(set(file_values) - set(SECTIONS) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(f"config file: unknown table or key {', '.join(map(repr, unknown))} (known: "
+                         f"{', '.join(TOP_LEVEL_KEYS)}, {', '.join(f'[{name}]' for name in SECTIONS)})")
+    settings = Settings(
+        model=model or file_values.get("model"),
+        cache_dir=resolve_cache_dir(cache_dir or os.environ.get("KVCELLAR_CACHE_DIR") or file_values.get("cache_dir")),
+    )
+    for name, env_prefix in SECTIONS.items():
+        section = getattr(settings, name)
+        table = file_values.get(name, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"config file: {name!r} must be a table ([{name}])")
+        _apply(section, table, source=f"config file [{name}]")
+        _apply(section, _from_environment(section, env_prefix), source="environment")
+        _apply(section, {k: v for k, v in (flags or {}).get(name, {}).items() if v is not None}, source="command line")
+        section.validate()
+    if not settings.engine.prefix_caching:  # nothing to store or look up below the RAM tier
+        settings.disk.ssd_policy = "off"
+        settings.remote.remote_url = ""
+    return settings
+
+
+def _read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    path = path or os.environ.get("KVCELLAR_CONFIG")
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from exc
 
 
 def _coerce(value: Any, to: type | str) -> Any:
@@ -162,9 +165,9 @@ def _coerce(value: Any, to: type | str) -> Any:
     return value
 
 
-def apply_overrides(obj: Any, values: dict[str, Any], *, source: str) -> None:
-    """Set dataclass fields of ``obj`` from ``values``; unknown keys are an error."""
-    known = {f.name: f for f in dataclasses.fields(obj)}
+def _apply(section: Any, values: Mapping[str, Any], *, source: str) -> None:
+    """Set dataclass fields of ``section`` from ``values``; unknown keys are an error."""
+    known = {f.name: f for f in dataclasses.fields(section)}
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in known:
@@ -172,36 +175,16 @@ def apply_overrides(obj: Any, values: dict[str, Any], *, source: str) -> None:
         if value is None:
             continue
         try:
-            setattr(obj, name, _coerce(value, known[name].type))
+            setattr(section, name, _coerce(value, known[name].type))
         except ValueError as exc:
             raise ValueError(f"{source}: bad value for {key!r}: {exc}") from exc
 
 
-def env_overrides(obj: Any, prefix: str = "KVCELLAR_") -> dict[str, str]:
-    """Environment values for the fields of ``obj``: ``KVCELLAR_BLOCK_SIZE=32``."""
+def _from_environment(section: Any, prefix: str) -> dict[str, str]:
+    """Environment values for the fields of ``section``: ``KVCELLAR_BLOCK_SIZE=32``."""
     out = {}
-    for f in dataclasses.fields(obj):
+    for f in dataclasses.fields(section):
         raw = os.environ.get(prefix + f.name.upper())
         if raw is not None:
             out[f.name] = raw
     return out
-
-
-def read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """A TOML file with optional tables ``[engine]``, ``[disk]``, ``[remote]``, ``[server]``,
-    ``[artifacts]``."""
-    if path is None:
-        path = os.environ.get("KVCELLAR_CONFIG")
-    if not path:
-        return {}
-    with open(path, "rb") as fh:
-        return tomllib.load(fh)
-
-
-def build_section(cls: type, file_values: dict[str, Any], cli_values: dict[str, Any]) -> Any:
-    """A section dataclass from defaults < file < environment < CLI."""
-    obj = cls()
-    apply_overrides(obj, file_values, source="config file")
-    apply_overrides(obj, env_overrides(obj), source="environment")
-    apply_overrides(obj, {k: v for k, v in cli_values.items() if v is not None}, source="command line")
-    return obj

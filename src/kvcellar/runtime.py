@@ -1,20 +1,24 @@
 """Assembling a running kvcellar from its settings: model, engine, and the tiers below it.
 
-The one place that knows how the parts fit (SPEC §2); the server, ``kvcellar generate`` and
-the benchmarks all build through ``build_engine``.
+The one place that knows how the parts fit (SPEC §2): a model source goes through the
+artifact cache (``prepare_and_load``) to the loader, the engine is built around the result,
+and the tiers go under it. The server, ``kvcellar generate`` and the benchmarks all build
+through ``build_engine`` or ``prepare_and_load``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import time
 
+from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
+from kvcellar.artifacts.prepare import prepare_gguf
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
-from kvcellar.engine.loader import LoadedModel, load_model
-
-if TYPE_CHECKING:
-    from kvcellar.artifacts import ArtifactCache
+from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from kvcellar.errors import ModelLoadError
+from kvcellar.identity import file_sha256, weights_identity
+from kvcellar.model_source import resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,8 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
 
 def open_artifacts(settings: Settings) -> ArtifactCache | None:
     """The model artifact cache under the cache root, opened with the ``[artifacts]``
-    settings; None when they turn it off or the directory is unusable (the loader then
-    prepares a GGUF in memory, with a warning)."""
-    from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
-
+    settings; None when they turn it off or the directory is unusable (a GGUF is then
+    dequantized in memory at every start, with a warning)."""
     if not settings.artifacts.enabled:
         log.info("model artifact cache off ([artifacts] enabled = false)")
         return None
@@ -66,13 +68,54 @@ def open_artifacts(settings: Settings) -> ArtifactCache | None:
         return None
 
 
+def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "auto", weights: str = "full",
+                     artifacts: ArtifactCache | None = None, progress: bool | None = None) -> LoadedModel:
+    """Resolve ``model`` and load it. A GGUF source goes through ``artifacts`` when given:
+    prepared once into it and loaded from its entry from then on, which the result holds
+    (``LoadedModel.artifact``) while served; source digests are memoized there too. Both ways
+    give the same identities and outputs, hit or not. ``progress``: show preparation progress
+    bars (None: when stderr is a terminal)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    source = resolve_source(model)
+    torch_dtype = resolve_dtype(dtype, resolve_device(device))
+    timings["resolve"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    weights_id = weights_identity(source, artifacts.file_digest if artifacts is not None else file_sha256)
+    timings["source_identity"] = time.perf_counter() - t0
+
+    lease = None
+    for attempt in (1, 2):
+        if artifacts is not None and source.kind == "gguf":
+            t0 = time.perf_counter()
+            lease = prepare_gguf(artifacts, source, weights_id, torch_dtype, progress=progress)
+            timings["artifact"] = timings.get("artifact", 0.0) + time.perf_counter() - t0
+        try:
+            loaded = load_model(source, dtype=dtype, device=device, weights=weights, weights_id=weights_id,
+                                folder=lease.path if lease is not None else None)
+            break
+        except ModelLoadError as exc:
+            if lease is None or attempt == 2:
+                raise
+            # It validated but doesn't load: drop it and prepare it again, once.
+            lease.invalidate(f"failed to load: {exc}")
+    loaded.load_seconds.update(timings)
+    if lease is not None:
+        source_tok = lease.manifest.info.get("source_tokenizer_id")
+        if source_tok and source_tok != loaded.tokenizer_id:
+            log.warning("the tokenizer of %s saved in the artifact cache differs from the GGUF's own; KV blocks "
+                        "cached by a run without the artifact cache won't be reused", source.name)
+        loaded.artifact = lease
+    return loaded
+
+
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
     """Load the model (through the artifact cache under the cache root) unless given, build
     the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
     if loaded is None:
         cfg = settings.engine
-        loaded = load_model(settings.model, dtype=cfg.dtype, device=cfg.device, artifacts=open_artifacts(settings),
-                            weights=cfg.weights)
+        loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
+                                  artifacts=open_artifacts(settings))
     engine = Engine(loaded, settings.engine)
     try:
         attach_disk_tier(engine, settings)

@@ -18,12 +18,13 @@ from pathlib import Path
 
 def load(gguf: str, cache_dir: str) -> None:
     import kvcellar  # noqa: F401
-    from kvcellar.engine.loader import load_model
+    from kvcellar.artifacts import ArtifactCache
+    from kvcellar.runtime import prepare_and_load
     from tests.artifacts.helpers import greedy
 
     print("ready", flush=True)
     sys.stdin.readline()
-    loaded = load_model(gguf, cache_dir=cache_dir, progress=True)
+    loaded = prepare_and_load(gguf, artifacts=ArtifactCache.open(cache_dir), progress=True)
     lease = loaded.artifact
     print(json.dumps({
         "hit": lease.hit, "built": lease.built, "seconds": lease.seconds, "key": lease.key,

@@ -15,7 +15,10 @@ import torch
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
-from kvcellar.engine.loader import LoadedModel, file_sha256, find_embedded_gguf, load_model
+from kvcellar.engine.loader import LoadedModel
+from kvcellar.identity import file_sha256
+from kvcellar.model_source import find_embedded_gguf
+from kvcellar.runtime import prepare_and_load
 from tests.artifacts.helpers import greedy
 
 
@@ -29,8 +32,8 @@ class Starts:
 @pytest.fixture(scope="module")
 def starts(tmp_path_factory: pytest.TempPathFactory) -> Starts:
     cache_dir = tmp_path_factory.mktemp("kvcellar-cache")
-    first = load_model(None, cache_dir=cache_dir, device="cpu")
-    second = load_model(None, cache_dir=cache_dir, device="cpu")
+    first = prepare_and_load(None, device="cpu", artifacts=ArtifactCache.open(cache_dir))
+    second = prepare_and_load(None, device="cpu", artifacts=ArtifactCache.open(cache_dir))
     return Starts(cache_dir, first, second)
 
 

@@ -14,7 +14,10 @@ import pytest
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.artifacts.locks import FileLock
-from kvcellar.engine.loader import LoadedModel, file_sha256, load_model
+from kvcellar.config import Settings
+from kvcellar.engine.loader import LoadedModel
+from kvcellar.identity import file_sha256
+from kvcellar.runtime import open_artifacts, prepare_and_load
 from tests.artifacts.helpers import greedy
 
 
@@ -23,7 +26,9 @@ def _cache(cache_dir: Path, **kw: object) -> ArtifactCache:
 
 
 def _load(gguf: Path, cache_dir: Path | None = None, **kw: object) -> LoadedModel:
-    return load_model(str(gguf), device="cpu", cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
+    """Load as ``build_engine`` does, through the artifact cache under ``cache_dir`` if given."""
+    cache = None if cache_dir is None else open_artifacts(Settings(cache_dir=cache_dir))
+    return prepare_and_load(str(gguf), device="cpu", artifacts=cache, **kw)  # type: ignore[arg-type]
 
 
 def test_identity_and_outputs_equal_direct_prepared_and_cached(tiny_ggufs: list[Path], tmp_path: Path) -> None:
@@ -85,7 +90,7 @@ def test_damaged_entry_is_detected_and_rebuilt(kind: str, tiny_ggufs: list[Path]
     assert (not entry.exists()) == at_startup
     assert cache.stats()["artifact_corrupt"] == (1 if at_startup else 0)
 
-    again = load_model(str(tiny_ggufs[1]), device="cpu", artifacts=cache)
+    again = prepare_and_load(str(tiny_ggufs[1]), device="cpu", artifacts=cache)
     assert again.artifact.built, "a damaged entry must be rebuilt, never loaded"
     assert cache.stats()["artifact_corrupt"] == 1
     assert cache.stats()["artifact_lifetime_builds"] == 2
@@ -114,8 +119,8 @@ def test_fast_verify_trusts_unchanged_stats_full_verify_does_not(tmp_path: Path)
     _flip(entry / "model.safetensors")
     cache = _cache(tmp_path)  # simulate bit rot: the index still trusts the file's stat
     cache.index.set_verified(key, {p.name: stat_signature(p) for p in entry.iterdir() if p.name != "manifest.json"})
-    assert load_model(str(gguf), device="cpu", artifacts=cache).artifact.hit
-    assert load_model(str(gguf), device="cpu", artifacts=_cache(tmp_path, verify="full")).artifact.built
+    assert prepare_and_load(str(gguf), device="cpu", artifacts=cache).artifact.hit
+    assert prepare_and_load(str(gguf), device="cpu", artifacts=_cache(tmp_path, verify="full")).artifact.built
 
     _flip(entry / "model.safetensors")
     _cache(tmp_path).index.set_verified(key, {p.name: stat_signature(p) for p in entry.iterdir()
@@ -172,7 +177,7 @@ def test_index_is_rebuilt_from_the_entries(tiny_ggufs: list[Path], tmp_path: Pat
         Path(str(index) + suffix).unlink(missing_ok=True)
     cache = _cache(tmp_path)
     assert [e.key for e in cache.entries()] == [first.artifact.key]
-    again = load_model(str(tiny_ggufs[3]), device="cpu", artifacts=cache)
+    again = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache)
     assert again.artifact.hit  # re-registered, fully re-verified, not rebuilt
     assert cache.index.get(first.artifact.key).verified
     again.artifact.release()
@@ -182,7 +187,7 @@ def test_index_is_rebuilt_from_the_entries(tiny_ggufs: list[Path], tmp_path: Pat
         Path(str(index) + suffix).unlink(missing_ok=True)
     index.write_bytes(b"this is not a database" * 100)
     cache = _cache(tmp_path)
-    assert load_model(str(tiny_ggufs[3]), device="cpu", artifacts=cache).artifact.hit
+    assert prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache).artifact.hit
 
 
 def test_source_digest_is_memoized_and_follows_changes(tiny_ggufs: list[Path], tmp_path: Path) -> None:
@@ -239,18 +244,22 @@ def test_disk_full_while_preparing_falls_back_and_leaves_nothing(tiny_ggufs: lis
 
 def test_config_precedence_and_disabling(tiny_ggufs: list[Path], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcellar.artifacts import load_artifact_config
+    from kvcellar.config import load_settings
 
-    assert load_artifact_config().max_gb == 50.0
+    assert load_settings().artifacts.max_gb == 50.0
+    config = tmp_path / "kvcellar.toml"
+    config.write_text('[artifacts]\nmax_gb = 9\nverify = "fast"\n')
     monkeypatch.setenv("KVCELLAR_ARTIFACT_MAX_GB", "2.5")
     monkeypatch.setenv("KVCELLAR_ARTIFACT_VERIFY", "full")
-    cfg = load_artifact_config({"max_gb": 9, "verify": "fast"})
+    cfg = load_settings(config).artifacts
     assert (cfg.max_gb, cfg.verify, cfg.max_bytes) == (2.5, "full", int(2.5 * (1 << 30)))
-    assert load_artifact_config({}, {"max_gb": 1.0}).max_gb == 1.0
+    assert load_settings(config, flags={"artifacts": {"max_gb": 1.0}}).artifacts.max_gb == 1.0
     monkeypatch.setenv("KVCELLAR_ARTIFACT_VERIFY", "sometimes")
     with pytest.raises(ValueError, match="verify"):
-        load_artifact_config()
+        load_settings()
     monkeypatch.delenv("KVCELLAR_ARTIFACT_VERIFY")
     monkeypatch.setenv("KVCELLAR_ARTIFACT_ENABLED", "0")
-    loaded = _load(tiny_ggufs[0], tmp_path)
+    artifacts = open_artifacts(load_settings(cache_dir=tmp_path))
+    assert artifacts is None
+    loaded = prepare_and_load(str(tiny_ggufs[0]), device="cpu", artifacts=artifacts)
     assert loaded.artifact is None and not (tmp_path / "models").exists()

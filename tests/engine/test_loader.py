@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from kvcellar.engine.loader import find_embedded_gguf, load_model, resolve_source
+from kvcellar.engine.loader import load_model
 from kvcellar.errors import ModelNotFoundError
+from kvcellar.model_source import find_embedded_gguf, resolve_source
 from tests._models import chat_ids, embedded, make_engine, reference_greedy, tiny_model
 from tests.helpers import kvcellar_command
 
@@ -63,7 +64,7 @@ def test_hub_id_resolves_offline_from_the_local_hf_cache(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "5 generated" in proc.stderr or "generated, finish: stop" in proc.stderr
     # resolution itself, in a child that sees the same cache
-    code = ("from kvcellar.engine.loader import resolve_source; s = resolve_source('kvcellar-test/tiny-llama'); "
+    code = ("from kvcellar.model_source import resolve_source; s = resolve_source('kvcellar-test/tiny-llama'); "
             "print(s.kind, s.revision, s.path.name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["hub", COMMIT, COMMIT]

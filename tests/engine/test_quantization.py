@@ -15,8 +15,8 @@ from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams
-from kvcellar.engine.loader import load_model
 from kvcellar.engine.quantization import WeightOnlyInt8Linear, quantize_int8
+from kvcellar.runtime import prepare_and_load
 from tests._models import (
     assert_no_leaks,
     assert_same_output,
@@ -35,8 +35,8 @@ SYSTEM = "You are a careful assistant for a library. Answer in one sentence and 
 
 @functools.cache
 def int8_model():
-    return load_model(None, dtype="float32", device="cpu", artifacts=ArtifactCache(shared_models_dir()),
-                      weights="int8")
+    return prepare_and_load(None, dtype="float32", device="cpu", artifacts=ArtifactCache(shared_models_dir()),
+                            weights="int8")
 
 
 @pytest.fixture(scope="module")

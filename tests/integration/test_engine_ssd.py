@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcellar.config import DiskSettings, Settings
+from kvcellar.config import Settings
 from kvcellar.engine import SamplingParams
 from kvcellar.runtime import attach_disk_tier
 from kvcellar.storage.disk import maintenance
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskSettings, DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     assert_no_leaks,

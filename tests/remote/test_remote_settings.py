@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcellar.cli import build_parser, load_settings, main
+from kvcellar.cli import build_parser, main, settings_from_args
 
 
 def settings_for(*argv: str):
-    return load_settings(build_parser().parse_args(["serve", *argv]))
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
 
 
 def test_flags_over_environment_over_file(tmp_path, monkeypatch):

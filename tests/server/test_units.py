@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcellar.errors import EngineStoppedError, InvalidRequestError, ModelNotFoundError
 from kvcellar.server import errors
-from kvcellar.server.cli import build_settings
 from kvcellar.server.logs import JsonFormatter, KeyValueFormatter
 from kvcellar.server.metrics import SnapshotCollector, group_by_prefix
 from kvcellar.server.protocol import ChatCompletionRequest
@@ -92,10 +91,9 @@ def test_prometheus_kinds_come_from_declarations_not_names() -> None:
 
 
 def _serve_settings(*argv: str):
-    from kvcellar.cli import build_parser, load_settings
+    from kvcellar.cli import build_parser, settings_from_args
 
-    args = build_parser().parse_args(["serve", *argv])
-    return build_settings(args, load_settings(args))
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
 
 
 def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +105,7 @@ def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCELLAR_SSD_TTL_DAYS", "2")
     monkeypatch.setenv("KVCELLAR_CONFIG", str(cfg_file))
     settings = _serve_settings("--max-num-seqs", "4", "--cache-dir", str(tmp_path / "c"))
-    server = settings.sections["server"]
+    server = settings.server
     assert (server.host, server.port, server.api_key, server.inter_token_timeout) == \
         ("127.0.0.1", 9100, "from-env", 5.0)
     assert settings.engine.max_num_seqs == 4
@@ -121,7 +119,7 @@ def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert flags.disk.ssd_policy == "write_through"
     assert flags.disk.ssd_async is False
     assert flags.disk.to_tier_config().capacity_bytes == int(1.5 * (1 << 30))
-    assert flags.sections["server"].port == 1234
+    assert flags.server.port == 1234
     with pytest.raises(ValueError):
         _serve_settings("--first-token-timeout", "0")
     monkeypatch.setenv("KVCELLAR_SSD_POLICY", "sometimes")

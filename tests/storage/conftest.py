@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig
+from kvcellar.storage import BlockSpec
+from kvcellar.storage.disk import DiskTier, DiskTierConfig
 from tests.mounts import Mount, mount_tmpfs, run, unmount
 from tests.storage.helpers import SPEC
 

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcellar.storage import DiskTier, DiskTierConfig
+from kvcellar.storage.disk import DiskTier, DiskTierConfig
 from tests.storage.helpers import SPEC, bits_equal, block, load_request
 
 

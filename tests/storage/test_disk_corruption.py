@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcellar.storage import DiskTier
 from kvcellar.storage import block_format as fmt
-from kvcellar.storage.disk import maintenance
+from kvcellar.storage.disk import DiskTier, maintenance
 from tests.storage.helpers import SPEC, bits_equal, block, chain, load_request
 
 HEADER = fmt.header_size_for(SPEC.block_size)

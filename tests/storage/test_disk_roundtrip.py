@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig
+from kvcellar.storage import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION
+from kvcellar.storage.disk import DiskTier, DiskTierConfig
 from tests.storage.helpers import (
     SPEC,
     SPEC_BIG,

@@ -2,12 +2,11 @@
 
 ``store`` holds the cache (``ArtifactCache``; the directory, descriptors and leases,
 acquiring and housekeeping sit beside it), ``prepare`` the builders that turn a source into
-an entry (GGUF -> safetensors), ``cli`` the ``kvcellar models`` commands. The loader
-(``kvcellar.engine.loader.load_model``) is the only caller that prepares; importing this
-package does not import torch.
+an entry (GGUF -> safetensors), ``config`` its ``[artifacts]`` settings, ``cli`` the
+``kvcellar models`` commands. ``runtime.prepare_and_load`` is the only caller that prepares.
 """
 
-from kvcellar.artifacts.config import ArtifactConfig, load_artifact_config
+from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.artifacts.descriptor import ARTIFACT_FORMAT_VERSION, ArtifactDescriptor, ArtifactLease
 from kvcellar.artifacts.directory import ArtifactStoreError
 from kvcellar.artifacts.store import ArtifactCache
@@ -19,5 +18,4 @@ __all__ = [
     "ArtifactDescriptor",
     "ArtifactLease",
     "ArtifactStoreError",
-    "load_artifact_config",
 ]

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from kvcellar.artifacts import ArtifactCache
+from kvcellar.config import load_settings
 from kvcellar.units import format_bytes
 
 
@@ -42,13 +44,10 @@ def add_models_commands(subparsers: Any) -> None:
     v.set_defaults(func=cmd_models_verify)
 
 
-def _open(args: argparse.Namespace) -> Any:
-    from kvcellar.artifacts import ArtifactCache, load_artifact_config
-    from kvcellar.config import read_config_file
-
-    file_values = read_config_file(getattr(args, "config", None)).get("artifacts", {})
-    cli_values = {"max_gb": getattr(args, "max_gb", None)}
-    return ArtifactCache.open(args.cache_dir, load_artifact_config(file_values, cli_values))
+def _open(args: argparse.Namespace) -> ArtifactCache:
+    settings = load_settings(getattr(args, "config", None), cache_dir=args.cache_dir,
+                             flags={"artifacts": {"max_gb": getattr(args, "max_gb", None)}})
+    return ArtifactCache.open(settings.cache_dir, settings.artifacts)
 
 
 def _when(ts: float) -> str:

@@ -1,4 +1,4 @@
-"""Knobs of the model artifact cache (the ``[artifacts]`` table of the config file).
+"""Knobs of the model artifact cache: the ``[artifacts]`` section (``kvcellar.config``).
 
 Precedence as everywhere else: defaults < config file < environment
 (``KVCELLAR_ARTIFACT_<FIELD>``, e.g. ``KVCELLAR_ARTIFACT_MAX_GB=20``) < CLI flags.
@@ -7,9 +7,6 @@ Precedence as everywhere else: defaults < config file < environment
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from kvcellar.config import apply_overrides, env_overrides
 
 ENV_PREFIX = "KVCELLAR_ARTIFACT_"
 VERIFY_LEVELS = ("fast", "full")
@@ -32,19 +29,9 @@ class ArtifactConfig:
     def max_bytes(self) -> int:
         return int(self.max_gb * (1 << 30))
 
-    def validate(self) -> ArtifactConfig:
+    def validate(self) -> None:
         if self.verify not in VERIFY_LEVELS:
             raise ValueError(f"artifacts.verify must be one of {VERIFY_LEVELS}, got {self.verify!r}")
         if self.max_gb <= 0:
             raise ValueError(f"artifacts.max_gb must be positive, got {self.max_gb}")
-        return self
 
-
-def load_artifact_config(
-    file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None
-) -> ArtifactConfig:
-    cfg = ArtifactConfig()
-    apply_overrides(cfg, file_values or {}, source="config file [artifacts]")
-    apply_overrides(cfg, env_overrides(cfg, prefix=ENV_PREFIX), source="environment")
-    apply_overrides(cfg, {k: v for k, v in (cli_values or {}).items() if v is not None}, source="command line")
-    return cfg.validate()

@@ -10,10 +10,12 @@ chat template), which reloads in ~0.2 s.
 
 HF-format directories and hub snapshots are not prepared: they are in that form already
 and stay where they are (the HF cache stores hub models; we don't copy them).
+``runtime.prepare_and_load`` calls ``prepare_gguf`` and hands the entry to the loader.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,8 +23,14 @@ from typing import Any
 
 import torch
 
-from kvcellar.artifacts.descriptor import ArtifactDescriptor, Builder
+from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease, Builder
+from kvcellar.artifacts.directory import ArtifactStoreError
+from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.errors import ModelLoadError
+from kvcellar.identity import tokenizer_identity
+from kvcellar.model_source import ModelSource
+
+log = logging.getLogger(__name__)
 
 QUANTIZATION_NONE = "none"
 
@@ -61,8 +69,6 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-        from kvcellar.engine.loader import tokenizer_identity
 
         folder, fname = str(gguf_path.parent), gguf_path.name
         seconds: dict[str, float] = {}
@@ -107,3 +113,16 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         }
 
     return build
+
+
+def prepare_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, dtype: torch.dtype, *,
+                 progress: bool | None = None) -> ArtifactLease | None:
+    """The cache entry of a GGUF source in ``dtype``, prepared now if needed; None if the
+    cache dir fails (the caller then loads the GGUF directly)."""
+    desc = gguf_descriptor(weights_id=weights_id, dtype=dtype, name=source.name, path=source.path)
+    try:
+        return cache.acquire(desc, gguf_builder(source.path, dtype, name=source.name, progress=progress),
+                             progress=progress)
+    except ArtifactStoreError as exc:
+        log.warning("model artifact cache unusable, loading %s without it: %s", source.name, exc)
+        return None

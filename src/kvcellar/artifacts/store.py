@@ -33,7 +33,7 @@ from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease, Bui
 from kvcellar.artifacts.directory import CacheDirectory
 from kvcellar.artifacts.housekeeping import EntryInfo
 from kvcellar.artifacts.manifest import full_digest, stat_signature
-from kvcellar.config import resolve_cache_dir
+from kvcellar.paths import resolve_cache_dir
 
 MODELS_SUBDIR = "models"
 

@@ -192,7 +192,8 @@ def resolve_tokenizer(path: Path | None) -> Any:
         return load_tokenizer(path)
     from transformers import AutoTokenizer
 
-    from kvcellar.engine.loader import ModelNotFoundError, find_embedded_gguf
+    from kvcellar.errors import ModelNotFoundError
+    from kvcellar.model_source import find_embedded_gguf
 
     try:
         gguf = find_embedded_gguf()

@@ -43,7 +43,7 @@ def kvcellar_command() -> list[str]:
 
 
 def default_models_dir() -> Path:
-    from kvcellar.config import resolve_cache_dir
+    from kvcellar.paths import resolve_cache_dir
 
     return Path(resolve_cache_dir(None)) / "models"
 

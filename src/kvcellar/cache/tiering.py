@@ -13,7 +13,7 @@ pinned staging copy on accelerators), all tiers in parallel, while the engine ke
 stepping other sequences; ``finish_load`` polls and returns the leading run that every
 tier verified (digest, token ids, checksum). The scheduler calls these for a sequence it
 admits and, ahead of admission, for one still waiting in the queue (prefetch,
-``engine/prefetch.py``, which reads ``plan.head(n)`` when its cap allows only part of a
+``cache/prefetch.py``, which reads ``plan.head(n)`` when its cap allows only part of a
 prefix); the link does not tell the two apart.
 
 Writes, per tier and its policy:

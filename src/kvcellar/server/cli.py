@@ -1,11 +1,14 @@
-"""Flags of ``kvcellar serve`` and the settings they make. Light to import: the top-level
-CLI imports this module to build its parser; the server itself loads only in ``cmd_serve``.
+"""Flags of ``kvcellar serve`` (the ``[server]`` section). Light to import: the top-level CLI
+imports this module to build its parser; the server itself loads only when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+_FIELDS = ("host", "port", "api_key", "served_model_name", "first_token_timeout", "inter_token_timeout",
+           "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests", "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -30,26 +33,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default=None, choices=["text", "json"], help="log line format")
 
 
-def build_settings(args: argparse.Namespace, settings: Any) -> Any:
-    """Add the ``server`` section (config file < environment < flags) to ``settings``."""
-    from kvcellar.config import build_section
-    from kvcellar.server.config import ServerConfig
-
-    file_values = settings.sections.get("file", {})
-    server = build_section(ServerConfig, file_values.get("server", {}), {
-        "host": args.host, "port": args.port, "api_key": args.api_key,
-        "served_model_name": args.served_model_name, "first_token_timeout": args.first_token_timeout,
-        "inter_token_timeout": args.inter_token_timeout, "shutdown_timeout": args.shutdown_timeout,
-        "max_body_bytes": args.max_body_bytes, "max_choices": args.max_choices,
-        "max_inflight_requests": args.max_inflight_requests, "access_log": args.access_log,
-        "log_format": args.log_format,
-    })
-    server.validate()
-    settings.sections["server"] = server
-    return settings
-
-
-def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
-    from kvcellar.server.runner import serve
-
-    return serve(args, settings)
+def server_cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``[server]`` values given as flags (None: not given), for ``config.load_settings``."""
+    return {k: getattr(args, k, None) for k in _FIELDS}

@@ -1,6 +1,6 @@
 """The ``[server]`` section of the configuration: knobs of the HTTP layer.
 
-Filled like every section (``kvcellar.config.build_section``): defaults < config file
+Filled like every section (``kvcellar.config.load_settings``): defaults < config file
 ``[server]`` table < ``KVCELLAR_<FIELD>`` environment variables < ``kvcellar serve`` flags.
 """
 

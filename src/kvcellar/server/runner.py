@@ -16,7 +16,6 @@ bounded by ``shutdown_timeout``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -25,10 +24,10 @@ from typing import Any
 
 import uvicorn
 
+from kvcellar.config import Settings
 from kvcellar.runtime import build_engine
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
-from kvcellar.server.cli import build_settings
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +35,9 @@ log = logging.getLogger(__name__)
 FLUSH_SECONDS = 5.0
 
 
-def serve(args: argparse.Namespace, settings: Any) -> int:
-    try:
-        settings = build_settings(args, settings)
-    except ValueError as exc:
-        print(f"kvcellar serve: {exc}", file=sys.stderr)
-        return 2
-    server_cfg = settings.sections["server"]
-    logs.configure(args.log_level, server_cfg.log_format)
+def serve(settings: Settings, log_level: str = "WARNING") -> int:
+    server_cfg = settings.server
+    logs.configure(log_level, server_cfg.log_format)
     if server_cfg.host not in ("127.0.0.1", "localhost", "::1") and not server_cfg.api_key:
         print(f"kvcellar: warning: listening on {server_cfg.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvcellar.config import resolve_cache_dir
+from kvcellar.paths import resolve_cache_dir
 from kvcellar.storage.disk import maintenance
 from kvcellar.units import format_bytes
 
-__all__ = ["add_cache_commands", "kv_root", "resolve_cache_dir", "run_cache_command"]
+__all__ = ["add_cache_commands", "kv_root", "run_cache_command"]
 
 GIB = 1 << 30
 

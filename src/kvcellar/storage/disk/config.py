@@ -1,5 +1,6 @@
-"""Knobs of the disk tier (SPEC §5). The server's config object maps its
-file/env/CLI settings onto this dataclass; defaults are the production ones."""
+"""Knobs of the disk tier (SPEC §5): ``DiskSettings`` as users set them (flags, ``[disk]`` in
+the TOML file, ``KVCELLAR_SSD_*``), ``DiskTierConfig`` as the tier takes them; defaults are the
+production ones."""
 
 from __future__ import annotations
 
@@ -73,3 +74,49 @@ class DiskTierConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.capacity_bytes < 0 or (self.min_free_bytes or 0) < 0 or self.ttl_s <= 0:
             raise ValueError("capacity_bytes and min_free_bytes must be >= 0, ttl_s > 0")
+
+
+SSD_POLICIES = ("write_through", "evict_only", "off")
+
+
+@dataclass
+class DiskSettings:
+    """The ``[disk]`` section. Environment: ``KVCELLAR_SSD_POLICY=evict_only``."""
+
+    # write_through: every new full block goes to disk; evict_only: blocks go to disk when
+    # the RAM tier drops them; off: RAM only.
+    ssd_policy: str = "write_through"
+    # best_effort: one try, no fsync; persistent: fsync before a block counts, bounded retries.
+    ssd_durability: str = "best_effort"
+    ssd_async: bool = True
+    ssd_queue_blocks: int = 256
+    ssd_flush_interval_s: float = 1.0
+    disk_cache_gb: float = 20.0
+    # Free space the tier always leaves on the filesystem. None (default): min(1 GiB, 5 % of
+    # the filesystem), so a small cache filesystem still gets a cache.
+    disk_min_free_gb: float | None = None
+    ssd_ttl_days: float = 7.0
+    ssd_prune_interval_s: float = 600.0
+    ssd_io_threads: int = 8
+
+    def validate(self) -> None:
+        if self.ssd_policy not in SSD_POLICIES:
+            raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.ssd_policy!r}")
+        if self.ssd_durability not in ("best_effort", "persistent"):
+            raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
+        if self.disk_cache_gb < 0 or (self.disk_min_free_gb or 0) < 0 or self.ssd_ttl_days <= 0:
+            raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
+
+    def to_tier_config(self) -> DiskTierConfig:
+        self.validate()
+        return DiskTierConfig(
+            durability=self.ssd_durability,  # type: ignore[arg-type]  (validated above)
+            async_writes=self.ssd_async,
+            queue_blocks=self.ssd_queue_blocks,
+            flush_interval_s=self.ssd_flush_interval_s,
+            capacity_bytes=int(self.disk_cache_gb * GIB),
+            min_free_bytes=None if self.disk_min_free_gb is None else int(self.disk_min_free_gb * GIB),
+            ttl_s=self.ssd_ttl_days * 86400.0,
+            prune_interval_s=self.ssd_prune_interval_s,
+            io_threads=self.ssd_io_threads,
+        )
