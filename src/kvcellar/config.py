@@ -66,6 +66,10 @@ class EngineConfig:
     # The server runs every code path once before /health turns 200 (engine/warmup.py), so
     # the first request after a start pays no one-off costs.
     warmup: bool = True
+    # Supported architectures (Llama, Qwen2) run through kvcellar's own walk over the model's
+    # layers (engine/lean_forward.py): bitwise the same logits as transformers' modules, with
+    # less Python per step (bf16 batch-1 decode step 41.8 -> 39.2 ms here). Off: the modules.
+    lean_forward: bool = True
     # full: weights in ``dtype``; int8: weight-only int8 linears (engine/quantization.py),
     # half the bytes a decode step reads.
     weights: str = "full"

@@ -69,7 +69,7 @@ class Engine:
             prefetch_pool_fraction=cfg.prefetch_pool_fraction,
             prefetch_max_reads=cfg.prefetch_max_reads,
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward)
         self.descriptor = kv_descriptor(
             weights_id=loaded.weights_id,
             tokenizer_id=loaded.tokenizer_id,

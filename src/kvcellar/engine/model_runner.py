@@ -9,13 +9,18 @@ import torch
 from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
+from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool) -> None:
+    def __init__(self, model: Any, pool: KVPool, *, lean: bool = True) -> None:
+        """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
+        logits with less Python per step), others through transformers' modules."""
         self.model = model
         self.pool = pool
+        self.lean = lean_forward_for(model) if lean else None
+        self.forward = self.lean or module_forward(model)
         self.device = pool.device
         self.block_size = pool.layout.block_size
         # Attention paths run so far (see ``StepMeta.paths``). The first run of a path pays
@@ -91,9 +96,9 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Float32 logits ``[n_sampled, vocab]``, in plan order (decodes, then prefills that sample)."""
         inputs, meta = self.build(plan)
-        out = self.model(**inputs, use_cache=False, kvcellar_meta=meta)
+        logits = self.forward(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"], meta)
         if not meta.paths <= self.paths_seen:
             new = meta.paths - self.paths_seen
             self.paths_seen |= new
             self.stats["runner_cold_paths"] += len(new)
-        return out.logits[0].float()
+        return logits[0].float()

@@ -1,0 +1,130 @@
+"""A lean forward for supported architectures, over transformers' own weights and functions.
+
+transformers' model code runs each step through ~15 module calls per layer (hooks, keyword
+plumbing, the attention-interface lookup, output dataclasses) and builds a causal mask our
+paged attention never reads. ``LeanForward`` walks the same layers itself: the same weight
+tensors, the same functions in the same order (the model's own ``apply_rotary_pos_emb``,
+``act_fn`` and rotary module, RMSNorm written out exactly as transformers computes it, our
+``paged_attention``), so its logits are bitwise those of the module path (tested), with less
+Python per step. Linears that are not plain ``nn.Linear`` (``--weights int8``) are called as
+modules.
+
+Supported: the Llama and Qwen2 families (``SUPPORTED``), whose decoder layer is
+norm -> attention -> residual -> norm -> gated MLP -> residual. Anything else, or a model
+whose parts differ from what this file expects, runs through transformers' modules
+(``lean_forward = false`` in ``[engine]``, or ``KVCELLAR_LEAN_FORWARD=0``, forces that).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcellar.engine.attention import StepMeta, paged_attention
+
+# CausalLM class -> the decoder layer class it must hold.
+SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer"}
+
+
+def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if type(module) is nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return module  # e.g. WeightOnlyInt8Linear
+
+
+def _rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' LlamaRMSNorm/Qwen2RMSNorm forward, op for op."""
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + eps)
+        return weight * h.to(dtype)
+
+    return norm
+
+
+class _Layer:
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.sliding_window = getattr(attn, "sliding_window", None)
+        self.q, self.k, self.v, self.o = (_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj),
+                                          _linear(attn.o_proj))
+        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.act = mlp.act_fn
+        self.input_norm = _rms_norm(layer.input_layernorm)
+        self.post_norm = _rms_norm(layer.post_attention_layernorm)
+
+
+def lean_forward_for(model: nn.Module) -> LeanForward | None:
+    """A ``LeanForward`` over ``model``, or None if its architecture is not one this file
+    reproduces exactly."""
+    layer_class = SUPPORTED.get(type(model).__name__)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layer_class is None or inner is None or not layers:
+        return None
+    if any(type(layer).__name__ != layer_class for layer in layers):
+        return None
+    rope = getattr(sys.modules[type(layers[0]).__module__], "apply_rotary_pos_emb", None)
+    norms = [inner.norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    if rope is None or not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+        return None
+    if len(layers) != model.config.get_text_config().num_hidden_layers:
+        return None
+    return LeanForward(model, rope)
+
+
+class LeanForward:
+    def __init__(self, model: nn.Module, rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.rope = rope
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.norm = _rms_norm(inner.norm)
+        self.lm_head = _linear(model.lm_head)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                 meta: StepMeta) -> torch.Tensor:
+        """Logits ``[1, len(logits_to_keep), vocab]`` of the packed step (``ModelRunner.build``)."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, position_ids)
+        lead = h.shape[:-1]
+        rope, attention = self.rope, paged_attention
+        for layer in self.layers:
+            x = layer.input_norm(h)
+            shape = (*lead, -1, layer.head_dim)
+            q = layer.q(x).view(shape).transpose(1, 2)
+            k = layer.k(x).view(shape).transpose(1, 2)
+            v = layer.v(x).view(shape).transpose(1, 2)
+            q, k = rope(q, k, cos, sin)
+            o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.sliding_window,
+                             kvcellar_meta=meta)
+            h = h + layer.o(o.reshape(*lead, -1).contiguous())
+            x = layer.post_norm(h)
+            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+        h = self.norm(h)
+        return self.lm_head(h[:, logits_to_keep, :])
+
+
+def module_forward(model: nn.Module) -> Callable[..., Any]:
+    """transformers' own forward, with the same signature as ``LeanForward``."""
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                meta: StepMeta) -> torch.Tensor:
+        return model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
+                     use_cache=False, kvcellar_meta=meta).logits
+
+    return forward

@@ -1,0 +1,91 @@
+"""engine/lean_forward.py gives bitwise the logits of transformers' module path, on every
+step of every prefix-cache path (chunked prefill, RAM hits, copy-on-write, batched decode),
+and is used only where it is exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvcellar.engine.lean_forward import lean_forward_for, module_forward
+from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.sampling import SamplingParams
+from tests._models import chat_ids, embedded, make_engine, tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
+
+
+class ComparingRunner(ModelRunner):
+    """Runs every step through both forwards (the second rewrites the same KV) and keeps the
+    largest difference seen; returns the lean logits."""
+
+    def __init__(self, model: Any, pool: Any) -> None:
+        super().__init__(model, pool, lean=True)
+        assert self.lean is not None, "this architecture should take the lean path"
+        self.reference = module_forward(model)
+        self.steps = 0
+        self.max_diff = 0.0
+
+    @torch.inference_mode()
+    def run(self, plan: Any) -> torch.Tensor:
+        inputs, meta = self.build(plan)
+        args = (inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"])
+        want = self.reference(*args, meta)
+        got = self.forward(*args, self.build(plan)[1])
+        self.steps += 1
+        if not torch.equal(got, want):
+            self.max_diff = max(self.max_diff, float((got.float() - want.float()).abs().max()))
+        return got[0].float()
+
+
+def run_cache_paths(loaded: Any, prompts: list[list[int]]) -> ComparingRunner:
+    engine = make_engine(loaded, max_step_tokens=48, block_size=16)
+    runner = ComparingRunner(loaded.model, engine.pool)
+    engine.runner = runner
+    engine.generate(prompts, GREEDY)  # batched decode, chunked prefill
+    engine.generate(prompts[:2], GREEDY)  # RAM hits; the second prompt ends on a block boundary
+    engine.generate([prompts[0] + [prompts[0][5]] * 7], GREEDY)  # a hit and a tail
+    return runner
+
+
+def prompts_for(loaded: Any) -> list[list[int]]:
+    first = chat_ids(loaded, "Name a colour.", SYSTEM)
+    boundary = chat_ids(loaded, "Name a fruit.", SYSTEM)
+    boundary = boundary[: len(boundary) // 16 * 16]  # fully cached on its second run: copy-on-write
+    return [first, boundary, chat_ids(loaded, "Count to three.", SYSTEM)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embedded_model_logits_are_bitwise_the_module_path(model: Any, dtype: str) -> None:
+    loaded = model if dtype == "float32" else embedded(dtype)
+    runner = run_cache_paths(loaded, prompts_for(loaded))
+    assert runner.steps > 10 and runner.max_diff == 0.0
+
+
+@pytest.mark.parametrize(("arch", "extra"), [
+    ("qwen2", {"attention_bias": True, "use_sliding_window": False}),
+    ("llama", {"num_key_value_heads": 8, "attention_bias": True, "mlp_bias": True}),
+])
+def test_supported_architectures_are_bitwise_the_module_path(model: Any, arch: str, extra: dict) -> None:
+    tiny = tiny_model(arch, model.tokenizer, **extra)
+    runner = run_cache_paths(tiny, prompts_for(model))
+    assert runner.steps > 10 and runner.max_diff == 0.0
+
+
+def test_other_architectures_keep_the_module_path(model: Any) -> None:
+    tiny = tiny_model("mistral", model.tokenizer, sliding_window=24)
+    assert lean_forward_for(tiny.model) is None
+    engine = make_engine(tiny, block_size=8)
+    assert engine.runner.lean is None
+    assert lean_forward_for(model.model) is not None
+    assert make_engine(model, lean_forward=False).runner.lean is None
+
+
+def test_outputs_with_and_without_the_lean_path_are_identical(model: Any) -> None:
+    prompts = prompts_for(model)
+    lean = make_engine(model).generate(prompts, GREEDY)
+    modules = make_engine(model, lean_forward=False).generate(prompts, GREEDY)
+    assert [(r.token_ids, r.logprobs) for r in lean] == [(r.token_ids, r.logprobs) for r in modules]
