@@ -12,6 +12,7 @@ import torch
 
 from kvcellar.storage import BlockSpec, DiskTier, DiskTierConfig
 from kvcellar.storage.block_format import FORMAT_VERSION
+from tests.helpers import wait_until
 from tests.storage.helpers import (
     SPEC,
     SPEC_BIG,
@@ -22,7 +23,6 @@ from tests.storage.helpers import (
     files,
     load_request,
     spawn_child,
-    wait_until,
 )
 
 
