@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from kvcellar.bench.prompts import shared_prefix_len
@@ -17,7 +16,6 @@ from tests._models import (
     expected_cached,
     make_engine,
     tiny_model,
-    uncached_runner,
 )
 
 BS = 16
@@ -27,11 +25,6 @@ SYSTEM = (
     "function names, keep answers short, and never invent APIs that do not exist. "
     "The project is a Python web service with a PostgreSQL database and a Redis cache."
 )
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
 
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:

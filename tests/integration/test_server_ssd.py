@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kvcellar.engine import SamplingParams
-from tests._models import chat_ids, embedded, make_engine
+from tests._models import chat_ids, uncached_runner
 from tests.helpers import MODEL, ServerProcess, kvcellar_command, wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,19 +31,10 @@ def messages(question: str) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Uncached greedy completions of chat prompts, from an in-process engine."""
-    model = embedded("float32")
-    engine = make_engine(model, prefix_caching=False)
-    memo: dict[str, str] = {}
-
-    def run(question: str) -> str:
-        if question not in memo:
-            prompt = chat_ids(model, question, SYSTEM)
-            memo[question] = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].text
-        return memo[question]
-
-    return run
+def reference(model):
+    """The uncached greedy reply to a question, from an in-process engine."""
+    run = uncached_runner(model, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return lambda question: run(chat_ids(model, question, SYSTEM)).text
 
 
 def ask(server: ServerProcess, question: str):
