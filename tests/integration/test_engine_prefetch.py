@@ -40,11 +40,6 @@ SYSTEM = ("You review pull requests for a payments company. Flag anything that t
 
 
 @pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
-
-
-@pytest.fixture(scope="module")
 def uncached_busy(model):
     return uncached_runner(model, BUSY)
 
@@ -372,20 +367,19 @@ def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_ow
 
 
 def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_path):
-    """Ten requests (six of them disk hits) through three slots of a 23-block pool:
-    prefetches, loads at admission, shared-prefix deferrals, preemptions (64-token decodes
+    """Ten requests (six of them disk hits) through three slots of a 21-block pool:
+    prefetches, loads at admission, shared-prefix deferrals, preemptions (48-token decodes
     outgrow the pool) and two cancels mix; every finished output equals the uncached one
     and every block comes back."""
     on_disk_prompts = [ask(model, f"Review change {i}: " + "ledger.post(amount, fee); " * (3 + i)) for i in range(6)]
     writer = tiered(model, tmp_path)
     writer.generate(on_disk_prompts, GREEDY)
     assert writer.shutdown(30)
-    longer = SamplingParams(max_tokens=64, temperature=0.0, logprobs=True, ignore_eos=True)  # decodes grow: preemption
-    uncached = uncached_runner(model, longer)
+    longer = SamplingParams(max_tokens=48, temperature=0.0, logprobs=True, ignore_eos=True)  # decodes grow: preemption
     fresh = [chat_ids(model, f"Explain rounding mode {i} in two lines.") for i in range(4)]
     prompts = [p for pair in zip(on_disk_prompts, [*fresh, None, None], strict=True) for p in pair if p is not None]
 
-    engine = tiered(model, tmp_path, max_num_seqs=3, kv_cache_blocks=24)
+    engine = tiered(model, tmp_path, max_num_seqs=3, kv_cache_blocks=22)
     handles = [engine.submit(p, longer) for p in prompts]
     engine.step()
     engine.step()
@@ -396,13 +390,15 @@ def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_pa
     engine.run_until_idle()
     stats = engine.snapshot()
     assert stats["sched_prefetch_reads"] > 0 and stats["sched_prefetched_blocks"] > 0
+    assert stats["ssd_load_calls"] > stats["sched_prefetch_reads"]  # some loads start at admission
+    assert stats["sched_deferred_for_shared_prefix"] > 0
     assert stats["sched_preemptions"] > 0
-    for prompt, handle in zip(prompts, handles, strict=True):
-        result = engine.collect(handle)
-        if handle.seq_id in cancelled:
-            assert result.finish_reason == "abort"
-            continue
-        assert_same_output(result, uncached(prompt))
+    finished = [(p, engine.collect(h)) for p, h in zip(prompts, handles, strict=True) if h.seq_id not in cancelled]
+    assert all(engine.collect(h).finish_reason == "abort" for h in handles if h.seq_id in cancelled)
+    # the reference: the same prompts with the cache disabled, in one batch
+    reference = uncached_runner(model, longer).many([p for p, _ in finished])
+    for (_prompt, result), expected in zip(finished, reference, strict=True):
+        assert_same_output(result, expected)
         assert sum(result.cached_tokens_by_tier.values()) == result.num_cached_tokens
     assert_no_leaks(engine)
     engine.shutdown(30)
