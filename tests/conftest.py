@@ -15,9 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests._models import embedded, shared_models_dir, uncached_runner
 from tests.helpers import MODEL, ServerProcess
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``): the controller makes the one prepared-model folder
+    before the workers start, so they inherit it and the model is prepared once; each
+    worker, and every server it starts, gets its share of the cores for torch's threads
+    (N processes each running as many threads as cores is slower on 2 cores)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        shared_models_dir()
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workerinput["workercount"]))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
