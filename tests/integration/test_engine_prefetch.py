@@ -136,6 +136,15 @@ def queue_behind_busy(model, engine):
     return busy
 
 
+def submit_behind_busy(model, engine, prompt: list[int]):
+    """A long request takes the only slot, then ``prompt`` is submitted and waits a step
+    (its prefetch read, if any, starts). Returns (busy, handle)."""
+    busy = queue_behind_busy(model, engine)
+    handle = engine.submit(prompt, GREEDY)
+    engine.step()
+    return busy, handle
+
+
 def only_seq(engine, handle):
     return engine._seqs[handle.seq_id]
 
@@ -144,9 +153,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     prompt = ask(model, "Review: retry the charge call up to 3 times on timeout.")
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, max_num_seqs=1)
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()  # the slot is taken: the request waits, and its read starts
+    busy, handle = submit_behind_busy(model, engine, prompt)  # the request waits, and its read starts
     seq = only_seq(engine, handle)
     assert seq.state == SeqState.WAITING
     stats = engine.scheduler.stats
@@ -184,9 +191,7 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, gated=True, max_num_seqs=1)
     gate = engine.lower.tiers[0].tier
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.prefetch.reads
     while engine.scheduler.running:  # the busy request ends; the read is still in flight
         engine.step()
@@ -216,9 +221,7 @@ def test_cancel_while_prefetching_keeps_blocks_until_the_read_ends(model, uncach
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, gated=True, max_num_seqs=1)
     gate = engine.lower.tiers[0].tier
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.prefetch.reads
     handle.cancel()
     engine.step()
@@ -259,9 +262,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
         fh.seek(-100, 2)
         fh.write(bytes([byte[0] ^ 0xFF]))  # a payload byte: only the read's checksum catches it
 
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.prefetch.reads
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()
@@ -285,9 +286,7 @@ def test_prefix_longer_than_the_cap_is_read_in_part_and_the_rest_at_admission(mo
     engine = tiered(model, tmp_path, max_num_seqs=1)
     cap = 4
     engine.scheduler.prefetch.max_blocks = cap
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.prefetch.reads
     assert len(read.blocks) == cap < len(prompt) // BS
     engine.run_until_idle()
@@ -308,9 +307,7 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     prompt = ask(model, "Review: the ledger table has no unique constraint.")
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, max_num_seqs=1, prefetch_pool_fraction=0.0)
-    queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    _, handle = submit_behind_busy(model, engine, prompt)
     assert not engine.scheduler.prefetch.reads
     engine.run_until_idle()
     result = engine.collect(handle)
