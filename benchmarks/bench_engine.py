@@ -6,7 +6,8 @@
   prompt gets the nothing-decoding budget, ``--max-prefill-step-tokens``; prefix
   cache off) vs one plain transformers forward over the prompt (SDPA, no cache reuse);
 * decode tok/s at batch 1 and 8 (context 512): kvcellar's step loop vs transformers with a
-  DynamicCache, the same number of steps;
+  DynamicCache, the same number of steps, and kvcellar through transformers' modules
+  instead of its lean forward (``lean_forward=False``, engine/lean_forward.py);
 * where a batch-1 decode step goes (torch profiler, grouped).
 
 Every figure is the median of ``--repeats`` runs with min/max.
@@ -17,6 +18,7 @@ from __future__ import annotations
 # ruff: noqa: I001  -- kvcellar is imported before torch on purpose (OMP_WAIT_POLICY)
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -96,7 +98,8 @@ def profile_decode_step(engine: Engine, context: int) -> dict[str, float]:
     handle = engine.submit(prompt_of(context, 99), params)
     for _ in range(5):
         engine.step()
-    groups = {"matmul (linear)": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"),
+    groups = {"matmul (linear)": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
+                                  "aten::_weight_int8pack_mm"),
               "attention (sdpa)": ("aten::scaled_dot_product_attention",),
               "kv gather": ("aten::index_select",),
               "kv write": ("aten::index_put_",),
@@ -132,15 +135,18 @@ def main() -> None:
     ap.add_argument("--max-prefill-step-tokens", type=int, default=2048,
                     help="budget of a step with nothing decoding (a lone prompt's prefill chunks)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--weights", default="full", choices=["full", "int8"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    loaded = prepare_and_load(None, dtype=args.dtype, device="cpu", artifacts=ArtifactCache.open(kvcellar_cache()))
+    loaded = prepare_and_load(None, dtype=args.dtype, device="cpu", weights=args.weights,
+                              artifacts=ArtifactCache.open(kvcellar_cache()))
     model = loaded.model
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=args.block_size, max_step_tokens=args.max_step_tokens,
                        max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
     engine = Engine(loaded, cfg)
-    result: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(),
+    modules = Engine(loaded, dataclasses.replace(cfg, lean_forward=False))
+    result: dict[str, Any] = {"dtype": args.dtype, "weights": args.weights, "threads": torch.get_num_threads(),
                               "max_step_tokens": args.max_step_tokens,
                               "max_prefill_step_tokens": args.max_prefill_step_tokens, "block_size": args.block_size,
                               "prefill": {}, "decode": {}}
@@ -166,25 +172,29 @@ def main() -> None:
               f"{b['median']:>8.0f} [{b['min']:.0f}-{b['max']:.0f}]{'':>3} {ratio:>5.2f}x")
 
     print(f"\ndecode (context {args.context}, {args.decode_steps} steps)")
-    print(f"{'batch':>5} {'kvcellar ms/step':>20} {'tok/s':>7} {'transformers ms/step':>22} {'tok/s':>7} {'ratio':>6}")
+    print(f"{'batch':>5} {'kvcellar ms/step':>20} {'tok/s':>7} {'transformers ms/step':>22} {'tok/s':>7} {'ratio':>6}"
+          f" {'kvcellar via modules ms/step':>30}")
     for batch in (1, 8):
-        ours, theirs = [], []
+        ours, theirs, via_modules = [], [], []
         for r in range(args.repeats + 1):
             model.set_attn_implementation("sdpa")
             t_hf = hf_decode_ms(model, batch, args.context, args.decode_steps)
             model.set_attn_implementation(ATTENTION_NAME)
             t_us = engine_decode_ms(engine, batch, args.context, args.decode_steps)
+            t_mod = engine_decode_ms(modules, batch, args.context, args.decode_steps)
             if r:
                 ours.append(t_us)
                 theirs.append(t_hf)
-        a, b = stats(ours), stats(theirs)
+                via_modules.append(t_mod)
+        a, b, m = stats(ours), stats(theirs), stats(via_modules)
         result["decode"][batch] = {"kvcellar_ms_per_step": a, "transformers_ms_per_step": b,
+                                   "kvcellar_modules_ms_per_step": m,
                                    "kvcellar_tok_s": batch * 1e3 / a["median"],
                                    "transformers_tok_s": batch * 1e3 / b["median"],
                                    "speedup_vs_transformers": b["median"] / a["median"]}
         print(f"{batch:>5} {a['median']:>8.1f} [{a['min']:.1f}-{a['max']:.1f}] {batch * 1e3 / a['median']:>7.1f} "
               f"{b['median']:>10.1f} [{b['min']:.1f}-{b['max']:.1f}] {batch * 1e3 / b['median']:>7.1f} "
-              f"{b['median'] / a['median']:>5.2f}x")
+              f"{b['median'] / a['median']:>5.2f}x {m['median']:>14.1f} [{m['min']:.1f}-{m['max']:.1f}]")
     agg = result["decode"][8]["kvcellar_tok_s"] / result["decode"][1]["kvcellar_tok_s"]
     result["decode"]["batch8_over_batch1"] = agg
     print(f"batch-8 aggregate / batch-1: {agg:.2f}x")

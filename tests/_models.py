@@ -128,18 +128,31 @@ def expected_cached(prompt_len: int, common: int, computed: int | None = None, b
 LOGPROB_TOL = 2e-4  # fp32: cached and uncached runs differ by ~1e-5
 
 
-def uncached_runner(loaded: LoadedModel, params: Any) -> Any:
-    """Cache-disabled results per prompt (memoised): the reference cached runs must equal."""
-    engine = make_engine(loaded, prefix_caching=False)
-    memo: dict[tuple[int, ...], Any] = {}
+class UncachedRuns:
+    """Cache-disabled results per prompt (memoised): the reference cached runs must equal.
+    ``runs(prompt)`` computes one prompt alone; ``runs.many(prompts)`` computes the missing
+    ones in one batch (cache disabled all the same; batching changes logprobs by far less
+    than ``LOGPROB_TOL``), which is much cheaper for many long decodes."""
 
-    def run(prompt: Sequence[int]) -> Any:
-        key = tuple(prompt)
-        if key not in memo:
-            memo[key] = engine.generate([list(prompt)], params)[0]
-        return memo[key]
+    def __init__(self, loaded: LoadedModel, params: Any) -> None:
+        self.engine = make_engine(loaded, prefix_caching=False)
+        self.params = params
+        self.memo: dict[tuple[int, ...], Any] = {}
 
-    return run
+    def __call__(self, prompt: Sequence[int]) -> Any:
+        return self.many([prompt])[0]
+
+    def many(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
+        missing = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in self.memo))
+        if missing:
+            for key, result in zip(missing, self.engine.generate([list(k) for k in missing], self.params),
+                                   strict=True):
+                self.memo[key] = result
+        return [self.memo[tuple(p)] for p in prompts]
+
+
+def uncached_runner(loaded: LoadedModel, params: Any) -> UncachedRuns:
+    return UncachedRuns(loaded, params)
 
 
 def assert_same_output(result: Any, reference: Any, tol: float = LOGPROB_TOL) -> None:

@@ -10,14 +10,29 @@ reuses a server started by hand instead (quick iteration). Tests that need other
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from tests._models import embedded, shared_models_dir
+from tests._models import embedded, shared_models_dir, uncached_runner
 from tests.helpers import MODEL, ServerProcess
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``): the controller makes the one prepared-model folder
+    before the workers start, so they inherit it and the model is prepared once; each
+    worker, and every server it starts, gets its share of the cores for torch's threads
+    (N processes each running as many threads as cores is slower on 2 cores)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        shared_models_dir()
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workerinput["workercount"]))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +47,14 @@ def model() -> Any:
     """The embedded model in float32, loaded in process once (greedy outputs compare
     exactly across runs). A module that needs another one defines its own ``model``."""
     return embedded("float32")
+
+
+@pytest.fixture(scope="module")
+def uncached(request: pytest.FixtureRequest, model: Any) -> Callable[[Sequence[int]], Any]:
+    """``uncached(prompt)``: the cache-disabled result of ``prompt`` under the test module's
+    ``GREEDY`` sampling params (memoised), which every cached run of it must equal. ``model``
+    is the module's own where it defines one (e.g. int8)."""
+    return uncached_runner(model, request.module.GREEDY)
 
 
 @pytest.fixture(scope="session")

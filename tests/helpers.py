@@ -1,5 +1,7 @@
 """Shared test helpers: a real ``kvcellar serve`` subprocess and ways to wait on it.
 
+Starting, waiting for /health and stopping is the bench's launcher (``kvcellar.bench.launch``),
+as is ``wait_until``; ``ServerProcess`` adds the test conveniences (clients, ``wait_idle``).
 Nothing here sleeps for a fixed time to "let things settle": waits poll a condition until a
 generous deadline and fail with what they last saw.
 """
@@ -8,51 +10,25 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
-T = TypeVar("T")
+from kvcellar.bench.launch import (  # noqa: F401  (the tests' one way to poll and to pick ports)
+    ServerLauncher,
+    free_port,
+    kvcellar_command,
+    link_models,
+    serve_command,
+    wait_until,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 # A small pool keeps start-up cheap; fp32 makes greedy outputs comparable across runs.
 DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--kv-cache-gb", "0.25")
 READY_TIMEOUT = float(os.environ.get("KVCELLAR_TEST_READY_TIMEOUT", "300"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], T], *, timeout: float = 60.0, interval: float = 0.05,
-               what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = predicate()
-        except Exception as exc:  # e.g. connection refused while starting
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
-
-
-def kvcellar_command() -> list[str]:
-    script = Path(sys.executable).with_name("kvcellar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvcellar.cli"]
 
 
 class ServerProcess:
@@ -68,22 +44,33 @@ class ServerProcess:
         session server, which tests/server/test_warmup.py checks."""
         self.cache_dir = Path(cache_dir)
         if models_dir is not None:
-            link = self.cache_dir / "models"
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            Path(models_dir).mkdir(parents=True, exist_ok=True)
-            if not link.exists():
-                link.symlink_to(Path(models_dir).resolve(), target_is_directory=True)
+            link_models(self.cache_dir, Path(models_dir))
         self.extra_args: Sequence[str] = extra_args
         self.api_key = api_key
         self.warmup = warmup
         self.log_path = (log_dir or self.cache_dir) / "server.log"
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
+        self.launcher = ServerLauncher(self.command, self.log_path, env=env, name="kvcellar serve")
+        self._attached_url: str | None = None
+
+    def command(self, port: int) -> list[str]:
+        args = [*DEFAULT_SERVE_ARGS, *self.extra_args]
+        if not self.warmup:
+            args.append("--no-warmup")
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        return serve_command(port, self.cache_dir, args)
+
+    @property
+    def proc(self) -> Any:
+        return self.launcher.proc
+
+    @property
+    def port(self) -> int:
+        return self.launcher.port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self._attached_url or self.launcher.url
 
     @property
     def base_url(self) -> str:
@@ -93,47 +80,15 @@ class ServerProcess:
     def attach(cls, url: str, api_key: str | None = None) -> ServerProcess:
         """A server someone else started (``KVCELLAR_TEST_SERVER_URL``, for quick iteration)."""
         proc = cls(Path("."), api_key=api_key)
-        proc.port = int(url.rstrip("/").rsplit(":", 1)[1])
+        proc._attached_url = url.rstrip("/").removesuffix("/v1")
         return proc
 
     def start(self, ready_timeout: float = READY_TIMEOUT) -> ServerProcess:
-        for _attempt in range(3):  # a port picked free may be taken by the time we bind
-            self.port = free_port()
-            cmd = [*kvcellar_command(), "serve", "--port", str(self.port), "--cache-dir", str(self.cache_dir),
-                   *DEFAULT_SERVE_ARGS, *self.extra_args]
-            if not self.warmup:
-                cmd.append("--no-warmup")
-            if self.api_key:
-                cmd += ["--api-key", self.api_key]
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-            if self._wait_ready(ready_timeout):
-                return self
-            if "address already in use" not in self.log_tail().lower():
-                break
-        raise RuntimeError(f"kvcellar serve did not become ready; log tail:\n{self.log_tail()}")
-
-    def _wait_ready(self, timeout: float) -> bool:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        return False
+        self.launcher.start(ready_timeout)
+        return self
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return self.launcher.log_tail(n)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -176,28 +131,17 @@ class ServerProcess:
 
         try:
             return wait_until(idle, timeout=timeout, what="the server to become idle")
-        except AssertionError as exc:
+        except TimeoutError as exc:
             raise AssertionError(f"{exc}; busy: {last}") from None
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
+        self.launcher.signal(sig)
 
     def wait_exit(self, timeout: float = 60.0) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
+        return self.launcher.wait_exit(timeout)
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
+        return self.launcher.stop(timeout)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        self.launcher.kill()

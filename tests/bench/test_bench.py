@@ -103,7 +103,7 @@ def test_command_target_restarts(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ttft_fast(tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     res = run_bench(capsys, tmp_path / "ttft", "ttft", "--models-dir", str(models_dir),
-                    "--serve-args", " ".join(DEFAULT_SERVE_ARGS))
+                    "--serve-args", " ".join([*DEFAULT_SERVE_ARGS, "--no-warmup"]))  # warm-up: seconds a start
     kv = res["targets"]["kvcellar"]
     assert kv["is_kvcellar"] and not kv["errors"] and kv["restart"]["exit_code"] == 0
     assert set(kv["lengths"]) == {"64", "128"}
@@ -132,10 +132,10 @@ def test_agent_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: p
         assert s["errors"] == 0
         for key in ("ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tok_s"):
             assert median(s[key]) > 0, key
-        assert 0 <= median(s["ram_ratio"]) <= median(s["cached_ratio"]) <= 1  # RAM hits are a share of all hits
+        # RAM hits are a share of all hits; in pass 1 too, a session's turn 2 reuses its turn 1 from RAM
+        assert 0 < median(s["ram_ratio"]) <= median(s["cached_ratio"]) <= 1
     # pass 2 repeats pass 1's sessions on a server that still holds them
     assert median(t["summary"]["2"]["cached_ratio"]) > median(t["summary"]["1"]["cached_ratio"])
-    assert median(t["summary"]["2"]["ram_ratio"]) > 0  # the server still holds pass 1's blocks in RAM
     assert len(t["repeats"][0]["passes"][0]["records"]) == 4
 
 

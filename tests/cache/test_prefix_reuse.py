@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from kvcellar.bench.prompts import shared_prefix_len
@@ -17,7 +16,6 @@ from tests._models import (
     expected_cached,
     make_engine,
     tiny_model,
-    uncached_runner,
 )
 
 BS = 16
@@ -27,11 +25,6 @@ SYSTEM = (
     "function names, keep answers short, and never invent APIs that do not exist. "
     "The project is a Python web service with a PostgreSQL database and a Redis cache."
 )
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
 
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:
@@ -149,12 +142,12 @@ def test_cache_salt_isolates(model, uncached):
 
 
 def test_forced_collisions_change_nothing(model):
-    """1-byte table keys: ~150 distinct blocks fight over 256 slots, so collisions are
-    certain; every output still equals the cache-disabled run."""
+    """1-byte table keys: eight prompts of ~10 blocks fight over 256 slots, so collisions are
+    certain (28 of them; the test asserts some); every output still equals the cache-disabled run."""
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True)
     prompts = [
         chat_ids(model, f"Topic {i}: " + " ".join(f"note {i * 100 + j}" for j in range(25)), SYSTEM if i % 2 else None)
-        for i in range(16)
+        for i in range(8)
     ]
     reference = make_engine(model, prefix_caching=False).generate(prompts, params)
     engine = make_engine(model, key_bytes=1)

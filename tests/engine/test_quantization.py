@@ -26,7 +26,6 @@ from tests._models import (
     make_engine,
     reference_greedy,
     shared_models_dir,
-    uncached_runner,
 )
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
@@ -101,9 +100,8 @@ def test_int8_kernel_matches_the_dequantized_weights():
         assert torch.allclose(layer(x), want, atol=1e-4)
 
 
-def test_prefix_cache_paths_are_exact_with_int8(model):
+def test_prefix_cache_paths_are_exact_with_int8(model, uncached):
     """Full, partial and batched prefix hits give what a cache-disabled int8 engine gives."""
-    uncached = uncached_runner(model, GREEDY)
     engine = make_engine(model, max_step_tokens=64)  # chunked prefill too
     first = chat_ids(model, "Where are the atlases?", SYSTEM)
     assert_same_output(engine.generate([first], GREEDY)[0], uncached(first))

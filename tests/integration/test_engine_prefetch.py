@@ -40,11 +40,6 @@ SYSTEM = ("You review pull requests for a payments company. Flag anything that t
 
 
 @pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
-
-
-@pytest.fixture(scope="module")
 def uncached_busy(model):
     return uncached_runner(model, BUSY)
 
@@ -141,6 +136,15 @@ def queue_behind_busy(model, engine):
     return busy
 
 
+def submit_behind_busy(model, engine, prompt: list[int]):
+    """A long request takes the only slot, then ``prompt`` is submitted and waits a step
+    (its prefetch read, if any, starts). Returns (busy, handle)."""
+    busy = queue_behind_busy(model, engine)
+    handle = engine.submit(prompt, GREEDY)
+    engine.step()
+    return busy, handle
+
+
 def only_seq(engine, handle):
     return engine._seqs[handle.seq_id]
 
@@ -149,9 +153,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     prompt = ask(model, "Review: retry the charge call up to 3 times on timeout.")
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, max_num_seqs=1)
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()  # the slot is taken: the request waits, and its read starts
+    busy, handle = submit_behind_busy(model, engine, prompt)  # the request waits, and its read starts
     seq = only_seq(engine, handle)
     assert seq.state == SeqState.WAITING
     stats = engine.scheduler.stats
@@ -189,9 +191,7 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, gated=True, max_num_seqs=1)
     gate = engine.lower.tiers[0].tier
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.cache.prefetch.reads
     while engine.scheduler.running:  # the busy request ends; the read is still in flight
         engine.step()
@@ -221,9 +221,7 @@ def test_cancel_while_prefetching_keeps_blocks_until_the_read_ends(model, uncach
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, gated=True, max_num_seqs=1)
     gate = engine.lower.tiers[0].tier
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.cache.prefetch.reads
     handle.cancel()
     engine.step()
@@ -264,9 +262,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
         fh.seek(-100, 2)
         fh.write(bytes([byte[0] ^ 0xFF]))  # a payload byte: only the read's checksum catches it
 
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.cache.prefetch.reads
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()
@@ -290,9 +286,7 @@ def test_prefix_longer_than_the_cap_is_read_in_part_and_the_rest_at_admission(mo
     engine = tiered(model, tmp_path, max_num_seqs=1)
     cap = 4
     engine.scheduler.cache.prefetch.max_blocks = cap
-    busy = queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    busy, handle = submit_behind_busy(model, engine, prompt)
     (read,) = engine.scheduler.cache.prefetch.reads
     assert len(read.blocks) == cap < len(prompt) // BS
     engine.run_until_idle()
@@ -313,9 +307,7 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     prompt = ask(model, "Review: the ledger table has no unique constraint.")
     on_disk(model, tmp_path, prompt)
     engine = tiered(model, tmp_path, max_num_seqs=1, prefetch_pool_fraction=0.0)
-    queue_behind_busy(model, engine)
-    handle = engine.submit(prompt, GREEDY)
-    engine.step()
+    _, handle = submit_behind_busy(model, engine, prompt)
     assert not engine.scheduler.cache.prefetch.reads
     engine.run_until_idle()
     result = engine.collect(handle)
@@ -372,20 +364,19 @@ def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_ow
 
 
 def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_path):
-    """Ten requests (six of them disk hits) through three slots of a 23-block pool:
-    prefetches, loads at admission, shared-prefix deferrals, preemptions (64-token decodes
+    """Ten requests (six of them disk hits) through three slots of a 21-block pool:
+    prefetches, loads at admission, shared-prefix deferrals, preemptions (48-token decodes
     outgrow the pool) and two cancels mix; every finished output equals the uncached one
     and every block comes back."""
     on_disk_prompts = [ask(model, f"Review change {i}: " + "ledger.post(amount, fee); " * (3 + i)) for i in range(6)]
     writer = tiered(model, tmp_path)
     writer.generate(on_disk_prompts, GREEDY)
     assert writer.shutdown(30)
-    longer = SamplingParams(max_tokens=64, temperature=0.0, logprobs=True, ignore_eos=True)  # decodes grow: preemption
-    uncached = uncached_runner(model, longer)
+    longer = SamplingParams(max_tokens=48, temperature=0.0, logprobs=True, ignore_eos=True)  # decodes grow: preemption
     fresh = [chat_ids(model, f"Explain rounding mode {i} in two lines.") for i in range(4)]
     prompts = [p for pair in zip(on_disk_prompts, [*fresh, None, None], strict=True) for p in pair if p is not None]
 
-    engine = tiered(model, tmp_path, max_num_seqs=3, kv_cache_blocks=24)
+    engine = tiered(model, tmp_path, max_num_seqs=3, kv_cache_blocks=22)
     handles = [engine.submit(p, longer) for p in prompts]
     engine.step()
     engine.step()
@@ -396,13 +387,15 @@ def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_pa
     engine.run_until_idle()
     stats = engine.snapshot()
     assert stats["sched_prefetch_reads"] > 0 and stats["sched_prefetched_blocks"] > 0
+    assert stats["ssd_load_calls"] > stats["sched_prefetch_reads"]  # some loads start at admission
+    assert stats["sched_deferred_for_shared_prefix"] > 0
     assert stats["sched_preemptions"] > 0
-    for prompt, handle in zip(prompts, handles, strict=True):
-        result = engine.collect(handle)
-        if handle.seq_id in cancelled:
-            assert result.finish_reason == "abort"
-            continue
-        assert_same_output(result, uncached(prompt))
+    finished = [(p, engine.collect(h)) for p, h in zip(prompts, handles, strict=True) if h.seq_id not in cancelled]
+    assert all(engine.collect(h).finish_reason == "abort" for h in handles if h.seq_id in cancelled)
+    # the reference: the same prompts with the cache disabled, in one batch
+    reference = uncached_runner(model, longer).many([p for p, _ in finished])
+    for (_prompt, result), expected in zip(finished, reference, strict=True):
+        assert_same_output(result, expected)
         assert sum(result.cached_tokens_by_tier.values()) == result.num_cached_tokens
     assert_no_leaks(engine)
     engine.shutdown(30)

@@ -26,7 +26,6 @@ from tests._models import (
     expected_cached,
     make_engine,
     tiny_model,
-    uncached_runner,
 )
 from tests.helpers import wait_until
 
@@ -34,11 +33,6 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
 
 
 def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskTierConfig | None = None, **kw):

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvcellar.engine import SamplingParams
 from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.config import DiskTierConfig
@@ -21,7 +19,6 @@ from tests._models import (
     chat_ids,
     expected_cached,
     make_engine,
-    uncached_runner,
 )
 from tests.helpers import free_port
 
@@ -30,11 +27,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
 DOC = ("Section 4.2. A payment intent moves from created to authorized to captured; a refund references "
        "a captured intent and may be partial. Idempotency keys are scoped per merchant and expire after "
        "24 hours. Retries after a network timeout must reuse the key. " * 6)
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
-    return uncached_runner(model, GREEDY)
 
 
 def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "write_through",

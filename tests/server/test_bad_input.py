@@ -16,24 +16,22 @@ COMPLETIONS = "/v1/completions"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def chat_body(**fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 2}
+def _body(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    body = dict(base)
     for key, value in fields.items():
         if value is _DROP:
             body.pop(key, None)
         else:
             body[key] = value
     return body
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return _body({"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 2}, fields)
 
 
 def completion_body(**fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    for key, value in fields.items():
-        if value is _DROP:
-            body.pop(key, None)
-        else:
-            body[key] = value
-    return body
+    return _body({"model": MODEL, "prompt": "hi", "max_tokens": 2}, fields)
 
 
 _DROP = object()

@@ -1,5 +1,5 @@
 """Shared helpers for the storage tests and their child processes: deterministic
-blocks (a child process and the test agree on every byte), polling, file listings."""
+blocks (a child process and the test agree on every byte), file listings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,17 +55,6 @@ def load_request(r: StoreRequest, dest: torch.Tensor | None = None) -> LoadReque
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> bool:
-    """Poll ``pred`` until true or a generous deadline passes (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
 
 
 def files(root: Path, suffix: str) -> list[Path]:

@@ -12,7 +12,8 @@ from kvcellar.server.metrics import TIER_STATES
 from kvcellar.storage.block_format import file_size_for
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.config import DiskSettings
-from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
+from tests.helpers import wait_until
+from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request
 
 FILE = file_size_for(SPEC)
 

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.storage.helpers import SPEC_BIG, bits_equal, block, chain, files, load_request, wait_until
+from tests.helpers import wait_until
+from tests.storage.helpers import SPEC_BIG, bits_equal, block, chain, files, load_request
 
 # Small filesystems: no free-space floor; back off and probe quickly so recovery is observable.
 FAST_RECOVERY = {"fault_backoff_initial_s": 0.01, "fault_backoff_max_s": 0.05, "probe_interval_s": 0.02,

@@ -13,6 +13,7 @@ import torch
 from kvcellar.storage import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk import DiskTier, DiskTierConfig
+from tests.helpers import wait_until
 from tests.storage.helpers import (
     SPEC,
     SPEC_BIG,
@@ -23,7 +24,6 @@ from tests.storage.helpers import (
     files,
     load_request,
     spawn_child,
-    wait_until,
 )
 
 

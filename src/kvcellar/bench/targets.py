@@ -3,21 +3,16 @@ command, or any OpenAI-compatible server already running at a URL.
 
 Every target answers the same small set of verbs: ``start``, ``stop``, ``restart`` (with
 the page cache dropped in between), ``counters`` (kvcellar's /health counters, flat; empty
-for a peer) and the ``url`` to talk to. A target started here runs in its own process group
-(``start_new_session``) and is stopped with SIGTERM to that group, then SIGKILL after
-``stop_timeout``: kvcellar drains its disk writer on SIGTERM, so a restart measures what a
-clean shutdown left on disk.
+for a peer) and the ``url`` to talk to. A target started here is run by the launcher shared
+with the tests (``launch.py``): its own process group, stopped with SIGTERM to that group,
+then SIGKILL after ``stop_timeout``; kvcellar drains its disk writer on SIGTERM, so a restart
+measures what a clean shutdown left on disk.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,21 +20,12 @@ from typing import Any
 
 import httpx
 
+from kvcellar.bench.launch import ServerLauncher, answers, link_models, serve_command, wait_until
 from kvcellar.bench.pagecache import drop_page_cache
 
 READY_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kvcellar_command() -> list[str]:
-    """The ``kvcellar`` script next to this interpreter, else ``python -m kvcellar.cli``."""
-    script = Path(sys.executable).with_name("kvcellar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvcellar.cli"]
+# kvcellar answers /health; a peer may only have the OpenAI routes.
+READY_PATHS = ("/health", "/v1/models")
 
 
 def default_models_dir() -> Path:
@@ -136,21 +122,13 @@ class Target:
         return str(r.json()["data"][0]["id"])
 
     def ready(self) -> bool:
-        for path in ("/health", "/v1/models"):
-            try:
-                r = httpx.get(self.url + path, timeout=5.0, headers=self.headers())
-            except httpx.HTTPError:
-                return False
-            if r.status_code == 200:
-                return True
-        return False
+        return answers(self.url, READY_PATHS, self.headers())
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} at {self.url} did not answer within {timeout:g}s")
-            time.sleep(0.2)
+        try:
+            wait_until(self.ready, timeout=timeout, interval=0.2, what=f"{self.name} at {self.url}")
+        except TimeoutError as exc:
+            raise RuntimeError(str(exc)) from None
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "url": self.url, "can_restart": self.can_restart,
@@ -171,9 +149,8 @@ class ProcessTarget(Target):
         self.log_path = self.work_dir / "server.log"
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
+        self.server = ServerLauncher(self.command, self.log_path, env=env, cwd=self.work_dir, name=name,
+                                     ready=lambda s: answers(s.url, READY_PATHS, self.headers()))
         self.last_start_s: float | None = None
         self.last_stop_s: float | None = None
         self.last_exit_code: int | None = None
@@ -182,53 +159,32 @@ class ProcessTarget(Target):
     def can_restart(self) -> bool:
         return True
 
+    @property
+    def proc(self) -> Any:
+        return self.server.proc
+
     def command(self, port: int) -> list[str]:
         raise NotImplementedError
 
     def start(self) -> Target:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.server.running:
             return self
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        for _attempt in range(3):  # a port picked free may be taken by the time the server binds
-            self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            t0 = time.perf_counter()
-            with open(self.log_path, "ab") as log:
-                log.write(f"\n=== bench: start {self.name} at {time.strftime('%H:%M:%S')}: "
-                          f"{shlex.join(self.command(self.port))}\n".encode())
-                log.flush()
-                self.proc = subprocess.Popen(self.command(self.port), stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.env, cwd=self.work_dir, start_new_session=True)
-            if self._wait_started(self.ready_timeout):
-                self.last_start_s = time.perf_counter() - t0
-                self.starts += 1
-                return self
-            if "address already in use" not in self.log_tail().lower():
-                break
-        raise RuntimeError(f"{self.name} did not become ready; log {self.log_path}, tail:\n{self.log_tail()}")
-
-    def _wait_started(self, timeout: float) -> bool:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            if self.ready():
-                return True
-            time.sleep(0.2)
-        self._kill_group(signal.SIGKILL)
-        return False
+        t0 = time.perf_counter()
+        try:
+            self.server.start(self.ready_timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name} did not become ready: {exc}") from None
+        self.url = self.server.url
+        self.last_start_s = time.perf_counter() - t0
+        self.starts += 1
+        return self
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.server.running:
             return
         t0 = time.perf_counter()
-        self._kill_group(signal.SIGTERM)
-        try:
-            self.last_exit_code = self.proc.wait(timeout=self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self._kill_group(signal.SIGKILL)
-            self.last_exit_code = self.proc.wait(timeout=30)
+        self.last_exit_code = self.server.stop(self.stop_timeout)
         self.last_stop_s = time.perf_counter() - t0
 
     def restart(self, drop_cache: bool = True) -> str:
@@ -239,18 +195,8 @@ class ProcessTarget(Target):
         self.start()
         return method
 
-    def _kill_group(self, sig: int) -> None:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:] if self.log_path else ""
-        except OSError:
-            return ""
+        return self.server.log_tail(n)
 
 
 class KvcellarTarget(ProcessTarget):
@@ -267,16 +213,11 @@ class KvcellarTarget(ProcessTarget):
 
     def start(self) -> Target:
         if self.models_dir is not None:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            self.models_dir.mkdir(parents=True, exist_ok=True)
-            link = self.cache_dir / "models"
-            if not link.exists() and not link.is_symlink():
-                link.symlink_to(self.models_dir.resolve(), target_is_directory=True)
+            link_models(self.cache_dir, self.models_dir)
         return super().start()
 
     def command(self, port: int) -> list[str]:
-        return [*kvcellar_command(), "serve", "--port", str(port), "--cache-dir", str(self.cache_dir),
-                *self.serve_args]
+        return serve_command(port, self.cache_dir, self.serve_args)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "serve_args": self.serve_args,
