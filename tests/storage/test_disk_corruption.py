@@ -28,6 +28,14 @@ def _patch_header(path: Path, offset: int, packed: bytes, *, fix_crc: bool) -> N
     path.write_bytes(bytes(buf))
 
 
+def _flip_header_bit(path: Path, offset: int) -> None:
+    """Flip one bit (setting a byte could write the value it already had: offset 40 is the
+    low byte of ``created_ns``, 0x01 one time in 256)."""
+    buf = bytearray(path.read_bytes())
+    buf[offset] ^= 0x01
+    path.write_bytes(bytes(buf))
+
+
 def _flip_payload_byte(p: Path) -> None:
     with open(p, "r+b") as f:
         f.seek(HEADER + 100)
@@ -42,7 +50,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "extended": (lambda p: os.truncate(p, p.stat().st_size + 10), "size"),
     "magic": (lambda p: _patch_header(p, 0, b"NOTABLCK", fix_crc=True), "magic"),
     "version": (lambda p: _patch_header(p, 8, struct.pack("<H", fmt.FORMAT_VERSION + 1), fix_crc=True), "version"),
-    "header_bit": (lambda p: _patch_header(p, 40, b"\x01", fix_crc=False), "header_checksum"),
+    "header_bit": (lambda p: _flip_header_bit(p, 40), "header_checksum"),
     "dtype_field": (lambda p: _patch_header(p, 28, bytes([fmt.DTYPE_CODES[fmt.torch.float16]]), fix_crc=True),
                     "geometry"),
     "shape_field": (lambda p: _patch_header(p, 48, struct.pack("<Q", 3), fix_crc=True), "geometry"),
