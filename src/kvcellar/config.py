@@ -70,6 +70,9 @@ class EngineConfig:
     # layers (engine/lean_forward.py): bitwise the same logits as transformers' modules, with
     # less Python per step (bf16 batch-1 decode step 41.8 -> 39.2 ms here). Off: the modules.
     lean_forward: bool = True
+    # torch threads for steps of at most 8 tokens (decodes; engine/model_runner.py): 0 = the
+    # faster of one and all, measured at warm-up (all without warm-up); N = N.
+    decode_threads: int = 0
     # full: weights in ``dtype``; int8: weight-only int8 linears (engine/quantization.py),
     # half the bytes a decode step reads.
     weights: str = "full"

@@ -70,6 +70,8 @@ class Engine:
             prefetch_max_reads=cfg.prefetch_max_reads,
         )
         self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward)
+        if cfg.decode_threads > 0:
+            self.runner.set_decode_threads(cfg.decode_threads)
         self.descriptor = kv_descriptor(
             weights_id=loaded.weights_id,
             tokenizer_id=loaded.tokenizer_id,
@@ -229,6 +231,8 @@ class Engine:
                 before = self.stats["engine_steps"]
                 self.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
                 steps += int(self.stats["engine_steps"] - before)
+            if self.config.decode_threads == 0:
+                steps += self._calibrate_decode_threads(filler)
         finally:
             self.blocks.evict_all()
             self.lower = self.scheduler.cache.lower = lower
@@ -241,6 +245,24 @@ class Engine:
         self.stats["engine_warmup_steps"] = steps
         self.stats["engine_warmup_seconds"] = seconds
         return seconds
+
+    def _calibrate_decode_threads(self, prompt: list[int]) -> int:
+        """Warm-up: time batch-1 decode steps on one thread and on all (``ModelRunner``);
+        returns the steps it ran."""
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        handle = self.submit(prompt[: max(1, min(len(prompt), self.pool_tokens // 8))], params,
+                             cache_salt=WARMUP_SALT)
+        while True:  # prefill, then it decodes
+            self.step()
+            seq = self._seqs.get(handle.seq_id)
+            if seq is None or not seq.in_prefill:
+                break
+        before = self.stats["engine_steps"]
+        chosen = self.runner.calibrate_decode_threads(self.step)
+        self.cancel(handle.seq_id)
+        self.run_until_idle()
+        log.info("decode steps use %d of %d torch threads (measured)", chosen, self.runner.threads)
+        return int(self.stats["engine_steps"] - before)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -325,7 +347,8 @@ class Engine:
     def gauge_keys(self) -> frozenset[str]:
         """The keys of ``snapshot`` that are levels, as their owners declare them."""
         tiers = self.lower.tiers if self.lower is not None else []
-        return self.GAUGES | BlockManager.GAUGES | frozenset().union(*(a.tier.gauges for a in tiers))
+        return (self.GAUGES | BlockManager.GAUGES | ModelRunner.GAUGES
+                | frozenset().union(*(a.tier.gauges for a in tiers)))
 
     def tier_reports(self) -> list[dict[str, object]]:
         """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked

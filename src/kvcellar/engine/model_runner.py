@@ -1,7 +1,19 @@
-"""Turns a step plan into one packed forward pass of the transformers model."""
+"""Turns a step plan into one packed forward pass of the transformers model.
+
+Threads: a step of at most ``SMALL_STEP_TOKENS`` tokens (decodes) runs with
+``decode_threads`` torch threads, larger ones (prefill chunks) with all of them. Under the
+passive OpenMP wait policy the package sets (``kvcellar/__init__.py``: spinning threads made
+decode ~7-30x slower whenever another process was busy), every parallel region pays for
+waking its threads: on the 2-core dev VM a bf16 batch-1 decode step took 57 ms on one thread
+against 69 ms on two (int8: 37 vs 50 ms), batch 8 86 vs 90 ms; prefill needs both. Which is
+faster depends on the machine, so ``Engine.warm_up`` measures it (``calibrate_decode_threads``).
+"""
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,8 +24,14 @@ from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
 from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.scheduler import StepPlan
 
+# Steps of at most this many tokens (decodes of up to 8 sequences) use ``decode_threads``.
+SMALL_STEP_TOKENS = 8
+
 
 class ModelRunner:
+    # Levels among ``stats`` (exported as gauges).
+    GAUGES = frozenset({"runner_decode_threads"})
+
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True) -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
         logits with less Python per step), others through transformers' modules."""
@@ -27,7 +45,30 @@ class ModelRunner:
         # one-off costs (kernel selection, lazy imports, allocator growth); ``runner_cold_paths``
         # counts paths first run by a request, i.e. after warm-up (``Engine.warm_up``).
         self.paths_seen: set[str] = set()
-        self.stats: dict[str, float] = {"runner_cold_paths": 0}
+        self.threads = torch.get_num_threads()
+        self.decode_threads = self.threads
+        self.stats: dict[str, float] = {"runner_cold_paths": 0, "runner_decode_threads": self.threads}
+
+    def set_decode_threads(self, n: int) -> None:
+        self.decode_threads = max(1, min(n, self.threads))
+        self.stats["runner_decode_threads"] = self.decode_threads
+
+    def calibrate_decode_threads(self, decode_step: Callable[[], object], steps: int = 4) -> int:
+        """Time ``decode_step`` (one batch-1 decode step of the engine) with one thread and
+        with all, in alternating blocks, and keep the faster for small steps."""
+        if self.threads == 1:
+            return 1
+        times: dict[int, list[float]] = {1: [], self.threads: []}
+        for n in (1, self.threads, 1, self.threads):
+            self.set_decode_threads(n)
+            decode_step()  # the first step after a switch pays for it
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                decode_step()
+                times[n].append(time.perf_counter() - t0)
+        best = min(times, key=lambda n: statistics.median(times[n]))
+        self.set_decode_threads(best)
+        return best
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -95,6 +136,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Float32 logits ``[n_sampled, vocab]``, in plan order (decodes, then prefills that sample)."""
+        threads = self.decode_threads if plan.num_tokens <= SMALL_STEP_TOKENS else self.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         inputs, meta = self.build(plan)
         logits = self.forward(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"], meta)
         if not meta.paths <= self.paths_seen:

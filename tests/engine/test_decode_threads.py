@@ -1,0 +1,62 @@
+"""Small steps (decodes) may run on fewer torch threads than prefill chunks
+(engine/model_runner.py); warm-up measures which is faster. Outputs do not depend on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvcellar.engine import SamplingParams
+from kvcellar.engine.model_runner import SMALL_STEP_TOKENS
+from tests._models import LOGPROB_TOL, chat_ids, make_engine
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Test workers run on one thread each; the engine under test gets two to choose from."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_decode_steps_use_decode_threads_and_prefill_uses_all(model: Any, two_threads: None) -> None:
+    engine = make_engine(model, decode_threads=1)
+    seen: list[tuple[int, int]] = []
+    forward = engine.runner.forward
+
+    def spy(*args: Any) -> Any:
+        seen.append((int(args[0].shape[1]), torch.get_num_threads()))
+        return forward(*args)
+
+    engine.runner.forward = spy
+    engine.generate([chat_ids(model, "Tell me about tea. " * 4)], GREEDY)
+    assert seen[0][0] > SMALL_STEP_TOKENS and seen[0][1] == 2  # the prefill
+    assert len(seen) == GREEDY.max_tokens and all(threads == 1 for _, threads in seen[1:])  # decodes
+    assert engine.snapshot()["runner_decode_threads"] == 1
+    assert "runner_decode_threads" in engine.gauge_keys()
+
+
+def test_outputs_do_not_depend_on_decode_threads(model: Any, two_threads: None) -> None:
+    prompts = [chat_ids(model, q) for q in ("Name a colour.", "Count to three.", "Why is the sky blue?")]
+    one = make_engine(model, decode_threads=1).generate(prompts, GREEDY)
+    all_ = make_engine(model, decode_threads=2).generate(prompts, GREEDY)
+    for a, b in zip(one, all_, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= LOGPROB_TOL
+
+
+def test_warm_up_measures_decode_threads_and_leaves_no_trace(model: Any, two_threads: None) -> None:
+    engine = make_engine(model)
+    assert engine.runner.decode_threads == 2  # before warm-up: all threads
+    engine.warm_up()
+    assert engine.runner.decode_threads in (1, 2)
+    snap = engine.snapshot()
+    assert snap["runner_decode_threads"] == engine.runner.decode_threads
+    assert snap["engine_requests_total"] == 0 and engine.blocks.num_used == 0
+    assert make_engine(model, decode_threads=1, warmup=True).runner.decode_threads == 1  # given: kept
