@@ -146,7 +146,11 @@ def main() -> None:
                        max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
     engine = Engine(loaded, cfg)
     modules = Engine(loaded, dataclasses.replace(cfg, lean_forward=False))
-    result: dict[str, Any] = {"dtype": args.dtype, "weights": args.weights, "threads": torch.get_num_threads(),
+    for e in (engine, modules):
+        e.warm_up()  # as the server does: it also picks the decode threads (engine/model_runner.py)
+    print(f"decode steps on {engine.runner.decode_threads} of {engine.runner.threads} threads (measured at warm-up)")
+    result: dict[str, Any] = {"dtype": args.dtype, "weights": args.weights,
+                              "decode_threads": engine.runner.decode_threads, "threads": torch.get_num_threads(),
                               "max_step_tokens": args.max_step_tokens,
                               "max_prefill_step_tokens": args.max_prefill_step_tokens, "block_size": args.block_size,
                               "prefill": {}, "decode": {}}
