@@ -6,6 +6,8 @@ remote hit: KV bytes / measured loopback Redis GET throughput + one step (the RA
 TTFT, which computes only the last token). Then the cost of write-through to Redis on
 decode throughput at 8 streams (interleaved rounds, with and without the remote tier).
 
+Every engine is warmed up before it is measured, as ``kvcellar serve`` does (the remote
+hit is B's first request: unwarmed, it paid the first run of each attention path).
 Everything runs in process (engines share one loaded model) against a real
 ``redis-server`` started on a free loopback port (tests/remote/redis_server.py).
 
@@ -92,6 +94,7 @@ def ttft_table(model, cfg, server, sizes, repeats, work: Path, rng) -> list[dict
     for n in sizes:
         prompt = random_prompt(rng, n)
         a = engine_with(model, cfg, server.url, None)
+        a.warm_up()  # as a server does before it serves: no one-off costs in the figures
         t_cold_a, _ = ttft(a, prompt)
         assert tier(a, "remote").wait_idle(300)
         a.shutdown(60)
@@ -100,6 +103,7 @@ def ttft_table(model, cfg, server, sizes, repeats, work: Path, rng) -> list[dict
         cached: dict[str, int] = {}
         for r in range(repeats):
             b = engine_with(model, cfg, server.url, work / f"b-{n}-{r}")
+            b.warm_up()
             block_bytes = b.block_spec.nbytes
             t, cached["remote"] = ttft(b, prompt)
             samples["remote"].append(t)
