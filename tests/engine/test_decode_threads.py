@@ -36,6 +36,7 @@ def test_decode_steps_use_decode_threads_and_prefill_uses_all(model: Any, two_th
 
     engine.runner.forward = spy
     engine.generate([chat_ids(model, "Tell me about tea. " * 4)], GREEDY)
+    assert torch.get_num_threads() == 2  # set per step, then given back
     assert seen[0][0] > SMALL_STEP_TOKENS and seen[0][1] == 2  # the prefill
     assert len(seen) == GREEDY.max_tokens and all(threads == 1 for _, threads in seen[1:])  # decodes
     assert engine.snapshot()["runner_decode_threads"] == 1
@@ -45,7 +46,9 @@ def test_decode_steps_use_decode_threads_and_prefill_uses_all(model: Any, two_th
 def test_outputs_do_not_depend_on_decode_threads(model: Any, two_threads: None) -> None:
     prompts = [chat_ids(model, q) for q in ("Name a colour.", "Count to three.", "Why is the sky blue?")]
     one = make_engine(model, decode_threads=1).generate(prompts, GREEDY)
-    all_ = make_engine(model, decode_threads=2).generate(prompts, GREEDY)
+    both = make_engine(model, decode_threads=2)
+    assert both.runner.decode_threads == 2  # the first engine's steps left torch's count alone
+    all_ = both.generate(prompts, GREEDY)
     for a, b in zip(one, all_, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= LOGPROB_TOL

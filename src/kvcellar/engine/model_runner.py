@@ -136,11 +136,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Float32 logits ``[n_sampled, vocab]``, in plan order (decodes, then prefills that sample)."""
+        # torch's thread count is process-wide: set it for this step only (switching costs
+        # nothing measurable), so other engines and callers see the count they set.
         threads = self.decode_threads if plan.num_tokens <= SMALL_STEP_TOKENS else self.threads
-        if torch.get_num_threads() != threads:
+        before = torch.get_num_threads()
+        if before != threads:
             torch.set_num_threads(threads)
-        inputs, meta = self.build(plan)
-        logits = self.forward(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"], meta)
+        try:
+            inputs, meta = self.build(plan)
+            logits = self.forward(inputs["input_ids"], inputs["position_ids"], inputs["logits_to_keep"], meta)
+        finally:
+            if before != threads:
+                torch.set_num_threads(before)
         if not meta.paths <= self.paths_seen:
             new = meta.paths - self.paths_seen
             self.paths_seen |= new
