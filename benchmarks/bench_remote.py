@@ -7,7 +7,9 @@ TTFT, which computes only the last token). Then the cost of write-through to Red
 decode throughput at 8 streams (interleaved rounds, with and without the remote tier).
 
 Every engine is warmed up before it is measured, as ``kvcellar serve`` does (the remote
-hit is B's first request: unwarmed, it paid the first run of each attention path).
+hit is B's first request: unwarmed, it paid the first run of each attention path). TTFT
+ends when the engine emits the first token (``StampedStream``), as a server streams it,
+not when the step that produced it is over.
 Everything runs in process (engines share one loaded model) against a real
 ``redis-server`` started on a free loopback port (tests/remote/redis_server.py).
 
@@ -29,7 +31,7 @@ from pathlib import Path
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, SamplingParams
+from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent
 from kvcellar.runtime import prepare_and_load
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
@@ -61,10 +63,27 @@ def tier(engine: Engine, name: str):
     return next(a.tier for a in engine.lower.tiers if a.tier.name == name)
 
 
+class StampedStream(EventStream):
+    """Notes when the engine emits the first event: what a client sees, without the work
+    the engine does after emitting it in the same step (promoting loaded blocks into
+    faster tiers happens after the forward, ``LowerTierLink.flush``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: float | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        super().put(event)
+
+
 def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    stream = StampedStream()
     t0 = time.perf_counter()
-    result = engine.generate([prompt], ONE)[0]
-    return time.perf_counter() - t0, result.num_cached_tokens
+    result = engine.collect(engine.submit(prompt, ONE, stream=stream))
+    assert stream.first is not None
+    return stream.first - t0, result.num_cached_tokens
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:

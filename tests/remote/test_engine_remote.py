@@ -189,3 +189,21 @@ def test_a_full_redis_with_noeviction_drops_writes_and_answers_stay_right(model,
     assert_same_output(result, uncached(prompts[0]))
     assert result.num_cached_tokens == engine.snapshot()["remote_link_loaded_blocks"] * BS
     engine.shutdown(30)
+
+
+def test_a_whole_prefill_chunk_reaches_redis_at_once_with_the_default_queue(model, uncached, redis_server,
+                                                                           tmp_path):
+    """A 2048-token chunk publishes 128 blocks in one step; with the old default queue (64)
+    half of them were dropped, and another replica recomputed them until A evicted them."""
+    prompt = (ask(model, "Summarise the section.") * 12)[:2048 + 5]
+    a = replica(model, redis_server.url, None, engine_config={"max_prefill_step_tokens": 2048, "kv_cache_gb": 0.25})
+    a.generate([prompt], GREEDY)
+    assert tier(a, "remote").wait_idle(60)
+    stats = a.snapshot()
+    assert stats["remote_dropped_queue_full"] == 0 and stats["remote_stored_blocks"] == len(prompt) // BS
+    b = replica(model, redis_server.url, None, engine_config={"kv_cache_gb": 0.25})
+    result = b.generate([prompt], GREEDY)[0]
+    assert result.cached_tokens_by_tier.get("remote") == len(prompt) // BS * BS
+    assert_same_output(result, uncached(prompt))
+    for engine in (a, b):
+        assert engine.shutdown(30)

@@ -25,7 +25,11 @@ class RemoteTierConfig:
     # Redis' maxmemory + allkeys-lru bound the store instead).
     ttl_s: float = 0.0
     # Store queue bound: a full queue drops blocks (counted) rather than stalling decode.
-    queue_blocks: int = 64
+    # A prefill chunk publishes up to 128 blocks at once (2048 tokens); at 64 a 4096-token
+    # prompt reached Redis with 64 of its 256 blocks (the rest only when RAM evicted them),
+    # so another replica recomputed most of it. 256 holds two chunks (the SSD queue's bound
+    # too): each queued block holds its copy, e.g. 0.7 MiB for the embedded model in fp32.
+    queue_blocks: int = 256
     # Blocks per pipelined SET round trip.
     write_batch_blocks: int = 8
     # Writes after an OOM from a full ``noeviction`` server back off this long, doubling.
@@ -51,7 +55,7 @@ class RemoteSettings:
     remote_timeout_s: float = 0.25
     remote_load_timeout_s: float = 2.0
     remote_ttl_s: float = 0.0
-    remote_queue_blocks: int = 64
+    remote_queue_blocks: int = 256
 
     def validate(self) -> None:
         if self.remote_policy not in REMOTE_POLICIES:
