@@ -71,7 +71,6 @@ class Scheduler:
         prefetch_pool_fraction: float = 0.25,
         prefetch_max_reads: int = 4,
     ) -> None:
-        self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.max_prefill_step_tokens = max(max_step_tokens, max_prefill_step_tokens)
