@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--max-prefill-step-tokens", type=int, default=2048,
                     help="budget of a step with nothing decoding (a lone prompt's prefill chunks)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--weights", default="full", choices=["full", "int8"])
+    ap.add_argument("--weights", default="full", choices=["full", "int8", "int4"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 

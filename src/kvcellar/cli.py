@@ -33,8 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
-    p.add_argument("--weights", default=None, choices=["full", "int8"],
-                   help="full: weights in --dtype (default); int8: weight-only int8 linears, faster decode")
+    p.add_argument("--weights", default=None, choices=["full", "int8", "int4"],
+                   help="full: weights in --dtype (default); int8 / int4: weight-only quantized linears, faster "
+                        "decode where the CPU runs torch's kernels (bf16), chosen per step size at warm-up")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="serve without first running every code path once (faster start, slower first request)")
 

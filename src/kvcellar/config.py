@@ -73,8 +73,9 @@ class EngineConfig:
     # torch threads for steps of at most 8 tokens (decodes; engine/model_runner.py): 0 = the
     # faster of one and all, measured at warm-up (all without warm-up); N = N.
     decode_threads: int = 0
-    # full: weights in ``dtype``; int8: weight-only int8 linears (engine/quantization.py),
-    # half the bytes a decode step reads.
+    # full: weights in ``dtype``; int8 / int4: weight-only quantized linears
+    # (engine/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
+    # step reads; prefill runs their dequantized weights.
     weights: str = "full"
 
     def validate(self) -> None:

@@ -1,12 +1,13 @@
-"""Weight-only int8 linears (``--weights int8``) on the embedded model, fp32 activations.
+"""Weight-only quantized linears (``--weights int8|int4``) on the embedded model.
 
 The reference is computed without the engine: plain transformers ``generate`` (SDPA, its
-own cache) on a copy of the model whose linears hold the dequantized int8 weights
-(``q * scale``) as ordinary ``nn.Linear`` weights."""
+own cache, ``nn.Linear`` modules) on a freshly loaded copy of the model whose linears hold
+the dequantized weights of the same quantized tensors. The engine runs torch's int8/int4
+kernels for decode steps (bf16 on a CPU with native bf16) and the dequantized weights,
+prepacked, for prefill chunks."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -15,9 +16,11 @@ from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams
-from kvcellar.engine.quantization import WeightOnlyInt8Linear, quantize_int8
+from kvcellar.engine.linears import FastLinear, KernelTable, prepare_model, quant_kernels_run
+from kvcellar.engine.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
+    assert_equivalent_output,
     assert_no_leaks,
     assert_same_output,
     chat_ids,
@@ -26,90 +29,174 @@ from tests._models import (
     make_engine,
     reference_greedy,
     shared_models_dir,
+    uncached_runner,
 )
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
 SYSTEM = "You are a careful assistant for a library. Answer in one sentence and name the shelf. " * 4
+KERNELS = quant_kernels_run(torch.bfloat16, torch.device("cpu"))
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="this CPU has no native bf16: the quantized kernels never run")
+# bf16: one ulp of a logit of ~20 is 0.125; kernels that differ in accumulation order move
+# logprobs by up to a few hundredths.
+BF16_LOGPROB_TOL = 0.15
 
 
 @functools.cache
-def int8_model():
-    return prepare_and_load(None, dtype="float32", device="cpu", artifacts=ArtifactCache(shared_models_dir()),
-                            weights="int8")
+def quantized(mode: str, dtype: str = "bfloat16"):
+    return prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()),
+                            weights=mode)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return int8_model()
+def dequantized_reference(mode: str, dtype: str = "bfloat16") -> nn.Module:
+    """A fresh, unprepared load of the model with each quantized linear's dequantized
+    weight in a plain ``nn.Linear``: what the kernels must compute."""
+    fresh = prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
+    model = fresh.model
+    for name, q in quantized(mode, dtype).quantized.items():
+        linear = model.get_submodule(name)
+        assert type(linear) is nn.Linear
+        linear.weight = nn.Parameter(q.dequantize(linear.weight.dtype), requires_grad=False)
+    return model
 
 
-def dequantized_copy(model) -> nn.Module:
-    """The same weights as plain linears: what the int8 kernels must compute."""
-    ref = copy.deepcopy(model)
-    for name, mod in list(ref.named_modules()):
-        if isinstance(mod, WeightOnlyInt8Linear):
-            linear = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
-            linear.weight = nn.Parameter(mod.dequantized(), requires_grad=False)
-            if mod.bias is not None:
-                linear.bias = nn.Parameter(mod.bias.clone(), requires_grad=False)
-            parent, _, child = name.rpartition(".")
-            setattr(ref.get_submodule(parent) if parent else ref, child, linear)
-    return ref
-
-
-def test_quantize_int8_rounds_to_the_nearest_step():
+def test_int8_rounds_to_the_nearest_step():
     w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]
-    q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
-    err = (q.float() * scale[:, None] - w).abs()
-    assert bool((err <= scale[:, None] / 2 + 1e-6).all())
+    q = quantize_int8(w)
+    assert q.qweight.dtype == torch.int8 and int(q.qweight.abs().max()) <= 127
+    err = (q.dequantize(torch.float32) - w).abs()
+    assert bool((err <= q.scales[:, None] / 2 + 1e-6).all())
 
 
-def test_every_linear_is_int8_and_the_identity_says_so(model):
-    full = embedded("float32")
-    linears = [m for m in model.model.modules() if isinstance(m, nn.Linear)]
-    quant = [m for m in model.model.modules() if isinstance(m, WeightOnlyInt8Linear)]
-    assert not linears and len(quant) == 1 + 7 * model.config.num_hidden_layers  # LM head + 7 per layer
-    assert model.weights_id == full.weights_id + "|weights=int8"  # another KV namespace
-    assert make_engine(model).fingerprint != make_engine(full).fingerprint
+def test_int4_rounds_to_the_nearest_step_and_gives_q4_1_blocks_back():
+    torch.manual_seed(0)
+    w = torch.randn(24, 4 * INT4_GROUP) * torch.linspace(0.01, 2.0, 24)[:, None]
+    q = quantize_int4(w)
+    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (24, 2 * INT4_GROUP)
+    values = q.int4_values()
+    assert int(values.min()) == 0 and int(values.max()) == 15
+    err = (q.dequantize(torch.float32) - w).abs().view(24, 4, INT4_GROUP)
+    assert bool((err <= q.scales[:, :, None] / 2 + 1e-5).all())
+    # A tensor that is on a Q4_1 grid already (GGUF's blocks, dequantized) quantizes to itself.
+    grid = q.dequantize(torch.float32)
+    again = quantize_int4(grid)
+    assert torch.equal(again.int4_values(), values)
+    assert torch.allclose(again.dequantize(torch.float32), grid, atol=1e-6)
 
 
-def test_engine_matches_the_dequantized_reference(model):
-    ref_model = dequantized_copy(model.model)
-    engine = make_engine(model)
-    prompts = [chat_ids(model, "Where are the atlases?", SYSTEM), chat_ids(model, "Do you lend e-readers?")]
+def test_quantized_weights_round_trip_through_named_tensors_and_fuse():
+    a, b = quantize_int4(torch.randn(16, 64)), quantize_int4(torch.randn(8, 64))
+    back = QuantizedWeight.from_tensors("x", a.to_tensors("x"))
+    assert (back.kind, back.group_size) == ("int4", INT4_GROUP)
+    assert torch.equal(back.dequantize(torch.float32), a.dequantize(torch.float32))
+    both = QuantizedWeight.concat([a, b])
+    assert torch.equal(both.dequantize(torch.float32),
+                       torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)]))
+    i8 = quantize_int8(torch.randn(8, 64))
+    assert QuantizedWeight.from_tensors("y", i8.to_tensors("y")).kind == "int8"
+    with pytest.raises(ValueError, match="fuse"):
+        QuantizedWeight.concat([a, i8])
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernels_compute_the_dequantized_weights(kind):
+    """Each kernel (quantized and dense, prepacked) against ``x @ dequantized.T`` in float32,
+    at every row count a step may have up to the calibration range and beyond."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    bias = torch.randn(96) * 0.1
+    q = quantize_int8(weight) if kind == "int8" else quantize_int4(weight)
+    deq = q.dequantize(torch.bfloat16)
+    layer = FastLinear(deq, bias.to(torch.bfloat16), q, KernelTable(quant_max_rows=64))
+    assert layer.quant_kind == kind and layer.dense_kind == "packed"
+    for rows in (1, 2, 3, 5, 8, 16, 40):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), deq.float(), bias.to(torch.bfloat16).float())
+        tol = 0.02 * float(want.abs().max())  # bf16 output: 2^-8 relative, plus accumulation order
+        for got in (layer.quantized_kernel(x), layer.dense(x), layer(x.view(1, rows, 128)).view(rows, -1)):
+            assert got.dtype == torch.bfloat16
+            assert float((got.float() - want).abs().max()) <= tol
+
+
+def test_every_linear_is_quantized_and_the_identity_says_so():
+    full = embedded("bfloat16")
+    for mode in ("int8", "int4"):
+        loaded = quantized(mode)
+        linears = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
+        assert sorted(loaded.quantized) == sorted(linears)
+        assert len(linears) == 1 + 7 * loaded.config.num_hidden_layers  # LM head + 7 per layer
+        kinds = {n: q.kind for n, q in loaded.quantized.items()}
+        assert kinds.pop("lm_head") == "int8"  # the logits' matrix keeps 8 bits in both modes
+        assert set(kinds.values()) == {mode}
+        assert loaded.weights_id == full.weights_id + f"|weights={mode}"  # another KV namespace
+    fingerprints = {make_engine(x).fingerprint for x in (full, quantized("int8"), quantized("int4"))}
+    assert len(fingerprints) == 3
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_engine_matches_the_dequantized_reference(mode):
+    """Greedy tokens of the engine (quantized kernels for decode) equal those of plain
+    transformers over the dequantized weights, with logprobs within bf16 tolerance."""
+    loaded = quantized(mode)
+    engine = make_engine(loaded)
+    assert engine.runner.linears.table.quant_max_rows > 0
+    reference = dequantized_reference(mode)
+    prompts = [chat_ids(loaded, "Where are the atlases?", SYSTEM), chat_ids(loaded, "Do you lend e-readers?")]
     for prompt in prompts:
         got = engine.generate([prompt], GREEDY)[0]
-        tokens, logprobs = reference_greedy(ref_model, prompt, GREEDY.max_tokens)
+        tokens, logprobs = reference_greedy(reference, prompt, GREEDY.max_tokens)
         assert got.token_ids == tokens[: len(got.token_ids)]
         ref = logprobs[torch.arange(len(got.token_ids)), torch.tensor(got.token_ids)]
-        assert torch.allclose(torch.tensor(got.logprobs), ref, atol=2e-3)
+        assert torch.allclose(torch.tensor(got.logprobs), ref, atol=BF16_LOGPROB_TOL)
     assert_no_leaks(engine)
 
 
-def test_int8_kernel_matches_the_dequantized_weights():
-    """Where the int8 kernel runs (bf16 on AVX-512 BF16) and where it doesn't, a layer computes
-    ``x @ (q * scale).T``; run here with the kernel forced on, whatever this CPU prefers."""
-    torch.manual_seed(0)
-    linear = nn.Linear(96, 40)
-    layer = WeightOnlyInt8Linear.from_linear(linear)
-    x = torch.randn(3, 5, 96)
-    want = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
-    for max_rows in (0, 64):  # dequantizing path, then the int8 kernel
-        layer.kernel_max_rows = max_rows
-        assert torch.allclose(layer(x), want, atol=1e-4)
+@needs_kernels
+def test_calibration_picks_the_kernel_where_it_is_faster():
+    loaded = quantized("int4")
+    engine = make_engine(loaded)
+    found = engine.runner.calibrate_kernels()
+    measured = found["ms_per_pass"]
+    rows = found["quant_max_rows"]
+    assert engine.snapshot()["runner_quant_max_rows"] == rows
+    for r, ms in measured["quantized"].items():
+        if r <= rows:
+            assert ms < measured["dense"][r]
+    assert rows == 0 or measured["quantized"][1] < measured["dense"][1]
 
 
-def test_prefix_cache_paths_are_exact_with_int8(model, uncached):
-    """Full, partial and batched prefix hits give what a cache-disabled int8 engine gives."""
-    engine = make_engine(model, max_step_tokens=64)  # chunked prefill too
-    first = chat_ids(model, "Where are the atlases?", SYSTEM)
-    assert_same_output(engine.generate([first], GREEDY)[0], uncached(first))
-    again = engine.generate([first], GREEDY)[0]  # full hit: only the last token computed
+@pytest.mark.parametrize(("mode", "dtype"), [("int4", "bfloat16"), ("int8", "bfloat16"), ("int8", "float32")])
+def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype):
+    """Full, partial and batched prefix hits give what a cache-disabled engine gives: exactly
+    in float32; in bf16 up to rounding (``assert_equivalent_output``: a prompt prefilled in
+    other chunks rounds differently in bf16 with full weights too)."""
+    loaded = quantized(mode, dtype)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)
+    uncached = uncached_runner(loaded, params)
+
+    def check(got, prompt):
+        if dtype == "float32":
+            assert_same_output(got, uncached(prompt))
+        else:
+            assert_equivalent_output(got, uncached(prompt), BF16_LOGPROB_TOL)
+
+    engine = make_engine(loaded, max_step_tokens=64)  # chunked prefill too
+    first = chat_ids(loaded, "Where are the atlases?", SYSTEM)
+    check(engine.generate([first], params)[0], first)
+    again = engine.generate([first], params)[0]  # full hit: only the last token computed
     assert again.num_cached_tokens == expected_cached(len(first), len(first))
-    assert_same_output(again, uncached(first))
-    others = [chat_ids(model, q, SYSTEM) for q in ("Is there a quiet room?", "How long can I keep a DVD?")]
-    for got, prompt in zip(engine.generate(others, GREEDY), others, strict=True):  # partial hits, batched
+    check(again, first)
+    others = [chat_ids(loaded, q, SYSTEM) for q in ("Is there a quiet room?", "How long can I keep a DVD?")]
+    for got, prompt in zip(engine.generate(others, params), others, strict=True):  # partial hits, batched
         assert got.num_cached_tokens > 0
-        assert_same_output(got, uncached(prompt))
+        check(got, prompt)
     assert_no_leaks(engine)
+
+
+def test_a_model_is_prepared_once_and_shared_by_its_engines():
+    loaded = quantized("int4")
+    a, b = make_engine(loaded), make_engine(loaded, lean_forward=False)
+    assert a.runner.linears is b.runner.linears is prepare_model(loaded.model)
+    fused = a.runner.linears.fused
+    assert len(fused) == 2 * loaded.config.num_hidden_layers  # QKV and gate-up of every layer

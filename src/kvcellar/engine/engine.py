@@ -69,7 +69,7 @@ class Engine:
             prefetch_pool_fraction=cfg.prefetch_pool_fraction,
             prefetch_max_reads=cfg.prefetch_max_reads,
         )
-        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward)
+        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward, quantized=loaded.quantized)
         if cfg.decode_threads > 0:
             self.runner.set_decode_threads(cfg.decode_threads)
         self.descriptor = kv_descriptor(
@@ -233,6 +233,10 @@ class Engine:
                 steps += int(self.stats["engine_steps"] - before)
             if self.config.decode_threads == 0:
                 steps += self._calibrate_decode_threads(filler)
+            kernels = self.runner.calibrate_kernels()
+            if kernels:
+                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
+                         kernels["ms_per_pass"])
         finally:
             self.blocks.evict_all()
             self.lower = self.scheduler.cache.lower = lower

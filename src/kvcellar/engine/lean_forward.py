@@ -6,8 +6,9 @@ paged attention never reads. ``LeanForward`` walks the same layers itself: the s
 tensors, the same functions in the same order (the model's own ``apply_rotary_pos_emb``,
 ``act_fn`` and rotary module, RMSNorm written out exactly as transformers computes it, our
 ``paged_attention``), so its logits are bitwise those of the module path (tested), with less
-Python per step. Linears that are not plain ``nn.Linear`` (``--weights int8``) are called as
-modules.
+Python per step. The linears are those ``engine/linears.py`` prepared (prepacked, quantized,
+QKV and gate-up fused into one call each: the module path calls the same fused linear and
+slices it, so both paths still give the same numbers).
 
 Supported: the Llama and Qwen2 families (``SUPPORTED``), whose decoder layer is
 norm -> attention -> residual -> norm -> gated MLP -> residual. Anything else, or a model
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
+from kvcellar.engine.linears import FusedPart
 
 # CausalLM class -> the decoder layer class it must hold.
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer"}
@@ -35,7 +37,20 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if type(module) is nn.Linear:
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
-    return module  # e.g. WeightOnlyInt8Linear
+    return module  # a FastLinear (engine/linears.py)
+
+
+def fusion_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """The linears ``linears.prepare_model`` fuses for a supported architecture: per layer
+    q/k/v into ``<layer>.self_attn.qkv`` and gate/up into ``<layer>.mlp.gate_up``."""
+    if lean_forward_for(model) is None:
+        return []
+    groups = []
+    for i in range(len(model.model.layers)):
+        path = f"model.layers.{i}"
+        groups.append((f"{path}.self_attn.qkv", [f"{path}.self_attn.{p}_proj" for p in "qkv"]))
+        groups.append((f"{path}.mlp.gate_up", [f"{path}.mlp.gate_proj", f"{path}.mlp.up_proj"]))
+    return groups
 
 
 def _rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -59,9 +74,16 @@ class _Layer:
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self.sliding_window = getattr(attn, "sliding_window", None)
-        self.q, self.k, self.v, self.o = (_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj),
-                                          _linear(attn.o_proj))
-        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        # Fused QKV / gate-up where ``linears.prepare_model`` fused them: one call, then views.
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        self.qkv = q.fused if isinstance(q, FusedPart) and k.fused is q.fused and v.fused is q.fused else None
+        self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
+        self.q, self.k, self.v = _linear(q), _linear(k), _linear(v)
+        self.o = _linear(attn.o_proj)
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.gate_up = gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None
+        self.gate_up_sizes = [gate.out_features, up.out_features]
+        self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
         self.act = mlp.act_fn
         self.input_norm = _rms_norm(layer.input_layernorm)
         self.post_norm = _rms_norm(layer.post_attention_layernorm)
@@ -106,15 +128,23 @@ class LeanForward:
         for layer in self.layers:
             x = layer.input_norm(h)
             shape = (*lead, -1, layer.head_dim)
-            q = layer.q(x).view(shape).transpose(1, 2)
-            k = layer.k(x).view(shape).transpose(1, 2)
-            v = layer.v(x).view(shape).transpose(1, 2)
+            if layer.qkv is not None:
+                q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
+            else:
+                q, k, v = layer.q(x), layer.k(x), layer.v(x)
+            q = q.view(shape).transpose(1, 2)
+            k = k.view(shape).transpose(1, 2)
+            v = v.view(shape).transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.sliding_window,
                              kvcellar_meta=meta)
             h = h + layer.o(o.reshape(*lead, -1).contiguous())
             x = layer.post_norm(h)
-            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(x).split(layer.gate_up_sizes, dim=-1)
+            else:
+                gate, up = layer.gate(x), layer.up(x)
+            h = h + layer.down(layer.act(gate) * up)
         h = self.norm(h)
         return self.lm_head(h[:, logits_to_keep, :])
 

@@ -25,6 +25,7 @@ from kvcellar.model_source import ModelSource, resolve_source
 
 if TYPE_CHECKING:
     from kvcellar.artifacts import ArtifactLease
+    from kvcellar.engine.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: dict[str, float] = field(default_factory=dict)
+    # Quantized weights by linear name (``--weights int8|int4``; engine/quantization.py): the
+    # model's linears hold their dequantized weights, the engine runs these where faster.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
     # The artifact-cache entry this model was loaded from, held so that it isn't evicted while
     # the model is served (set by ``runtime.prepare_and_load``); None when loaded from the source.
     artifact: ArtifactLease | None = None
@@ -97,6 +101,7 @@ def load_model(
     folder: Path | None = None,
     weights_id: str | None = None,
     attn_implementation: str | None = None,
+    quantized: dict[str, QuantizedWeight] | None = None,
 ) -> LoadedModel:
     """Load a model (a ``--model`` argument or a resolved source) and its tokenizer.
 
@@ -104,10 +109,12 @@ def load_model(
     tokenizer are loaded from it. ``weights_id``: the source's identity when the caller has
     it already (hashing a GGUF takes a while); computed here otherwise.
 
-    ``weights``: ``full`` keeps the weights in ``dtype``; ``int8`` quantizes the linears
-    (``engine.quantization``) after loading; the mode becomes part of the weights identity.
+    ``weights``: ``full`` keeps the weights in ``dtype``; ``int8``/``int4`` quantize the
+    linears (``engine.quantization``) after loading, or take ``quantized`` (the same, read
+    from the artifact cache); the mode becomes part of the weights identity.
     """
-    from kvcellar.engine.quantization import WEIGHT_MODES, int8_kernel_max_rows, quantize_model
+    from kvcellar.engine.linears import quant_kernels_run
+    from kvcellar.engine.quantization import WEIGHT_MODES, quantize_model
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
@@ -124,14 +131,15 @@ def load_model(
 
     tokenizer, hf_model = _load_weights_and_tokenizer(source, folder, torch_dtype, dev, attn_implementation, timings)
 
+    quantized_weights: dict[str, QuantizedWeight] = {}
     if weights != "full":
         t0 = time.perf_counter()
-        quantize_model(hf_model, weights)
-        if int8_kernel_max_rows(torch_dtype, dev) == 0:
-            log.warning("--weights %s: no int8 kernel is faster than %s matmuls on this CPU; the weights take "
-                        "half the memory but are dequantized on every call (slower)", weights, torch_dtype)
+        quantized_weights = quantize_model(hf_model, weights, given=quantized)
+        if not quant_kernels_run(torch_dtype, dev):
+            log.warning("--weights %s: torch has no fast %s kernel for %s activations on %s; the dequantized "
+                        "weights run instead (same outputs, no speed-up)", weights, weights, torch_dtype, dev)
         weights_id += f"|weights={weights}"  # other weights, other KV
-        timings["quantize"] = time.perf_counter() - t0
+        timings["quantize" if quantized is None else "quantized_weights"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     tok_id = tokenizer_identity(tokenizer)
@@ -150,6 +158,7 @@ def load_model(
         eos_token_ids=eos_ids(hf_model, tokenizer),
         max_context=max_ctx,
         load_seconds=timings,
+        quantized=quantized_weights,
     )
 
 

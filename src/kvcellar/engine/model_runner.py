@@ -21,7 +21,9 @@ import torch
 from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
-from kvcellar.engine.lean_forward import lean_forward_for, module_forward
+from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
+from kvcellar.engine.linears import calibrate, prepare_model
+from kvcellar.engine.quantization import QuantizedWeight
 from kvcellar.engine.scheduler import StepPlan
 
 # Steps of at most this many tokens (decodes of up to 8 sequences) use ``decode_threads``.
@@ -30,13 +32,18 @@ SMALL_STEP_TOKENS = 8
 
 class ModelRunner:
     # Levels among ``stats`` (exported as gauges).
-    GAUGES = frozenset({"runner_decode_threads"})
+    GAUGES = frozenset({"runner_decode_threads", "runner_quant_max_rows"})
 
-    def __init__(self, model: Any, pool: KVPool, *, lean: bool = True) -> None:
+    def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
-        logits with less Python per step), others through transformers' modules."""
+        logits with less Python per step), others through transformers' modules. The model's
+        linears are prepared once (``engine/linears.py``: prepacked, fused for the lean
+        forward, ``quantized`` ones with their kernels); other runners over the same model
+        object share that."""
         self.model = model
         self.pool = pool
+        self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else ())
         self.lean = lean_forward_for(model) if lean else None
         self.forward = self.lean or module_forward(model)
         self.device = pool.device
@@ -47,7 +54,8 @@ class ModelRunner:
         self.paths_seen: set[str] = set()
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads
-        self.stats: dict[str, float] = {"runner_cold_paths": 0, "runner_decode_threads": self.threads}
+        self.stats: dict[str, float] = {"runner_cold_paths": 0, "runner_decode_threads": self.threads,
+                                        "runner_quant_max_rows": self.linears.table.quant_max_rows}
 
     def set_decode_threads(self, n: int) -> None:
         self.decode_threads = max(1, min(n, self.threads))
@@ -69,6 +77,17 @@ class ModelRunner:
         best = min(times, key=lambda n: statistics.median(times[n]))
         self.set_decode_threads(best)
         return best
+
+    def calibrate_kernels(self) -> dict[str, Any]:
+        """Measure where the quantized kernels stop paying (``linears.calibrate``), with the
+        threads steps of each size run on; returns what was measured (empty if nothing is
+        quantized)."""
+        if not self.linears.quantized:
+            return {}
+        table = calibrate(self.linears,
+                          lambda rows: self.decode_threads if rows <= SMALL_STEP_TOKENS else self.threads)
+        self.stats["runner_quant_max_rows"] = table.quant_max_rows
+        return {"quant_max_rows": table.quant_max_rows, "ms_per_pass": table.measured}
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

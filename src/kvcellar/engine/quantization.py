@@ -1,105 +1,174 @@
-"""Weight-only int8 linears for decode (``--weights int8``).
+"""Weight-only quantized linears (``--weights int8|int4``): the numbers, not the kernels.
 
-A batch-1 decode step is bound by reading the weights: 269 MB of bf16 per step for the
-embedded model. Each ``nn.Linear`` of the decoder layers (and the LM head) becomes a
-``WeightOnlyInt8Linear``: int8 weights with one scale per output channel (symmetric,
-``w ~= q * scale``), half the bytes. Activations stay in the compute dtype.
+A batch-1 decode step is bound by reading the weights (269 MB of bf16 per step for the
+embedded model). Quantized weights are fewer bytes: int8 with one scale per output channel
+(``w ~= q * scale``), or int4 in groups of 32 inputs with a scale and an offset per group
+(``w ~= q * scale + offset``, q in 0..15: the layout of GGUF's Q4_1, so the embedded
+SmolLM2, which ships as Q4_1, is reproduced from its own blocks). Activations stay in the
+compute dtype. ``engine/linears.py`` runs them (torch's own int8/int4 CPU kernels for small
+steps, the dequantized weights for the rest).
 
-Two kernels, picked per call by the number of rows (tokens in the step):
-
-* up to ``int8_kernel_max_rows(dtype)`` rows: ``torch.ops.aten._weight_int8pack_mm``,
-  torch's own CPU kernel that reads the int8 weights directly (decode, short tails);
-* more rows: the weight is dequantized to the compute dtype for that call and multiplied by
-  oneDNN/MKL (prefill chunks); the int8 kernel does not block over rows and loses there.
-
-Where the int8 kernel pays depends on the CPU (docs/performance.md): with bf16 activations
-on AVX-512 BF16 it was 1.6x faster than bf16 ``linear`` at 1 row and 1.4x slower at 8; with
-fp32 activations on an AVX2-only CPU it was 7-50x slower than fp32 ``linear`` at every row
-count from 1 to 32, so there ``--weights int8`` only halves the weights' memory and the
-dequantizing path runs always (slower; the loader warns).
-
-Both compute ``x @ (q * scale).T`` up to rounding, so cached and uncached runs agree to the
-same tolerance as in the compute dtype. The LM head is quantized too (a tied embedding is
-untied: the lookup table stays in the compute dtype). Quantizing changes the KV a model
-produces, so ``loader`` puts the weights mode into the weights identity (another KV namespace).
+``quantize_model`` quantizes a loaded model's linears *and replaces their weights by the
+dequantized ones*: the model then computes exactly the function the quantized kernels
+compute (up to rounding), so transformers' own forward over it is the reference, and the
+dense path of a linear (prefill chunks) and its quantized kernel (decode) agree. Which
+weights a mode quantizes: every decoder linear; the LM head in int8 (int4 mode too: the
+logits are its output, and GGUF sources keep the output matrix at 8 bits or more).
+Quantizing changes the KV a model produces, so the loader puts the mode into the weights
+identity (another KV namespace).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_MODES = ("full", "int8")
-# Rows up to which the int8 kernel beats bf16 ``linear`` on AVX-512 BF16: faster at 1 row,
-# slower at 8 (measured); 4 lies between the two measurements.
-INT8_KERNEL_MAX_ROWS_BF16 = 4
+WEIGHT_MODES = ("full", "int8", "int4")
+INT4_GROUP = 32
+LM_HEAD = "lm_head"
 
 
-def int8_kernel_max_rows(dtype: torch.dtype, device: torch.device) -> int:
-    """Rows up to which ``_weight_int8pack_mm`` is used; 0 where it was measured to lose."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        return 0
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return 0
-    return INT8_KERNEL_MAX_ROWS_BF16
+@dataclass
+class QuantizedWeight:
+    """One linear's weight ``[out, in]`` in a portable form (the kernels' own layouts are
+    built from it by ``engine/linears.py``). ``scales``/``offsets`` are float32.
 
+    * int8: ``qweight`` int8 ``[out, in]``, ``scales [out]``, ``w = q * scale``;
+    * int4: ``qweight`` uint8 ``[out, in / 2]`` (input ``2j`` in the low nibble, ``2j + 1`` in
+      the high one), ``scales``/``offsets [out, in / group]``, ``w = q * scale + offset``.
+    """
 
-class WeightOnlyInt8Linear(nn.Module):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.kernel_max_rows = int8_kernel_max_rows(scales.dtype, qweight.device)
-        self.register_buffer("qweight", qweight)  # [out, in] int8
-        self.register_buffer("scales", scales)  # [out], compute dtype
-        self.register_buffer("bias", bias)
+    kind: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None = None
+    group_size: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, cols = self.qweight.shape
+        return out, cols * 2 if self.kind == "int4" else cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.offsets) if t is not None)
+
+    def int4_values(self) -> torch.Tensor:
+        """The 4-bit values as int32 ``[out, in]``."""
+        lo = (self.qweight & 0xF).to(torch.int32)
+        hi = (self.qweight >> 4).to(torch.int32)
+        return torch.stack([lo, hi], dim=-1).reshape(self.shape)
+
+    def kernel_params(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scales (and int4 zero points) as the kernels take them, in ``dtype``: int8
+        ``scales [out]``; int4 ``scale`` and ``zero = offset + 8 * scale`` (torch's kernels
+        compute ``(q - 8) * scale + zero``)."""
+        if self.kind == "int8":
+            return self.scales.to(dtype), None
+        assert self.offsets is not None
+        return self.scales.to(dtype), (self.offsets + 8 * self.scales).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the kernels compute with: from the scales rounded to ``dtype`` as the
+        kernels take them, evaluated in float32, then rounded to ``dtype``."""
+        scale, zero = self.kernel_params(dtype)
+        if self.kind == "int8":
+            return (self.qweight.float() * scale.float()[:, None]).to(dtype)
+        assert zero is not None
+        out, cols = self.shape
+        groups = (self.int4_values() - 8).float().view(out, cols // self.group_size, self.group_size)
+        w = groups * scale.float()[:, :, None] + zero.float()[:, :, None]
+        return w.view(out, cols).to(dtype)
+
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Named tensors for a safetensors file (``from_tensors`` reads them back)."""
+        out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
+        if self.offsets is not None:
+            out[f"{prefix}.offsets"] = self.offsets
+        return {k: v.contiguous() for k, v in out.items()}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> WeightOnlyInt8Linear:
-        qweight, scales = quantize_int8(linear.weight.detach())
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(qweight, scales.to(linear.weight.dtype), bias)
+    def from_tensors(cls, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        q = tensors[f"{prefix}.qweight"]
+        offsets = tensors.get(f"{prefix}.offsets")
+        if q.dtype == torch.int8:
+            return cls("int8", q, tensors[f"{prefix}.scales"])
+        if q.dtype != torch.uint8 or offsets is None:
+            raise ValueError(f"{prefix}: not a quantized weight this version reads")
+        scales = tensors[f"{prefix}.scales"]
+        return cls("int4", q, scales, offsets, group_size=(q.shape[1] * 2) // scales.shape[1])
 
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.kernel_max_rows:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(rows, self.dequantized(), self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+    @staticmethod
+    def concat(parts: Iterable[QuantizedWeight]) -> QuantizedWeight:
+        """The weights stacked along the output dimension (fused QKV / gate-up)."""
+        parts = list(parts)
+        kinds = {(p.kind, p.group_size) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")
+        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
+        return QuantizedWeight(parts[0].kind, torch.cat([p.qweight for p in parts]),
+                               torch.cat([p.scales for p in parts]), offsets, parts[0].group_size)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``weight ~= q * scale``; returns (q, float32 scale)."""
-    w = weight.float()
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-output-channel int8, rounded to nearest."""
+    w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    return QuantizedWeight("int8", q, scale)
 
 
-def quantize_model(model: Any, mode: str) -> int:
-    """Replace the model's linears by weight-only quantized ones, in place (on the model's
-    final device: the kernel choice depends on it). Returns how many were replaced (0 for
-    ``full``)."""
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:
+    """Asymmetric int4 per group of ``group_size`` inputs: ``scale = (max - min) / 15``,
+    ``offset = min`` (GGUF Q4_1: quantizing a dequantized Q4_1 tensor gives its blocks back)."""
+    out, cols = weight.shape
+    if cols % group_size or cols % 2:
+        raise ValueError(f"int4 needs input features divisible by {group_size}, not {cols}")
+    w = weight.detach().float().view(out, cols // group_size, group_size)
+    lo = w.amin(dim=-1)
+    hi = w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - lo[:, :, None]) / scale[:, :, None]).clamp_(0, 15).to(torch.uint8).view(out, cols)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return QuantizedWeight("int4", packed.contiguous(), scale, lo, group_size)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    return quantize_int8(weight) if kind == "int8" else quantize_int4(weight)
+
+
+def kind_for(mode: str, name: str, linear: nn.Linear) -> str | None:
+    """The quantization of one linear under ``mode`` (None: it stays dense)."""
+    if mode == "full":
+        return None
+    if mode == "int4" and name.rpartition(".")[2] != LM_HEAD and linear.in_features % INT4_GROUP == 0:
+        return "int4"
+    return "int8"
+
+
+def quantize_model(model: nn.Module, mode: str,
+                   given: dict[str, QuantizedWeight] | None = None) -> dict[str, QuantizedWeight]:
+    """Quantize every ``nn.Linear`` of ``model`` under ``mode`` (or take ``given``, e.g.
+    read from the artifact cache), and give each linear its dequantized weight in the
+    model's dtype, in place. Returns the quantized weights by module name."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
     if mode == "full":
-        return 0
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, WeightOnlyInt8Linear.from_linear(linear))
+        return {}
+    result: dict[str, QuantizedWeight] = {}
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        kind = kind_for(mode, name, linear)
+        if kind is None:
+            continue
+        q = given[name] if given is not None else quantize(linear.weight, kind)
+        if q.shape != tuple(linear.weight.shape):
+            raise ValueError(f"{name}: quantized shape {q.shape} is not the weight's {tuple(linear.weight.shape)}")
+        # A new Parameter, not a write into the old one: a tied embedding keeps its weight.
+        linear.weight = nn.Parameter(q.dequantize(linear.weight.dtype).to(linear.weight.device), requires_grad=False)
+        result[name] = q
     # The LM head no longer shares its weight with the embedding: keep transformers from
     # re-tying them (e.g. on a later ``tie_weights`` call).
     config = getattr(model, "config", None)
@@ -107,4 +176,4 @@ def quantize_model(model: Any, mode: str) -> int:
         config.tie_word_embeddings = False
         text = getattr(config, "get_text_config", lambda: config)()
         text.tie_word_embeddings = False
-    return len(targets)
+    return result

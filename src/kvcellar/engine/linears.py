@@ -1,0 +1,265 @@
+"""The model's linears as kvcellar runs them: prepacked, fused, quantized, chosen per step.
+
+Measured on the 2-core AVX-512/AMX dev VM (docs/performance.md, bf16, one thread), the 211
+linears of a SmolLM2 decode step: plain ``F.linear`` 37.7 ms, oneDNN with weights prepacked
+once (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``) 25.5 ms, int8
+(``aten._weight_int8pack_mm``) 18.3 ms, int4 (``aten._weight_int4pack_mm_for_cpu``) 9.8 ms
+at one row; at 8 rows int8 42.8 and int4 28.3 against 25.5 prepacked, at 16 rows 72 and 53
+against 26. So:
+
+* dense weights are prepacked for oneDNN where that is faster (bf16/fp16 on a CPU with
+  native bf16: every row count measured, 1 to 2048; fp32 stays on ``F.linear``, which was
+  faster at 1-2 rows);
+* a quantized linear runs its int8/int4 kernel for steps of at most ``quant_max_rows``
+  rows (decodes) and its dequantized weight, dense, above (prefill chunks, big batches).
+  Where the cross-over lies depends on the CPU, so ``Engine.warm_up`` measures it over the
+  model's own linears (``calibrate``); until then a default per device and dtype holds;
+* QKV and gate-up projections of supported architectures are fused into one linear each
+  (12-15 % less matmul time at 1-64 rows, 90 fewer calls per step).
+
+``prepare_model`` does this once per model object, in place: every ``nn.Linear`` becomes a
+``FastLinear`` (fused ones a ``FusedPart`` of a shared ``FastLinear``), so transformers'
+own forward, kvcellar's lean forward and a test's reference all run the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcellar.engine.quantization import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+# Row counts at which ``calibrate`` compares a quantized kernel with the dense weights.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+# Before calibration: steps of up to this many rows use the quantized kernel where one is
+# fast at all (the measured cross-over above lies between 4 and 8).
+DEFAULT_QUANT_MAX_ROWS = 4
+
+
+def native_bf16_cpu() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def packs_dense(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether dense weights are prepacked for oneDNN (see the module docstring)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and native_bf16_cpu()
+
+
+def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's weight-only int8/int4 kernels exist for these activations. On CPU they
+    need bf16 to be fast (fp32 activations: 3-50x slower than fp32 ``F.linear``, measured
+    on AVX2 and AVX-512 hosts); on other devices the dequantized weights run."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_cpu()
+
+
+@dataclass
+class KernelTable:
+    """The per-step kernel choice shared by every linear of one model."""
+
+    quant_max_rows: int
+    # Row count -> ms of one pass over the model's quantized linears, per kernel; set by ``calibrate``.
+    measured: dict[str, dict[int, float]] = field(default_factory=dict)
+    calibrated: bool = False
+
+
+class FastLinear(nn.Module):
+    """``y = x @ W.T + b`` over a weight that may be prepacked and may be quantized.
+
+    ``weight`` is the dense weight (for a quantized linear: its dequantized weight, which
+    is what the quantized kernel computes too); ``quant`` the quantized form, if any."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantizedWeight | None,
+                 table: KernelTable) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.table = table
+        self.bias = None if bias is None else bias.detach()
+        dtype, device = weight.dtype, weight.device
+        self.dense_kind = "packed" if packs_dense(dtype, device) else "plain"
+        if self.dense_kind == "packed":
+            self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        else:
+            self._dense = weight.detach()
+        self.quant_kind = quant.kind if quant is not None and quant_kernels_run(dtype, device) else None
+        self._q: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+        self._zero: torch.Tensor | None = None
+        self.group_size = 0
+        if self.quant_kind is not None:
+            assert quant is not None
+            self._scale, zero = quant.kernel_params(dtype)
+            if self.quant_kind == "int8":
+                self._q = quant.qweight.to(device)
+            else:
+                self.group_size = quant.group_size
+                self._q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quant.int4_values().to(device), 1)
+                assert zero is not None
+                # [in / group, out, 2]: the kernel's scale-and-zero layout
+                self._zero = torch.stack([self._scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+    @classmethod
+    def from_linears(cls, linears: Sequence[nn.Linear], quants: Sequence[QuantizedWeight | None],
+                     table: KernelTable) -> FastLinear:
+        """One linear computing ``linears`` side by side (outputs concatenated)."""
+        weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight
+        biases = [m.bias for m in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                                            device=m.weight.device)
+                              for b, m in zip(biases, linears, strict=True)])
+        quant = None
+        if all(q is not None for q in quants):
+            quant = QuantizedWeight.concat(quants) if len(quants) > 1 else quants[0]  # type: ignore[arg-type]
+        elif any(q is not None for q in quants):
+            raise ValueError("cannot fuse a quantized linear with a dense one")
+        return cls(weight, bias, quant, table)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant_kind is not None
+
+    def dense(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.dense_kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
+        return F.linear(x2d, self._dense, self.bias)
+
+    def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.quant_kind == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x2d, self._q, self._scale)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self._q, self.group_size, self._zero)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if self.quant_kind is not None and x2d.shape[0] <= self.table.quant_max_rows:
+            out = self.quantized_kernel(x2d)
+        else:
+            out = self.dense(x2d)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        quant = f", {self.quant_kind} up to {self.table.quant_max_rows} rows" if self.quant_kind else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.dense_kind}{quant}"
+
+
+class FusedPart(nn.Module):
+    """One of the linears fused into a ``FastLinear`` (e.g. ``k_proj`` of a fused QKV), for
+    callers that still call it alone (transformers' modules): computes the fused output and
+    returns its slice, so both paths give the same numbers."""
+
+    def __init__(self, fused: FastLinear, start: int, end: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.start, self.end = start, end
+        self.in_features, self.out_features = fused.in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end]
+
+
+@dataclass
+class PreparedModel:
+    """What ``prepare_model`` did to a model (kept on it as ``_kvcellar_prepared``)."""
+
+    table: KernelTable
+    fused: dict[str, FastLinear]  # "<layer path>.qkv" / ".gate_up" -> the fused linear
+    linears: list[FastLinear]  # every distinct FastLinear, in model order
+
+    @property
+    def quantized(self) -> list[FastLinear]:
+        return [m for m in self.linears if m.quantized]
+
+
+def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
+                  fuse: Sequence[tuple[str, Sequence[str]]] = ()) -> PreparedModel:
+    """Turn every ``nn.Linear`` of ``model`` into a ``FastLinear``, in place, once (a model
+    already prepared is returned as it is). ``quantized``: quantized weights by module name
+    (``quantization.quantize_model``); ``fuse``: (name, [module names]) groups to fuse, e.g.
+    ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``."""
+    prepared: PreparedModel | None = getattr(model, "_kvcellar_prepared", None)
+    if prepared is not None:
+        return prepared
+    quantized = quantized or {}
+    param = next(model.parameters())
+    table = KernelTable(DEFAULT_QUANT_MAX_ROWS if quantized and quant_kernels_run(param.dtype, param.device) else 0)
+    modules = dict(model.named_modules())
+    fused: dict[str, FastLinear] = {}
+    linears: list[FastLinear] = []
+    replace: dict[str, nn.Module] = {}
+    for name, members in fuse:
+        parts = [modules[m] for m in members]
+        if not all(type(p) is nn.Linear for p in parts):
+            continue
+        one = FastLinear.from_linears(parts, [quantized.get(m) for m in members], table)
+        fused[name] = one
+        linears.append(one)
+        start = 0
+        for member, part in zip(members, parts, strict=True):
+            replace[member] = FusedPart(one, start, start + part.out_features)
+            start += part.out_features
+    for name, module in modules.items():
+        if type(module) is nn.Linear and name not in replace:
+            one = FastLinear.from_linears([module], [quantized.get(name)], table)
+            linears.append(one)
+            replace[name] = one
+    for name, new in replace.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    prepared = PreparedModel(table, fused, linears)
+    model._kvcellar_prepared = prepared  # type: ignore[assignment]
+    return prepared
+
+
+def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeats: int = 3) -> KernelTable:
+    """Time one pass over the model's quantized linears with their quantized kernel and with
+    their dense weights, at each of ``CALIBRATION_ROWS`` rows (``threads_for(rows)`` torch
+    threads, as steps of that size run), and use the kernel up to the largest row count from
+    which on it is no longer faster. Returns the table, updated in place."""
+    table = prepared.table
+    layers = prepared.quantized
+    if not layers:
+        return table
+    dtype = layers[0]._scale.dtype if layers[0]._scale is not None else torch.float32
+    device = layers[0]._dense.device if not layers[0]._dense.is_mkldnn else torch.device("cpu")
+    widths = sorted({m.in_features for m in layers})
+    measured: dict[str, dict[int, float]] = {"quantized": {}, "dense": {}}
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for rows in CALIBRATION_ROWS:
+                threads = threads_for(rows)
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
+                inputs = {w: torch.randn(rows, w, dtype=dtype, device=device) for w in widths}
+                runs: dict[str, list[float]] = {"quantized": [], "dense": []}
+                for _ in range(repeats):
+                    for kind in ("quantized", "dense"):
+                        t0 = time.perf_counter()
+                        for m in layers:
+                            (m.quantized_kernel if kind == "quantized" else m.dense)(inputs[m.in_features])
+                        runs[kind].append(time.perf_counter() - t0)
+                for kind, times in runs.items():
+                    measured[kind][rows] = statistics.median(times[1:] or times) * 1e3
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+    best = 0
+    for rows in CALIBRATION_ROWS:
+        if measured["quantized"][rows] >= measured["dense"][rows]:
+            break
+        best = rows
+    table.quant_max_rows = best
+    table.measured = measured
+    table.calibrated = True
+    return table
