@@ -74,7 +74,7 @@ class EngineConfig:
     # faster of one and all, measured at warm-up (all without warm-up); N = N.
     decode_threads: int = 0
     # full: weights in ``dtype``; int8 / int4: weight-only quantized linears
-    # (engine/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
+    # (kvcellar/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
     # step reads; prefill runs their dequantized weights.
     weights: str = "full"
 

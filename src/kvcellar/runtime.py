@@ -12,13 +12,14 @@ import logging
 import time
 
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
-from kvcellar.artifacts.prepare import prepare_gguf
+from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, quantize_gguf, read_quantized
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
+from kvcellar.quantization import WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,10 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
                      artifacts: ArtifactCache | None = None, progress: bool | None = None) -> LoadedModel:
     """Resolve ``model`` and load it. A GGUF source goes through ``artifacts`` when given:
     prepared once into it and loaded from its entry from then on, which the result holds
-    (``LoadedModel.artifact``) while served; source digests are memoized there too. Both ways
-    give the same identities and outputs, hit or not. ``progress``: show preparation progress
-    bars (None: when stderr is a terminal)."""
+    (``LoadedModel.artifact``) while served; source digests are memoized there too. With
+    ``weights`` int8/int4 its quantized linears have an entry of their own
+    (``LoadedModel.quantized_artifact``). Both ways give the same identities and outputs, hit
+    or not. ``progress``: show preparation progress bars (None: when stderr is a terminal)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model)
@@ -84,21 +86,31 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     weights_id = weights_identity(source, artifacts.file_digest if artifacts is not None else file_sha256)
     timings["source_identity"] = time.perf_counter() - t0
 
-    lease = None
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
+    lease = qlease = None
     for attempt in (1, 2):
-        if artifacts is not None and source.kind == "gguf":
+        if source.kind == "gguf" and artifacts is not None:
             t0 = time.perf_counter()
             lease = prepare_gguf(artifacts, source, weights_id, torch_dtype, progress=progress)
+            if weights != "full":
+                qlease = prepare_quantized_gguf(artifacts, source, weights_id, weights, progress=progress)
             timings["artifact"] = timings.get("artifact", 0.0) + time.perf_counter() - t0
         try:
+            given = None
+            if source.kind == "gguf" and weights != "full":
+                # from the GGUF's float32 dequantization, cached or not (prepare.quantize_gguf)
+                given = read_quantized(qlease) if qlease is not None else quantize_gguf(source.path, weights)
             loaded = load_model(source, dtype=dtype, device=device, weights=weights, weights_id=weights_id,
-                                folder=lease.path if lease is not None else None)
+                                folder=lease.path if lease is not None else None, quantized=given)
             break
-        except ModelLoadError as exc:
-            if lease is None or attempt == 2:
+        except (ModelLoadError, OSError, ValueError, KeyError) as exc:
+            if (lease is None and qlease is None) or attempt == 2:
                 raise
-            # It validated but doesn't load: drop it and prepare it again, once.
-            lease.invalidate(f"failed to load: {exc}")
+            # An entry validated but doesn't load: drop it and prepare it again, once.
+            for held in (lease, qlease):
+                if held is not None:
+                    held.invalidate(f"failed to load: {exc}")
     loaded.load_seconds.update(timings)
     if lease is not None:
         source_tok = lease.manifest.info.get("source_tokenizer_id")
@@ -106,6 +118,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
             log.warning("the tokenizer of %s saved in the artifact cache differs from the GGUF's own; KV blocks "
                         "cached by a run without the artifact cache won't be reused", source.name)
         loaded.artifact = lease
+    loaded.quantized_artifact = qlease
     return loaded
 
 

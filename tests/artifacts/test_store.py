@@ -263,3 +263,40 @@ def test_config_precedence_and_disabling(tiny_ggufs: list[Path], tmp_path: Path,
     assert artifacts is None
     loaded = prepare_and_load(str(tiny_ggufs[0]), device="cpu", artifacts=artifacts)
     assert loaded.artifact is None and not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_linears_are_an_entry_of_their_own(tiny_ggufs: list[Path], tmp_path: Path, mode: str) -> None:
+    """``--weights int8|int4`` on a GGUF: the quantized form is stored beside the dense
+    entry, read back on the next start (not quantized again), and gives the same weights
+    and outputs as quantizing without the cache."""
+    import torch
+
+    direct = _load(tiny_ggufs[1], weights=mode)
+    first = _load(tiny_ggufs[1], tmp_path, weights=mode)
+    second = _load(tiny_ggufs[1], tmp_path, weights=mode)
+    assert direct.quantized_artifact is None
+    assert first.quantized_artifact.built and second.quantized_artifact.hit and second.artifact.hit
+    assert first.quantized_artifact.key != first.artifact.key
+    assert second.quantized_artifact.manifest.info["linears"] == 1 + 7 * 2
+    assert sorted(direct.quantized) == sorted(second.quantized) and len(direct.quantized) == 1 + 7 * 2
+    for name, q in direct.quantized.items():
+        got = second.quantized[name]
+        assert got.kind == q.kind and torch.equal(got.qweight, q.qweight) and torch.equal(got.scales, q.scales)
+    assert direct.weights_id == first.weights_id == second.weights_id == _load(tiny_ggufs[1]).weights_id + \
+        f"|weights={mode}"
+    assert greedy(direct) == greedy(second)
+    files = {p.name for p in second.quantized_artifact.path.iterdir()}
+    assert "quantized.safetensors" in files and "model.safetensors" not in files  # linears only
+    assert len(_cache(tmp_path).entries()) == 2  # the dense entry, shared, and the quantized one
+
+
+def test_a_damaged_quantized_entry_is_rebuilt(tiny_ggufs: list[Path], tmp_path: Path) -> None:
+    first = _load(tiny_ggufs[2], tmp_path, weights="int4")
+    entry = first.quantized_artifact.path / "quantized.safetensors"
+    first.quantized_artifact.release()
+    first.artifact.release()
+    _flip(entry)
+    again = _load(tiny_ggufs[2], tmp_path, weights="int4")
+    assert again.quantized_artifact.built, "a damaged entry must be rebuilt, never loaded"
+    assert greedy(again) == greedy(_load(tiny_ggufs[2], weights="int4"))

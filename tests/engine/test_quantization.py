@@ -17,7 +17,7 @@ from torch import nn
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.linears import FastLinear, KernelTable, prepare_model, quant_kernels_run
-from kvcellar.engine.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
+from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
     assert_equivalent_output,
@@ -200,3 +200,26 @@ def test_a_model_is_prepared_once_and_shared_by_its_engines():
     assert a.runner.linears is b.runner.linears is prepare_model(loaded.model)
     fused = a.runner.linears.fused
     assert len(fused) == 2 * loaded.config.num_hidden_layers  # QKV and gate-up of every layer
+
+
+def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():
+    """The embedded SmolLM2 ships as Q4_1 (groups of 32, a scale and a minimum each): its
+    int4 weights are those blocks, value for value, not a second rounding of them."""
+    import gguf
+    import numpy as np
+
+    from kvcellar.model_source import find_embedded_gguf
+
+    reader = gguf.GGUFReader(str(find_embedded_gguf()))
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert raw.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    ours = quantized("int4").quantized["model.layers.0.mlp.down_proj"]
+    out, cols = ours.shape
+    blocks = np.asarray(raw.data).reshape(out, cols // 32, 20)  # per block: fp16 d, fp16 m, 16 bytes
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(out, cols)  # element j, then j + 16
+    assert torch.equal(ours.int4_values(), torch.from_numpy(values.astype(np.int32)))
+    assert torch.allclose(ours.scales, torch.from_numpy(d), rtol=1e-5, atol=0)
+    assert torch.allclose(ours.offsets, torch.from_numpy(m), rtol=1e-5, atol=1e-7)

@@ -29,10 +29,12 @@ from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import tokenizer_identity
 from kvcellar.model_source import ModelSource
+from kvcellar.quantization import SCHEMES, QuantizedWeight, from_tensors, quantize_linears, to_tensors
 
 log = logging.getLogger(__name__)
 
 QUANTIZATION_NONE = "none"
+QUANTIZED_FILE = "quantized.safetensors"
 
 
 def converter_id() -> str:
@@ -63,12 +65,22 @@ def _strip_gguf_quantization(model: Any) -> None:
             del cfg.quantization_config
 
 
+def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype,
+                                                    quantization_config=GgufConfig(dequantize=True))
+    except Exception as exc:
+        raise ModelLoadError(f"Could not read the weights of {gguf_path}: {exc}") from exc
+
+
 def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bool | None = None) -> Builder:
     """A builder (see ``ArtifactCache.acquire``) writing the dequantized GGUF as HF files."""
 
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        from transformers import AutoTokenizer
 
         folder, fname = str(gguf_path.parent), gguf_path.name
         seconds: dict[str, float] = {}
@@ -86,12 +98,7 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
 
             bar.set_postfix_str("dequantizing weights")
             t0 = time.perf_counter()
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    folder, gguf_file=fname, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
-                )
-            except Exception as exc:
-                raise ModelLoadError(f"Could not read the weights of {gguf_path}: {exc}") from exc
+            model = _load_gguf(gguf_path, dtype)
             seconds["weights"] = time.perf_counter() - t0
             bar.update()
 
@@ -126,3 +133,64 @@ def prepare_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, dty
     except ArtifactStoreError as exc:
         log.warning("model artifact cache unusable, loading %s without it: %s", source.name, exc)
         return None
+
+
+def quantize_gguf(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
+    """The quantized linears of a GGUF under ``mode``, from its float32 dequantization: a
+    Q4_1 tensor's blocks quantize back to themselves (``quantize_int4``), whatever dtype the
+    model is then served in. Used with and without the artifact cache, so both give the
+    same weights."""
+    return quantize_linears(_load_gguf(gguf_path, torch.float32), mode)
+
+
+def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -> ArtifactDescriptor:
+    """The descriptor of a GGUF's quantized linears (scales in float32, any serving dtype)."""
+    return ArtifactDescriptor(source=weights_id, dtype="float32", quantization=SCHEMES[mode], modality="text",
+                              converter=converter_id(), name=name, source_path=str(path))
+
+
+def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: bool | None = None) -> Builder:
+    """A builder writing the GGUF's linears quantized under ``mode`` (``quantize_gguf``) as
+    ``quantized.safetensors``; the rest of the model comes from the dense entry."""
+
+    def build(out_dir: Path) -> dict[str, Any]:
+        from safetensors.torch import save_file
+        from tqdm.auto import tqdm
+
+        show = sys.stderr.isatty() if progress is None else progress
+        with tqdm(total=2, desc=f"Preparing {name} ({SCHEMES[mode]})", unit="step", disable=not show) as bar:
+            t0 = time.perf_counter()
+            weights = quantize_gguf(gguf_path, mode)
+            quantize_s = time.perf_counter() - t0
+            bar.update()
+            t0 = time.perf_counter()
+            save_file(to_tensors(weights), out_dir / QUANTIZED_FILE, metadata={"scheme": SCHEMES[mode]})
+            bar.update()
+        return {
+            "source_kind": "gguf",
+            "scheme": SCHEMES[mode],
+            "linears": len(weights),
+            "bytes": sum(q.nbytes for q in weights.values()),
+            "prepare_seconds": {"quantize": round(quantize_s, 3), "save": round(time.perf_counter() - t0, 3)},
+        }
+
+    return build
+
+
+def prepare_quantized_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, mode: str, *,
+                           progress: bool | None = None) -> ArtifactLease | None:
+    """The cache entry of a GGUF's quantized linears, prepared now if needed; None if the
+    cache dir fails."""
+    desc = quantized_descriptor(weights_id=weights_id, mode=mode, name=source.name, path=source.path)
+    try:
+        return cache.acquire(desc, quantized_gguf_builder(source.path, mode, name=source.name, progress=progress),
+                             progress=progress)
+    except ArtifactStoreError as exc:
+        log.warning("model artifact cache unusable, quantizing %s without it: %s", source.name, exc)
+        return None
+
+
+def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
+    from safetensors.torch import load_file
+
+    return from_tensors(load_file(lease.path / QUANTIZED_FILE))

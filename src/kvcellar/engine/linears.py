@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcellar.engine.quantization import QuantizedWeight
+from kvcellar.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from kvcellar.model_source import ModelSource, resolve_source
 
 if TYPE_CHECKING:
     from kvcellar.artifacts import ArtifactLease
-    from kvcellar.engine.quantization import QuantizedWeight
+    from kvcellar.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,14 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: dict[str, float] = field(default_factory=dict)
-    # Quantized weights by linear name (``--weights int8|int4``; engine/quantization.py): the
+    # Quantized weights by linear name (``--weights int8|int4``; kvcellar/quantization.py): the
     # model's linears hold their dequantized weights, the engine runs these where faster.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
     # The artifact-cache entry this model was loaded from, held so that it isn't evicted while
     # the model is served (set by ``runtime.prepare_and_load``); None when loaded from the source.
     artifact: ArtifactLease | None = None
+    # The entry of its quantized linears (``--weights int8|int4`` on a GGUF), held the same way.
+    quantized_artifact: ArtifactLease | None = None
 
     @property
     def config(self) -> Any:
@@ -110,11 +112,11 @@ def load_model(
     it already (hashing a GGUF takes a while); computed here otherwise.
 
     ``weights``: ``full`` keeps the weights in ``dtype``; ``int8``/``int4`` quantize the
-    linears (``engine.quantization``) after loading, or take ``quantized`` (the same, read
+    linears (``kvcellar.quantization``) after loading, or take ``quantized`` (the same, read
     from the artifact cache); the mode becomes part of the weights identity.
     """
     from kvcellar.engine.linears import quant_kernels_run
-    from kvcellar.engine.quantization import WEIGHT_MODES, quantize_model
+    from kvcellar.quantization import WEIGHT_MODES, quantize_model
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")

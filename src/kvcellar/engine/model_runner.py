@@ -23,8 +23,8 @@ from kvcellar.cache.kv_pool import KVPool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
 from kvcellar.engine.linears import calibrate, prepare_model
-from kvcellar.engine.quantization import QuantizedWeight
 from kvcellar.engine.scheduler import StepPlan
+from kvcellar.quantization import QuantizedWeight
 
 # Steps of at most this many tokens (decodes of up to 8 sequences) use ``decode_threads``.
 SMALL_STEP_TOKENS = 8

@@ -29,6 +29,9 @@ from torch import nn
 WEIGHT_MODES = ("full", "int8", "int4")
 INT4_GROUP = 32
 LM_HEAD = "lm_head"
+# What each mode stores, as the artifact cache keys it: change the string when the rules of
+# ``kind_for`` or a quantizer change, and older entries become misses.
+SCHEMES = {"int8": "int8-channel", "int4": f"int4-g{INT4_GROUP}-asym+lm_head-int8-channel"}
 
 
 @dataclass
@@ -147,6 +150,26 @@ def kind_for(mode: str, name: str, linear: nn.Linear) -> str | None:
     if mode == "int4" and name.rpartition(".")[2] != LM_HEAD and linear.in_features % INT4_GROUP == 0:
         return "int4"
     return "int8"
+
+
+def quantize_linears(model: nn.Module, mode: str) -> dict[str, QuantizedWeight]:
+    """The quantized weights of every ``nn.Linear`` of ``model`` under ``mode``, by module
+    name, without touching the model (e.g. to store them in the artifact cache)."""
+    out: dict[str, QuantizedWeight] = {}
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        kind = kind_for(mode, name, linear)
+        if kind is not None:
+            out[name] = quantize(linear.weight, kind)
+    return out
+
+
+def to_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    return {k: v for name, q in weights.items() for k, v in q.to_tensors(name).items()}
+
+
+def from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    names = sorted({k.rpartition(".")[0] for k in tensors if k.endswith(".qweight")})
+    return {name: QuantizedWeight.from_tensors(name, tensors) for name in names}
 
 
 def quantize_model(model: nn.Module, mode: str,
