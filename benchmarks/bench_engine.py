@@ -99,7 +99,8 @@ def profile_decode_step(engine: Engine, context: int) -> dict[str, float]:
     for _ in range(5):
         engine.step()
     groups = {"matmul (linear)": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
-                                  "aten::_weight_int8pack_mm"),
+                                  "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+                                  "mkldnn::_linear_pointwise"),
               "attention (sdpa)": ("aten::scaled_dot_product_attention",),
               "kv gather": ("aten::index_select",),
               "kv write": ("aten::index_put_",),

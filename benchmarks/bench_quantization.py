@@ -1,14 +1,14 @@
-"""Weight-only int8 linears (``--weights int8``) beside full-precision weights, in one run.
+"""Weight-only quantized linears (``--weights int8|int4``) beside full-precision weights, in one run.
 
     python benchmarks/bench_quantization.py [--dtype bfloat16] [--repeats 3] [--json out.json]
 
 * quality on a fixed prompt set (plain transformers forward, no engine): greedy agreement
-  (the full model's greedy continuation, teacher-forced through the int8 model: the share of
+  (the full model's greedy continuation, teacher-forced through the quantized model: the share of
   positions whose argmax agrees; and the tokens until free-running greedy outputs first
   differ) and the max |logit difference|;
-* decode ms/step at batch 1, 2, 4 and 8 (context 512), full and int8 engines interleaved;
+* decode ms/step at batch 1, 2, 4 and 8 (context 512), full and quantized engines interleaved;
 * prefill tok/s at 512 tokens, both;
-* where an int8 batch-1 decode step goes (torch profiler).
+* where a batch-1 decode step goes, per mode (torch profiler).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def quality(full: Any, quant: Any, tokenizer: Any, new_tokens: int) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", default="int8,int4", help="quantized modes to set beside full weights")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--context", type=int, default=512)
@@ -85,50 +86,56 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    modes = ["full", *args.modes.split(",")]
     loaded = {mode: prepare_and_load(None, dtype=args.dtype, device="cpu", weights=mode,
-                                         artifacts=ArtifactCache.open(kvcellar_cache()))
-              for mode in ("full", "int8")}
-    result: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
-    q = quality(loaded["full"].model, loaded["int8"].model, loaded["full"].tokenizer, args.new_tokens)
-    result["quality"] = q
-    print(f"quality vs full {args.dtype} ({len(PROMPTS)} prompts, {args.new_tokens} greedy tokens):")
-    for k, v in q.items():
-        print(f"  {k:<40} {v:.4g}")
+                                     artifacts=ArtifactCache.open(kvcellar_cache()))
+              for mode in modes}
+    result: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(), "quality": {}}
+    for mode in modes[1:]:
+        q = quality(loaded["full"].model, loaded[mode].model, loaded["full"].tokenizer, args.new_tokens)
+        result["quality"][mode] = q
+        print(f"quality of {mode} vs full {args.dtype} ({len(PROMPTS)} prompts, {args.new_tokens} greedy tokens):")
+        for k, v in q.items():
+            print(f"  {k:<40} {v:.4g}")
 
     cfg = EngineConfig(kv_cache_gb=1.0, max_step_tokens=512, max_prefill_step_tokens=2048, prefix_caching=False,
                        max_num_seqs=16)
     engines = {mode: Engine(ld, cfg) for mode, ld in loaded.items()}
+    for mode, engine in engines.items():
+        engine.warm_up()  # as the server does: decode threads and the quantized kernels' cross-over
+        print(f"{mode}: decode on {engine.runner.decode_threads} thread(s), quantized kernel up to "
+              f"{engine.runner.linears.table.quant_max_rows} rows {engine.runner.linears.table.measured or ''}")
     result["decode"] = {}
-    print(f"\ndecode ms/step (context {args.context}, {args.decode_steps} steps), full vs int8 interleaved")
+    print(f"\ndecode ms/step (context {args.context}, {args.decode_steps} steps), modes interleaved")
     for batch in [int(b) for b in args.batches.split(",")]:
-        times: dict[str, list[float]] = {"full": [], "int8": []}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         for r in range(args.repeats + 1):
             for mode, engine in engines.items():
                 t = engine_decode_ms(engine, batch, args.context, args.decode_steps)
                 if r:
                     times[mode].append(t)
-        a, b = stats(times["full"]), stats(times["int8"])
-        result["decode"][batch] = {"full_ms": a, "int8_ms": b, "speedup": a["median"] / b["median"]}
-        print(f"  batch {batch}: full {a['median']:.1f} [{a['min']:.1f}-{a['max']:.1f}]  "
-              f"int8 {b['median']:.1f} [{b['min']:.1f}-{b['max']:.1f}]  {a['median'] / b['median']:.2f}x  "
-              f"({batch * 1e3 / b['median']:.1f} tok/s int8)")
+        row = {mode: stats(ts) for mode, ts in times.items()}
+        result["decode"][batch] = row
+        print(f"  batch {batch}: " + "  ".join(
+            f"{mode} {v['median']:.1f} [{v['min']:.1f}-{v['max']:.1f}] ({batch * 1e3 / v['median']:.1f} tok/s)"
+            for mode, v in row.items()))
 
-    prefill: dict[str, list[float]] = {"full": [], "int8": []}
+    prefill: dict[str, list[float]] = {mode: [] for mode in modes}
     for r in range(args.repeats + 1):
         for mode, engine in engines.items():
             t = engine_prefill(engine, prompt_of(512, 500 + r))
             if r:
                 prefill[mode].append(512 / t)
-    a, b = stats(prefill["full"]), stats(prefill["int8"])
-    result["prefill_512_tok_s"] = {"full": a, "int8": b}
-    print(f"\nprefill 512 tokens tok/s: full {a['median']:.0f} [{a['min']:.0f}-{a['max']:.0f}]  "
-          f"int8 {b['median']:.0f} [{b['min']:.0f}-{b['max']:.0f}]")
+    result["prefill_512_tok_s"] = {mode: stats(v) for mode, v in prefill.items()}
+    print("\nprefill 512 tokens tok/s: " + "  ".join(
+        f"{mode} {v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]" for mode, v in result["prefill_512_tok_s"].items()))
 
-    breakdown = profile_decode_step(engines["int8"], args.context)
-    result["int8_decode_step_breakdown_ms"] = breakdown
-    print("\nint8 batch-1 decode step, where the time goes (ms; the int8 kernel counts under 'rest'):")
-    for k, v in breakdown.items():
-        print(f"  {k:<45} {v:>7.2f}")
+    for mode in modes:
+        breakdown = profile_decode_step(engines[mode], args.context)
+        result[f"{mode}_decode_step_breakdown_ms"] = breakdown
+        print(f"\n{mode} batch-1 decode step, where the time goes (ms):")
+        for k, v in breakdown.items():
+            print(f"  {k:<45} {v:>7.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -162,7 +162,7 @@ def assert_same_output(result: Any, reference: Any, tol: float = LOGPROB_TOL) ->
     assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=tol)
 
 
-def assert_equivalent_output(result: Any, reference: Any, tol: float, tie_margin: float = 0.25) -> None:
+def assert_equivalent_output(result: Any, reference: Any, tol: float, tie_margin: float = 0.3) -> None:
     """For bf16, where a step's rounding depends on how many rows its matmuls have (a prompt
     prefilled in other chunks, a last token recomputed alone after a hit): logprobs within
     ``tol`` up to the first token that differs, and that token a near-tie in the reference

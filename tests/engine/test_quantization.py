@@ -36,9 +36,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
 SYSTEM = "You are a careful assistant for a library. Answer in one sentence and name the shelf. " * 4
 KERNELS = quant_kernels_run(torch.bfloat16, torch.device("cpu"))
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="this CPU has no native bf16: the quantized kernels never run")
-# bf16: one ulp of a logit of ~20 is 0.125; kernels that differ in accumulation order move
-# logprobs by up to a few hundredths.
-BF16_LOGPROB_TOL = 0.15
+# bf16: the logits come out of the LM head in bf16, where one ulp of a logit of 16-32 is
+# 0.125: a prompt prefilled in other chunks moved a logprob by 0.166 here (full weights too).
+BF16_LOGPROB_TOL = 0.3
 
 
 @functools.cache
