@@ -37,7 +37,16 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if type(module) is nn.Linear:
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
-    return module  # a FastLinear (engine/linears.py)
+    return module.forward  # a FastLinear (engine/linears.py); no hooks to run, so no __call__
+
+
+def _rotate_joint(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama/Qwen2 RoPE (transformers' ``apply_rotary_pos_emb``, op for op) on query and key
+    heads side by side ``[1, Hq + Hkv, T, D]``: one set of elementwise ops instead of two,
+    the same numbers."""
+    half = qk.shape[-1] // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    return (qk * cos) + (rotated * sin)
 
 
 def fusion_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
@@ -78,6 +87,8 @@ class _Layer:
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         self.qkv = q.fused if isinstance(q, FusedPart) and k.fused is q.fused and v.fused is q.fused else None
         self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
+        self.qk_heads = (q.out_features + k.out_features) // self.head_dim
+        self.q_heads = q.out_features // self.head_dim
         self.q, self.k, self.v = _linear(q), _linear(k), _linear(v)
         self.o = _linear(attn.o_proj)
         gate, up = mlp.gate_proj, mlp.up_proj
@@ -117,25 +128,36 @@ class LeanForward:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm)
         self.lm_head = _linear(model.lm_head)
+        # The supported families' RoPE is the standard rotate-half one; applied to query and
+        # key heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
+        self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb"
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: StepMeta) -> torch.Tensor:
         """Logits ``[1, len(logits_to_keep), vocab]`` of the packed step (``ModelRunner.build``)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
+        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
         lead = h.shape[:-1]
         rope, attention = self.rope, paged_attention
         for layer in self.layers:
             x = layer.input_norm(h)
             shape = (*lead, -1, layer.head_dim)
-            if layer.qkv is not None:
-                q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
+            if layer.qkv is not None and self.joint_rope:
+                qkv = layer.qkv(x)
+                qk = _rotate_joint(qkv[..., : layer.qk_heads * layer.head_dim].view(shape).transpose(1, 2),
+                                   cos_h, sin_h)
+                q, k = qk[:, : layer.q_heads], qk[:, layer.q_heads :]
+                v = qkv[..., layer.qk_heads * layer.head_dim :].view(shape).transpose(1, 2)
             else:
-                q, k, v = layer.q(x), layer.k(x), layer.v(x)
-            q = q.view(shape).transpose(1, 2)
-            k = k.view(shape).transpose(1, 2)
-            v = v.view(shape).transpose(1, 2)
-            q, k = rope(q, k, cos, sin)
+                if layer.qkv is not None:
+                    q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
+                else:
+                    q, k, v = layer.q(x), layer.k(x), layer.v(x)
+                q = q.view(shape).transpose(1, 2)
+                k = k.view(shape).transpose(1, 2)
+                v = v.view(shape).transpose(1, 2)
+                q, k = rope(q, k, cos, sin)
             o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.sliding_window,
                              kvcellar_meta=meta)
             h = h + layer.o(o.reshape(*lead, -1).contiguous())
