@@ -42,10 +42,11 @@ def shared_models_dir() -> Path:
 
 
 @functools.cache
-def embedded(dtype: str = "float32") -> LoadedModel:
+def embedded(dtype: str = "float32", weights: str = "full") -> LoadedModel:
     from kvcellar.artifacts.store import ArtifactCache
 
-    return prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
+    return prepare_and_load(None, dtype=dtype, device="cpu", weights=weights,
+                            artifacts=ArtifactCache(shared_models_dir()))
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:

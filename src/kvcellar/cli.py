@@ -33,9 +33,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
-    p.add_argument("--weights", default=None, choices=["full", "int8", "int4"],
-                   help="full: weights in --dtype (default); int8 / int4: weight-only quantized linears, faster "
-                        "decode where the CPU runs torch's kernels (bf16), chosen per step size at warm-up")
+    p.add_argument("--weights", default=None, choices=["auto", "full", "int8", "int4"],
+                   help="full: weights in --dtype; int8 / int4: weight-only quantized linears (faster decode where "
+                        "the CPU runs torch's kernels: bf16), used for steps up to a size measured at warm-up; "
+                        "auto (default): int4 for a 4-bit GGUF where the kernel runs, else full")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="serve without first running every code path once (faster start, slower first request)")
 

@@ -75,8 +75,9 @@ class EngineConfig:
     decode_threads: int = 0
     # full: weights in ``dtype``; int8 / int4: weight-only quantized linears
     # (kvcellar/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
-    # step reads; prefill runs their dequantized weights.
-    weights: str = "full"
+    # step reads; prefill runs their dequantized weights. auto: int4 for a GGUF whose linears
+    # are 4-bit where torch's int4 kernel runs (bf16 on a CPU with native bf16), else full.
+    weights: str = "auto"
 
     def validate(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_step_tokens) < 1:

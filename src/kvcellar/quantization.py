@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-WEIGHT_MODES = ("full", "int8", "int4")
+WEIGHT_MODES = ("auto", "full", "int8", "int4")
 INT4_GROUP = 32
 LM_HEAD = "lm_head"
 # What each mode stores, as the artifact cache keys it: change the string when the rules of
@@ -177,8 +177,8 @@ def quantize_model(model: nn.Module, mode: str,
     """Quantize every ``nn.Linear`` of ``model`` under ``mode`` (or take ``given``, e.g.
     read from the artifact cache), and give each linear its dequantized weight in the
     model's dtype, in place. Returns the quantized weights by module name."""
-    if mode not in WEIGHT_MODES:
-        raise ValueError(f"unknown weights mode {mode!r}; use one of {', '.join(WEIGHT_MODES)}")
+    if mode not in WEIGHT_MODES or mode == "auto":
+        raise ValueError(f"unknown weights mode {mode!r}; use one of full, int8, int4")
     if mode == "full":
         return {}
     result: dict[str, QuantizedWeight] = {}

@@ -12,14 +12,13 @@ import logging
 import time
 
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
-from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, quantize_gguf, read_quantized
+from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
-from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_weights
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
-from kvcellar.quantization import WEIGHT_MODES
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ def open_artifacts(settings: Settings) -> ArtifactCache | None:
         return None
 
 
-def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "auto", weights: str = "full",
+def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "auto", weights: str = "auto",
                      artifacts: ArtifactCache | None = None, progress: bool | None = None) -> LoadedModel:
     """Resolve ``model`` and load it. A GGUF source goes through ``artifacts`` when given:
     prepared once into it and loaded from its entry from then on, which the result holds
@@ -80,14 +79,14 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model)
-    torch_dtype = resolve_dtype(dtype, resolve_device(device))
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    weights = resolve_weights(weights, source, torch_dtype, dev)
     timings["resolve"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights_id = weights_identity(source, artifacts.file_digest if artifacts is not None else file_sha256)
     timings["source_identity"] = time.perf_counter() - t0
 
-    if weights not in WEIGHT_MODES:
-        raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     lease = qlease = None
     for attempt in (1, 2):
         if source.kind == "gguf" and artifacts is not None:
@@ -97,10 +96,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
                 qlease = prepare_quantized_gguf(artifacts, source, weights_id, weights, progress=progress)
             timings["artifact"] = timings.get("artifact", 0.0) + time.perf_counter() - t0
         try:
-            given = None
-            if source.kind == "gguf" and weights != "full":
-                # from the GGUF's float32 dequantization, cached or not (prepare.quantize_gguf)
-                given = read_quantized(qlease) if qlease is not None else quantize_gguf(source.path, weights)
+            given = read_quantized(qlease) if qlease is not None else None
             loaded = load_model(source, dtype=dtype, device=device, weights=weights, weights_id=weights_id,
                                 folder=lease.path if lease is not None else None, quantized=given)
             break

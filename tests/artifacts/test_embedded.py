@@ -32,8 +32,8 @@ class Starts:
 @pytest.fixture(scope="module")
 def starts(tmp_path_factory: pytest.TempPathFactory) -> Starts:
     cache_dir = tmp_path_factory.mktemp("kvcellar-cache")
-    first = prepare_and_load(None, device="cpu", artifacts=ArtifactCache.open(cache_dir))
-    second = prepare_and_load(None, device="cpu", artifacts=ArtifactCache.open(cache_dir))
+    first = prepare_and_load(None, device="cpu", weights="full", artifacts=ArtifactCache.open(cache_dir))
+    second = prepare_and_load(None, device="cpu", weights="full", artifacts=ArtifactCache.open(cache_dir))
     return Starts(cache_dir, first, second)
 
 

@@ -50,7 +50,8 @@ def quantized(mode: str, dtype: str = "bfloat16"):
 def dequantized_reference(mode: str, dtype: str = "bfloat16") -> nn.Module:
     """A fresh, unprepared load of the model with each quantized linear's dequantized
     weight in a plain ``nn.Linear``: what the kernels must compute."""
-    fresh = prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()))
+    fresh = prepare_and_load(None, dtype=dtype, device="cpu", weights="full",
+                             artifacts=ArtifactCache(shared_models_dir()))
     model = fresh.model
     for name, q in quantized(mode, dtype).quantized.items():
         linear = model.get_submodule(name)
@@ -223,3 +224,21 @@ def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():
     assert torch.equal(ours.int4_values(), torch.from_numpy(values.astype(np.int32)))
     assert torch.allclose(ours.scales, torch.from_numpy(d), rtol=1e-5, atol=0)
     assert torch.allclose(ours.offsets, torch.from_numpy(m), rtol=1e-5, atol=1e-7)
+
+
+def test_auto_serves_a_4bit_gguf_in_int4_where_the_kernel_runs(tmp_path):
+    from kvcellar.engine.loader import gguf_linears_are_4bit, resolve_weights
+    from kvcellar.model_source import resolve_source
+    from tests.artifacts.helpers import write_tiny_gguf
+
+    embedded_source = resolve_source(None)  # Q4_1 linears
+    tiny = resolve_source(str(write_tiny_gguf(tmp_path / "tiny.gguf")))  # Q8_0 linears
+    assert gguf_linears_are_4bit(embedded_source.path) and not gguf_linears_are_4bit(tiny.path)
+    cpu = torch.device("cpu")
+    assert resolve_weights("auto", embedded_source, torch.bfloat16, cpu) == ("int4" if KERNELS else "full")
+    assert resolve_weights("auto", embedded_source, torch.float32, cpu) == "full"  # no fast fp32 kernel
+    assert resolve_weights("auto", tiny, torch.bfloat16, cpu) == "full"
+    assert resolve_weights("int8", tiny, torch.float32, cpu) == "int8"  # asked for: served as asked
+    with pytest.raises(ValueError, match="weights mode"):
+        resolve_weights("int3", tiny, torch.float32, cpu)
+    assert embedded("float32").weights == "full" and quantized("int4").weights == "int4"

@@ -262,6 +262,9 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     h = server.health()
     assert h["status"] == "ok"
     assert h["model"] == MODEL
+    # fp32 (the tests' --dtype): no fast quantized kernel, so --weights auto serves full weights
+    assert (h["weights"], h["dtype"]) == ("full", "float32")
+    assert h["runner"]["runner_quant_max_rows"] == 0
     for key in ("queue_depth", "running", "inflight_requests", "kv_blocks_used", "last_shutdown_clean"):
         assert key in h
     assert h["tiers"]["ram"]["state"] == "ok" and h["tiers"]["ram"]["counters"]["kv_blocks_total"] > 0

@@ -43,6 +43,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_context: int
     load_seconds: dict[str, float] = field(default_factory=dict)
+    weights: str = "full"  # the weights mode served (``auto`` resolved: ``resolve_weights``)
     # Quantized weights by linear name (``--weights int8|int4``; kvcellar/quantization.py): the
     # model's linears hold their dequantized weights, the engine runs these where faster.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
@@ -73,6 +74,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+# GGUF types of 4-bit weights in groups of 32 with a scale (and a minimum): ``--weights auto``
+# serves a GGUF whose decoder linears all have one of them in int4, the precision it ships in.
+FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+_LINEAR_GGUF_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_linears_are_4bit(path: Path) -> bool:
+    """Whether every decoder linear of a GGUF file is stored in a 4-bit type."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception:  # unreadable: the loader reports it properly
+        return False
+    types = {t.tensor_type.name for t in reader.tensors
+             if t.name.startswith("blk.") and t.name.split(".")[2] in _LINEAR_GGUF_TENSORS}
+    return bool(types) and types <= FOUR_BIT_GGUF_TYPES
+
+
+def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, device: torch.device) -> str:
+    """``auto``: int4 for a GGUF whose decoder linears are 4-bit (served at the precision it
+    ships in; from Q4_1 blocks exactly) where torch's int4 kernel runs; else full weights."""
+    from kvcellar.engine.linears import quant_kernels_run
+    from kvcellar.quantization import WEIGHT_MODES
+
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
+    if weights != "auto":
+        return weights
+    if source.kind == "gguf" and quant_kernels_run(dtype, device) and gguf_linears_are_4bit(source.path):
+        return "int4"
+    return "full"
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,7 +134,7 @@ def load_model(
     *,
     dtype: str = "auto",
     device: str = "auto",
-    weights: str = "full",
+    weights: str = "auto",
     folder: Path | None = None,
     weights_id: str | None = None,
     attn_implementation: str | None = None,
@@ -112,19 +147,19 @@ def load_model(
     it already (hashing a GGUF takes a while); computed here otherwise.
 
     ``weights``: ``full`` keeps the weights in ``dtype``; ``int8``/``int4`` quantize the
-    linears (``kvcellar.quantization``) after loading, or take ``quantized`` (the same, read
-    from the artifact cache); the mode becomes part of the weights identity.
+    linears (``kvcellar.quantization``; a GGUF's from its float32 dequantization) or take
+    ``quantized`` (the same, read from the artifact cache); ``auto`` picks one
+    (``resolve_weights``). The mode becomes part of the weights identity.
     """
     from kvcellar.engine.linears import quant_kernels_run
-    from kvcellar.quantization import WEIGHT_MODES, quantize_model
+    from kvcellar.quantization import quantize_model
 
-    if weights not in WEIGHT_MODES:
-        raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = model if isinstance(model, ModelSource) else resolve_source(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    weights = resolve_weights(weights, source, torch_dtype, dev)
     timings["resolve"] = time.perf_counter() - t0
     if weights_id is None:
         t0 = time.perf_counter()
@@ -136,12 +171,17 @@ def load_model(
     quantized_weights: dict[str, QuantizedWeight] = {}
     if weights != "full":
         t0 = time.perf_counter()
+        given = quantized is not None
+        if quantized is None and source.kind == "gguf":
+            from kvcellar.artifacts.prepare import quantize_gguf
+
+            quantized = quantize_gguf(source.path, weights)  # as the artifact cache stores it
         quantized_weights = quantize_model(hf_model, weights, given=quantized)
         if not quant_kernels_run(torch_dtype, dev):
             log.warning("--weights %s: torch has no fast %s kernel for %s activations on %s; the dequantized "
                         "weights run instead (same outputs, no speed-up)", weights, weights, torch_dtype, dev)
         weights_id += f"|weights={weights}"  # other weights, other KV
-        timings["quantize" if quantized is None else "quantized_weights"] = time.perf_counter() - t0
+        timings["quantized_weights" if given else "quantize"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     tok_id = tokenizer_identity(tokenizer)
@@ -160,6 +200,7 @@ def load_model(
         eos_token_ids=eos_ids(hf_model, tokenizer),
         max_context=max_ctx,
         load_seconds=timings,
+        weights=weights,
         quantized=quantized_weights,
     )
 

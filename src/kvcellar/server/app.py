@@ -110,6 +110,8 @@ class ServerState:
         return {
             "status": "draining" if self.draining else "ok",
             "model": self.serving.model_name,
+            "weights": self.engine.loaded.weights,
+            "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
             "version": kvcellar.__version__,
             "uptime_s": round(time.time() - self.started, 3),
             "queue_depth": int(stats.get("engine_waiting", 0)),
