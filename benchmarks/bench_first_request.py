@@ -43,7 +43,7 @@ def request_s(server: ServerProcess, content: str, system: str | None = None) ->
     return elapsed, int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def one_row(args: list[str], disk_hit: bool, models: Path) -> dict[str, Any]:
+def one_row(args: list[str], disk_hit: bool, models: Path, warm: bool) -> dict[str, Any]:
     cache = Path(tempfile.mkdtemp(prefix="kvcellar-first-request-"))
     row: dict[str, Any] = {}
     try:
@@ -54,14 +54,14 @@ def one_row(args: list[str], disk_hit: bool, models: Path) -> dict[str, Any]:
             s.stop()
             os.sync()  # the blocks are on disk, not in writeback while we measure
         t0 = time.perf_counter()
-        s = ServerProcess(cache, *args, models_dir=models).start()
+        s = ServerProcess(cache, *args, models_dir=models, warmup=warm).start()
         row["ready_s"] = time.perf_counter() - t0
         m = re.search(r"warmed up in ([0-9.]+) s", s.log_tail())
         row["warmup_s"] = float(m.group(1)) if m else 0.0
         if disk_hit:
             row["first_s"], row["cached"] = request_s(s, LONG)
             s.stop()
-            s = ServerProcess(cache, *args, models_dir=models).start()
+            s = ServerProcess(cache, *args, models_dir=models, warmup=warm).start()
             request_s(s, "Hello there, how are you?", system="Another session.")
             row["warmed_s"], _ = request_s(s, LONG)
         else:
@@ -84,8 +84,8 @@ def main() -> None:
     models = shared_models_dir()
     for _ in range(args.repeats):
         for warm in (True, False):
-            serve_args = ["--dtype", args.dtype, "--kv-cache-gb", "0.25"] + ([] if warm else ["--no-warmup"])
-            row = one_row(serve_args, args.disk_hit, models)
+            # (tests.helpers.ServerProcess adds --no-warmup unless asked to warm up)
+            row = one_row(["--dtype", args.dtype, "--kv-cache-gb", "0.25"], args.disk_hit, models, warm)
             print(f"{'disk hit' if args.disk_hit else 'short'} warm-up {'on ' if warm else 'off'} "
                   + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
