@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from bench_engine import engine_decode_ms, hf_decode_ms, stats
+from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine
 from kvcellar.engine.loader import wrap_model
@@ -65,7 +66,7 @@ def build(name: str, tokenizer: Any, mode: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name == "smollm2-135m":
-        return prepare_and_load(None, dtype="bfloat16", device="cpu", weights=mode)
+        return prepare_and_load(None, dtype="bfloat16", device="cpu", weights=mode, artifacts=ArtifactCache.open())
     cfg = AutoConfig.for_model("qwen2", max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
                                **CONFIGS[name])
     torch.manual_seed(0)
@@ -105,13 +106,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    tokenizer = prepare_and_load(None, dtype="bfloat16", device="cpu").tokenizer
+    tokenizer = prepare_and_load(None, dtype="bfloat16", device="cpu", weights="full",
+                                 artifacts=ArtifactCache.open()).tokenizer
     bandwidth = {n: read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})}
     print("read bandwidth: " + ", ".join(f"{n} thread(s) {b / 1e9:.1f} GB/s" for n, b in bandwidth.items()))
     result: dict[str, Any] = {"bandwidth_bytes_per_s": bandwidth, "context": args.context, "models": {}}
     for name in args.models.split(","):
         rows: dict[str, Any] = {}
         plain = build(name, tokenizer, "full").model  # transformers' own modules, never prepared
+        plain.set_attn_implementation("sdpa")
         hf = stats([hf_decode_ms(plain, 1, args.context, args.steps) for _ in range(args.repeats + 1)][1:])
         del plain
         gc.collect()
