@@ -41,10 +41,17 @@ needs_kernels = pytest.mark.skipif(not KERNELS, reason="this CPU has no native b
 BF16_LOGPROB_TOL = 0.3
 
 
-@functools.cache
-def quantized(mode: str, dtype: str = "bfloat16"):
+def load(mode: str, dtype: str = "bfloat16"):
     return prepare_and_load(None, dtype=dtype, device="cpu", artifacts=ArtifactCache(shared_models_dir()),
                             weights=mode)
+
+
+@functools.cache
+def quantized(mode: str, dtype: str = "bfloat16"):
+    """One load per mode and dtype, shared by the tests that build engines on it (an engine
+    takes over its quantized weights: ``loaded.quantized`` is empty after; ``load`` gives a
+    fresh one)."""
+    return load(mode, dtype)
 
 
 def dequantized_reference(mode: str, dtype: str = "bfloat16") -> nn.Module:
@@ -53,7 +60,7 @@ def dequantized_reference(mode: str, dtype: str = "bfloat16") -> nn.Module:
     fresh = prepare_and_load(None, dtype=dtype, device="cpu", weights="full",
                              artifacts=ArtifactCache(shared_models_dir()))
     model = fresh.model
-    for name, q in quantized(mode, dtype).quantized.items():
+    for name, q in load(mode, dtype).quantized.items():
         linear = model.get_submodule(name)
         assert type(linear) is nn.Linear
         linear.weight = nn.Parameter(q.dequantize(linear.weight.dtype), requires_grad=False)
@@ -122,7 +129,7 @@ def test_kernels_compute_the_dequantized_weights(kind):
 def test_every_linear_is_quantized_and_the_identity_says_so():
     full = embedded("bfloat16")
     for mode in ("int8", "int4"):
-        loaded = quantized(mode)
+        loaded = load(mode)
         linears = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
         assert sorted(loaded.quantized) == sorted(linears)
         assert len(linears) == 1 + 7 * loaded.config.num_hidden_layers  # LM head + 7 per layer
@@ -132,6 +139,7 @@ def test_every_linear_is_quantized_and_the_identity_says_so():
         assert loaded.weights_id == full.weights_id + f"|weights={mode}"  # another KV namespace
     fingerprints = {make_engine(x).fingerprint for x in (full, quantized("int8"), quantized("int4"))}
     assert len(fingerprints) == 3
+    assert quantized("int4").quantized == {}  # the engine took them over: no second copy kept
 
 
 @needs_kernels
@@ -214,7 +222,7 @@ def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():
     reader = gguf.GGUFReader(str(find_embedded_gguf()))
     raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q4_1
-    ours = quantized("int4").quantized["model.layers.0.mlp.down_proj"]
+    ours = load("int4").quantized["model.layers.0.mlp.down_proj"]
     out, cols = ours.shape
     blocks = np.asarray(raw.data).reshape(out, cols // 32, 20)  # per block: fp16 d, fp16 m, 16 bytes
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -70,6 +70,9 @@ class Engine:
             prefetch_max_reads=cfg.prefetch_max_reads,
         )
         self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward, quantized=loaded.quantized)
+        # The kernels hold their own copies of the quantized weights now (engine/linears.py);
+        # the portable form would only take memory (0.75 bytes a weight for int4).
+        loaded.quantized = {}
         if cfg.decode_threads > 0:
             self.runner.set_decode_threads(cfg.decode_threads)
         self.descriptor = kv_descriptor(
