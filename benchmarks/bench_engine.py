@@ -5,9 +5,10 @@
 * prefill tok/s at 512/2048/4096 tokens: kvcellar (chunked under its step budget: a lone
   prompt gets the nothing-decoding budget, ``--max-prefill-step-tokens``; prefix
   cache off) vs one plain transformers forward over the prompt (SDPA, no cache reuse);
-* decode tok/s at batch 1 and 8 (context 512): kvcellar's step loop vs transformers with a
-  DynamicCache, the same number of steps, and kvcellar through transformers' modules
-  instead of its lean forward (``lean_forward=False``, engine/lean_forward.py);
+* decode tok/s at batch 1 and 8 (context 512): kvcellar's step loop (``--weights``) vs
+  plain transformers (full weights, its own modules) with a DynamicCache, the same number
+  of steps, and kvcellar through transformers' modules instead of its lean forward
+  (``lean_forward=False``, engine/lean_forward.py);
 * where a batch-1 decode step goes (torch profiler, grouped).
 
 Every figure is the median of ``--repeats`` runs with min/max.
@@ -31,7 +32,6 @@ from transformers import DynamicCache
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, SamplingParams
-from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.runtime import prepare_and_load
 
 
@@ -146,11 +146,19 @@ def main() -> None:
 
     loaded = prepare_and_load(None, dtype=args.dtype, device="cpu", weights=args.weights,
                               artifacts=ArtifactCache.open(kvcellar_cache()))
-    model = loaded.model
+    # Plain transformers runs on a copy of its own with full weights: the engines prepare
+    # (pack, fuse, quantize) the linears of the models they are given.
+    model = prepare_and_load(None, dtype=args.dtype, device="cpu", weights="full",
+                             artifacts=ArtifactCache.open(kvcellar_cache())).model
+    model.set_attn_implementation("sdpa")
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=args.block_size, max_step_tokens=args.max_step_tokens,
                        max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
     engine = Engine(loaded, cfg)
-    modules = Engine(loaded, dataclasses.replace(cfg, lean_forward=False))
+    # its own copy of the model: an engine prepares its model's linears (fused QKV/gate-up for
+    # the lean forward), which transformers' modules would run three times over
+    modules = Engine(prepare_and_load(None, dtype=args.dtype, device="cpu", weights=args.weights,
+                                      artifacts=ArtifactCache.open(kvcellar_cache())),
+                     dataclasses.replace(cfg, lean_forward=False))
     for e in (engine, modules):
         e.warm_up()  # as the server does: it also picks the decode threads (engine/model_runner.py)
     print(f"decode steps on {engine.runner.decode_threads} of {engine.runner.threads} threads (measured at warm-up)")
@@ -167,9 +175,7 @@ def main() -> None:
         ours, theirs = [], []
         for r in range(args.repeats + 1):
             ids = prompt_of(n, 1000 + r)
-            model.set_attn_implementation("sdpa")
             t_hf = hf_prefill(model, ids)
-            model.set_attn_implementation(ATTENTION_NAME)
             t_us = engine_prefill(engine, ids)
             if r:  # the first round warms both up
                 ours.append(n / t_us)
@@ -186,9 +192,7 @@ def main() -> None:
     for batch in (1, 8):
         ours, theirs, via_modules = [], [], []
         for r in range(args.repeats + 1):
-            model.set_attn_implementation("sdpa")
             t_hf = hf_decode_ms(model, batch, args.context, args.decode_steps)
-            model.set_attn_implementation(ATTENTION_NAME)
             t_us = engine_decode_ms(engine, batch, args.context, args.decode_steps)
             t_mod = engine_decode_ms(modules, batch, args.context, args.decode_steps)
             if r:
