@@ -6,7 +6,11 @@ warm-up)."""
 
 from __future__ import annotations
 
-from tests.helpers import ServerProcess
+import pytest
+import torch
+
+from kvcellar.engine.linears import quant_kernels_run
+from tests.helpers import MODEL, ServerProcess
 
 
 def test_first_request_after_start_runs_no_cold_path(server: ServerProcess, client, model_name: str) -> None:
@@ -20,3 +24,32 @@ def test_first_request_after_start_runs_no_cold_path(server: ServerProcess, clie
     health = server.health()
     assert health["runner"]["runner_cold_paths"] == 0
     assert health["engine"]["engine_requests_total"] >= 2
+
+
+@pytest.mark.slow
+def test_default_bf16_server_warms_up_its_quantized_kernels_before_ready(tmp_path, models_dir) -> None:
+    """The default path on a CPU with native bf16: ``--weights auto`` serves the embedded
+    Q4_1 model as int4, and the warm-up has measured where its kernels pay before /health
+    says 200; the first requests run no cold path and no calibration."""
+    kernels = quant_kernels_run(torch.bfloat16, torch.device("cpu"))
+    server = ServerProcess(tmp_path, "--dtype", "bfloat16", models_dir=models_dir, warmup=True).start()
+    try:
+        health = server.health()
+        assert (health["weights"], health["dtype"]) == ("int4" if kernels else "full", "bfloat16")
+        assert health["engine"]["engine_warmup_steps"] >= 4
+        rows = health["runner"]["runner_quant_max_rows"]
+        assert rows >= 0 and (rows == 0 or kernels)
+        client = server.client()
+        system = "You are a terse assistant for a bicycle repair shop. " * 8
+        for question in ("How do I true a wheel?", "And how do I fix a flat?"):  # the second one hits the prefix
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True}, messages=messages)
+            assert r.choices[0].message.content and r.usage.completion_tokens == 8
+        after = server.health()
+        assert after["runner"]["runner_cold_paths"] == 0
+        assert after["runner"]["runner_quant_max_rows"] == rows  # measured once, before ready
+        assert after["engine"]["engine_warmup_steps"] == health["engine"]["engine_warmup_steps"]
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        server.stop()
