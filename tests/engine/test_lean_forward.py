@@ -89,3 +89,33 @@ def test_outputs_with_and_without_the_lean_path_are_identical(model: Any) -> Non
     lean = make_engine(model).generate(prompts, GREEDY)
     modules = make_engine(model, lean_forward=False).generate(prompts, GREEDY)
     assert [(r.token_ids, r.logprobs) for r in lean] == [(r.token_ids, r.logprobs) for r in modules]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_and_unfused_linears_give_the_same_outputs_on_every_cache_path(dtype: str) -> None:
+    """The lean forward over fused QKV / gate-up (and prepacked weights in bf16) against
+    transformers' modules over a separately loaded copy whose linears are not fused: the
+    same greedy outputs on a first run, a RAM hit, a hit with a tail and a batch; logprobs
+    within fp32 noise, or bf16 rounding (a matmul over fused weights rounds like any other
+    matmul shape)."""
+    from kvcellar.artifacts.store import ArtifactCache
+    from kvcellar.runtime import prepare_and_load
+    from tests._models import LOGPROB_TOL, assert_equivalent_output, assert_same_output, shared_models_dir
+
+    fused = embedded(dtype)
+    unfused = prepare_and_load(None, dtype=dtype, device="cpu", weights="full",
+                               artifacts=ArtifactCache(shared_models_dir()))
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
+    a, b = make_engine(fused, max_step_tokens=48), make_engine(unfused, lean_forward=False, max_step_tokens=48)
+    assert a.runner.linears.fused and not b.runner.linears.fused
+    prompts = prompts_for(fused)
+    runs = [lambda e: e.generate(prompts, params),  # chunked prefill, batched decode
+            lambda e: e.generate(prompts[:2], params),  # RAM hits (the second: copy-on-write)
+            lambda e: e.generate([prompts[0] + [prompts[0][5]] * 7], params)]  # a hit and a tail
+    for run in runs:
+        for got, want in zip(run(a), run(b), strict=True):
+            assert got.num_cached_tokens == want.num_cached_tokens
+            if dtype == "float32":
+                assert_same_output(got, want, LOGPROB_TOL)
+            else:
+                assert_equivalent_output(got, want, 0.3)
