@@ -127,11 +127,16 @@ def prepare_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, dty
     """The cache entry of a GGUF source in ``dtype``, prepared now if needed; None if the
     cache dir fails (the caller then loads the GGUF directly)."""
     desc = gguf_descriptor(weights_id=weights_id, dtype=dtype, name=source.name, path=source.path)
+    return _acquire(cache, desc, gguf_builder(source.path, dtype, name=source.name, progress=progress), progress,
+                    f"loading {source.name} without it")
+
+
+def _acquire(cache: ArtifactCache, desc: ArtifactDescriptor, build: Builder, progress: bool | None,
+             fallback: str) -> ArtifactLease | None:
     try:
-        return cache.acquire(desc, gguf_builder(source.path, dtype, name=source.name, progress=progress),
-                             progress=progress)
+        return cache.acquire(desc, build, progress=progress)
     except ArtifactStoreError as exc:
-        log.warning("model artifact cache unusable, loading %s without it: %s", source.name, exc)
+        log.warning("model artifact cache unusable, %s: %s", fallback, exc)
         return None
 
 
@@ -182,12 +187,8 @@ def prepare_quantized_gguf(cache: ArtifactCache, source: ModelSource, weights_id
     """The cache entry of a GGUF's quantized linears, prepared now if needed; None if the
     cache dir fails."""
     desc = quantized_descriptor(weights_id=weights_id, mode=mode, name=source.name, path=source.path)
-    try:
-        return cache.acquire(desc, quantized_gguf_builder(source.path, mode, name=source.name, progress=progress),
-                             progress=progress)
-    except ArtifactStoreError as exc:
-        log.warning("model artifact cache unusable, quantizing %s without it: %s", source.name, exc)
-        return None
+    return _acquire(cache, desc, quantized_gguf_builder(source.path, mode, name=source.name, progress=progress),
+                    progress, f"quantizing {source.name} without it")
 
 
 def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
