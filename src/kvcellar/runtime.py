@@ -100,7 +100,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
             loaded = load_model(source, dtype=dtype, device=device, weights=weights, weights_id=weights_id,
                                 folder=lease.path if lease is not None else None, quantized=given)
             break
-        except (ModelLoadError, OSError, ValueError, KeyError) as exc:
+        except ModelLoadError as exc:
             if (lease is None and qlease is None) or attempt == 2:
                 raise
             # An entry validated but doesn't load: drop it and prepare it again, once.

@@ -192,6 +192,10 @@ def prepare_quantized_gguf(cache: ArtifactCache, source: ModelSource, weights_id
 
 
 def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return from_tensors(load_file(lease.path / QUANTIZED_FILE))
+    try:
+        return from_tensors(load_file(lease.path / QUANTIZED_FILE))
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        raise ModelLoadError(f"Could not read the quantized weights in {lease.path}: {exc}") from exc

@@ -101,15 +101,23 @@ class FastLinear(nn.Module):
         self.group_size = 0
         if self.quant_kind is not None:
             assert quant is not None
-            self._scale, zero = quant.kernel_params(dtype)
-            if self.quant_kind == "int8":
-                self._q = quant.qweight.to(device)
-            else:
-                self.group_size = quant.group_size
-                self._q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quant.int4_values().to(device), 1)
-                assert zero is not None
-                # [in / group, out, 2]: the kernel's scale-and-zero layout
-                self._zero = torch.stack([self._scale, zero], dim=-1).transpose(0, 1).contiguous()
+            try:
+                self._pack_quantized(quant, dtype, device)
+            except RuntimeError as exc:  # a shape the kernel does not take: the dequantized weight runs
+                log.warning("no %s kernel for a %dx%d linear (%s); it runs dense", self.quant_kind,
+                            self.out_features, self.in_features, exc)
+                self.quant_kind = None
+
+    def _pack_quantized(self, quant: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        self._scale, zero = quant.kernel_params(dtype)
+        if quant.kind == "int8":
+            self._q = quant.qweight.to(device)
+        else:
+            self.group_size = quant.group_size
+            self._q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quant.int4_values().to(device), 1)
+            assert zero is not None
+            # [in / group, out, 2]: the kernel's scale-and-zero layout
+            self._zero = torch.stack([self._scale, zero], dim=-1).transpose(0, 1).contiguous()
 
     @classmethod
     def from_linears(cls, linears: Sequence[nn.Linear], quants: Sequence[QuantizedWeight | None],

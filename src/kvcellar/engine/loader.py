@@ -176,7 +176,10 @@ def load_model(
             from kvcellar.artifacts.prepare import quantize_gguf
 
             quantized = quantize_gguf(source.path, weights)  # as the artifact cache stores it
-        quantized_weights = quantize_model(hf_model, weights, given=quantized)
+        try:
+            quantized_weights = quantize_model(hf_model, weights, given=quantized)
+        except (KeyError, ValueError) as exc:  # given weights of another shape or set of linears
+            raise ModelLoadError(f"The quantized weights of {source.name} do not fit its model: {exc}") from exc
         if not quant_kernels_run(torch_dtype, dev):
             log.warning("--weights %s: torch has no fast %s kernel for %s activations on %s; the dequantized "
                         "weights run instead (same outputs, no speed-up)", weights, weights, torch_dtype, dev)
