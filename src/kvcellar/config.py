@@ -27,6 +27,10 @@ from kvcellar.storage.remote.config import RemoteSettings
 ENV_PREFIX = "KVCELLAR_"
 
 
+# ``weights`` values (kvcellar/quantization.py quantizes; engine/loader.py resolves ``auto``).
+WEIGHT_MODES = ("auto", "full", "int8", "int4")
+
+
 @dataclass
 class EngineConfig:
     """Knobs of the paged-KV engine and its RAM prefix cache."""
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_step_tokens must be >= 1")
         if not 0 <= self.prefetch_pool_fraction <= 1:
             raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
 
 
 @dataclass

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-WEIGHT_MODES = ("auto", "full", "int8", "int4")
+from kvcellar.config import WEIGHT_MODES
+
 INT4_GROUP = 32
 LM_HEAD = "lm_head"
 # What each mode stores, as the artifact cache keys it: change the string when the rules of

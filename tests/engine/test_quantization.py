@@ -250,3 +250,12 @@ def test_auto_serves_a_4bit_gguf_in_int4_where_the_kernel_runs(tmp_path):
     with pytest.raises(ValueError, match="weights mode"):
         resolve_weights("int3", tiny, torch.float32, cpu)
     assert embedded("float32").weights == "full" and quantized("int4").weights == "int4"
+
+
+def test_an_unknown_weights_mode_in_the_settings_is_a_clear_error(tmp_path):
+    from kvcellar.config import load_settings
+
+    bad = tmp_path / "kvcellar.toml"
+    bad.write_text('[engine]\nweights = "int3"\n')
+    with pytest.raises(ValueError, match="weights must be one of auto, full, int8, int4"):
+        load_settings(str(bad))

@@ -96,8 +96,8 @@ def gguf_linears_are_4bit(path: Path) -> bool:
 def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, device: torch.device) -> str:
     """``auto``: int4 for a GGUF whose decoder linears are 4-bit (served at the precision it
     ships in; from Q4_1 blocks exactly) where torch's int4 kernel runs; else full weights."""
+    from kvcellar.config import WEIGHT_MODES
     from kvcellar.engine.linears import quant_kernels_run
-    from kvcellar.quantization import WEIGHT_MODES
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
