@@ -7,9 +7,9 @@ once (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``) 25.5 ms, int8
 at one row; at 8 rows int8 42.8 and int4 28.3 against 25.5 prepacked, at 16 rows 72 and 53
 against 26. So:
 
-* dense weights are prepacked for oneDNN where that is faster (bf16/fp16 on a CPU with
-  native bf16: every row count measured, 1 to 2048; fp32 stays on ``F.linear``, which was
-  faster at 1-2 rows);
+* dense weights are prepacked for oneDNN where that is faster (bf16 on a CPU with native
+  bf16: every row count measured, 1 to 2048; fp32 stays on ``F.linear``, which was faster
+  at 1-2 rows; fp16 on CPU was not measured and stays there too);
 * a quantized linear runs its int8/int4 kernel for steps of at most ``quant_max_rows``
   rows (decodes) and its dequantized weight, dense, above (prefill chunks, big batches).
   Where the cross-over lies depends on the CPU, so ``Engine.warm_up`` measures it over the
@@ -56,7 +56,7 @@ def native_bf16_cpu() -> bool:
 
 def packs_dense(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether dense weights are prepacked for oneDNN (see the module docstring)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and native_bf16_cpu()
+    return device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_cpu()
 
 
 def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
