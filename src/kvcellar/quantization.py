@@ -182,12 +182,12 @@ def quantize_model(model: nn.Module, mode: str,
         raise ValueError(f"unknown weights mode {mode!r}; use one of full, int8, int4")
     if mode == "full":
         return {}
+    weights = given if given is not None else quantize_linears(model, mode)
     result: dict[str, QuantizedWeight] = {}
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        kind = kind_for(mode, name, linear)
-        if kind is None:
+        if kind_for(mode, name, linear) is None:
             continue
-        q = given[name] if given is not None else quantize(linear.weight, kind)
+        q = weights[name]
         if q.shape != tuple(linear.weight.shape):
             raise ValueError(f"{name}: quantized shape {q.shape} is not the weight's {tuple(linear.weight.shape)}")
         # A new Parameter, not a write into the old one: a tied embedding keeps its weight.
