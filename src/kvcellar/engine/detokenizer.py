@@ -53,16 +53,18 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.matched: str | None = None  # the stop string that ended the output
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
         if not self._stops:
             return text, False
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._pending = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits)
+            return buf[:at], True
         hold = self._held_tail(buf)
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False

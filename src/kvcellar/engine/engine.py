@@ -13,6 +13,7 @@ sequences finish until the deadline, aborts what is left (each stream gets a fin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import queue
@@ -56,7 +57,20 @@ class Engine:
         self.device = loaded.device
         self.block_size = cfg.block_size
         self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype)
+        self.max_model_len = cfg.max_model_len or loaded.max_context
+        if self.max_model_len > loaded.max_context:
+            # Allowed, as llama.cpp allows a larger -c: agents' prompts outgrow small models'
+            # contexts, and RoPE is computed from positions; quality past training is the user's call.
+            log.warning("max_model_len %d is above the model's trained context of %d tokens",
+                        self.max_model_len, loaded.max_context)
         num_blocks = cfg.kv_cache_blocks or KVPool.blocks_for_budget(self.layout, int(cfg.kv_cache_gb * (1 << 30)))
+        # An explicit --max-model-len is a promise that one such request fits: the pool grows to it.
+        if cfg.max_model_len and not cfg.kv_cache_blocks and (num_blocks - 1) * cfg.block_size < self.max_model_len:
+            needed = -(-self.max_model_len // cfg.block_size) + 1
+            log.warning("kv_cache_gb holds %d tokens, less than max_model_len %d: the pool is sized for one "
+                        "full-length sequence (%d blocks)", (num_blocks - 1) * cfg.block_size,
+                        self.max_model_len, needed)
+            num_blocks = needed
         self.pool = KVPool(self.layout, num_blocks, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
         self.scheduler = Scheduler(
@@ -84,7 +98,6 @@ class Engine:
             model_name=loaded.name,
         )
         self.fingerprint = kv_fingerprint(self.descriptor)
-        self.max_model_len = min(cfg.max_model_len or loaded.max_context, loaded.max_context)
         self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
         self.lower: LowerTierLink | None = None
         # Structured outputs: grammars compiled for this tokenizer (llguidance loads lazily).
@@ -132,7 +145,9 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         prompt = [int(t) for t in prompt_ids]
-        self.check_length(len(prompt), params.max_tokens)
+        fitted = self.fit_max_tokens(len(prompt), params.max_tokens)
+        if fitted != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=fitted)
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         stream = stream or EventStream()
@@ -154,26 +169,22 @@ class Engine:
         self._wake.set()
         return RequestHandle(seq.seq_id, stream, len(prompt), self.cancel)
 
-    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ``InvalidRequestError`` unless the request fits the context and the pool."""
+    def fit_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens`` clamped to the room the context and the pool leave after the prompt
+        (as llama.cpp and Ollama do: agents ask for 32000 whatever the model); raises
+        ``InvalidRequestError`` only when the prompt does not fit by itself."""
         if prompt_tokens < 1:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        total = prompt_tokens + max_tokens
-        if total > self.max_model_len:
+        room = min(self.max_model_len, (self.blocks.num_blocks - 1) * self.block_size) - prompt_tokens
+        if room < 1:
+            where = ("context length" if prompt_tokens >= self.max_model_len
+                     else "KV cache pool (raise --kv-cache-gb)")
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce "
-                "the length of the prompt or of max_tokens.",
-                param="max_tokens" if prompt_tokens < self.max_model_len else "messages",
-                code="context_length_exceeded",
-            )
-        blocks = -(-total // self.block_size)
-        if blocks > self.blocks.num_blocks - 1:
-            raise InvalidRequestError(
-                f"The request needs {total} tokens of KV cache but the pool holds "
-                f"{self.pool_tokens}; raise --kv-cache-gb or shorten the request.",
-                code="context_length_exceeded",
-            )
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{prompt_tokens} tokens, which leaves no room in the {where} for the completion. Please shorten "
+                "the prompt, or serve with a larger --max-model-len.",
+                param="messages", code="context_length_exceeded")
+        return max(1, min(max_tokens, room))
 
     def cancel(self, seq_id: int) -> None:
         self._inbox.put(("cancel", seq_id))

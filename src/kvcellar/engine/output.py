@@ -75,4 +75,5 @@ def final_event(seq: Sequence, event: TokenEvent) -> TokenEvent:
     event.num_cached_tokens = seq.num_cached_tokens or 0
     event.cached_tokens_by_tier = dict(seq.cached_tokens_by_tier)
     event.num_output_tokens = seq.num_tokens - seq.num_prompt_tokens
+    event.stop_string = seq.stop_matcher.matched
     return event

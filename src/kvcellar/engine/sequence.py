@@ -49,6 +49,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended the output (final event)
     # Where the cached prompt tokens came from: {"ram": n, "ssd": n, "remote": n} (final event)
     cached_tokens_by_tier: dict[str, int] | None = None
 

@@ -24,6 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 import kvcellar
 from kvcellar.engine import Engine
 from kvcellar.server import errors
+from kvcellar.server.anthropic import adapter as anthropic
+from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.metrics import ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
 from kvcellar.server.middleware import Admission, ApiGate, RequestMetrics
@@ -36,7 +38,7 @@ from kvcellar.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvcellar.server.serving import OpenAIServing
+from kvcellar.server.serving import Serving
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class ServerState:
             self.sources.append(artifact_cache.stats)
         self.sources.extend(stats_sources)
         self.metrics = ServerMetrics()
-        self.serving = OpenAIServing(engine, config, self.metrics)
+        self.serving = Serving(engine, config, self.metrics)
         self.started = time.time()
         self.admission = Admission()
         self.metrics.registry.register(SnapshotCollector(self.stats, self.gauge_keys, engine.tier_reports))
@@ -168,6 +170,15 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
               summary="Legacy text completion")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await state.serving.completions(body, request.receive)
+
+    @app.post("/v1/messages", response_model=None, summary="Anthropic Messages API (Claude Code)",
+              responses={200: {"description": "A message; with stream=true, Anthropic's server-sent events"}})
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await anthropic.messages(state.serving, body, request.receive)
+
+    @app.post("/v1/messages/count_tokens", summary="Anthropic token count of a Messages request")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await anthropic.count_tokens(state.serving, body)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:

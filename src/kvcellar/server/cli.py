@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-_FIELDS = ("host", "port", "api_key", "served_model_name", "first_token_timeout", "inter_token_timeout",
-           "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests", "access_log", "log_format")
+_FIELDS = ("host", "port", "api_key", "served_model_name", "serve_any_model", "first_token_timeout",
+           "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
+           "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(also KVCELLAR_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="extra comma-separated names accepted in the 'model' field")
+    p.add_argument("--serve-any-model", action="store_true", default=None,
+                   help="answer requests that name any model with the loaded one (agents' background "
+                   "requests name their own small models); default: unknown names get 404")
     p.add_argument("--first-token-timeout", type=float, default=None,
                    help="seconds a request may wait for its first token (default 300)")
     p.add_argument("--inter-token-timeout", type=float, default=None,

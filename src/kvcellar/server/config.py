@@ -18,6 +18,9 @@ class ServerConfig:
     # Extra names clients may use in the "model" field, comma-separated; the loaded
     # model's own name is always accepted.
     served_model_name: str | None = None
+    # Serve requests naming any model with the loaded one (agents' background requests name
+    # their own small models); off: an unknown name is a 404.
+    serve_any_model: bool = False
     # Seconds a request may wait for its first token (queueing + prefill), and then
     # between two tokens. A request over either is cancelled in the engine, then answered 504.
     first_token_timeout: float = 300.0

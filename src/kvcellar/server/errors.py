@@ -1,8 +1,13 @@
 """The one place where failures become HTTP responses.
 
-Every error leaves the server as OpenAI's shape::
+Every error leaves the server in the shape of the API that was called: OpenAI's
+(chat, completions, Responses, everything else)::
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+or, under ``/v1/messages``, Anthropic's (its ``type`` chosen by status)::
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": ...}}
 
 Inside, code raises specific exceptions (``kvcellar.errors``, ``APIError`` here for
 conditions only the HTTP layer knows); the handlers installed by ``install_error_handlers``
@@ -51,8 +56,22 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _printable(text: str | None) -> str | None:
@@ -66,7 +85,8 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+    return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>').",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -108,8 +128,9 @@ def from_exception(exc: BaseException) -> APIError:
 
 def from_http_exception(exc: StarletteHTTPException) -> APIError:
     if exc.status_code == 404:
-        message = "Not found. The API serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models, " \
-                  "GET /health and GET /metrics."
+        message = ("Not found. The API serves POST /v1/chat/completions, POST /v1/completions, "
+                   "POST /v1/responses, POST /v1/responses/input_tokens, POST /v1/messages, "
+                   "POST /v1/messages/count_tokens, GET /v1/models, GET /health and GET /metrics.")
     elif exc.status_code == 405:
         message = "Method not allowed on this path."
     else:
@@ -177,20 +198,20 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]]) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response(request.url.path)
 
-    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return from_validation_errors(exc.errors()).response()
+        return from_validation_errors(exc.errors()).response(request.url.path)
 
-    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return from_http_exception(exc).response()
+        return from_http_exception(exc).response(request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return from_exception(exc).response()
+        return from_exception(exc).response(request.url.path)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(KvcellarError, on_api_error)

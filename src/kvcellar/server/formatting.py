@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcellar.engine import TokenEvent
+from kvcellar.server.errors import APIError
+from kvcellar.server.streaming import DONE, sse
 from kvcellar.server.tools.parsers import StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
 RawLogprob = tuple[int, float, list[tuple[int, float]] | None]
@@ -323,3 +325,26 @@ class ResponseBuilder:
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.shape.model,
                 "system_fingerprint": self.shape.fingerprint, "choices": [], "usage": self.usage()}
+
+    # ---- as a Renderer (server/internal.py) ------------------------------------------------
+
+    def open_stream(self) -> list[bytes]:
+        return [sse(c) for c in self.stream_start()]
+
+    def stream(self, index: int, ev: TokenEvent) -> list[bytes]:
+        return [sse(c) for c in self.chunks_for(index, ev)]
+
+    def close_stream(self) -> list[bytes]:
+        return [sse(self.usage_chunk()), DONE] if self.shape.include_usage else [DONE]
+
+    def fail_stream(self, err: APIError) -> list[bytes]:
+        return [sse(err.body()), DONE]
+
+    def log_fields(self) -> dict[str, Any]:
+        usage = self.usage()
+        return {"choices": len(self.choices), "finish": ",".join(str(c.finish_reason) for c in self.choices),
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                # where the cached tokens came from (first choice): {"ram": n, "ssd": n, "remote": n}
+                "cached_by_tier": self.choices[0].cached_tokens_by_tier if self.choices else None}

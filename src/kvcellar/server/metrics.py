@@ -108,6 +108,10 @@ class ServerMetrics:
             "server_first_token_timeouts": 0,
             "server_inter_token_timeouts": 0,
             "server_client_disconnects": 0,
+            # x-anthropic-* pseudo-header lines dropped from Messages system prompts
+            "server_anthropic_pseudo_headers_dropped": 0,
+            # requests naming another model, served with the loaded one (--serve-any-model)
+            "server_other_model_names": 0,
         }
         self.http_seconds = Histogram(
             "kvcellar_http_request_duration_seconds", "Time from request to the end of the response",

@@ -1,10 +1,11 @@
 """ASGI middleware in front of the API: admission and accounting.
 
 ``ApiGate`` guards ``/v1/*``: while the server drains it answers 503; with an API key it
-requires ``Authorization: Bearer <key>``; it refuses bodies over the limit with 413 before
-reading them (``Content-Length``) or as soon as the running total passes it (chunked), and
-hands the app a body it has already read in full (as JSON, whatever the Content-Type), so a
-handler's later ``receive()`` only ever sees ``http.disconnect``. ``/health`` and ``/metrics`` pass untouched.
+requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``); it refuses
+bodies over the limit with 413 before reading them (``Content-Length``) or as soon as the
+running total passes it (chunked), and hands the app a body it has already read in full (as
+JSON, whatever the Content-Type), so a handler's later ``receive()`` only ever sees
+``http.disconnect``. ``/health`` and ``/metrics`` pass untouched.
 
 ``RequestMetrics`` counts responses by route and status and times them.
 """
@@ -23,7 +24,7 @@ from kvcellar.server.metrics import ServerMetrics
 
 
 async def _send_error(err: errors.APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    await err.response()(scope, receive, send)
+    await err.response(scope.get("path", ""))(scope, receive, send)
 
 
 @dataclass
@@ -46,7 +47,10 @@ class ApiGate:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.api_key):  # Anthropic's header
+                return True
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

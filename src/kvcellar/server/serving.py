@@ -1,4 +1,7 @@
-"""Chat and legacy completions: request -> engine sequences -> response or stream.
+"""Running requests: an API's internal request -> engine sequences -> its renderer's response or stream.
+
+``Serving`` is shared by every API front-end (server/internal.py): chat and legacy
+completions are adapted here, the Responses and Messages APIs in their own packages.
 
 Order of work for every request: check the model name and the parameters kvcellar cannot
 honour; render and tokenize the prompt (on one dedicated thread: HF tokenizers carry
@@ -8,7 +11,7 @@ the whole response or stream it.
 
 A streamed response starts (status 200) only once the first token exists, so that a
 first-token timeout or an immediate failure can still be a proper 504/4xx/5xx. After that,
-failures are sent in-stream as ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+failures are sent in-stream in the API's own shape (``Renderer.fail_stream``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from kvcellar.server import errors
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.formatting import RequestShape, ResponseBuilder, TokenTexts
 from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, Timeouts
+from kvcellar.server.internal import InternalRequest, OutputSpec, Renderer
 from kvcellar.server.metrics import ServerMetrics
-from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat
-from kvcellar.server.streaming import DONE, ClientDisconnected, SSEResponse, sse, until_disconnect
+from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
 from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar
+from kvcellar.server.tools.parsers import ToolParser
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
 
@@ -76,7 +81,7 @@ def check_text(req: BaseModel) -> None:
                              "surrogate escape such as \\ud800).", param=bad, code="invalid_value")
 
 
-class OpenAIServing:
+class Serving:
     def __init__(self, engine: Engine, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.config = config
@@ -89,6 +94,7 @@ class OpenAIServing:
         self.inflight = Inflight()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
+        self._unknown_models_logged: set[str] = set()
         # llguidance's view of the tokenizer takes ~0.5 s: build it before the first
         # constrained request needs it (on the same thread that compiles grammars).
         self._tokenizer_thread.submit(engine.grammars.prepare)
@@ -96,14 +102,21 @@ class OpenAIServing:
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    # ---- request translation ------------------------------------------------------------
+    # ---- shared checks ------------------------------------------------------------------
 
     def check_model(self, name: str) -> None:
-        if name not in self.model_names:
-            raise errors.APIError(404, f"The model '{name}' does not exist. This server serves: "
-                                  f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+        if name in self.model_names:
+            return
+        if self.config.serve_any_model:
+            if name not in self._unknown_models_logged and len(self._unknown_models_logged) < 1024:
+                self._unknown_models_logged.add(name)
+                log.info("serving model name %r with %s (serve_any_model is on)", name, self.model_name)
+            self.metrics.count("server_other_model_names")
+            return
+        raise errors.APIError(404, f"The model '{name}' does not exist. This server serves: "
+                              f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
 
-    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
@@ -115,12 +128,7 @@ class OpenAIServing:
         pool_tokens = self.engine.pool_tokens
         return max(1, min(self.engine.max_model_len, pool_tokens) - prompt_len)
 
-    def _timeouts(self, req: ChatCompletionRequest | CompletionRequest) -> Timeouts:
-        return Timeouts(min(self.config.first_token_timeout, req.first_token_timeout or math.inf),
-                        min(self.config.inter_token_timeout, req.inter_token_timeout or math.inf))
-
-    def _choice_count(self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> int:
-        n = req.n or 1
+    def _choice_count(self, n: int, num_prompts: int) -> int:
         if n * num_prompts > self.config.max_choices:
             raise errors.invalid(f"This server returns at most {self.config.max_choices} choices per request "
                                  f"(n={n} x {num_prompts} prompt(s)).", param="n", code="invalid_value")
@@ -179,7 +187,7 @@ class OpenAIServing:
             out["tool_call_id"] = m.tool_call_id
         return out
 
-    # ---- endpoints ----------------------------------------------------------------------
+    # ---- OpenAI chat and legacy completions ---------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Response:
         check_text(req)
@@ -187,43 +195,25 @@ class OpenAIServing:
         self._common_checks(req)
         if req.top_logprobs and not req.logprobs:
             raise errors.invalid("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        n = self._choice_count(req, 1)
+        n = self._choice_count(req.n or 1, 1)
         check_tool_messages(req.messages)
-        tools = plan_tools(req)
-        messages = [self._message(m, i) for i, m in enumerate(req.messages)]
-        messages, template_kwargs = self.tool_prompting.prepare(messages, tools.tools if tools else None)
-        prompt = await self._on_tokenizer_thread(encode_chat, self.engine.tokenizer, messages, **template_kwargs)
-        grammar = await self._on_tokenizer_thread(self._chat_grammar, req.response_format, tools)
-        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, limit if limit is not None else self._room(len(prompt)),
-                              bool(req.logprobs), req.top_logprobs or 0)
-        parse_calls = tools is not None and tools.choice != "none"
-        if parse_calls and req.skip_special_tokens is None and self.tool_prompting.markup_is_special:
-            params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
-        params.grammar = grammar
+        fmt = req.response_format
+        param = "response_format" if fmt is None or fmt.type == "json_object" else "response_format.json_schema.schema"
+        schema = response_schema(fmt)
+        ireq = InternalRequest(
+            api="chat", model=req.model, messages=[self._message(m, i) for i, m in enumerate(req.messages)],
+            params=self._params(req, 1, bool(req.logprobs), req.top_logprobs or 0),
+            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            tools=plan_tools(req), output=OutputSpec(schema=schema, param=param) if schema is not None else None,
+            n=n, stream=bool(req.stream), cache_salt=req.cache_salt,
+            first_token_timeout=req.first_token_timeout, inter_token_timeout=req.inter_token_timeout,
+            explicit_skip_special=req.skip_special_tokens is not None)
+        prepared = await self.prepare_chat(ireq)
         shape = RequestShape("chat", req.model, self.fingerprint, n, 1, bool(req.logprobs), req.top_logprobs or 0,
                              bool(req.stream and req.stream_options and req.stream_options.include_usage),
-                             tool_parser=self.tool_prompting.parser_factory(tools) if parse_calls else None)
-        return await self._run(shape, [prompt], self._per_choice(params, n), req, receive)
-
-    def _chat_grammar(self, fmt: ResponseFormat | None, tools: ToolPlan | None) -> Grammar | None:
-        """Forced tool calls win over ``response_format`` (the output is the calls), which
-        wins over keeping ``auto`` calls well-formed."""
-        family = self.tool_prompting.family
-        if tools is not None and tools.forced:
-            return forced_call_grammar(self.engine.grammars, family, tools.forced_tools,
-                                       parallel=tools.parallel and tools.choice == "required",
-                                       mistral_token_id=self.tool_prompting.mistral_token_id)
-        if fmt is None and tools is not None and tools.choice == "auto":
-            return auto_call_grammar(self.engine.grammars, family, tools.tools)
-        return self._format_grammar(fmt)
-
-    def _format_grammar(self, fmt: ResponseFormat | None) -> Grammar | None:
-        schema = response_schema(fmt)
-        if schema is None:
-            return None
-        param = "response_format" if fmt is None or fmt.type == "json_object" else "response_format.json_schema.schema"
-        return self.engine.grammars.json_schema(schema, param=param)
+                             tool_parser=prepared.tool_parser)
+        return await self.run(ResponseBuilder(shape, self.tokens), [prepared.prompt],
+                              self._per_choice(prepared.params, n), ireq, receive)
 
     async def completions(self, req: CompletionRequest, receive: Receive) -> Response:
         check_text(req)
@@ -242,49 +232,96 @@ class OpenAIServing:
             raw_prompts = [list(raw)]  # type: ignore[arg-type]
         else:
             raw_prompts = list(raw)  # type: ignore[arg-type]
-        n = self._choice_count(req, len(raw_prompts))
+        n = self._choice_count(req.n or 1, len(raw_prompts))
         if req.best_of is not None and req.best_of != n:
             raise errors.invalid("best_of is supported only equal to n.", param="best_of",
                                  code="unsupported_parameter")
         prompts: list[list[int]] = []
         for p in raw_prompts:
-            prompts.append(await self._on_tokenizer_thread(encode_prompt, self.engine.tokenizer, p)
+            prompts.append(await self.on_tokenizer_thread(encode_prompt, self.engine.tokenizer, p)
                            if isinstance(p, str) else p)
         echo_texts = None
         if req.echo:
-            echo_texts = [p if isinstance(p, str) else await self._on_tokenizer_thread(
+            echo_texts = [p if isinstance(p, str) else await self.on_tokenizer_thread(
                 self.engine.tokenizer.decode, p) for p in raw_prompts]
         logprobs = req.logprobs is not None
         params = self._params(req, req.max_tokens if req.max_tokens is not None else 16, logprobs,
                               req.logprobs or 0)
-        params.grammar = await self._on_tokenizer_thread(self._format_grammar, req.response_format)
+        params.grammar = await self.on_tokenizer_thread(self._schema_grammar, response_schema(req.response_format),
+                                                        "response_format")
         shape = RequestShape("completion", req.model, self.fingerprint, n, len(prompts), logprobs, req.logprobs or 0,
                              bool(req.stream and req.stream_options and req.stream_options.include_usage),
                              echo_texts)
-        return await self._run(shape, prompts, self._per_choice(params, n), req, receive)
+        ireq = InternalRequest(api="completion", model=req.model, messages=[], params=params, n=n,
+                               stream=bool(req.stream), cache_salt=req.cache_salt,
+                               first_token_timeout=req.first_token_timeout,
+                               inter_token_timeout=req.inter_token_timeout)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.engine.fit_max_tokens(len(prompt), params.max_tokens)
+            except InvalidRequestError as exc:
+                exc.param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise
+        return await self.run(ResponseBuilder(shape, self.tokens), prompts, self._per_choice(params, n), ireq,
+                              receive)
+
+    # ---- shared by every chat-like API ---------------------------------------------------
+
+    async def render_prompt(self, ireq: InternalRequest) -> list[int]:
+        """The request's messages and tools rendered with the model's template, tokenized."""
+        messages, template_kwargs = self.tool_prompting.prepare(
+            ireq.messages, ireq.tools.tools if ireq.tools else None)
+        return await self.on_tokenizer_thread(encode_chat, self.engine.tokenizer, messages, **template_kwargs)
+
+    async def prepare_chat(self, ireq: InternalRequest) -> PreparedChat:
+        """Prompt tokens, sampling params (grammar and max_tokens set) and the call parser."""
+        prompt = await self.render_prompt(ireq)
+        tools = ireq.tools
+        params = dataclasses.replace(ireq.params)
+        params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
+        requested = ireq.max_tokens if ireq.max_tokens is not None else self._room(len(prompt))
+        params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
+        parse_calls = tools is not None and tools.choice != "none"
+        if parse_calls and not ireq.explicit_skip_special and self.tool_prompting.markup_is_special:
+            params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
+        parser = self.tool_prompting.parser_factory(tools) if parse_calls and tools else None
+        return PreparedChat(prompt, params, parser)
+
+    def _chat_grammar(self, output: OutputSpec | None, tools: ToolPlan | None) -> Grammar | None:
+        """Forced tool calls win over the output format (the output is the calls), which
+        wins over keeping ``auto`` calls well-formed."""
+        family = self.tool_prompting.family
+        if tools is not None and tools.forced:
+            return forced_call_grammar(self.engine.grammars, family, tools.forced_tools,
+                                       parallel=tools.parallel and tools.choice == "required",
+                                       mistral_token_id=self.tool_prompting.mistral_token_id)
+        if output is None and tools is not None and tools.choice == "auto":
+            return auto_call_grammar(self.engine.grammars, family, tools.tools)
+        if output is not None and output.lark is not None:
+            return self.engine.grammars.lark(output.lark, param=output.param, description="custom_tool")
+        return self._schema_grammar(output.schema if output else None, output.param if output else "")
+
+    def _schema_grammar(self, schema: dict[str, Any] | None, param: str) -> Grammar | None:
+        if schema is None:
+            return None
+        return self.engine.grammars.json_schema(schema, param=param)
 
     # ---- running ------------------------------------------------------------------------
 
-    async def _run(self, shape: RequestShape, prompts: Sequence[list[int]], params: list[SamplingParams],
-                   req: ChatCompletionRequest | CompletionRequest, receive: Receive) -> Response:
+    async def run(self, renderer: Renderer, prompts: Sequence[list[int]], params: list[SamplingParams],
+                  ireq: InternalRequest, receive: Receive) -> Response:
         if len(self.inflight) >= self.config.max_inflight_requests:
             raise errors.APIError(503, "The server has too many requests in flight; retry later.",
                                   type=errors.SERVER_ERROR, code="overloaded")
-        for i, prompt in enumerate(prompts):
-            try:
-                self.engine.check_length(len(prompt), params[0].max_tokens)
-            except InvalidRequestError as exc:
-                if exc.param in (None, "messages") and shape.kind == "completion":
-                    exc.param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                raise
-        builder = ResponseBuilder(shape, self.tokens)
-        gen = Generation(self.engine, self.inflight, self._timeouts(req))
+        timeouts = Timeouts(min(self.config.first_token_timeout, ireq.first_token_timeout or math.inf),
+                            min(self.config.inter_token_timeout, ireq.inter_token_timeout or math.inf))
+        gen = Generation(self.engine, self.inflight, timeouts)
         streaming: SSEResponse | None = None
         try:
-            gen.submit(prompts, params, req.cache_salt)
-            if not req.stream:
-                return await until_disconnect(self._collect(gen, builder), receive)
-            streaming = await self._start_stream(gen, builder, receive)
+            gen.submit(prompts, params, ireq.cache_salt)
+            if not ireq.stream:
+                return await until_disconnect(self._collect(gen, renderer), receive)
+            streaming = await self._start_stream(gen, renderer, receive)
             return streaming
         except ClientDisconnected:
             self.metrics.count("server_client_disconnects")
@@ -294,9 +331,9 @@ class OpenAIServing:
         finally:
             if streaming is None:  # otherwise the stream owns the generation until it ends
                 gen.close()
-                self._log_done(builder, gen, "stream" if req.stream else "full")
+                self._log_done(ireq, renderer, gen, "stream" if ireq.stream else "full")
 
-    async def _start_stream(self, gen: Generation, builder: ResponseBuilder, receive: Receive) -> SSEResponse:
+    async def _start_stream(self, gen: Generation, renderer: Renderer, receive: Receive) -> SSEResponse:
         events = gen.events()
         first = await until_disconnect(anext(events), receive)
         self._check_event(first[1])
@@ -306,9 +343,9 @@ class OpenAIServing:
             gen.close()
             if disconnected:
                 self.metrics.count("server_client_disconnects")
-            self._log_done(builder, gen, "stream-disconnected" if disconnected else "stream")
+            self._log_done(None, renderer, gen, "stream-disconnected" if disconnected else "stream")
 
-        return SSEResponse(self._stream(builder, first, events), on_close)
+        return SSEResponse(self._stream(renderer, first, events), on_close)
 
     def _timed_out(self, exc: GenerationTimeout) -> errors.APIError:
         self.metrics.count(f"server_{exc.kind}_timeouts")
@@ -322,46 +359,48 @@ class OpenAIServing:
         if ev.finish_reason == "error":
             raise errors.APIError(500, f"Generation failed: {ev.error or 'engine error'}", type=errors.SERVER_ERROR)
 
-    async def _collect(self, gen: Generation, builder: ResponseBuilder) -> Response:
+    async def _collect(self, gen: Generation, renderer: Renderer) -> Response:
         async for index, ev in gen.events():
             self._check_event(ev)
-            builder.add(index, ev)
+            renderer.add(index, ev)
         self._observe_ttft(gen)
-        return JSONResponse(builder.response())
+        return JSONResponse(renderer.response())
 
-    async def _stream(self, builder: ResponseBuilder, first: tuple[int, TokenEvent], rest: Events
+    async def _stream(self, renderer: Renderer, first: tuple[int, TokenEvent], rest: Events
                       ) -> AsyncIterator[bytes]:
         try:
-            for chunk in builder.stream_start():
-                yield sse(chunk)
-            for chunk in builder.chunks_for(*first):
-                yield sse(chunk)
+            for chunk in renderer.open_stream():
+                yield chunk
+            for chunk in renderer.stream(*first):
+                yield chunk
             async for index, ev in rest:
                 self._check_event(ev)
-                for chunk in builder.chunks_for(index, ev):
-                    yield sse(chunk)
-            if builder.shape.include_usage:
-                yield sse(builder.usage_chunk())
+                for chunk in renderer.stream(index, ev):
+                    yield chunk
+            for chunk in renderer.close_stream():
+                yield chunk
         except GenerationTimeout as exc:
-            yield sse(self._timed_out(exc).body())
+            for chunk in renderer.fail_stream(self._timed_out(exc)):
+                yield chunk
         except errors.APIError as exc:
-            yield sse(exc.body())
-        yield DONE
+            for chunk in renderer.fail_stream(exc):
+                yield chunk
 
     def _observe_ttft(self, gen: Generation) -> None:
         if gen.first_event_at is not None:
             self.metrics.ttft_seconds.observe(gen.first_event_at - gen.created)
 
-    def _log_done(self, builder: ResponseBuilder, gen: Generation, mode: str) -> None:
+    def _log_done(self, ireq: InternalRequest | None, renderer: Renderer, gen: Generation, mode: str) -> None:
         if not log.isEnabledFor(logging.INFO):
             return
-        usage = builder.usage()
         ttft = None if gen.first_event_at is None else round((gen.first_event_at - gen.created) * 1000, 1)
         log.info("request finished", extra={"fields": {
-            "id": builder.id, "mode": mode, "choices": len(builder.choices),
-            "finish": ",".join(str(c.finish_reason) for c in builder.choices),
-            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-            "completion_tokens": usage["completion_tokens"], "ttft_ms": ttft,
-            # where the cached tokens came from (first choice): {"ram": n, "ssd": n, "remote": n}
-            "cached_by_tier": builder.choices[0].cached_tokens_by_tier if builder.choices else None,
-            "total_ms": round((time.monotonic() - gen.created) * 1000, 1)}})
+            "id": renderer.id, "mode": mode, **({"api": ireq.api} if ireq else {}), **renderer.log_fields(),
+            "ttft_ms": ttft, "total_ms": round((time.monotonic() - gen.created) * 1000, 1)}})
+
+
+@dataclasses.dataclass
+class PreparedChat:
+    prompt: list[int]
+    params: SamplingParams
+    tool_parser: Callable[[], ToolParser] | None

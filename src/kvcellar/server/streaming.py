@@ -32,6 +32,11 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    """A named event, as the Anthropic and Responses streams send them."""
+    return f"event: {name}\n".encode() + sse(payload)
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()

@@ -10,7 +10,7 @@ without ``tool_call_id``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,35 +53,39 @@ def check_schema(schema: Any, param: str) -> None:
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     choice = req.tool_choice
-    if not req.tools:
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return make_tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []],
+                          "named" if named is not None else choice, named, req.parallel_tool_calls is not False,
+                          schema_param=lambda i: f"tools[{i}].function.parameters")
+
+
+def make_tool_plan(tools: Sequence[dict[str, Any]], choice: str | None, named: str | None, parallel: bool, *,
+                   schema_param: Callable[[int], str], choice_param: str = "tool_choice",
+                   names_param: Callable[[int], str] | None = None) -> ToolPlan | None:
+    """A plan from OpenAI-shaped function tools (any API's, converted), checked: unique
+    names, valid object schemas, a named choice among them. Errors name the caller's params."""
+    if not tools:
         if choice is not None and choice != "none":
-            raise errors.invalid("'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice")
+            raise errors.invalid(f"'{choice_param}' is only allowed when 'tools' are specified.", param=choice_param)
         return None
     seen: set[str] = set()
-    tools = []
-    for i, tool in enumerate(req.tools):
-        fn = tool.function
-        if fn.name in seen:
-            raise errors.invalid(f"Duplicate tool name '{fn.name}' in 'tools'.", param=f"tools[{i}].function.name")
-        seen.add(fn.name)
-        if fn.parameters is not None:
-            param = f"tools[{i}].function.parameters"
-            check_schema(fn.parameters, param)
-            if fn.parameters.get("type", "object") != "object":
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn["name"] in seen:
+            raise errors.invalid(f"Duplicate tool name '{fn['name']}' in 'tools'.",
+                                 param=names_param(i) if names_param else f"tools[{i}].function.name")
+        seen.add(fn["name"])
+        parameters = fn.get("parameters")
+        if parameters is not None:
+            param = schema_param(i)
+            check_schema(parameters, param)
+            if parameters.get("type", "object") != "object":
                 raise errors.invalid(f"Invalid schema for '{param}': function parameters must be of type 'object'.",
                                      param=param, code="invalid_schema")
-        tools.append(tool.model_dump(exclude_none=True))
-    named = None
-    if isinstance(choice, NamedToolChoice):
-        named = choice.function.name
-        if named not in seen:
-            raise errors.invalid(f"Tool choice '{named}' is not in 'tools' (tools: {', '.join(sorted(seen))}).",
-                                 param="tool_choice")
-        kind = "named"
-    else:
-        kind = choice or "auto"
-    parallel = req.parallel_tool_calls is not False
-    return ToolPlan(tools, kind, named, parallel)
+    if named is not None and named not in seen:
+        raise errors.invalid(f"Tool choice '{named}' is not in 'tools' (tools: {', '.join(sorted(seen))}).",
+                             param=choice_param)
+    return ToolPlan(list(tools), choice or "auto", named, parallel)
 
 
 def check_tool_messages(messages: Sequence[ChatMessage]) -> None:
