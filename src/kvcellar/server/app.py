@@ -38,6 +38,9 @@ from kvcellar.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvcellar.server.responses import adapter as responses
+from kvcellar.server.responses.protocol import InputTokensRequest, ResponsesRequest
+from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.serving import Serving
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class ServerState:
         self.sources.extend(stats_sources)
         self.metrics = ServerMetrics()
         self.serving = Serving(engine, config, self.metrics)
+        self.responses = ResponseStore(config.max_stored_responses)
         self.started = time.time()
         self.admission = Admission()
         self.metrics.registry.register(SnapshotCollector(self.stats, self.gauge_keys, engine.tier_reports))
@@ -179,6 +183,16 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     @app.post("/v1/messages/count_tokens", summary="Anthropic token count of a Messages request")
     async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
         return await anthropic.count_tokens(state.serving, body)
+
+    @app.post("/v1/responses", response_model=None, summary="OpenAI Responses API (Codex CLI, openai-agents)",
+              responses={200: {"description": "A response; with stream=true, the Responses API's server-sent "
+                                              "events"}})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.responses(state.serving, state.responses, body, request.receive)
+
+    @app.post("/v1/responses/input_tokens", summary="Token count of a Responses request")
+    async def response_input_tokens(body: InputTokensRequest) -> dict[str, Any]:
+        return await responses.input_tokens(state.serving, state.responses, body)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:

@@ -33,6 +33,8 @@ class ServerConfig:
     max_choices: int = 16
     # API requests in flight beyond this are refused with 503 instead of queueing forever.
     max_inflight_requests: int = 1024
+    # Responses API: replies kept in memory for previous_response_id (store: true), newest first.
+    max_stored_responses: int = 1024
     access_log: bool = False
     log_format: str = "text"  # text | json
 
