@@ -30,8 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per engine step while sequences are decoding (default 512)")
     p.add_argument("--max-prefill-step-tokens", type=int, default=None,
                    help="token budget of a step with no sequence decoding (default 2048; 0: --max-step-tokens)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (0: the model's trained context; "
-                   "larger is allowed with a warning, and the KV pool grows to hold one such request)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion (0: the model's trained context; larger is allowed with a warning, and the KV pool grows to hold one such request)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
     p.add_argument("--weights", default=None, choices=["auto", "full", "int8", "int4"],
