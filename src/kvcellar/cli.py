@@ -31,7 +31,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-step-tokens", type=int, default=None,
                    help="token budget of a step with no sequence decoding (default 2048; 0: --max-step-tokens)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion (0: the model's trained context; larger is allowed with a warning, and the KV pool grows to hold one such request)")
+                   help="longest prompt + completion (0: the model's trained context; larger is allowed with a "
+                   "warning, and the KV pool grows to hold one such request)")
+    p.add_argument("--max-completion-tokens", type=int, default=None,
+                   help="most tokens one completion may generate: larger max_tokens are clamped to it, and it is "
+                   "the default where a request sets none (0, the default: the room the context leaves)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
                    help="compute every prompt from scratch (comparisons only)")
     p.add_argument("--weights", default=None, choices=["auto", "full", "int8", "int4"],
@@ -74,7 +78,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "dtype": None if get("dtype") == "auto" else get("dtype"),
             "device": None if get("device") == "auto" else get("device"),
             **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
-                                   "max_prefill_step_tokens", "max_model_len", "prefix_caching", "warmup",
+                                   "max_prefill_step_tokens", "max_model_len", "max_completion_tokens",
+                                   "prefix_caching", "warmup",
                                    "weights")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks",

@@ -54,6 +54,9 @@ class EngineConfig:
     max_prefill_step_tokens: int = 2048
     # Largest prompt + completion accepted; 0 means the model's own context length.
     max_model_len: int = 0
+    # Most tokens one completion may generate (larger max_tokens are clamped to it, as are
+    # requests that set none); 0: whatever room the context leaves.
+    max_completion_tokens: int = 0
     # Reuse of cached prefix blocks; off only for comparisons and tests.
     prefix_caching: bool = True
     # Bytes of the chained digest used as the hash-table key. Tests shrink it to force

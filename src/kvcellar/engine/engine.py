@@ -175,15 +175,20 @@ class Engine:
         ``InvalidRequestError`` only when the prompt does not fit by itself."""
         if prompt_tokens < 1:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        room = min(self.max_model_len, (self.blocks.num_blocks - 1) * self.block_size) - prompt_tokens
+        pool = (self.blocks.num_blocks - 1) * self.block_size
+        room = min(self.max_model_len, pool) - prompt_tokens
         if room < 1:
-            where = ("context length" if prompt_tokens >= self.max_model_len
-                     else "KV cache pool (raise --kv-cache-gb)")
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{prompt_tokens} tokens, which leaves no room in the {where} for the completion. Please shorten "
-                "the prompt, or serve with a larger --max-model-len.",
-                param="messages", code="context_length_exceeded")
+            if prompt_tokens >= self.max_model_len:
+                message = (f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                           f"prompt has {prompt_tokens} tokens, which leaves no room for the completion. Please "
+                           "shorten the prompt, or serve with a larger --max-model-len.")
+            else:
+                message = (f"The KV cache pool holds {pool} tokens and your prompt has {prompt_tokens}, which leaves "
+                           "no room for the completion. Please shorten the prompt, or serve with a larger "
+                           "--kv-cache-gb.")
+            raise InvalidRequestError(message, param="messages", code="context_length_exceeded")
+        if self.config.max_completion_tokens > 0:
+            room = min(room, self.config.max_completion_tokens)
         return max(1, min(max_tokens, room))
 
     def cancel(self, seq_id: int) -> None:
