@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcellar-installed
 ARGS   ?=
 
-.PHONY: setup serve test test-fast lint bench clean redis-server
+.PHONY: setup serve test test-fast lint bench clean redis-server agents
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,39 @@ setup: $(STAMP) redis-server
 redis-server:
 	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
+# The coding agents the agent tests drive (tests/coding_agents.py), pinned exactly in agents/package.json
+# (each pins its per-platform native binary package exactly, so no lockfile: one made here would
+# list only the platforms this registry mirror carries), installed with npm into .agents/
+# (git-ignored, about 1.2 GB). The stamp keeps a second run from
+# reinstalling; <agent>.version is written for each agent whose binary runs, and an agent without
+# one is skipped by the tests. Without node/npm, or when the install fails, this says so and
+# does not fail: the agent tests skip with the reason.
+AGENTS_DIR   := .agents
+AGENTS_STAMP := $(AGENTS_DIR)/.installed
+AGENT_NAMES  := claude codex opencode
+
+agents:
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory $(AGENTS_STAMP) || \
+		echo "make agents: installing the coding agents failed (see above); the agent tests (Claude Code, Codex, opencode) will skip"; \
+	else \
+		echo "make agents: node/npm not found; install Node.js >= 20 with npm (e.g. apt-get install nodejs npm) to run the agent tests (Claude Code, Codex, opencode), which skip without it"; \
+	fi
+
+$(AGENTS_STAMP): agents/package.json
+	@rm -f $@ $(AGENTS_DIR)/*.version
+	@mkdir -p $(AGENTS_DIR)
+	cp agents/package.json $(AGENTS_DIR)/
+	cd $(AGENTS_DIR) && npm install --no-package-lock --no-audit --no-fund --loglevel=error
+	@for a in $(AGENT_NAMES); do \
+		if v=$$($(AGENTS_DIR)/node_modules/.bin/$$a --version 2>&1 </dev/null); then \
+			echo "$$v" > $(AGENTS_DIR)/$$a.version; echo "agents: $$a $$v"; \
+		else \
+			echo "agents: $$a --version failed, its tests will skip: $$v"; \
+		fi; \
+	done
+	@touch $@
+
 serve: setup
 	$(BIN)/kvcellar serve $(ARGS)
 
@@ -35,7 +68,7 @@ serve: setup
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: setup
+test: setup agents
 	$(PYTEST) $(ARGS)
 
 test-fast: setup

@@ -66,8 +66,9 @@ class APIError(Exception):
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
+                    529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:

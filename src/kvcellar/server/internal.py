@@ -95,6 +95,7 @@ class OutputTracker:
     of a whole output equal those of the same output streamed (the parser's invariant)."""
 
     parser: ToolParser | None = None
+    max_calls: int = 1 << 30
     finish_reason: str | None = None
     stop_string: str | None = None
     error: str | None = None
@@ -120,20 +121,20 @@ class OutputTracker:
             if ev.text:
                 yield Text(ev.text)
             return
-        content, deltas = "", []
+        items: list[str | ToolCallDelta] = []
         if ev.text:
-            d = self.parser.feed(ev.text)
-            content, deltas = d.content, list(d.tool_calls)
+            items += self.parser.feed(ev.text).items
         if final:
-            end = self.parser.finish()
-            content += end.content
-            deltas += end.tool_calls
-        yield from self._pieces(content, deltas)
+            items += self.parser.finish().items
+        yield from self._pieces(items)
 
-    def _pieces(self, content: str, deltas: list[ToolCallDelta]) -> Iterator[Piece]:
-        if content:
-            yield Text(content)
-        for d in deltas:
+    def _pieces(self, items: list[str | ToolCallDelta]) -> Iterator[Piece]:
+        for d in items:
+            if isinstance(d, str):
+                yield Text(d)
+                continue
+            if d.index >= self.max_calls:
+                continue  # one call only (parallel calls off): later ones are dropped
             if d.name is not None:
                 start = CallStart(d.index, d.id or "", d.name)
                 self.calls.append(start)

@@ -38,7 +38,7 @@ from kvcellar.server import errors
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.formatting import RequestShape, ResponseBuilder, TokenTexts
 from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, Timeouts
-from kvcellar.server.internal import InternalRequest, OutputSpec, Renderer
+from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker, Renderer
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
@@ -285,7 +285,7 @@ class Serving:
         if parse_calls and not ireq.explicit_skip_special and self.tool_prompting.markup_is_special:
             params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
         parser = self.tool_prompting.parser_factory(tools) if parse_calls and tools else None
-        return PreparedChat(prompt, params, parser)
+        return PreparedChat(prompt, params, parser, parallel_calls=tools is None or tools.parallel)
 
     def _chat_grammar(self, output: OutputSpec | None, tools: ToolPlan | None) -> Grammar | None:
         """Forced tool calls win over the output format (the output is the calls), which
@@ -385,6 +385,11 @@ class Serving:
         except errors.APIError as exc:
             for chunk in renderer.fail_stream(exc):
                 yield chunk
+        except Exception as exc:  # the 200 is sent: the client still gets an error in the stream
+            log.error("stream of %s failed", renderer.id, exc_info=exc)
+            self.metrics.count("server_internal_errors")
+            for chunk in renderer.fail_stream(errors.from_exception(exc)):
+                yield chunk
 
     def _observe_ttft(self, gen: Generation) -> None:
         if gen.first_event_at is not None:
@@ -404,3 +409,9 @@ class PreparedChat:
     prompt: list[int]
     params: SamplingParams
     tool_parser: Callable[[], ToolParser] | None
+    parallel_calls: bool = True
+
+    def tracker(self) -> OutputTracker:
+        """A fresh reader of one choice's output (the APIs that render blocks use it)."""
+        return OutputTracker(self.tool_parser() if self.tool_parser else None,
+                             max_calls=(1 << 30) if self.parallel_calls else 1)

@@ -39,7 +39,7 @@ from kvcellar.server.anthropic.protocol import (
     ToolUseBlock,
 )
 from kvcellar.server.anthropic.render import MessagesRenderer
-from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker
+from kvcellar.server.internal import InternalRequest, OutputSpec
 from kvcellar.server.serving import Serving, check_text
 from kvcellar.server.tools.request import ToolPlan, check_schema, make_tool_plan
 
@@ -189,7 +189,7 @@ async def messages(serving: Serving, req: MessagesRequest, receive: Receive) -> 
     if dropped:
         serving.metrics.count("server_anthropic_pseudo_headers_dropped", dropped)
     prepared = await serving.prepare_chat(ireq)
-    tracker = OutputTracker(prepared.tool_parser() if prepared.tool_parser else None)
+    tracker = prepared.tracker()
     return await serving.run(MessagesRenderer(req.model, tracker), [prepared.prompt], [prepared.params], ireq,
                              receive)
 

@@ -59,7 +59,7 @@ class Tool(_Request):
     """A client tool (``input_schema``), or a server tool (``type`` like ``web_search_20250305``,
     no schema) that this server ignores."""
 
-    name: str = Field(max_length=256)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None

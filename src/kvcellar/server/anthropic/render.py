@@ -54,6 +54,7 @@ class MessagesRenderer:
         self.tracker = tracker
         self.blocks: list[dict[str, Any]] = []  # text: {"type", "text"}; tool_use: arguments in "_args"
         self._started = False
+        self._block_of_call: dict[int, int] = {}
         self._open = -1  # index of the block being streamed
 
     # ---- shared -------------------------------------------------------------------------
@@ -83,9 +84,11 @@ class MessagesRenderer:
             return True, len(self.blocks) - 1
         if isinstance(piece, CallStart):
             self.blocks.append({"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name, "_args": ""})
+            self._block_of_call[piece.index] = len(self.blocks) - 1
             return True, len(self.blocks) - 1
-        self.blocks[-1]["_args"] += piece.text
-        return False, len(self.blocks) - 1
+        at = self._block_of_call[piece.index]
+        self.blocks[at]["_args"] += piece.text
+        return False, at
 
     @staticmethod
     def _final_block(block: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from starlette.types import Receive
 
 from kvcellar.engine import SamplingParams
 from kvcellar.server import errors
-from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker
+from kvcellar.server.internal import InternalRequest, OutputSpec
 from kvcellar.server.responses.protocol import InputTokensRequest, NamedTool, ResponsesRequest
 from kvcellar.server.responses.render import ResponsesRenderer
 from kvcellar.server.responses.store import ResponseStore, StoredResponse
@@ -288,7 +288,7 @@ async def responses(serving: Serving, store: ResponseStore, req: ResponsesReques
     serving.check_model(req.model)
     ireq, names, conversation = to_internal(req, store)
     prepared = await serving.prepare_chat(ireq)
-    tracker = OutputTracker(prepared.tool_parser() if prepared.tool_parser else None)
+    tracker = prepared.tracker()
 
     def on_done(renderer: ResponsesRenderer) -> None:
         if req.store is not False and renderer.status in ("completed", "incomplete"):

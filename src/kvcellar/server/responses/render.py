@@ -54,6 +54,7 @@ class ResponsesRenderer:
         self.status = "in_progress"
         self._seq = 0
         self._open = -1  # index of the item being streamed
+        self._item_of_call: dict[int, int] = {}
         if names.forced_custom is not None:  # the whole output is one custom call's input
             self.items.append(self._custom_item(new_id("call_"), names.forced_custom))
 
@@ -86,13 +87,15 @@ class ResponsesRenderer:
                 if piece.name in self.names.namespaced:
                     item["namespace"], item["name"] = self.names.namespaced[piece.name]
                 self.items.append(item)
+            self._item_of_call[piece.index] = len(self.items) - 1
             return True, len(self.items) - 1
-        assert last is not None
-        if last["type"] == "custom_tool_call":
-            last["_args"] += piece.text
+        at = self._item_of_call[piece.index]
+        call = self.items[at]
+        if call["type"] == "custom_tool_call":
+            call["_args"] += piece.text
         else:
-            last["arguments"] += piece.text
-        return False, len(self.items) - 1
+            call["arguments"] += piece.text
+        return False, at
 
     @staticmethod
     def _custom_input(arguments: str) -> str:

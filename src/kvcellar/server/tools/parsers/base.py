@@ -1,6 +1,8 @@
-"""Per-family parsers that turn a model's raw output text into content and OpenAI ``tool_calls``.
+"""What every tool-call parser family shares: the output types, the ``ToolParser`` base class and the
+JSON call-object scanner. The families turn a model's raw output text into content and OpenAI
+``tool_calls``.
 
-A model with tools writes its calls as text markup; each family has its own (see the classes). The raw
+A model with tools writes its calls as text markup; each family has its own (see the family modules). The raw
 text includes special tokens (the server detokenizes with ``skip_special_tokens=False`` when tools are
 active). One parser object reads one output, either whole (``parse``) or streamed (``feed`` pieces, then
 ``finish``).
@@ -76,6 +78,14 @@ class ToolCallDelta:
 class StreamDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    # The same content and call fragments in the order they were written (text after a call
+    # stays after it), for APIs whose output is a list of blocks.
+    items: list[str | ToolCallDelta] = field(default_factory=list)
+
+    def text(self, piece: str) -> None:
+        if piece:
+            self.content += piece
+            self.items.append(piece)
 
 
 def new_call_id() -> str:
@@ -162,7 +172,7 @@ class ToolParser(ABC):
             pass
         self._end()
         if self._ws_pending and not self._after_call:
-            self._out.content += self._ws_pending
+            self._out.text(self._ws_pending)
         self._ws_pending = ""
         return self._take()
 
@@ -185,7 +195,7 @@ class ToolParser(ABC):
         if not core:
             self._ws_pending += text
             return
-        self._out.content += self._ws_pending + core
+        self._out.text(self._ws_pending + core)
         self._ws_pending = text[len(core) :]
         self._after_call = False
 
@@ -201,18 +211,22 @@ class ToolParser(ABC):
         self._ws_pending = ""
         self._after_call = True
         self._args_sent = False
-        self._out.tool_calls.append(ToolCallDelta(index=self._calls, id=new_call_id(), name=name))
+        delta = ToolCallDelta(index=self._calls, id=new_call_id(), name=name)
+        self._out.tool_calls.append(delta)
+        self._out.items.append(delta)
         self._calls += 1
 
     def _args(self, fragment: str) -> None:
         if not fragment:
             return
         self._args_sent = True
-        last = self._out.tool_calls[-1] if self._out.tool_calls else None
-        if last is not None and last.index == self._calls - 1:
+        last = self._out.items[-1] if self._out.items else None
+        if isinstance(last, ToolCallDelta) and last.index == self._calls - 1:
             last.arguments += fragment
         else:
-            self._out.tool_calls.append(ToolCallDelta(index=self._calls - 1, arguments=fragment))
+            delta = ToolCallDelta(index=self._calls - 1, arguments=fragment)
+            self._out.tool_calls.append(delta)
+            self._out.items.append(delta)
 
     def _end_call(self) -> None:
         if not self._args_sent:
@@ -398,300 +412,3 @@ class _CallObject:
         self._p._start_call(value)
         self._p._args(self._early_args)
         return None
-
-
-class HermesParser(ToolParser):
-    """Hermes, Qwen2/2.5/3 and kvcellar's fallback format: any number of
-    ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` blocks anywhere in the output
-    (whitespace inside the tags optional); the text around them is content.
-
-    A block that is not a call stays content up to and including its ``</tool_call>`` (or up to the
-    next ``<tool_call>``, which opens a new block). After an emitted call, anything other than
-    whitespace before ``</tool_call>`` is dropped the same way; a missing
-    ``</tool_call>`` (a stop string ate it, or the output ended) does not undo the call, and a
-    ``<tool_call>`` right after a call's object also opens the next block.
-    """
-
-    family = "hermes"
-    OPEN: ClassVar[str] = "<tool_call>"
-    CLOSE: ClassVar[str] = "</tool_call>"
-
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
-        self._state = "content"
-        self._obj = _CallObject(self)
-
-    def _advance(self, final: bool) -> bool:
-        state = self._state
-        if state == "content":
-            if not self._content_until(self.OPEN, final):
-                return False
-            self._obj, self._state = _CallObject(self), "object"
-        elif state == "object":
-            status = self._obj.advance()
-            if status is _Status.MORE:
-                return False
-            if status is _Status.INVALID:
-                self._release_held()
-            self._state = {_Status.DONE: "close", _Status.INVALID: "invalid", _Status.MALFORMED: "swallow"}[status]
-        elif state == "close":
-            self._skip_ws(hold=False)
-            if not self._buf:
-                return False
-            closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
-            if closing is _Literal.MATCH:
-                self._consume(len(self.CLOSE), hold=False)
-                self._state = "content"
-            elif opening is _Literal.MATCH:
-                self._state = "content"
-            elif _Literal.PARTIAL in (closing, opening):
-                return False
-            else:
-                self._state = "swallow"
-        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
-            if not self._finish_block(keep_text=state == "invalid", final=final):
-                return False
-            self._state = "content"
-        return True
-
-    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
-        """Pass the rest of a block that is not (or no longer) a call, up to and including its
-        ``</tool_call>``, or up to a ``<tool_call>`` that opens the next block, whichever comes first.
-        True when the block's end was found; otherwise holds back a tail that may be either tag."""
-        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
-        found = close >= 0 or open_ >= 0
-        if open_ >= 0 and (close < 0 or open_ < close):
-            end = open_
-        elif close >= 0:
-            end = close + len(self.CLOSE)
-        else:
-            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
-            end = len(self._buf) - keep
-        passed = self._consume(end, hold=False)
-        if keep_text:
-            self._content(passed)
-        return found
-
-    def _end(self) -> None:
-        if self._state == "object" and self._obj.end() is _Status.INVALID:
-            self._release_held()
-
-
-class Llama3Parser(ToolParser):
-    """Llama 3.1/3.2/3.3 JSON tool calling: the whole output (after optional whitespace and an
-    optional ``<|python_tag|>``) is one call object ``{"name": "fn", "parameters": {...}}``
-    (``"arguments"`` accepted too), or several separated by ``;``.
-
-    An output that does not start that way, or whose first object is not a call, is content,
-    unchanged. After a call, text that is not ``;`` and another object is content; an object after
-    ``;`` that is not a call is content from the ``;`` on; a trailing ``;`` is dropped; text after a
-    call broken mid-object is dropped.
-    """
-
-    family = "llama3"
-    PYTHON_TAG: ClassVar[str] = "<|python_tag|>"
-
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
-        self._state = "start"
-        self._obj = _CallObject(self)
-
-    def _advance(self, final: bool) -> bool:
-        state = self._state
-        if state == "plain":
-            self._content(self._consume(len(self._buf), hold=False))
-            return False
-        if state == "swallow":
-            self._buf = ""
-            return False
-        if state == "object":
-            status = self._obj.advance()
-            if status is _Status.MORE:
-                return False
-            if status is _Status.INVALID:
-                self._release_held()
-            self._state = {_Status.DONE: "between", _Status.INVALID: "plain", _Status.MALFORMED: "swallow"}[status]
-            return True
-        self._skip_ws(hold=True)
-        if not self._buf:
-            return False
-        if state == "start":
-            tag = self._literal(self.PYTHON_TAG, final)
-            if tag is _Literal.PARTIAL:
-                return False
-            if tag is _Literal.MATCH:
-                self._consume(len(self.PYTHON_TAG), hold=True)
-                self._state = "tagged"
-                return True
-        if state in ("start", "tagged", "separated") and self._buf[0] == "{":
-            self._obj, self._state = _CallObject(self), "object"
-        elif state == "between" and self._buf[0] == ";":
-            self._consume(1, hold=True)
-            self._state = "separated"
-        else:
-            self._release_held()
-            self._state = "plain"
-        return True
-
-    def _end(self) -> None:
-        if self._state == "object":
-            if self._obj.end() is _Status.INVALID:
-                self._release_held()
-        elif self._state == "separated":
-            self._held = ""
-        else:
-            self._release_held()
-
-
-class MistralParser(ToolParser):
-    """Mistral: ``[TOOL_CALLS]`` then a JSON array of call objects (v3 tokenizers), or
-    ``[TOOL_CALLS]fn[ARGS]{...}``, repeated for parallel calls (v11+; an optional ``[CALL_ID]id``
-    between the name and ``[ARGS]`` is skipped). Text outside the markup is content.
-
-    A ``[TOOL_CALLS]`` not followed by a call is content as written, and the text after it is read
-    again. In an array whose first call was emitted, anything broken drops the rest of the output.
-    """
-
-    family = "mistral"
-    MARK: ClassVar[str] = "[TOOL_CALLS]"
-    ARGS: ClassVar[str] = "[ARGS]"
-    CALL_ID: ClassVar[str] = "[CALL_ID]"
-    _NAME_CHARS: ClassVar[frozenset[str]] = frozenset(string.ascii_letters + string.digits + "_-.")
-
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
-        self._state = "content"
-        self._obj = _CallObject(self)
-        self._nesting = _NestingScanner()
-        self._name = ""
-        self._array_called = False  # the current array has an emitted call: a broken element drops the rest
-
-    def _advance(self, final: bool) -> bool:
-        state = self._state
-        if state == "content":
-            if not self._content_until(self.MARK, final):
-                return False
-            self._state = "marked"
-            return True
-        if state == "swallow":
-            self._buf = ""
-            return False
-        if state == "object":
-            return self._advance_object()
-        if state == "name":
-            return self._advance_name(final)
-        if state == "call_id":
-            n = len(self._buf) - len(self._buf.lstrip(_ID_ALPHABET))
-            self._consume(n, hold=False)
-            if not self._buf:
-                return False
-            found = self._literal(self.ARGS, final)
-            if found is _Literal.PARTIAL:
-                return False
-            if found is _Literal.MATCH:
-                self._consume(len(self.ARGS), hold=False)
-                self._state = "args_open"
-            else:
-                self._end_call()
-                self._state = "content"
-            return True
-        if state == "args":
-            end = self._nesting.scan(self._buf)
-            self._args(self._consume(len(self._buf) if end < 0 else end, hold=False))
-            if end < 0:
-                return False
-            self._end_call()
-            self._state = "content"
-            return True
-        hold = state in ("marked", "array_open")
-        self._skip_ws(hold=hold)
-        if not self._buf:
-            return False
-        c = self._buf[0]
-        if state == "marked" and c == "[":
-            self._consume(1, hold=True)
-            self._array_called, self._state = False, "array_open"
-        elif state == "marked" and c in self._NAME_CHARS:
-            self._name, self._state = "", "name"
-        elif state in ("array_open", "element") and c == "{":
-            self._obj, self._state = _CallObject(self), "object"
-        elif state == "array_next" and c in ",]":
-            self._consume(1, hold=False)
-            self._state = "element" if c == "," else "content"
-        elif state == "args_open" and c == "{":
-            self._nesting, self._state = _NestingScanner(), "args"
-        elif state == "args_open":
-            self._end_call()
-            self._state = "content"
-        elif hold:
-            self._release_held()
-            self._state = "content"
-        else:
-            self._state = "swallow"
-        return True
-
-    def _advance_object(self) -> bool:
-        status = self._obj.advance()
-        if status is _Status.MORE:
-            return False
-        if status is _Status.DONE:
-            self._array_called, self._state = True, "array_next"
-        elif status is _Status.INVALID and not self._array_called:
-            self._release_held()
-            self._state = "content"
-        else:
-            self._held = ""
-            self._state = "swallow"
-        return True
-
-    def _advance_name(self, final: bool) -> bool:
-        n = 0
-        while n < len(self._buf) and self._buf[n] in self._NAME_CHARS:
-            n += 1
-        self._name += self._consume(n, hold=True)
-        if not self._buf:
-            return False
-        for marker, next_state in ((self.ARGS, "args_open"), (self.CALL_ID, "call_id")):
-            found = self._literal(marker, final)
-            if found is _Literal.PARTIAL:
-                return False
-            if found is _Literal.MATCH:
-                self._consume(len(marker), hold=True)
-                if self._allowed(self._name):
-                    self._start_call(self._name)
-                    self._state = next_state
-                else:
-                    self._release_held()
-                    self._state = "content"
-                return True
-        self._release_held()
-        self._state = "content"
-        return True
-
-    def _end(self) -> None:
-        if self._state == "object":
-            if self._obj.end() is _Status.INVALID:
-                self._release_held()
-        elif self._state in ("call_id", "args_open", "args"):
-            self._end_call()
-        else:
-            self._release_held()
-
-
-PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser)}
-
-
-def parser_for_template(chat_template: str | None) -> type[ToolParser]:
-    """The parser family a chat template's model writes, decided from the template text, first rule
-    that holds: ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_tag|>``, or
-    ``<|start_header_id|>`` together with ``parameters`` -> llama3; anything else (no template, or one
-    without tool markup) -> hermes, because kvcellar's own fallback tool prompt asks for hermes markup.
-    """
-    template = chat_template or ""
-    if "<tool_call>" in template:
-        return HermesParser
-    if "[TOOL_CALLS]" in template:
-        return MistralParser
-    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
-        return Llama3Parser
-    return HermesParser

@@ -1,0 +1,52 @@
+"""Per-family parsers that turn a model's raw output text into content and OpenAI ``tool_calls``:
+one module per family (``hermes``, ``llama3``, ``mistral``) on the shared machinery in ``base``,
+whose docstring states the invariants every family keeps. ``parser_for_template`` picks the family.
+"""
+
+from __future__ import annotations
+
+from kvcellar.server.tools.parsers.base import (
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    collect,
+    new_call_id,
+)
+from kvcellar.server.tools.parsers.hermes import HermesParser
+from kvcellar.server.tools.parsers.llama3 import Llama3Parser
+from kvcellar.server.tools.parsers.mistral import MistralParser
+
+__all__ = [
+    "PARSERS",
+    "HermesParser",
+    "Llama3Parser",
+    "MistralParser",
+    "ParsedOutput",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "collect",
+    "new_call_id",
+    "parser_for_template",
+]
+
+PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser)}
+
+
+def parser_for_template(chat_template: str | None) -> type[ToolParser]:
+    """The parser family a chat template's model writes, decided from the template text, first rule
+    that holds: ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_tag|>``, or
+    ``<|start_header_id|>`` together with ``parameters`` -> llama3; anything else (no template, or one
+    without tool markup) -> hermes, because kvcellar's own fallback tool prompt asks for hermes markup.
+    """
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return HermesParser
+    if "[TOOL_CALLS]" in template:
+        return MistralParser
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
+        return Llama3Parser
+    return HermesParser

@@ -1,0 +1,85 @@
+"""Hermes / Qwen tool-call markup (``<tool_call>`` blocks), also kvcellar's fallback format."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import ClassVar
+
+from kvcellar.server.tools.parsers.base import ToolParser, _CallObject, _Literal, _partial_tail, _Status
+
+
+class HermesParser(ToolParser):
+    """Hermes, Qwen2/2.5/3 and kvcellar's fallback format: any number of
+    ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` blocks anywhere in the output
+    (whitespace inside the tags optional); the text around them is content.
+
+    A block that is not a call stays content up to and including its ``</tool_call>`` (or up to the
+    next ``<tool_call>``, which opens a new block). After an emitted call, anything other than
+    whitespace before ``</tool_call>`` is dropped the same way; a missing
+    ``</tool_call>`` (a stop string ate it, or the output ended) does not undo the call, and a
+    ``<tool_call>`` right after a call's object also opens the next block.
+    """
+
+    family = "hermes"
+    OPEN: ClassVar[str] = "<tool_call>"
+    CLOSE: ClassVar[str] = "</tool_call>"
+
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._state = "content"
+        self._obj = _CallObject(self)
+
+    def _advance(self, final: bool) -> bool:
+        state = self._state
+        if state == "content":
+            if not self._content_until(self.OPEN, final):
+                return False
+            self._obj, self._state = _CallObject(self), "object"
+        elif state == "object":
+            status = self._obj.advance()
+            if status is _Status.MORE:
+                return False
+            if status is _Status.INVALID:
+                self._release_held()
+            self._state = {_Status.DONE: "close", _Status.INVALID: "invalid", _Status.MALFORMED: "swallow"}[status]
+        elif state == "close":
+            self._skip_ws(hold=False)
+            if not self._buf:
+                return False
+            closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
+            if closing is _Literal.MATCH:
+                self._consume(len(self.CLOSE), hold=False)
+                self._state = "content"
+            elif opening is _Literal.MATCH:
+                self._state = "content"
+            elif _Literal.PARTIAL in (closing, opening):
+                return False
+            else:
+                self._state = "swallow"
+        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
+            if not self._finish_block(keep_text=state == "invalid", final=final):
+                return False
+            self._state = "content"
+        return True
+
+    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
+        """Pass the rest of a block that is not (or no longer) a call, up to and including its
+        ``</tool_call>``, or up to a ``<tool_call>`` that opens the next block, whichever comes first.
+        True when the block's end was found; otherwise holds back a tail that may be either tag."""
+        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
+        found = close >= 0 or open_ >= 0
+        if open_ >= 0 and (close < 0 or open_ < close):
+            end = open_
+        elif close >= 0:
+            end = close + len(self.CLOSE)
+        else:
+            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
+            end = len(self._buf) - keep
+        passed = self._consume(end, hold=False)
+        if keep_text:
+            self._content(passed)
+        return found
+
+    def _end(self) -> None:
+        if self._state == "object" and self._obj.end() is _Status.INVALID:
+            self._release_held()
