@@ -82,7 +82,7 @@ def test_claude_code_next_request_starts_with_the_previous_prompt(tokenizer: Any
 
 def test_codex_request_is_read_whole(tokenizer: Any) -> None:
     raw = body("codex_responses.json")
-    ireq, names, conversation = responses.to_internal(ResponsesRequest.model_validate(raw), ResponseStore())
+    ireq, names, _ = responses.to_internal(ResponsesRequest.model_validate(raw), ResponseStore())
     namespaced = [t for t in raw["tools"] if t["type"] == "namespace"]
     functions = [t for t in raw["tools"] if t["type"] == "function"]
     assert namespaced and any(t["type"] == "web_search" for t in raw["tools"])
