@@ -29,7 +29,8 @@ from prometheus_client.registry import Collector
 # Every state a tier can report; the current one is exported as 1, the others as 0.
 TIER_STATES = ("ok", "degraded", "no_space")
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+          "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics")
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
