@@ -503,9 +503,6 @@ def test_error_messages_say_what_is_wrong(server: ServerProcess) -> None:
     assert "8192" in message(body(messages=[{"role": "user", "content": "hello " * 9000}]))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an unknown content block type is reported as \"Invalid type for "
-                   "'messages[0].content': Input should be a valid string\" (the str member of the union), "
-                   "not naming the block or its type")
 def test_unknown_block_type_is_named(server: ServerProcess) -> None:
     err = assert_anthropic_error(send(server, MESSAGES, body(messages=[{"role": "user", "content": [
         {"type": "video", "url": "x"}]}])), 400, "invalid_request_error")

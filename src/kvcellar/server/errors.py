@@ -173,11 +173,19 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]]) -> APIError:
     first_param: str | None = None
     code = "invalid_value"
     seen: set[str | None] = set()
+    # One message per field, even when a union reports each member: the member that got
+    # furthest into the value (a list whose item has an unknown type) says what is wrong.
+    best: dict[str | None, Mapping[str, Any]] = {}
+    for err in errors:
+        param = _param_path(err.get("loc", ()))
+        if param not in best or len(err.get("loc", ())) > len(best[param].get("loc", ())):
+            best[param] = err
     for err in errors:
         param = _param_path(err.get("loc", ()))
         if param in seen:
-            continue  # one message per field, even when a union reports each member
+            continue
         seen.add(param)
+        err = best[param]
         if first_param is None:
             first_param = param
         kind = err.get("type", "")

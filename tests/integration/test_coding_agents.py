@@ -1,0 +1,98 @@
+"""The real coding agents against a real server: Claude Code (Messages API), Codex CLI (Responses
+API) and opencode (chat completions), pinned and installed by ``make agents`` (tests/coding_agents.py
+runs them offline, each in a folder of its own).
+
+Each agent runs with its full default request (Claude Code's is ~12.4k tokens, Codex's ~9.3k), so
+the server is started with a context above the embedded model's 8192 tokens. What is checked is
+what a user sees: the agent exits 0 and prints an answer, and a later turn finds the conversation
+so far in the cache. The cache share of a turn is read from the server's counters around it
+(prompt tokens served from the cache / prompt tokens, over every request of the turn). The
+answers themselves are a 135M model's and are not judged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests import coding_agents as agents
+from tests.helpers import MODEL, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 540.0  # one agent turn: a cold ~12k-token prefill and whatever the model writes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[ServerProcess]:
+    # bf16 where the CPU has it (prefill of the agents' prompts is the slow part); a context that
+    # holds them; the pool grows to one such request.
+    proc = ServerProcess(tmp_path_factory.mktemp("agents-server"), "--dtype", "auto", "--max-model-len", "32768",
+                         models_dir=models_dir).start()
+    yield proc
+    proc.stop()
+
+
+def counters(server: ServerProcess) -> dict[str, float]:
+    engine = httpx.get(server.url + "/health", timeout=30).json()["engine"]
+    return {k: engine[k] for k in ("engine_prompt_tokens", "engine_cached_prompt_tokens", "engine_requests_total")}
+
+
+def run_turn(server: ServerProcess, name: str, prompt: str, folder: Path, **kwargs: Any
+             ) -> tuple[str, float, int]:
+    """Run one turn; (the agent's answer, the share of the turn's prompt tokens read from the
+    cache, the number of requests it made)."""
+    skip = agents.skip_reason(name)
+    if skip is not None:
+        pytest.skip(skip)
+    before = counters(server)
+    result = agents.run_agent(name, server.url, MODEL, prompt, folder, timeout=TIMEOUT, **kwargs)
+    after = counters(server)
+    assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n" \
+                                   f"{result.stderr[-3000:]}\nserver log: {server.log_path}"
+    answer = agents.answer_text(name, result)
+    assert answer, f"{name} printed no answer:\n{result.stderr[-3000:]}"
+    prompt_tokens = after["engine_prompt_tokens"] - before["engine_prompt_tokens"]
+    cached = after["engine_cached_prompt_tokens"] - before["engine_cached_prompt_tokens"]
+    requests = int(after["engine_requests_total"] - before["engine_requests_total"])
+    assert requests >= 1 and prompt_tokens > 0
+    return answer, cached / prompt_tokens, requests
+
+
+def test_claude_code_sessions_and_turns_reuse_the_cache(server: ServerProcess, tmp_path: Path) -> None:
+    """Two separate ``claude -p`` sessions (different first prompts, so different billing
+    pseudo-headers) share their system prompt and tools; a ``--continue`` turn finds the whole
+    conversation so far."""
+    _, first_share, _ = run_turn(server, "claude", "Say hello.", tmp_path)
+    assert first_share < 0.5  # a cold start: nothing of Claude Code's prompt was cached yet
+    _, other_session, _ = run_turn(server, "claude", "What is 2+2?", tmp_path)
+    assert other_session >= 0.95, f"a second session read only {other_session:.1%} of its prompt from the cache"
+    _, next_turn, _ = run_turn(server, "claude", "And again.", tmp_path, continue_session=True)
+    assert next_turn >= 0.8, f"the second turn read only {next_turn:.1%} of its prompt from the cache"
+
+
+def test_codex_turns_reuse_the_cache(server: ServerProcess, tmp_path: Path) -> None:
+    run_turn(server, "codex", "Say hello.", tmp_path)
+    _, next_turn, _ = run_turn(server, "codex", "And again.", tmp_path, continue_session=True)
+    assert next_turn >= 0.8, f"codex's second turn read only {next_turn:.1%} of its prompt from the cache"
+
+
+def test_opencode_runs(server: ServerProcess, tmp_path: Path) -> None:
+    _, _, requests = run_turn(server, "opencode", "Say hello.", tmp_path)
+    assert requests >= 1
+    _, next_turn, _ = run_turn(server, "opencode", "And again.", tmp_path, continue_session=True)
+    assert next_turn >= 0.8, f"opencode's second turn read only {next_turn:.1%} of its prompt from the cache"
+
+
+def test_the_agents_requests_named_only_the_served_model(server: ServerProcess) -> None:
+    """No request of the agents above was refused (a 404 for another model name, a 400, a 500)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    answered = [line for line in text.splitlines() if line.startswith("kvcellar_http_request_duration_seconds_count")]
+    assert any('route="/v1/messages"' in line for line in answered), answered
+    failed = [line for line in answered if 'status="2' not in line]
+    assert not failed, json.dumps(failed)
