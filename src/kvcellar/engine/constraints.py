@@ -25,10 +25,11 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcellar.errors import InvalidRequestError
@@ -37,6 +38,13 @@ from kvcellar.errors import InvalidRequestError
 # small models given free whitespace can emit newlines until max_tokens.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
+# Budget steering (TokenConstraint, _Planner).
+_PLAN_CAP = 2048  # the longest start plan min_tokens looks for
+_PLAN_EXTRA_NODES = 64  # masks a start-plan search may spend improving its first completion
+_PLAN_BRANCH = 3  # alternatives it tries at each choice
+_MIN_JUMP = 32  # the least the checked zone assumes one token may add to the plan's length
+_RANKED = 2048  # how many of the planner's preferred tokens it checks first
+_ALTERNATIVES = 2  # the model's next best tokens tried when its pick cannot end in time
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok: Any = None
-        self._closers: torch.Tensor | None = None
+        self._planner: _Planner | None = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
+        self._plans: collections.OrderedDict[str, tuple[int, ...] | None] = collections.OrderedDict()
         self.stats = {"grammar_compiled": 0, "grammar_cache_hits": 0, "grammar_compile_seconds": 0.0}
 
     def prepare(self) -> None:
@@ -75,7 +84,7 @@ class GrammarCompiler:
 
                 lltok = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None)
-                self._closers = closing_tokens(lltok, self.vocab_size)
+                self._planner = _Planner(lltok, self.vocab_size)
                 self._lltok = lltok
             return self._lltok
 
@@ -124,43 +133,126 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar, max_tokens: int) -> TokenConstraint:
         """A fresh matcher state for one sequence that may generate ``max_tokens``."""
+        matcher = self._matcher(grammar)
+        assert self._planner is not None
+        if not grammar.steer_to_end:
+            return TokenConstraint(matcher, self._planner, None)
+        return TokenConstraint(matcher, self._planner, max_tokens, self.start_plan(grammar))
+
+    def min_tokens(self, grammar: Grammar, limit: int) -> int | None:
+        """The fewest tokens in which this engine ends an output of ``grammar``: the length
+        of its start plan (see ``start_plan``), or None if that is more than ``limit`` (or
+        no completion was found at all within ``_PLAN_CAP`` tokens).
+
+        Contract, for the server: with ``max_tokens >= M`` (``M = min_tokens(grammar, big)``)
+        a sequence of this grammar ends with output the grammar accepts (finish_reason
+        ``stop``), whatever the model picks; with ``max_tokens < M`` no such output is
+        guaranteed (the output follows the plan and is cut), so refuse the request up
+        front: ``if compiler.min_tokens(grammar, max_tokens) is None`` -> 400 "max_tokens N
+        is too small for this tool call / schema: it needs at least M tokens" (M from a
+        second call with a large ``limit``). Check the budget the engine will really use
+        (``Engine.fit_max_tokens`` may lower it to the context's room).
+
+        M is an upper bound on the true minimum (a heuristic search: forced markup and keys,
+        then the shortest values; the tokenizer's own merges), deterministic and cached, so
+        ``min_tokens(g, M - 1)`` is None and ``min_tokens(g, M) == M``. 0 for grammars that
+        do not steer (``auto`` tool calls: free text). The first call per grammar searches
+        (1-10 ms on the 49k-token SmolLM2 vocabulary for tool calls and nested schemas);
+        later calls are a dict lookup. Thread-safe.
+        """
+        if not grammar.steer_to_end:
+            return 0
+        plan = self.start_plan(grammar)
+        return len(plan) if plan is not None and len(plan) <= limit else None
+
+    def start_plan(self, grammar: Grammar) -> tuple[int, ...] | None:
+        """The shortest completion of ``grammar`` from its start that the planner finds
+        (token ids), or None if none within ``_PLAN_CAP`` tokens; cached per grammar."""
+        key = grammar.source
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+                return self._plans[key]
+        matcher = self._matcher(grammar)
+        assert self._planner is not None
+        found = self._planner.search(matcher, _PLAN_CAP, extra_nodes=_PLAN_EXTRA_NODES, branch=_PLAN_BRANCH)
+        plan = tuple(found) if found is not None else None
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > _CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return plan
+
+    def _matcher(self, grammar: Grammar) -> Any:
         import llguidance
 
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar.source, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"The grammar could not be instantiated: {matcher.get_error()}")
-        assert self._closers is not None
-        return TokenConstraint(matcher, self._closers, max_tokens if grammar.steer_to_end else None)
+        return matcher
 
 
 class TokenConstraint:
     """One sequence's position in its grammar, and its plan to end within ``max_tokens``.
 
-    A grammar guarantees the shape of a *finished* output; a small model can still loop
-    (one more array item, one more tool call) until ``max_tokens`` cuts the JSON in half.
-    So the constraint steers toward the nearest end when the budget runs short, without
-    ever leaving the grammar:
+    A grammar guarantees the shape of a *finished* output; a small model can still loop (one
+    more array item, one more tool call, a string that never closes) until ``max_tokens``
+    cuts the JSON in half. So, when steering, the constraint keeps a **plan**: a completion
+    of the grammar from the current state, the shortest ``_Planner.search`` finds, and keeps
+    the invariant *the plan fits in the budget left*. Whatever the model picks, the output
+    then ends accepted (finish_reason ``stop``) whenever the start plan fits in
+    ``max_tokens`` (``GrammarCompiler.min_tokens``):
 
-    * at an accepting point (e.g. after a complete tool call) it ends the output when what
-      is left is less than the longest stretch between accepting points so far plus the
-      reserve: it never starts a call it is unlikely to finish;
-    * within the last ``reserve`` tokens it allows only tokens that close something (made
-      of ``"``, ``]``, ``}`` and spaces) whenever the grammar allows any, so open strings,
-      arrays and objects close in a few tokens.
+    * ``mask`` is the grammar's mask, except with no slack left (the budget left equals the
+      plan's length): then only the plan's next token is allowed, so the output follows the
+      plan to its accepting end (closing strings, filling required keys with the shortest
+      values);
+    * ``choose`` (called by the sampler with the token it picked) keeps the invariant: in the
+      *checked zone* (slack at most ``reserve`` plus the most one token may add to the plan,
+      e.g. a new parallel call), a token is kept only if the output can still end within
+      the budget after it (the plan so far if it still applies, typically inside a string,
+      else a new search), else the model's next best token that can, else the plan's next
+      token;
+    * farther from the end nothing is checked or searched per token: the plan is looked
+      for again only now and then (whenever an eighth of the slack is spent), so the cost
+      per token is the mask's, as without steering;
+    * at an accepting point (e.g. after a complete tool call) the output ends when what is
+      left is less than the longest stretch between accepting points so far plus the
+      reserve: it never starts a call it is unlikely to finish.
+
+    Below the start plan's length nothing can be guaranteed: the output follows the plan
+    and is cut by ``max_tokens`` (the server refuses such requests up front). The one
+    assumption: outside the checked zone a single token does not add more than its width
+    (``max(32, 2 * the start plan, 2 * the largest addition seen)``) to the plan, e.g. an
+    array item whose required fields take more tokens than that, opened exactly there.
+    Tokens emitted without ``choose`` (a caller that only masks) are not checked either.
 
     Engine thread only.
     """
 
-    def __init__(self, matcher: Any, closers: torch.Tensor, max_tokens: int | None) -> None:
-        """``max_tokens``: the sequence's budget to steer within; None: no steering."""
+    def __init__(self, matcher: Any, planner: _Planner, max_tokens: int | None,
+                 plan: Sequence[int] | None = None) -> None:
+        """``max_tokens``: the sequence's budget to steer within; None: no steering.
+        ``plan``: a completion of the grammar from its start (the compiler's cached start
+        plan), or None to search for one when due."""
         self._matcher = matcher
-        self._closers = closers
+        self._planner = planner
         self._steer = max_tokens is not None
         self._max_tokens = max_tokens or 0
         self.reserve = min(64, max(12, self._max_tokens // 5))
         self._generated = 0
         self._last_accepting = 0
         self._longest_stretch = 0
+        # A completion from the current state (None: unknown since the model left it; looked
+        # for again once the budget left is down to ``_check_at``).
+        self._plan: list[int] | None = list(plan) if plan is not None and self._steer else None
+        # What one token may add to the plan's length, assumed: it sizes the checked zone.
+        self._jump = max(_MIN_JUMP, 2 * len(self._plan or ()))
+        self._check_at = self._max_tokens
+        if self._plan is not None:
+            self._schedule(self._max_tokens, len(self._plan))
+        self._checked: dict[int, list[int] | None] = {}  # this step: token -> completion after it
+        self._checked_at = -1
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[vocab]`` with the tokens the grammar forbids next set to -inf (a new
@@ -169,15 +261,57 @@ class TokenConstraint:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
         n = min(logits.shape[-1], len(bias))  # logits past the tokenizer's ids stay forbidden
         allowed[:n] = torch.frombuffer(bytearray(bias[:n]), dtype=torch.uint8) != 0
-        if self._steer and self._max_tokens - self._generated <= self.reserve:
-            closing = allowed[:n] & self._closers[:n]
-            if bool(closing.any()):
-                allowed[:n] = closing
+        if self._steer:
+            forced = self._begin_step()
+            if forced is not None and forced < n and bool(allowed[forced]):
+                allowed = torch.zeros_like(allowed)
+                allowed[forced] = True
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def choose(self, token_id: int, logits: torch.Tensor) -> int:
+        """The token to emit instead of ``token_id`` (picked from ``logits``, this step's
+        masked logits), if the output could not end within ``max_tokens`` after it: the best
+        token by ``logits`` after which it can, or the plan's next token. ``token_id`` itself
+        almost always (far from the end: without checking)."""
+        left = self._max_tokens - self._generated
+        plan = self._plan
+        if not self._steer or plan is None or self._checked_at != self._generated or left <= 0:
+            return token_id
+        if left - len(plan) > self.reserve + self._jump or (plan and token_id == plan[0]):
+            return token_id
+        if self._completion_after(token_id, left - 1) is not None:
+            return token_id
+        values, ids = torch.topk(logits.detach().to("cpu", torch.float32), min(_ALTERNATIVES + 1, logits.numel()))
+        alternatives = [t for v, t in zip(values.tolist(), ids.tolist(), strict=True)
+                        if v != float("-inf") and t != token_id][:_ALTERNATIVES]
+        for token in alternatives:
+            if self._completion_after(token, left - 1) is not None:
+                return token
+        if plan:
+            return plan[0]
+        for eos in self._planner.eos:  # accepting: ending keeps it so
+            if self._completion_after(eos, left - 1) is not None:
+                return eos
+        return token_id
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``. False if the grammar forbids it (the sequence must end)."""
         ok = bool(self._matcher.consume_token(token_id))
+        left = self._max_tokens - self._generated  # before this token
+        if ok and self._steer:
+            plan = self._plan
+            after = self._checked.get(token_id) if self._checked_at == self._generated else None
+            if after is not None:
+                self._plan = after
+            elif plan and plan[0] == token_id:
+                self._plan = plan[1:]
+            else:  # the model left the plan (far from the end): look again when due
+                self._plan = None
+                if plan is not None:
+                    self._schedule(left, len(plan))
+            if plan is not None and self._plan is not None:
+                self._jump = max(self._jump, 2 * (len(self._plan) - len(plan) + 1))
+        self._checked = {}
         self._generated += 1
         if ok and self._matcher.is_accepting():
             self._longest_stretch = max(self._longest_stretch, self._generated - self._last_accepting)
@@ -195,19 +329,193 @@ class TokenConstraint:
         return self._max_tokens - self._generated < self._longest_stretch + self.reserve
 
     @property
+    def accepting(self) -> bool:
+        """The output so far is a complete output of the grammar."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def plan_length(self) -> int | None:
+        """Tokens of the current plan to the grammar's end (None: not known right now)."""
+        return None if self._plan is None else len(self._plan)
+
+    @property
     def error(self) -> str:
         return str(self._matcher.get_error())
 
+    # ---- steering ---------------------------------------------------------------------------
 
-def closing_tokens(lltok: Any, vocab_size: int) -> torch.Tensor:
-    """``[vocab]`` bool: tokens whose text only closes JSON strings/arrays/objects."""
-    out = torch.zeros(vocab_size, dtype=torch.bool)
-    allowed = set(b'"]} ')
-    for i in range(min(vocab_size, lltok.vocab_size)):
-        raw = lltok.decode_bytes([i])
-        if raw and set(raw) <= allowed and raw.strip():
-            out[i] = True
-    return out
+    def _schedule(self, left: int, plan_length: int) -> None:
+        """When to look for a plan again, should the model leave this one: once an eighth of
+        the slack beyond the checked zone is spent (at once within it)."""
+        gap = left - plan_length - self.reserve - self._jump
+        self._check_at = left - gap // 8 if gap > 0 else left
+
+    def _begin_step(self) -> int | None:
+        """Refresh the plan if due; the one token allowed if there is no slack left."""
+        self._checked = {}
+        self._checked_at = self._generated
+        left = self._max_tokens - self._generated
+        if left <= 0:
+            return None
+        if self._plan is None:
+            if left > self._check_at:
+                return None
+            self._plan = self._planner.search(self._matcher.deep_copy(), left + self.reserve + self._jump)
+            if self._plan is None:  # no end within reach: nothing to steer toward
+                self._check_at = 0
+                return None
+            self._schedule(left, len(self._plan))
+        plan = self._plan
+        if plan and left <= len(plan):  # no slack (none from the start: follow the plan anyway)
+            self._checked[plan[0]] = plan[1:]
+            return plan[0]
+        return None
+
+    def _completion_after(self, token: int, limit: int) -> list[int] | None:
+        """A completion of at most ``limit`` tokens after ``token`` (None: none found),
+        remembered for this step."""
+        if token in self._checked:
+            return self._checked[token]
+        found = self._search_after(token, limit)
+        self._checked[token] = found
+        return found
+
+    def _search_after(self, token: int, limit: int) -> list[int] | None:
+        m = self._matcher.deep_copy()
+        if not m.consume_token(token):
+            return None
+        if m.is_accepting():
+            return []
+        plan = self._plan
+        if plan and token == plan[0]:
+            return plan[1:]
+        if plan and len(plan) <= limit:  # the plan still ends it (typically inside a string)
+            probe = m.deep_copy()
+            for i, t in enumerate(plan):
+                if not probe.consume_token(t):
+                    break
+                if probe.is_accepting():
+                    return plan[:i + 1]
+        return self._planner.search(m, limit)
+
+
+class _Planner:
+    """Shortest-completion search over one tokenizer's vocabulary, driven by the matcher.
+
+    From a matcher state, it walks toward an accepting state: forced tokens first (the
+    matcher's fast-forward tokens: keys, ``const`` values, markup), else among the allowed
+    tokens the one that closes the most (made of ``"``, ``]``, ``}`` and spaces, longest
+    first), else the longest allowed token that opens no array or object (so an enum value,
+    a number, a ``minLength`` string take few tokens). That first, greedy completion is
+    usually the shortest; ``search`` can spend extra nodes on a depth-first branch and bound
+    over the next best alternatives at each choice. Deterministic: the result depends only
+    on the grammar state and the arguments.
+    """
+
+    def __init__(self, lltok: Any, vocab_size: int) -> None:
+        n = min(vocab_size, lltok.vocab_size)
+        # float64: ties are broken toward lower ids (more frequent merges), deterministically.
+        score = np.full(n, -np.inf)
+        close = set(b'"]} ')
+        for i in range(n):
+            raw = lltok.decode_bytes([i])
+            if not raw:
+                continue
+            if lltok.is_special_token(i):
+                value = -1e6  # only where the grammar names it (its markup is forced anyway)
+            elif set(raw) <= close and raw.strip():
+                # Inside a string only a quote closes: the others would be content there.
+                value = 1e4 + (1e3 if b'"' in raw else 0) + len(raw)
+            else:
+                opens = max(0, raw.count(b"{") + raw.count(b"[") - raw.count(b"}") - raw.count(b"]"))
+                # a lone escape or minus sign is a value still to finish
+                value = len(raw) - 2 * opens - (8 if raw.endswith((b"\\", b"-")) else 0)
+            score[i] = value - i * 1e-6
+        self.score = score
+        self.ranked = np.argsort(-score, kind="stable")[:_RANKED]  # the best tokens, best first
+        self._lltok = lltok
+        self.eos = [int(t) for t in getattr(lltok, "eos_tokens", None) or [lltok.eos_token]]
+
+    def choices(self, m: Any, k: int) -> list[int]:
+        """The ``k`` best allowed tokens in ``m``'s state, best first."""
+        bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
+        top = self.ranked[bias[self.ranked] != 0][:k]  # cheap where most tokens are allowed (strings)
+        if top.size == k:
+            return top.tolist()
+        allowed = np.flatnonzero(bias[:self.score.size])
+        if allowed.size <= 1:
+            return allowed.tolist()
+        scores = self.score[allowed]
+        if k == 1:
+            return [int(allowed[np.argmax(scores)])]
+        best = np.argpartition(-scores, k)[:k] if allowed.size > k else np.arange(allowed.size)
+        best = best[np.argsort(-scores[best], kind="stable")]
+        return allowed[best].tolist()
+
+    def search(self, m: Any, limit: int, *, extra_nodes: int = 0, branch: int = 1) -> list[int] | None:
+        """A completion of at most ``limit`` tokens from ``m``'s state to an accepting one
+        (the shortest found), or None. ``m`` is the caller's copy: it is advanced and may
+        be left anywhere. Spends at most ``limit + extra_nodes`` nodes (mask or forced-token
+        computations); ``branch``: alternatives tried at each choice (1: greedy only)."""
+        if m.is_accepting():
+            return []
+        if m.is_error() or m.is_stopped() or limit <= 0:
+            return None
+
+        def expand() -> list[list[int]]:
+            forced = m.compute_ff_tokens()
+            if forced:
+                return [list(forced)]
+            return [[t] for t in self.choices(m, branch)]
+
+        best: list[int] | None = None
+        path: list[int] = []
+        stack: list[tuple[list[list[int]], int]] = [(expand(), 0)]
+        nodes, max_nodes = 1, limit  # then ``extra_nodes`` more once a first completion is found
+        while stack:
+            moves, depth = stack[-1]
+            if len(path) > depth:
+                m.rollback(len(path) - depth)
+                del path[depth:]
+            if not moves:
+                stack.pop()
+                continue
+            bound = len(best) if best is not None else limit + 1  # a new completion must be shorter
+            done = False
+            for t in moves.pop(0):
+                if len(path) + 1 >= bound:
+                    break
+                if not m.consume_token(t):  # cannot happen: the matcher offered it
+                    return best
+                path.append(t)
+                if m.is_accepting():
+                    if best is None:
+                        max_nodes = nodes + extra_nodes
+                    best, done = path.copy(), True
+                    break
+            if done or len(path) + 1 >= bound or len(path) == depth:
+                continue
+            if nodes >= max_nodes:
+                break
+            nodes += 1
+            stack.append((expand(), len(path)))
+        if best:
+            m.rollback(len(path))
+            best = self._merged(m, best)
+        return best
+
+    def _merged(self, m: Any, plan: list[int]) -> list[int]:
+        """``plan``'s text tokenized as the tokenizer would, where that is shorter and ends
+        accepted too (the search goes token by token: ``"`` then ``,`` where ``",`` is one)."""
+        merged = self._lltok.tokenize_bytes(self._lltok.decode_bytes(plan))
+        if len(merged) >= len(plan):
+            return plan
+        for i, t in enumerate(merged):
+            if not m.consume_token(t):
+                return plan
+            if m.is_accepting():
+                return merged[:i + 1]
+        return plan
 
 
 def dumps_schema(schema: Any) -> str:

@@ -92,7 +92,8 @@ def sample_row(
     constraint: TokenConstraint | None = None,
 ) -> SampleResult:
     """Pick the next token from one row of float32 logits ``[vocab]``. With a
-    ``constraint``, tokens its grammar forbids are never picked (logprobs stay those of the
+    ``constraint``, tokens its grammar forbids are never picked, and near ``max_tokens``
+    neither are tokens after which it could not end in time (logprobs stay those of the
     model's own distribution)."""
     raw = logits
     if constraint is not None:
@@ -114,6 +115,8 @@ def sample_row(
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         token = int(torch.multinomial(probs, 1, generator=generator))
+    if constraint is not None:  # near max_tokens: a token after which the output can still end
+        token = constraint.choose(token, logits)
     if not params.logprobs:
         return SampleResult(token, None, None)
     logp = torch.log_softmax(raw, dim=-1)

@@ -281,11 +281,27 @@ class Serving:
         params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
         requested = ireq.max_tokens if ireq.max_tokens is not None else self._room(len(prompt))
         params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
+        if params.grammar is not None:
+            await self.on_tokenizer_thread(self._check_room_for_grammar, params.grammar, params.max_tokens, ireq)
         parse_calls = tools is not None and tools.choice != "none"
         if parse_calls and not ireq.explicit_skip_special and self.tool_prompting.markup_is_special:
             params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
         parser = self.tool_prompting.parser_factory(tools) if parse_calls and tools else None
         return PreparedChat(prompt, params, parser, parallel_calls=tools is None or tools.parallel)
+
+    def _check_room_for_grammar(self, grammar: Grammar, max_tokens: int, ireq: InternalRequest) -> None:
+        """A forced call or a schema that cannot end within max_tokens is refused up front, not
+        cut into broken JSON."""
+        compiler = self.engine.grammars
+        if compiler.min_tokens(grammar, max_tokens) is not None:
+            return
+        least = compiler.min_tokens(grammar, 1 << 20)
+        what = "this forced tool call" if ireq.tools is not None and ireq.tools.forced else "this output schema"
+        need = f"at least {least} tokens" if least is not None else "more tokens than any limit allows"
+        param = {"messages": "max_tokens", "responses": "max_output_tokens"}.get(ireq.api, "max_tokens")
+        raise errors.invalid(f"max_tokens {max_tokens} is too small for {what}: a complete, valid output needs "
+                             f"{need} (the context and --max-completion-tokens bound max_tokens too).",
+                             param=param, code="max_tokens_too_small")
 
     def _chat_grammar(self, output: OutputSpec | None, tools: ToolPlan | None) -> Grammar | None:
         """Forced tool calls win over the output format (the output is the calls), which
