@@ -3,9 +3,13 @@ API) and opencode (chat completions), pinned and installed by ``make agents`` (t
 runs them offline, each in a folder of its own).
 
 Each agent runs with its full default request (Claude Code's is ~12.4k tokens, Codex's ~9.3k), so
-the server is started with a context above the embedded model's 8192 tokens. What is checked is
-what a user sees: the agent exits 0 and prints an answer, and a later turn finds the conversation
-so far in the cache. The cache share of a turn is read from the server's counters around it
+the server is started with a context above the embedded model's 8192 tokens. A 135M model at
+temperature 1 over such a prompt sometimes writes thousands of tokens before its end token, and
+Claude Code (on ``max_tokens``) and Codex (on ``incomplete``) treat a cut reply as a failure, so
+the server ends every reply at its first newline (``--stop``, as an Ollama Modelfile's stop;
+reported as a normal end) with ``--max-completion-tokens`` as a backstop. What is checked is
+what a user sees: the agent exits 0 after its turn, and a later turn finds the conversation so
+far in the cache. The cache share of a turn is read from the server's counters around it
 (prompt tokens served from the cache / prompt tokens, over every request of the turn). The
 answers themselves are a 135M model's and are not judged.
 """
@@ -33,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterat
     # bf16 where the CPU has it (prefill of the agents' prompts is the slow part); a context that
     # holds them; the pool grows to one such request.
     proc = ServerProcess(tmp_path_factory.mktemp("agents-server"), "--dtype", "auto", "--max-model-len", "32768",
-                         models_dir=models_dir).start()
+                         "--stop", "\\n", "--max-completion-tokens", "512", models_dir=models_dir).start()
     yield proc
     proc.stop()
 
@@ -55,8 +59,7 @@ def run_turn(server: ServerProcess, name: str, prompt: str, folder: Path, **kwar
     after = counters(server)
     assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-3000:]}\nserver log: {server.log_path}"
-    answer = agents.answer_text(name, result)
-    assert answer, f"{name} printed no answer:\n{result.stderr[-3000:]}"
+    answer = agents.answer_text(name, result)  # may be empty: the model's reply can start with its stop
     prompt_tokens = after["engine_prompt_tokens"] - before["engine_prompt_tokens"]
     cached = after["engine_cached_prompt_tokens"] - before["engine_cached_prompt_tokens"]
     requests = int(after["engine_requests_total"] - before["engine_requests_total"])
@@ -65,13 +68,16 @@ def run_turn(server: ServerProcess, name: str, prompt: str, folder: Path, **kwar
 
 
 def test_claude_code_sessions_and_turns_reuse_the_cache(server: ServerProcess, tmp_path: Path) -> None:
-    """Two separate ``claude -p`` sessions (different first prompts, so different billing
-    pseudo-headers) share their system prompt and tools; a ``--continue`` turn finds the whole
-    conversation so far."""
+    """A second ``claude -p`` session reads its whole prompt from the cache, one with another
+    question (another billing pseudo-header) its system prompt and tools (the question comes
+    before Claude Code's environment section, which is therefore computed again); a
+    ``--continue`` turn finds the whole conversation so far."""
     _, first_share, _ = run_turn(server, "claude", "Say hello.", tmp_path)
     assert first_share < 0.5  # a cold start: nothing of Claude Code's prompt was cached yet
-    _, other_session, _ = run_turn(server, "claude", "What is 2+2?", tmp_path)
-    assert other_session >= 0.95, f"a second session read only {other_session:.1%} of its prompt from the cache"
+    _, same_question, _ = run_turn(server, "claude", "Say hello.", tmp_path)
+    assert same_question >= 0.95, f"a second session read only {same_question:.1%} of its prompt from the cache"
+    _, other_question, _ = run_turn(server, "claude", "What is 2+2?", tmp_path)
+    assert other_question >= 0.75, f"a new question read only {other_question:.1%} of its prompt from the cache"
     _, next_turn, _ = run_turn(server, "claude", "And again.", tmp_path, continue_session=True)
     assert next_turn >= 0.8, f"the second turn read only {next_turn:.1%} of its prompt from the cache"
 

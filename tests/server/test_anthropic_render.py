@@ -62,8 +62,19 @@ def events(pieces: Sequence[str], finish: str = "eos", stop_string: str | None =
     return out
 
 
-def renderer(tools: bool = True) -> MessagesRenderer:
-    return MessagesRenderer(MODEL, OutputTracker(HermesParser(["get_weather"]) if tools else None))
+REQUEST_STOPS = ("2.", "_call>")  # the stop_sequences the stop-string cases ask for
+
+
+def renderer(tools: bool = True, stops: tuple[str, ...] = REQUEST_STOPS) -> MessagesRenderer:
+    return MessagesRenderer(MODEL, OutputTracker(HermesParser(["get_weather"]) if tools else None), stops)
+
+
+def test_a_server_wide_stop_is_a_normal_end() -> None:
+    """``--stop`` strings the request did not ask for end the turn as ``end_turn``."""
+    r = renderer(tools=False, stops=())
+    for ev in events(["Hello.", " More"], finish="stop_string", stop_string="\n"):
+        r.add(0, ev)
+    assert r.response()["stop_reason"] == "end_turn" and r.response()["stop_sequence"] is None
 
 
 def whole(evs: Sequence[TokenEvent], tools: bool = True) -> dict[str, Any]:

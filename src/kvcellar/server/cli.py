@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-_FIELDS = ("host", "port", "api_key", "served_model_name", "serve_any_model", "first_token_timeout",
+_FIELDS = ("host", "port", "api_key", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
            "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
            "access_log", "log_format")
 
@@ -23,6 +23,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-any-model", action="store_true", default=None,
                    help="answer requests that name any model with the loaded one (agents' background "
                    "requests name their own small models); default: unknown names get 404")
+    p.add_argument("--stop", default=None,
+                   help="stop strings added to every request, comma-separated, escapes allowed (e.g. '\\n'), as an "
+                   "Ollama Modelfile's stop: a reply they end reports a normal end")
     p.add_argument("--first-token-timeout", type=float, default=None,
                    help="seconds a request may wait for its first token (default 300)")
     p.add_argument("--inter-token-timeout", type=float, default=None,

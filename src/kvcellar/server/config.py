@@ -33,10 +33,19 @@ class ServerConfig:
     max_choices: int = 16
     # API requests in flight beyond this are refused with 503 instead of queueing forever.
     max_inflight_requests: int = 1024
+    # Stop strings added to every generation request, comma-separated escapes allowed ("\n"),
+    # as an Ollama Modelfile's stop parameter: a small model in an agent loop ends its turn at
+    # them. A reply they end reports a normal end (end_turn / stop), not a stop sequence.
+    stop: str | None = None
     # Responses API: replies kept in memory for previous_response_id (store: true), newest first.
     max_stored_responses: int = 1024
     access_log: bool = False
     log_format: str = "text"  # text | json
+
+    def default_stops(self) -> tuple[str, ...]:
+        if not self.stop:
+            return ()
+        return tuple(part.encode().decode("unicode_escape") for part in self.stop.split(",") if part)
 
     def model_aliases(self) -> list[str]:
         if not self.served_model_name:

@@ -247,6 +247,7 @@ class Serving:
         logprobs = req.logprobs is not None
         params = self._params(req, req.max_tokens if req.max_tokens is not None else 16, logprobs,
                               req.logprobs or 0)
+        params.stop = self.with_default_stops(params.stop)
         params.grammar = await self.on_tokenizer_thread(self._schema_grammar, response_schema(req.response_format),
                                                         "response_format")
         shape = RequestShape("completion", req.model, self.fingerprint, n, len(prompts), logprobs, req.logprobs or 0,
@@ -267,6 +268,9 @@ class Serving:
 
     # ---- shared by every chat-like API ---------------------------------------------------
 
+    def with_default_stops(self, stop: tuple[str, ...]) -> tuple[str, ...]:
+        return stop + tuple(s for s in self.config.default_stops() if s not in stop)
+
     async def render_prompt(self, ireq: InternalRequest) -> list[int]:
         """The request's messages and tools rendered with the model's template, tokenized."""
         messages, template_kwargs = self.tool_prompting.prepare(
@@ -278,6 +282,7 @@ class Serving:
         prompt = await self.render_prompt(ireq)
         tools = ireq.tools
         params = dataclasses.replace(ireq.params)
+        params.stop = self.with_default_stops(params.stop)
         params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
         requested = ireq.max_tokens if ireq.max_tokens is not None else self._room(len(prompt))
         params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)

@@ -190,7 +190,8 @@ async def messages(serving: Serving, req: MessagesRequest, receive: Receive) -> 
         serving.metrics.count("server_anthropic_pseudo_headers_dropped", dropped)
     prepared = await serving.prepare_chat(ireq)
     tracker = prepared.tracker()
-    return await serving.run(MessagesRenderer(req.model, tracker), [prepared.prompt], [prepared.params], ireq,
+    renderer = MessagesRenderer(req.model, tracker, tuple(req.stop_sequences or ()))
+    return await serving.run(renderer, [prepared.prompt], [prepared.params], ireq,
                              receive)
 
 

@@ -48,10 +48,11 @@ def parse_input(arguments: str) -> dict[str, Any]:
 
 
 class MessagesRenderer:
-    def __init__(self, model: str, tracker: OutputTracker) -> None:
+    def __init__(self, model: str, tracker: OutputTracker, stop_sequences: tuple[str, ...] = ()) -> None:
         self.id = new_id("msg_")
         self.model = model
         self.tracker = tracker
+        self.stop_sequences = stop_sequences  # the request's own; a server-wide stop is a normal end
         self.blocks: list[dict[str, Any]] = []  # text: {"type", "text"}; tool_use: arguments in "_args"
         self._started = False
         self._block_of_call: dict[int, int] = {}
@@ -70,7 +71,7 @@ class MessagesRenderer:
             return "tool_use", None
         if t.finish_reason == "length":
             return "max_tokens", None
-        if t.stop_string is not None:
+        if t.stop_string is not None and t.stop_string in self.stop_sequences:
             return "stop_sequence", t.stop_string
         return "end_turn", None
 
