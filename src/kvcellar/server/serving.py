@@ -285,7 +285,11 @@ class Serving:
         params.stop = self.with_default_stops(params.stop)
         params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
         requested = ireq.max_tokens if ireq.max_tokens is not None else self._room(len(prompt))
-        params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
+        try:
+            params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
+        except InvalidRequestError as exc:
+            exc.param = "input" if ireq.api == "responses" else "messages"
+            raise
         if params.grammar is not None:
             await self.on_tokenizer_thread(self._check_room_for_grammar, params.grammar, params.max_tokens, ireq)
         parse_calls = tools is not None and tools.choice != "none"

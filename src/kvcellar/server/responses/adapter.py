@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -32,7 +31,7 @@ from kvcellar.engine import SamplingParams
 from kvcellar.server import errors
 from kvcellar.server.internal import InternalRequest, OutputSpec
 from kvcellar.server.responses.protocol import InputTokensRequest, NamedTool, ResponsesRequest
-from kvcellar.server.responses.render import ResponsesRenderer
+from kvcellar.server.responses.render import ResponsesRenderer, ToolNames
 from kvcellar.server.responses.store import ResponseStore, StoredResponse
 from kvcellar.server.serving import Serving, check_text
 from kvcellar.server.tools.request import ToolPlan, check_schema, make_tool_plan
@@ -43,15 +42,6 @@ SKIPPED_ITEMS = frozenset({"reasoning", "web_search_call", "file_search_call", "
                            "code_interpreter_call", "mcp_list_tools", "compaction"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text"})
 _logged_hosted: set[str] = set()
-
-
-@dataclass
-class ToolNames:
-    """How names the model sees map back to the API's items."""
-
-    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # flat -> (namespace, name)
-    custom: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> the custom tool
-    forced_custom: str | None = None  # the whole output is this custom tool's input
 
 
 def _text(content: Any, where: str) -> str:

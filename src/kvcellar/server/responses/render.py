@@ -23,17 +23,24 @@ import secrets
 import string
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
 from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Text
 from kvcellar.server.streaming import sse_event
 
-if TYPE_CHECKING:
-    from kvcellar.server.responses.adapter import ToolNames
-
 _ALPHABET = string.ascii_letters + string.digits
+
+
+@dataclass
+class ToolNames:
+    """How names the model sees map back to the API's items."""
+
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # flat -> (namespace, name)
+    custom: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> the custom tool
+    forced_custom: str | None = None  # the whole output is this custom tool's input
 
 
 def new_id(prefix: str) -> str:
