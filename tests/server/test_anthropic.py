@@ -274,8 +274,6 @@ def test_tool_choice_none_never_uses_a_tool(claude: anthropic.Anthropic) -> None
         assert [b.type for b in r.content] == ["text"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with tool_choice none the tools stay in the prompt and nothing stops "
-                   "the model writing its <tool_call> markup, which comes back verbatim as text")
 def test_tool_choice_none_leaks_no_call_markup(claude: anthropic.Anthropic) -> None:
     r = create(claude, max_tokens=60, messages=FEW_SHOT, tools=TOOLS, tool_choice={"type": "none"})
     assert "<tool_call>" not in text_of(r)

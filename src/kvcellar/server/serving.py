@@ -42,7 +42,7 @@ from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker,
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
-from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar
+from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar, no_call_grammar
 from kvcellar.server.tools.parsers import ToolParser
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
@@ -322,6 +322,8 @@ class Serving:
                                        mistral_token_id=self.tool_prompting.mistral_token_id)
         if output is None and tools is not None and tools.choice == "auto":
             return auto_call_grammar(self.engine.grammars, family, tools.tools)
+        if output is None and tools is not None and tools.choice == "none":
+            return no_call_grammar(self.engine.grammars, family)
         if output is not None and output.lark is not None:
             return self.engine.grammars.lark(output.lark, param=output.param, description="custom_tool")
         return self._schema_grammar(output.schema if output else None, output.param if output else "")

@@ -90,3 +90,13 @@ def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[di
             f"body: %json {body}\n"
             "TEXT: /(.|\\n)*/\n")
     return compiler.lark(lark, param="tools", description=f"tool_call_auto:{family}", steer_to_end=False)
+
+
+def no_call_grammar(compiler: GrammarCompiler, family: str) -> Grammar | None:
+    """``tool_choice: "none"`` with the tools still in the prompt (so the cached prefix is the
+    one ``auto`` requests share): free text that never holds the call marker, or None where the
+    family's markup is not plain text (llama3, mistral)."""
+    if family != "hermes":
+        return None
+    lark = "start: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n"
+    return compiler.lark(lark, param="tool_choice", description=f"no_tool_call:{family}", steer_to_end=False)
