@@ -147,6 +147,11 @@ class OutputTracker:
     def arguments_of(self, index: int) -> str:
         return "".join(self.arguments.get(index, ())) or "{}"
 
+    def log_fields(self) -> dict[str, Any]:
+        return {"finish": self.finish_reason, "prompt_tokens": self.num_prompt_tokens,
+                "cached_tokens": self.num_cached_tokens, "completion_tokens": self.num_output_tokens,
+                "cached_by_tier": self.cached_tokens_by_tier}
+
     @property
     def called(self) -> bool:
         return bool(self.calls)

@@ -123,11 +123,6 @@ class Serving:
         except UnicodeError as exc:  # check_text should have caught it; never a 500 for bad text
             raise errors.invalid(f"The request holds text that cannot be encoded: {exc}") from None
 
-    def _room(self, prompt_len: int) -> int:
-        """Default max_tokens: whatever the context (and the KV pool) leaves."""
-        pool_tokens = self.engine.pool_tokens
-        return max(1, min(self.engine.max_model_len, pool_tokens) - prompt_len)
-
     def _choice_count(self, n: int, num_prompts: int) -> int:
         if n * num_prompts > self.config.max_choices:
             raise errors.invalid(f"This server returns at most {self.config.max_choices} choices per request "
@@ -284,7 +279,8 @@ class Serving:
         params = dataclasses.replace(ireq.params)
         params.stop = self.with_default_stops(params.stop)
         params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
-        requested = ireq.max_tokens if ireq.max_tokens is not None else self._room(len(prompt))
+        # No max_tokens: whatever room the context leaves (fit_max_tokens clamps to it).
+        requested = ireq.max_tokens if ireq.max_tokens is not None else self.engine.max_model_len
         try:
             params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
         except InvalidRequestError as exc:

@@ -17,20 +17,13 @@ failure after the start is an ``error`` event, and the stream ends.
 from __future__ import annotations
 
 import json
-import secrets
-import string
 from typing import Any
 
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
 from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Text
 from kvcellar.server.streaming import sse_event
-
-_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_id(prefix: str) -> str:
-    return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+from kvcellar.server.tools.parsers import random_id
 
 
 def tool_use_id(call_id: str) -> str:
@@ -49,7 +42,7 @@ def parse_input(arguments: str) -> dict[str, Any]:
 
 class MessagesRenderer:
     def __init__(self, model: str, tracker: OutputTracker, stop_sequences: tuple[str, ...] = ()) -> None:
-        self.id = new_id("msg_")
+        self.id = random_id("msg_")
         self.model = model
         self.tracker = tracker
         self.stop_sequences = stop_sequences  # the request's own; a server-wide stop is a normal end
@@ -167,6 +160,4 @@ class MessagesRenderer:
         return [sse_event("error", err.anthropic_body())]
 
     def log_fields(self) -> dict[str, Any]:
-        t = self.tracker
-        return {"finish": t.finish_reason, "prompt_tokens": t.num_prompt_tokens, "cached_tokens": t.num_cached_tokens,
-                "completion_tokens": t.num_output_tokens, "cached_by_tier": t.cached_tokens_by_tier}
+        return self.tracker.log_fields()

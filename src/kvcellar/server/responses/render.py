@@ -19,8 +19,6 @@ failure after the start is ``response.failed`` with the error, and the stream en
 from __future__ import annotations
 
 import json
-import secrets
-import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +28,7 @@ from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
 from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Text
 from kvcellar.server.streaming import sse_event
-
-_ALPHABET = string.ascii_letters + string.digits
+from kvcellar.server.tools.parsers import random_id
 
 
 @dataclass
@@ -43,14 +40,10 @@ class ToolNames:
     forced_custom: str | None = None  # the whole output is this custom tool's input
 
 
-def new_id(prefix: str) -> str:
-    return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(24))
-
-
 class ResponsesRenderer:
     def __init__(self, model: str, tracker: OutputTracker, names: ToolNames, echo: dict[str, Any],
                  on_done: Callable[[ResponsesRenderer], None]) -> None:
-        self.id = new_id("resp_")
+        self.id = random_id("resp_")
         self.created_at = int(time.time())
         self.model = model
         self.tracker = tracker
@@ -63,12 +56,12 @@ class ResponsesRenderer:
         self._open = -1  # index of the item being streamed
         self._item_of_call: dict[int, int] = {}
         if names.forced_custom is not None:  # the whole output is one custom call's input
-            self.items.append(self._custom_item(new_id("call_"), names.forced_custom))
+            self.items.append(self._custom_item(random_id("call_"), names.forced_custom))
 
     # ---- items --------------------------------------------------------------------------
 
     def _custom_item(self, call_id: str, name: str) -> dict[str, Any]:
-        return {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": call_id, "name": name, "input": "",
+        return {"type": "custom_tool_call", "id": random_id("ctc_"), "call_id": call_id, "name": name, "input": "",
                 "status": "in_progress"}
 
     def _apply(self, piece: Piece) -> tuple[bool, int]:
@@ -81,7 +74,7 @@ class ResponsesRenderer:
             if last is not None and last["type"] == "message":
                 last["content"][0]["text"] += piece.text
                 return False, len(self.items) - 1
-            self.items.append({"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
+            self.items.append({"type": "message", "id": random_id("msg_"), "status": "in_progress", "role": "assistant",
                                "content": [{"type": "output_text", "text": piece.text, "annotations": [],
                                             "logprobs": []}]})
             return True, len(self.items) - 1
@@ -89,7 +82,7 @@ class ResponsesRenderer:
             if piece.name in self.names.custom:
                 self.items.append({**self._custom_item(piece.id, piece.name), "_args": ""})
             else:
-                item = {"type": "function_call", "id": new_id("fc_"), "call_id": piece.id, "name": piece.name,
+                item = {"type": "function_call", "id": random_id("fc_"), "call_id": piece.id, "name": piece.name,
                         "arguments": "", "status": "in_progress"}
                 if piece.name in self.names.namespaced:
                     item["namespace"], item["name"] = self.names.namespaced[piece.name]
@@ -250,6 +243,4 @@ class ResponsesRenderer:
         return [self._event("response.failed", response=failed)]
 
     def log_fields(self) -> dict[str, Any]:
-        t = self.tracker
-        return {"finish": t.finish_reason, "prompt_tokens": t.num_prompt_tokens, "cached_tokens": t.num_cached_tokens,
-                "completion_tokens": t.num_output_tokens, "cached_by_tier": t.cached_tokens_by_tier}
+        return self.tracker.log_fields()

@@ -13,6 +13,7 @@ from kvcellar.server.tools.parsers.base import (
     ToolParser,
     collect,
     new_call_id,
+    random_id,
 )
 from kvcellar.server.tools.parsers.hermes import HermesParser
 from kvcellar.server.tools.parsers.llama3 import Llama3Parser
@@ -31,6 +32,7 @@ __all__ = [
     "collect",
     "new_call_id",
     "parser_for_template",
+    "random_id",
 ]
 
 PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser)}

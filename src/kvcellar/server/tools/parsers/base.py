@@ -88,8 +88,13 @@ class StreamDelta:
             self.items.append(piece)
 
 
+def random_id(prefix: str) -> str:
+    """``prefix`` + 24 random [A-Za-z0-9], the shape of OpenAI's and Anthropic's ids."""
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
 def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+    return random_id("call_")
 
 
 class _Status(Enum):
