@@ -20,19 +20,11 @@ import pytest
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.server.tools.grammar import forced_call_grammar
 from tests._models import embedded
+from tests.server.test_tools import TIME, WEATHER
 
 CITY = {"type": "function", "function": {  # the tool: one required string
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the local time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 TOOL_SETS = {"city": [CITY], "weather_time": [WEATHER, TIME]}
 REPORT = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 40},
