@@ -145,3 +145,32 @@ class ServerProcess:
 
     def kill(self) -> None:
         self.launcher.kill()
+
+
+class InProcessServer:
+    """A real uvicorn server on 127.0.0.1 around an app built in this process: for tests
+    that need a component of the engine replaced by a test subclass (a fault that cannot be
+    made real on demand), which a ``kvcellar serve`` subprocess cannot take."""
+
+    def __init__(self, app: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, name="test-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> InProcessServer:
+        self._thread.start()
+        wait_until(lambda: self._server.started, timeout=READY_TIMEOUT, what="the in-process server to start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=120)

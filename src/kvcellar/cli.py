@@ -26,6 +26,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (default 32)")
+    p.add_argument("--unhealthy-after-failed-steps", type=int, default=None,
+                   help="engine steps failing in a row before /health answers 503 (default 3)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="token budget per engine step while sequences are decoding (default 512)")
     p.add_argument("--max-prefill-step-tokens", type=int, default=None,
@@ -54,6 +56,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="SSD tier: write every new block through (default), write blocks RAM evicts, or off")
     p.add_argument("--ssd-durability", default=None, choices=["best_effort", "persistent"],
                    help="persistent: fsync before a block counts as stored (default best_effort)")
+    p.add_argument("--ssd-persistent-retries", type=int, default=None,
+                   help="with --ssd-durability persistent: retries of a failed write before the block is dropped "
+                        "(default 3)")
     p.add_argument("--ssd-async", default=None, action=argparse.BooleanOptionalAction,
                    help="write blocks on the writer thread (default) or synchronously")
     p.add_argument("--ssd-queue-blocks", type=int, default=None, help="writer queue bound, in blocks (default 256)")
@@ -80,10 +85,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
                                    "max_prefill_step_tokens", "max_model_len", "max_completion_tokens",
                                    "prefix_caching", "warmup",
-                                   "weights")},
+                                   "weights", "unhealthy_after_failed_steps")},
         },
-        "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_async", "ssd_queue_blocks",
-                                     "ssd_flush_interval_s", "disk_cache_gb", "disk_min_free_gb", "ssd_ttl_days")},
+        "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
+                                     "ssd_queue_blocks", "ssd_flush_interval_s", "disk_cache_gb", "disk_min_free_gb",
+                                     "ssd_ttl_days")},
         "remote": remote_cli_values(args),
         "server": server_cli_values(args),
     })

@@ -85,10 +85,14 @@ class EngineConfig:
     # step reads; prefill runs their dequantized weights. auto: int4 for a GGUF whose linears
     # are 4-bit where torch's int4 kernel runs (bf16 on a CPU with native bf16), else full.
     weights: str = "auto"
+    # Steps failing in a row (a broken model or kernel, not one bad request) before /health
+    # turns 503 so a load balancer takes the replica out; a step that succeeds resets it.
+    unhealthy_after_failed_steps: int = 3
 
     def validate(self) -> None:
-        if min(self.block_size, self.max_num_seqs, self.max_step_tokens) < 1:
-            raise ValueError("block_size, max_num_seqs and max_step_tokens must be >= 1")
+        if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps) < 1:
+            raise ValueError("block_size, max_num_seqs, max_step_tokens and unhealthy_after_failed_steps "
+                             "must be >= 1")
         if not 0 <= self.prefetch_pool_fraction <= 1:
             raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
         if self.weights not in WEIGHT_MODES:

@@ -35,7 +35,7 @@ from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.output import final_event, token_event
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
-from kvcellar.engine.scheduler import Scheduler
+from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
@@ -125,7 +125,12 @@ class Engine:
             "engine_step_seconds": 0.0,
             "engine_warmup_steps": 0,  # steps ``warm_up`` ran before serving
             "engine_warmup_seconds": 0.0,
+            "engine_step_failures": 0,  # steps an exception ended (their sequences failed)
+            "engine_step_failures_in_a_row": 0,
         }
+        # The last step failure, for /health: "<ExceptionType>: message" and its unix time.
+        self.last_step_error: str | None = None
+        self.last_step_error_time: float | None = None
 
     # ---- public, any thread ---------------------------------------------------------------
 
@@ -365,7 +370,24 @@ class Engine:
         return {"ram": dict(self.blocks.snapshot()), **(lower.stats_by_tier() if lower is not None else {})}
 
     # Levels among the snapshot's own keys (exported as gauges); the others are counts.
-    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching"})
+    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
+                        "engine_step_failures_in_a_row"})
+
+    @property
+    def healthy(self) -> bool:
+        """False once ``unhealthy_after_failed_steps`` steps failed in a row (until one succeeds)."""
+        return self.stats["engine_step_failures_in_a_row"] < self.config.unhealthy_after_failed_steps
+
+    def step_health(self) -> dict[str, object]:
+        """The step loop's state for /health."""
+        return {
+            "healthy": self.healthy,
+            "step_failures": int(self.stats["engine_step_failures"]),
+            "step_failures_in_a_row": int(self.stats["engine_step_failures_in_a_row"]),
+            "unhealthy_after_failed_steps": self.config.unhealthy_after_failed_steps,
+            "last_step_error": self.last_step_error,
+            "last_step_error_time": self.last_step_error_time,
+        }
 
     def gauge_keys(self) -> frozenset[str]:
         """The keys of ``snapshot`` that are levels, as their owners declare them."""
@@ -403,12 +425,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop_now:
             self._wake.clear()
-            try:
-                did_work = self.step()
-            except Exception:  # a bug, not a request error: log, keep serving
-                log.exception("engine step failed")
-                did_work = False
-            if not did_work and not self._stop_now:
+            if not self.step() and not self._stop_now:
                 self._wake.wait(timeout=1.0)
 
     def _drain_inbox(self) -> None:
@@ -436,7 +453,19 @@ class Engine:
             self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="abort"))
 
     def step(self) -> bool:
-        """Run one scheduling step. Returns False when there was nothing to do."""
+        """Run one scheduling step. Returns False when there was nothing to do.
+
+        Never raises: an exception fails the sequences it can be traced to (those of a
+        forward that fails even when run alone, the one being scheduled, any the scheduler
+        dropped), each with an error event, and the engine goes on with the others."""
+        try:
+            return self._step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._step_failed(exc, self._culprits())
+            return True
+
+    def _step(self) -> bool:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan is None:
@@ -447,14 +476,19 @@ class Engine:
         try:
             logits = self.runner.run(plan)
         except Exception as exc:
-            log.exception("forward pass failed; failing the %d sequences of this step", len(plan.items))
-            for item in plan.items:
-                self._finish(item.seq, TokenEvent(item.seq.seq_id, None, "", finish_reason="error",
-                                                  error=f"{type(exc).__name__}: {exc}"))
-            return True
+            log.exception("forward pass of %d sequences failed", len(plan.items))
+            plan = self._run_apart(plan, exc)
+            if not plan.items:
+                return True
+            try:
+                logits = self.runner.run(plan)
+            except Exception as again:
+                self._step_failed(again, [item.seq for item in plan.items])
+                return True
         self.stats["engine_steps"] += 1
         self.stats["engine_computed_tokens"] += plan.num_tokens
         row = 0
+        failed: list[tuple[Sequence, Exception]] = []
         for item in plan.items:
             seq = item.seq
             try:
@@ -465,12 +499,64 @@ class Engine:
                                                  seq.constraint))
             except Exception as exc:  # one sequence's failure must not strand the others
                 log.exception("post-processing sequence %d failed", seq.seq_id)
-                self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="error",
-                                             error=f"{type(exc).__name__}: {exc}"))
+                failed.append((seq, exc))
         if self.lower is not None:
             self.lower.flush()
         self.stats["engine_step_seconds"] += time.perf_counter() - t0
+        if failed:
+            for seq, exc in failed:
+                self._step_failed(exc, [seq])
+        else:
+            self.stats["engine_step_failures_in_a_row"] = 0
         return True
+
+    def _run_apart(self, plan: StepPlan, exc: Exception) -> StepPlan:
+        """The batch's forward raised: run each sequence's part alone to find the ones that
+        fail by themselves (a shape or input only they have), fail those, and return the
+        plan of the others (whose forward is run again, batched: the KV it rewrites is the
+        same). A single sequence that fails is the culprit without a second try."""
+        if len(plan.items) == 1:
+            self._step_failed(exc, [plan.items[0].seq])
+            return StepPlan([], [])
+        keep: list[Scheduled] = []
+        for item in plan.items:
+            alone = StepPlan([item], []) if any(item is d for d in plan.decodes) else StepPlan([], [item])
+            try:
+                self.runner.run(alone)
+            except Exception as item_exc:
+                self._step_failed(item_exc, [item.seq])
+                continue
+            keep.append(item)
+        if len(keep) == len(plan.items):  # none fails alone: a fault of the batch itself
+            self._step_failed(exc, [item.seq for item in plan.items])
+            return StepPlan([], [])
+        kept = {id(item) for item in keep}
+        return StepPlan([i for i in plan.decodes if id(i) in kept], [i for i in plan.prefills if id(i) in kept])
+
+    def _culprits(self) -> list[Sequence]:
+        """The sequences an exception outside the forward is traced to: the one the
+        scheduler had in hand, those it had taken off its queues, and (after too many
+        failures in a row, when nothing can be traced) every active one, so that no request
+        waits for a step that keeps failing."""
+        sched = self.scheduler
+        queued = {id(s) for s in (*sched.waiting, *sched.running, *sched.loading)}
+        found = [s for s in self._seqs.values() if id(s) not in queued]
+        if sched.in_hand is not None and sched.in_hand.state != SeqState.FINISHED and sched.in_hand not in found:
+            found.append(sched.in_hand)
+        if not found and self.stats["engine_step_failures_in_a_row"] + 1 >= self.config.unhealthy_after_failed_steps:
+            found = list(self._seqs.values())
+        return found
+
+    def _step_failed(self, exc: Exception, seqs: Seq[Sequence]) -> None:
+        self.stats["engine_step_failures"] += 1
+        self.stats["engine_step_failures_in_a_row"] += 1
+        self.last_step_error = f"{type(exc).__name__}: {exc}"
+        self.last_step_error_time = time.time()
+        if not self.healthy and self.stats["engine_step_failures_in_a_row"] == self.config.unhealthy_after_failed_steps:
+            log.error("%d engine steps failed in a row; /health answers 503 until one succeeds",
+                      self.config.unhealthy_after_failed_steps)
+        for seq in seqs:
+            self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="error", error=self.last_step_error))
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until no work is left (manual mode: tests, benchmarks)."""
@@ -500,10 +586,18 @@ class Engine:
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
         if seq.state == SeqState.FINISHED:
             return
-        self.scheduler.remove(seq)
+        # The client gets its last event even when the bookkeeping around it fails.
+        try:
+            self.scheduler.remove(seq)
+        except Exception:
+            log.exception("releasing sequence %d failed; its blocks may stay held", seq.seq_id)
+            seq.state = SeqState.FINISHED
         self._seqs.pop(seq.seq_id, None)
         seq.finish_reason = event.finish_reason
-        final_event(seq, event)
+        try:
+            final_event(seq, event)
+        except Exception:
+            log.exception("the totals of sequence %d's last event failed", seq.seq_id)
         if event.finish_reason == "abort":
             self.stats["engine_requests_aborted"] += 1
         elif event.finish_reason == "error":

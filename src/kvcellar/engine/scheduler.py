@@ -77,6 +77,9 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = {"sched_preemptions": 0, "sched_admitted": 0}
+        # The sequence ``schedule`` is acting on (admitting, growing), for the engine to fail
+        # if an exception escapes; None between sequences.
+        self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
             blocks, stats=self.stats, enabled=prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=prefetch_pool_fraction, prefetch_max_reads=prefetch_max_reads)
@@ -122,6 +125,7 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
+        self.in_hand = None
         for seq in self.cache.poll():
             self._run(seq)
         decoding = any(not seq.in_prefill for seq in self.running)
@@ -132,10 +136,13 @@ class Scheduler:
         for seq in list(self.running):
             if seq.in_prefill or seq not in self.running:
                 continue
+            self.in_hand = seq
             if not self._ensure_slot(seq, decodes):
                 continue
             decodes.append(Scheduled(seq, seq.num_computed, 1, True))
             budget -= 1
+
+        self.in_hand = None
 
         for seq in self.running:
             if budget <= 0:
@@ -145,24 +152,27 @@ class Scheduler:
                 budget -= prefills[-1].length
 
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            reserve = sum(1 for s in self.running if not s.in_prefill)
-            admission = self.cache.admit(seq, reserve=reserve, crowded=bool(self.running or self.loading))
-            if admission is Admission.NO_ROOM:  # keep arrival order, try next step
-                self.waiting.appendleft(seq)
-                break
-            if admission is Admission.DEFERRED:
-                deferred.append(seq)
-                continue
-            self.stats["sched_admitted"] += 1
-            if admission is Admission.LOADING:
-                seq.state = SeqState.LOADING
-                continue
-            self._run(seq)
-            prefills.append(self._chunk(seq, budget))
-            budget -= prefills[-1].length
-        self.waiting.extendleft(reversed(deferred))
+        try:
+            while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+                seq = self.in_hand = self.waiting.popleft()
+                reserve = sum(1 for s in self.running if not s.in_prefill)
+                admission = self.cache.admit(seq, reserve=reserve, crowded=bool(self.running or self.loading))
+                if admission is Admission.NO_ROOM:  # keep arrival order, try next step
+                    self.waiting.appendleft(seq)
+                    break
+                if admission is Admission.DEFERRED:
+                    deferred.append(seq)
+                    continue
+                self.stats["sched_admitted"] += 1
+                if admission is Admission.LOADING:
+                    seq.state = SeqState.LOADING
+                    continue
+                self._run(seq)
+                prefills.append(self._chunk(seq, budget))
+                budget -= prefills[-1].length
+            self.in_hand = None
+        finally:  # an exception is the sequence in hand's alone: the deferred keep their place
+            self.waiting.extendleft(reversed(deferred))
         if self.waiting:
             self.cache.prefetch_for(self.waiting, reserve=len(self.running))
 

@@ -114,7 +114,7 @@ class ServerState:
         in_tiers = {k for counters in tiers.values() for k in counters}
         ssd = tiers.get("ssd")
         return {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.draining else "ok" if self.engine.healthy else "unhealthy",
             "model": self.serving.model_name,
             "weights": self.engine.loaded.weights,
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
@@ -127,6 +127,8 @@ class ServerState:
             # Whether the previous run on this cache dir shut down cleanly (writer drained,
             # index flushed); null without an SSD tier.
             "last_shutdown_clean": None if ssd is None else ssd.get("last_shutdown_clean"),
+            # Why /health may be 503 while not draining: steps failing in a row.
+            "engine_steps": self.engine.step_health(),
             "tiers": tiers,
             **group_by_prefix({k: v for k, v in stats.items() if k not in in_tiers}),
         }
@@ -206,7 +208,8 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
 
     @app.get("/health", summary="Liveness, queue, and cache statistics by tier")
     async def health() -> JSONResponse:
-        return JSONResponse(state.health(), status_code=503 if state.draining else 200)
+        body = state.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
