@@ -85,7 +85,9 @@ class Driver:
     """A minimal step loop around the real scheduler (the engine's, without a model)."""
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, prefix_caching: bool = True,
-                 max_num_seqs: int = 8, max_step_tokens: int = 32, prefetch_pool_fraction: float = 0.25) -> None:
+                 max_num_seqs: int = 8, max_step_tokens: int = 32, prefetch_pool_fraction: float = 0.25,
+                 guard_backoff_s: tuple[float, float] = (1.0, 30.0)) -> None:
+        self.guard_backoff_s = guard_backoff_s
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=block_size, dtype=torch.float32)
         self.pool = KVPool(layout, num_blocks, torch.device("cpu"))
         self.bm = BlockManager(num_blocks, block_size)
@@ -105,7 +107,7 @@ class Driver:
 
     def attach(self, tier: KVTier, policy: str = "write_through") -> None:
         if self.lower is None:
-            self.lower = LowerTierLink(self.pool, self.bm.key, wake=self.wake.set)
+            self.lower = LowerTierLink(self.pool, self.bm.key, wake=self.wake.set, guard_backoff_s=self.guard_backoff_s)
             self.sched.cache.lower = self.lower
             self.bm.on_evict = self.lower.evicted
         self.lower.attach(tier, policy)

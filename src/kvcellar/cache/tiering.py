@@ -47,6 +47,7 @@ import torch
 from kvcellar.cache.block_manager import Block
 from kvcellar.cache.kv_pool import KVPool
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
+from kvcellar.storage.guard import GuardedTier
 
 POLICIES = ("write_through", "evict_only", "read_only")
 
@@ -55,6 +56,8 @@ POLICIES = ("write_through", "evict_only", "read_only")
 class AttachedTier:
     tier: KVTier
     policy: str
+    # Every call the link makes goes through here: the tier's faults stay the tier's.
+    calls: GuardedTier
     batch: list[StoreRequest] = field(default_factory=list)  # this step's write-through copies
 
 
@@ -100,8 +103,10 @@ class LowerTierLink:
         key_of: Callable[[bytes], bytes],
         *,
         wake: Callable[[], None] | None = None,
+        guard_backoff_s: tuple[float, float] = (1.0, 30.0),
     ) -> None:
         self.pool = pool
+        self._guard = {"backoff_initial_s": guard_backoff_s[0], "backoff_max_s": guard_backoff_s[1]}
         self.key_of = key_of
         self.tiers: list[AttachedTier] = []
         self._wake = wake
@@ -118,7 +123,7 @@ class LowerTierLink:
             raise ValueError(f"unknown tier policy {policy!r}; use one of {', '.join(POLICIES)}")
         if any(t.tier.name == tier.name for t in self.tiers):
             raise ValueError(f"a tier named {tier.name!r} is already attached")
-        self.tiers.append(AttachedTier(tier, policy))
+        self.tiers.append(AttachedTier(tier, policy, GuardedTier(tier, **self._guard)))
         # Counters carry the tier's name (ssd_link_*, remote_link_*): reported with that tier.
         p = f"{tier.name}_link_"
         self.stats.update({p + k: 0 for k in ("lookups", "queried_blocks", "lookup_blocks", "loaded_blocks",
@@ -145,7 +150,7 @@ class LowerTierLink:
                 break
             self._count(i, "lookups")
             self._count(i, "queried_blocks", len(keys) - pos)
-            n = max(0, min(int(attached.tier.lookup(keys[pos:])), len(keys) - pos))
+            n = max(0, min(int(attached.calls.lookup(keys[pos:])), len(keys) - pos))
             if n:
                 self._count(i, "lookup_blocks", n)
                 runs.append((i, n))
@@ -167,7 +172,7 @@ class LowerTierLink:
         futures = []
         pos = 0
         for index, n in plan.runs:
-            future = self.tiers[index].tier.load(requests[pos: pos + n])
+            future = self.tiers[index].calls.load(requests[pos: pos + n])
             if self._wake is not None:
                 future.add_done_callback(lambda _f: self._wake())  # type: ignore[misc]
             futures.append(future)
@@ -211,7 +216,7 @@ class LowerTierLink:
         keys = [self.key_of(d) for d in digests]
         for attached in self.tiers:
             if attached.policy == "write_through":
-                attached.tier.touch(keys)
+                attached.calls.touch(keys)
 
     # ---- writes ---------------------------------------------------------------------------
 
@@ -242,7 +247,7 @@ class LowerTierLink:
         for attached in self.tiers:
             if attached.batch:
                 batch, attached.batch = attached.batch, []
-                attached.tier.store(batch)
+                attached.calls.store(batch)
 
     def _store(self, block: Block, policies: tuple[str, ...], *, batch: bool) -> None:
         """Store ``block`` into each tier above the one it came from whose policy is in
@@ -254,7 +259,7 @@ class LowerTierLink:
         for i, attached in enumerate(self.tiers[:above]):
             if attached.policy not in policies:
                 continue
-            if not attached.tier.wants(key):
+            if not attached.calls.wants(key):
                 if batch:  # on eviction, "already stored" is the normal answer: not a decline
                     self._count(i, "declined_blocks")
                 continue
@@ -264,7 +269,7 @@ class LowerTierLink:
             if batch:
                 attached.batch.append(request)
             else:
-                attached.tier.store([request])
+                attached.calls.store([request])
 
     def _store_request(self, block: Block, key: bytes) -> StoreRequest:
         assert block.digest is not None and block.token_ids is not None
@@ -281,12 +286,12 @@ class LowerTierLink:
         for attached in self.tiers:
             prefix = attached.tier.name + "_link_"
             out[attached.tier.name] = {**{k: v for k, v in self.stats.items() if k.startswith(prefix)},
-                                       **attached.tier.stats()}
+                                       **attached.calls.stats()}
         return out
 
     def health(self) -> dict[str, dict[str, object]]:
         """Each tier's ``health()`` with its policy, by tier name."""
-        return {a.tier.name: {"policy": a.policy, **a.tier.health()} for a in self.tiers}
+        return {a.tier.name: {"policy": a.policy, **a.calls.health()} for a in self.tiers}
 
     def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
         """Flush; offer each write-through tier the ``cached`` RAM blocks whose store it
@@ -299,11 +304,11 @@ class LowerTierLink:
         for i, attached in enumerate(self.tiers):
             if attached.policy == "write_through":
                 self._offer_again(i, attached, blocks, deadline)
-            clean = attached.tier.close(max(0.5, deadline - time.monotonic())) and clean
+            clean = attached.calls.close(max(0.5, deadline - time.monotonic())) and clean
         return clean
 
     def _offer_again(self, index: int, attached: AttachedTier, blocks: list[Block], deadline: float) -> None:
-        tier = attached.tier
+        tier = attached.calls
         for block in blocks:
             if block.loaded_from and block.loaded_from - 1 <= index:
                 continue  # came from this tier or one below it

@@ -406,7 +406,7 @@ class Engine:
         lower = self.lower
         for attached in lower.tiers if lower is not None else []:
             name = attached.tier.name
-            health = attached.tier.health()
+            health = attached.calls.health()
             reports.append({
                 "tier": name, "state": health.get("state"),
                 "last_shutdown_clean": health.get("last_shutdown_clean"),

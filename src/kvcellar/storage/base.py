@@ -119,6 +119,10 @@ class KVTier(ABC):
     name: str
     # The keys of ``stats()`` that are levels (exported as gauges); the others are counts.
     gauges: frozenset[str] = frozenset()
+    # Longest a verb may take on the caller's thread, and a load until its future resolves,
+    # before the link (storage/guard.py) counts it as a fault of the tier.
+    call_timeout_s: float = 5.0
+    load_timeout_s: float = 30.0
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
