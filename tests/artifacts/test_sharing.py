@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcellar.artifacts import ArtifactCache
+from kvcellar.artifacts import ArtifactCache, ArtifactDescriptor
 from kvcellar.runtime import prepare_and_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,36 @@ def test_lru_eviction_down_to_80_percent(tiny_ggufs: list[Path], tmp_path: Path)
     assert stats["artifact_evictions"] == 2
     assert stats["artifact_bytes_used"] <= 0.8 * cache.max_bytes
     assert not (cache.entries_dir / b).exists() and not (cache.entries_dir / c).exists()
+
+
+def test_hit_and_miss_counts_and_the_last_eviction(tiny_ggufs: list[Path], tmp_path: Path) -> None:
+    """/health and /metrics read these: hits and misses as counters (the hit rate is derived in
+    health), the last LRU eviction as a gauge (its time) and in health (which entry)."""
+    cache = ArtifactCache(tmp_path / "models")
+    assert cache.stats()["artifact_last_eviction_time"] == 0.0
+    assert cache.health() == {"hit_rate": None, "last_eviction": None}
+    assert "artifact_last_eviction_time" in cache.GAUGES
+    assert {"artifact_hits", "artifact_misses"}.isdisjoint(cache.GAUGES)
+    a, _, c = _build_four(tiny_ggufs, cache)  # three misses (built), then A again: a hit
+    stats = cache.stats()
+    assert (stats["artifact_hits"], stats["artifact_misses"]) == (1, 3)
+    assert (stats["artifact_lifetime_hits"], stats["artifact_lifetime_misses"]) == (1, 3)
+    assert cache.health() == {"hit_rate": 0.25, "last_eviction": None}
+    label_c = next(ArtifactDescriptor.from_dict(e.descriptor).label for e in cache.entries() if e.key == c)
+
+    cache.max_bytes = _limit_for_two_evictions(cache)
+    before = time.time()
+    d = _load_released(tiny_ggufs[3], cache)
+    after = time.time()
+    assert {e.key for e in cache.entries()} == {a, d}  # B went first, then C: C is the last
+    last = cache.health()["last_eviction"]
+    assert (last["key"], last["label"]) == (c, label_c) and before <= last["time"] <= after
+    assert cache.stats()["artifact_last_eviction_time"] == last["time"]
+    # Kept in the index: another process on the same cache reports the same eviction.
+    other = ArtifactCache(tmp_path / "models")
+    assert other.health()["last_eviction"] == last and other.health()["hit_rate"] == 0.2
+    assert other.stats()["artifact_last_eviction_time"] == last["time"]
+    assert other.stats()["artifact_hits"] == 0  # its own counters start at zero
 
 
 def test_entry_held_by_another_process_is_not_evicted(tiny_ggufs: list[Path], tmp_path: Path) -> None:

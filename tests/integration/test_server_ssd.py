@@ -54,7 +54,7 @@ def test_restart_serves_the_prefix_from_disk(tmp_path, models_dir, reference):
     second = ServerProcess(cache, models_dir=models_dir).start()
     try:
         health = second.health()
-        assert health["last_shutdown_clean"] is True
+        assert health["last_shutdown_clean"] is True and health["last_shutdown_reason"] is None
         assert health["tiers"]["ssd"]["state"] == "ok"
         b = ask(second, "The disk is 95% full. What do I check first?")
         prompt_tokens = b.usage.prompt_tokens
@@ -116,6 +116,7 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
     try:
         health = final.health()
         assert health["last_shutdown_clean"] is False
+        assert "killed or crashed" in health["last_shutdown_reason"]
         ssd = health["tiers"]["ssd"]["counters"]
         assert ssd["ssd_recovered_unclean_sessions"] >= 1
         cached = 0

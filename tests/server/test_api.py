@@ -270,6 +270,8 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert h["tiers"]["ram"]["state"] == "ok" and h["tiers"]["ram"]["counters"]["kv_blocks_total"] > 0
     assert "engine_requests_total" in h["engine"]
     assert h["artifact"]["artifact_entries"] >= 1  # the model came from the artifact cache
+    assert 0 <= h["artifact_cache"]["hit_rate"] <= 1 and "last_eviction" in h["artifact_cache"]
+    assert h["status"] == "ok" and h["engine_steps"]["healthy"] and h["engine_steps"]["step_failures"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvcellar_engine_requests_total" in metrics
     assert "kvcellar_kv_blocks_used " in metrics or "kvcellar_kv_blocks_used{" in metrics
@@ -281,11 +283,11 @@ def test_health_and_metrics(server: ServerProcess) -> None:
 
 LEVELS = {  # every level of the snapshot: gauges; the issue found most exported as counters
     "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable", "kv_blocks_used",
-    "engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
+    "engine_running", "engine_waiting", "engine_loading", "engine_prefetching", "engine_step_failures_in_a_row",
     "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks", "ssd_scan_complete",
     "writer_queue_depth", "writer_in_flight", "writer_pending_keys", "ssd_load_batches_in_flight",
     "server_inflight_requests", "server_inflight_sequences",
-    "artifact_entries", "artifact_bytes_used", "artifact_bytes_limit",
+    "artifact_entries", "artifact_bytes_used", "artifact_bytes_limit", "artifact_last_eviction_time",
 }
 
 

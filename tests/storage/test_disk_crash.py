@@ -1,6 +1,7 @@
 """A writer process killed for real with SIGKILL, again and again: every re-open
 succeeds, reconciliation removes and counts the orphans, the unclean shutdown
-is reported, and every block that lookup reports present loads and verifies."""
+is reported with its reason, and every block that lookup reports present loads
+and verifies."""
 
 from __future__ import annotations
 
@@ -65,3 +66,24 @@ def test_sigkill_while_writing(tmp_path, open_tier, durability: str, async_write
 
     last = open_tier(tmp_path)
     assert last.health()["last_shutdown_clean"] is True  # the test's own closes were clean
+
+
+def test_shutdown_reason_names_the_killed_process_then_clears(tmp_path, open_tier) -> None:
+    child = spawn_child("write", str(tmp_path), "ns", "best_effort", "1", "0")
+    assert child.stdout is not None
+    line = child.stdout.readline()  # the tier is open and writing
+    assert line.startswith("stored "), child.stderr.read() if child.stderr else ""
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    tier = open_tier(tmp_path)
+    health = tier.health()
+    reason = health["ssd"]["last_shutdown_reason"]
+    assert health["last_shutdown_clean"] is False
+    assert reason == f"process {child.pid} ended without recording a shutdown (killed or crashed)", reason
+    assert tier.close(30) is True
+
+    again = open_tier(tmp_path)
+    assert again.health()["last_shutdown_clean"] is True
+    assert again.health()["ssd"]["last_shutdown_reason"] is None

@@ -191,6 +191,60 @@ def test_retries_are_bounded_then_the_fault_is_reported(tmpfs, open_tier) -> Non
     assert tier.health()["state"] == "degraded" and "ENOSPC" in tier.health()["last_error"]
 
 
+def _take_every_inode(fs) -> list:
+    """Create empty files until the filesystem has no inode left: the next create fails with ENOSPC."""
+    fillers = []
+    with contextlib.suppress(OSError):
+        for i in range(1000):
+            (fs.path / f"fill{i}").touch()
+            fillers.append(fs.path / f"fill{i}")
+    return fillers
+
+
+def test_async_persistent_write_retries_on_the_writer_until_the_fault_clears(tmpfs, open_tier) -> None:
+    """The writer thread retries a failed persistent write; store() returns at once, and a
+    fault that clears within the retry budget costs retries, not the block."""
+    fs = tmpfs("8m", nr_inodes=64)
+    tier = open_tier(fs.path, durability="persistent", persistent_retries=200, min_free_bytes=0)
+    assert tier.wait_scanned(30)
+    fillers = _take_every_inode(fs)
+    b = block(0)
+    tier.store([b])
+    assert wait_until(lambda: tier.stats()["writer_retries"] >= 2, timeout=60)
+    assert tier.stats()["writer_in_flight"] == 1 and tier.lookup([b.key]) == 0  # still trying, not dropped
+    for f in fillers:
+        f.unlink()
+    assert tier.wait_idle(120)
+    s = tier.stats()
+    assert s["ssd_stored_blocks"] == 1 and s["writer_retry_final_fail"] == 0 and s["ssd_write_errors"] == 0
+    assert tier.health()["state"] == "ok" and not tier.wants(b.key)
+    req = load_request(b)
+    assert tier.load([req]).result(timeout=30) == 1 and bits_equal(req.dest, b.data)
+    assert not files(fs.path, ".tmp")
+
+
+def test_async_persistent_write_that_keeps_failing_is_dropped_and_counted(tmpfs, open_tier) -> None:
+    fs = tmpfs("8m", nr_inodes=64)
+    tier = open_tier(fs.path, durability="persistent", persistent_retries=2, **FAST_RECOVERY)
+    assert tier.wait_scanned(30)
+    fillers = _take_every_inode(fs)
+    b = block(0)
+    tier.store([b])
+    assert tier.wait_idle(60)
+    s = tier.stats()
+    assert s["writer_retries"] == 2 and s["writer_retry_final_fail"] == 1 and s["ssd_write_errors"] == 1
+    assert s["ssd_stored_blocks"] == 0 and s["writer_pending_keys"] == 0 and s["writer_failed"] == 0
+    assert tier.lookup([b.key]) == 0 and not files(fs.path, ".tmp")
+    assert "ENOSPC" in str(tier.health()["last_error"])
+    for f in fillers:  # once the fault clears, the dropped block is asked for and written again
+        f.unlink()
+    assert wait_until(lambda: tier.health()["state"] == "ok", timeout=60)
+    assert tier.wants(b.key)
+    tier.store([b])
+    assert tier.wait_idle(30)
+    assert tier.stats()["writer_written_after_drop"] == 1 and tier.lookup([b.key]) == 1
+
+
 def _fill(tier, fs, spec) -> None:
     """Store blocks until making room needs evictions: the filesystem is full."""
     i = 0

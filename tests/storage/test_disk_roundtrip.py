@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import threading
 
@@ -179,6 +180,7 @@ def test_close_drains_the_queue_and_records_a_clean_shutdown(tmp_path, open_tier
     assert tier.close(1) is True
     reopened = open_tier(tmp_path)
     assert reopened.health()["last_shutdown_clean"] is True
+    assert reopened.health()["ssd"]["last_shutdown_reason"] is None
     assert len(files(tmp_path, ".kvb")) == stored == 200
     assert not files(tmp_path, ".tmp")
 
@@ -227,6 +229,9 @@ def test_close_that_cannot_drain_records_an_unclean_shutdown(tmp_path, open_tier
     assert again.wait_scanned(30)
     health = again.health()
     assert health["last_shutdown_clean"] is False and health["ssd"]["unclean_previous_sessions"] == 1
+    reason = health["ssd"]["last_shutdown_reason"]
+    found = re.fullmatch(r"writer did not drain within 0\.0s: (\d+) queued block\(s\) dropped", reason)
+    assert found and 0 < int(found.group(1)) <= s["writer_dropped_abort"], reason
     assert again.stats()["ssd_recovered_unclean_sessions"] == 1
     # everything that was written is whole: the scan found no bad file
     assert again.stats()["ssd_blocks"] == s["ssd_stored_blocks"]

@@ -33,6 +33,7 @@ import secrets
 import shutil
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 from kvcellar.artifacts.config import ArtifactConfig
@@ -53,7 +54,8 @@ class CacheDirectory:
     """The directory ``root`` of an artifact cache. See the module docstring."""
 
     # Levels among the ``stats()`` keys (exported as gauges); the others are counts.
-    GAUGES = frozenset({"artifact_entries", "artifact_bytes_used", "artifact_bytes_limit"})
+    GAUGES = frozenset({"artifact_entries", "artifact_bytes_used", "artifact_bytes_limit",
+                        "artifact_last_eviction_time"})
 
     def __init__(self, root: Path, *, max_bytes: int | None = None, verify: str = "fast") -> None:
         cfg = ArtifactConfig()
@@ -99,24 +101,48 @@ class CacheDirectory:
             except sqlite3.Error as exc:
                 log.warning("artifact index: could not update counter %s: %s", name, exc)
 
+    def note_eviction(self, key: str, label: str) -> None:
+        """Remember the last LRU eviction in the index, so every process sharing the cache
+        (a server beside ``kvcellar models prune``) reports the same one."""
+        try:
+            self.index.set_last_eviction(key, label, time.time())
+        except sqlite3.Error as exc:
+            log.warning("artifact index: could not record the eviction of %s: %s", key, exc)
+
     def stats(self) -> dict[str, float]:
         """``artifact_*`` figures for /health and /metrics: this process's counters, the
         cache's lifetime counters (``artifact_lifetime_*``, all processes, persisted in the
-        index) and the gauges ``artifact_entries``, ``artifact_bytes_used``, ``artifact_bytes_limit``."""
+        index; hits and misses give the hit rate) and the gauges ``artifact_entries``,
+        ``artifact_bytes_used``, ``artifact_bytes_limit`` and ``artifact_last_eviction_time``
+        (unix seconds of the last LRU eviction by any process, 0 when none)."""
         with self._stats_lock:
             out: dict[str, float] = {f"artifact_{k}": v for k, v in self._counters.items()}
         try:
             rows = self.index.entries()
             lifetime = self.index.counters()
+            last = self.index.last_eviction()
         except sqlite3.Error as exc:
             log.warning("artifact index unreadable for stats: %s", exc)
-            rows, lifetime = [], {}
+            rows, lifetime, last = [], {}, None
         for name in ("hits", "misses", "builds", "evictions", "corrupt"):
             out[f"artifact_lifetime_{name}"] = float(lifetime.get(name, 0))
         out["artifact_entries"] = float(len(rows))
         out["artifact_bytes_used"] = float(sum(r.size_bytes for r in rows))
         out["artifact_bytes_limit"] = float(self.max_bytes)
+        out["artifact_last_eviction_time"] = float(last["time"]) if last else 0.0
         return out
+
+    def health(self) -> dict[str, object]:
+        """What /health shows beside the counters: the lifetime hit rate (None before any
+        lookup) and the last LRU eviction (``{"key", "label", "time"}``, None when none)."""
+        try:
+            lifetime = self.index.counters()
+            last = self.index.last_eviction()
+        except sqlite3.Error as exc:
+            log.warning("artifact index unreadable for health: %s", exc)
+            lifetime, last = {}, None
+        hits, misses = lifetime.get("hits", 0), lifetime.get("misses", 0)
+        return {"hit_rate": round(hits / (hits + misses), 4) if hits + misses else None, "last_eviction": last}
 
     # ---- one entry ----------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ def evict_to_fit(d: CacheDirectory, protect: set[str] | frozenset[str] = frozens
             total -= row.size_bytes
             evicted.append(row.key)
             d.count("evictions")
+            d.note_eviction(row.key, _label(row))
             log.info("artifact %s evicted (LRU, %d bytes)", _label(row), row.size_bytes)
         else:
             d.count("evict_skipped_in_use", lifetime=False)

@@ -13,7 +13,8 @@ Tables: ``entries`` (one row per entry: descriptor, size, created, last access, 
 count, the stat signatures of its files at their last full verification), ``counters``
 (lifetime ``artifact_*`` counters), ``digests`` (sha256 of source files such as a GGUF,
 keyed by path and valid while size, mtime, ctime and inode are unchanged; this is what
-makes the weights identity of a second start cost nothing), ``meta`` (schema version).
+makes the weights identity of a second start cost nothing), ``meta`` (schema version, the last
+LRU eviction: which entry and when, whichever process evicted it).
 
 Thread safety: one connection, guarded by a lock; any thread may call any method.
 """
@@ -160,6 +161,23 @@ class ArtifactIndex:
     def counters(self) -> dict[str, int]:
         with self._lock:
             return {n: int(v) for n, v in self._conn.execute("SELECT name, value FROM counters").fetchall()}
+
+    def set_last_eviction(self, key: str, label: str, when: float) -> None:
+        value = json.dumps({"key": key, "label": label, "time": when})
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO meta VALUES ('last_eviction', ?)", (value,))
+
+    def last_eviction(self) -> dict[str, Any] | None:
+        """``{"key", "label", "time"}`` of the last LRU eviction (unix seconds), or None."""
+        with self._lock:
+            r = self._conn.execute("SELECT value FROM meta WHERE name='last_eviction'").fetchone()
+        if r is None:
+            return None
+        try:
+            found = json.loads(r[0])
+        except ValueError:
+            return None
+        return found if isinstance(found, dict) else None
 
     # ---- memoized source digests ----------------------------------------------------------
 

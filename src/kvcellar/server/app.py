@@ -127,11 +127,24 @@ class ServerState:
             # Whether the previous run on this cache dir shut down cleanly (writer drained,
             # index flushed); null without an SSD tier.
             "last_shutdown_clean": None if ssd is None else ssd.get("last_shutdown_clean"),
+            "last_shutdown_reason": None if ssd is None else (ssd.get("ssd") or {}).get("last_shutdown_reason"),
             # Why /health may be 503 while not draining: steps failing in a row.
             "engine_steps": self.engine.step_health(),
             "tiers": tiers,
+            **self._artifact_health(),
             **group_by_prefix({k: v for k, v in stats.items() if k not in in_tiers}),
         }
+
+    def _artifact_health(self) -> dict[str, Any]:
+        """The artifact cache's hit rate and last eviction, when the model came from it."""
+        cache = getattr(getattr(self.engine.loaded, "artifact", None), "cache", None)
+        if cache is None or not hasattr(cache, "health"):
+            return {}
+        try:
+            return {"artifact_cache": cache.health()}
+        except Exception:  # a broken source must not take /health down
+            log.exception("artifact cache health failed")
+            return {}
 
     def tiers(self) -> dict[str, dict[str, Any]]:
         """Each cache tier once, top first: its state and health (lower tiers: policy, last

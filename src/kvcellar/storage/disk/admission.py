@@ -121,7 +121,7 @@ class WriteAdmission:
             return False
         if os.path.exists(ns.layout.block_path(key)):
             return True
-        ns.table.discard_if_known(key)
+        ns.forget_missing(key)
         return False
 
     def _parent_present(self, parent: bytes) -> bool:

@@ -67,6 +67,8 @@ class DiskTierConfig:
             raise ValueError(f"durability must be best_effort or persistent, got {self.durability!r}")
         if self.queue_blocks < 1 or self.io_threads < 1:
             raise ValueError("queue_blocks and io_threads must be >= 1")
+        if self.persistent_retries < 0:
+            raise ValueError(f"persistent_retries must be >= 0, got {self.persistent_retries}")
         for name in ("enqueue_timeout_s", "write_defer_max_s", "flush_interval_s", "prune_interval_s",
                      "lookup_lease_s",
                      "fault_backoff_initial_s", "fault_backoff_max_s", "probe_interval_s", "exit_drain_s"):
@@ -88,6 +90,8 @@ class DiskSettings:
     ssd_policy: str = "write_through"
     # best_effort: one try, no fsync; persistent: fsync before a block counts, bounded retries.
     ssd_durability: str = "best_effort"
+    # With persistent durability: how often a failed write is tried again before the block is dropped.
+    ssd_persistent_retries: int = 3
     ssd_async: bool = True
     ssd_queue_blocks: int = 256
     ssd_flush_interval_s: float = 1.0
@@ -106,11 +110,14 @@ class DiskSettings:
             raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
         if self.disk_cache_gb < 0 or (self.disk_min_free_gb or 0) < 0 or self.ssd_ttl_days <= 0:
             raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
+        if self.ssd_persistent_retries < 0:
+            raise ValueError(f"ssd_persistent_retries must be >= 0, not {self.ssd_persistent_retries}")
 
     def to_tier_config(self) -> DiskTierConfig:
         self.validate()
         return DiskTierConfig(
             durability=self.ssd_durability,  # type: ignore[arg-type]  (validated above)
+            persistent_retries=self.ssd_persistent_retries,
             async_writes=self.ssd_async,
             queue_blocks=self.ssd_queue_blocks,
             flush_interval_s=self.ssd_flush_interval_s,

@@ -29,7 +29,7 @@ from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.layout import NamespaceLayout
-from kvcellar.storage.disk.sessions import Session, StaleSession, open_session, scan_sessions
+from kvcellar.storage.disk.sessions import Session, StaleSession, open_session, scan_sessions, unclean_summary
 from kvcellar.storage.disk.table import BlockTable
 from kvcellar.storage.disk.writer import fsync_dir, write_block_file
 from kvcellar.storage.faults import FaultTracker
@@ -37,7 +37,7 @@ from kvcellar.storage.faults import FaultTracker
 _log = logging.getLogger("kvcellar.storage.disk")
 
 SSD_COUNTERS = (
-    "lookup_calls", "lookup_hit_blocks",
+    "lookup_calls", "lookup_hit_blocks", "stale_dropped", "removed_blocks",
     "load_calls", "load_hits", "load_misses", "load_bytes", "load_missing",
     "stored_blocks", "stored_bytes", "store_skipped_existing", "store_verified_existing", "store_repaired",
     "evicted_blocks", "evicted_bytes", "ttl_pruned_blocks", "ttl_pruned_bytes",
@@ -94,6 +94,7 @@ class OpenNamespace:
         self.session: Session | None = None
         self.stale: list[StaleSession] = []
         self.last_shutdown_clean = True
+        self.last_shutdown_reason: str | None = None
 
     # ------------------------------------------------------------------ opening
     def open(self, *, probe: bool = False) -> bool:
@@ -106,10 +107,11 @@ class OpenNamespace:
             self.session = open_session(self.layout.sessions_dir)
             self.stale = scan.stale
             self.last_shutdown_clean = not scan.stale
+            self.last_shutdown_reason = unclean_summary(scan.stale)
             if scan.stale:
                 self.counters.inc("recovered_unclean_sessions", len(scan.stale))
                 _log.warning("disk tier %s: %d previous session(s) ended without a clean shutdown (%s)",
-                             self.layout.dir, len(scan.stale), scan.stale[0].reason)
+                             self.layout.dir, len(scan.stale), self.last_shutdown_reason)
             self.write_descriptor()
             return True
         except OSError as e:
@@ -177,6 +179,12 @@ class OpenNamespace:
                 pass
             except OSError:
                 self.add_leftover(p)
+
+    def forget_missing(self, key: bytes) -> None:
+        """A known block's file was found gone (``cache clear``, another process's eviction):
+        drop the stale entry now rather than at the next rescan, and count it."""
+        if self.table.discard_if_known(key):
+            self.counters.inc("stale_dropped")
 
     def unlink_block(self, key: bytes) -> bool:
         """Delete a block's file (eviction, TTL, remove). A failure (EROFS, EIO, EACCES)

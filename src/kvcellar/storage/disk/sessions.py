@@ -106,11 +106,15 @@ def scan_sessions(sessions_dir: Path, *, remove_stale: bool) -> SessionScan:
                 info = json.loads(os.pread(fd, 4096, 0) or b"{}")
             except (ValueError, OSError):
                 info = {}
+            pid = info.get("pid")
             out.stale.append(StaleSession(
                 token=token,
-                pid=info.get("pid"),
+                pid=pid,
                 start_ns=info.get("start_ns"),
-                reason=str(info.get("unclean_reason") or "process ended without close()"),
+                # No recorded reason: the process never reached close() (killed, crashed, power lost).
+                reason=str(info.get("unclean_reason")
+                           or f"process {pid if pid is not None else '?'} ended without recording a shutdown "
+                              "(killed or crashed)"),
             ))
             if remove_stale:
                 with contextlib.suppress(OSError):
@@ -118,6 +122,16 @@ def scan_sessions(sessions_dir: Path, *, remove_stale: bool) -> SessionScan:
         finally:
             os.close(fd)
     return out
+
+
+def unclean_summary(stale: list[StaleSession]) -> str | None:
+    """One line for /health: the most recently started dead session's reason, and how many
+    more there were (several processes can share a namespace). None when there were none."""
+    if not stale:
+        return None
+    latest = max(stale, key=lambda s: s.start_ns if isinstance(s.start_ns, int) else -1)
+    more = len(stale) - 1
+    return latest.reason + (f" (and {more} more unclean session(s))" if more else "")
 
 
 def open_session(sessions_dir: Path) -> Session:

@@ -34,7 +34,9 @@ Shutdown: call ``close(timeout)``. If the program exits without it, the
 upkeep thread notices that the main thread has ended and performs the
 same close with ``config.exit_drain_s``; the process exits after that. A
 SIGKILL leaves this process's session file unlocked: the next opener reports
-``last_shutdown_clean = False`` and its scan removes the orphans.
+``last_shutdown_clean = False`` and its scan removes the orphans. A close that
+could not drain records why in the session file; ``health()`` shows the
+previous session's reason as ``last_shutdown_reason``.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class DiskTier(KVTier):
             try:
                 st = os.stat(self.layout.block_path(k))
             except OSError:
-                self._table.discard_if_known(k)  # removed behind our back (cache clear, another process)
+                self._ns.forget_missing(k)
                 break
             if st.st_size != self.file_size:
                 # Final names only ever come from renaming a complete file: a wrong size is a
@@ -154,7 +156,8 @@ class DiskTier(KVTier):
         self._table.unpin(list(keys))
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Unlink the block files of ``keys``. A read in progress keeps its open file
+        """Unlink the block files of ``keys``; absent keys are ignored. Returns how many
+        files were removed (``ssd_removed_blocks``). A read in progress keeps its open file
         (POSIX unlink), so removing a block that is being loaded is safe."""
         n = 0
         for k in keys:
@@ -162,6 +165,7 @@ class DiskTier(KVTier):
             self._table.discard(k)
             if self._ns.unlink_block(k) and existed:
                 n += 1
+        self._ns.counters.inc("removed_blocks", n)
         return n
 
     # ------------------------------------------------------------------ load
@@ -275,6 +279,8 @@ class DiskTier(KVTier):
             closed=self._close_result is not None, last_shutdown_clean=ns.last_shutdown_clean,
             detail={
                 "unclean_previous_sessions": len(ns.stale),
+                # Why the previous shutdown was unclean, as the dead session recorded it; None if clean.
+                "last_shutdown_reason": ns.last_shutdown_reason,
                 "writer_in_flight": (self._writer.in_flight if self._writer else 0),
                 "write_backoff_s": round(ns.wfault.backoff_remaining(), 3),
                 "no_space": no_space,
@@ -307,16 +313,18 @@ class DiskTier(KVTier):
             with self._life:
                 self._closing = True
                 admitted_done = self._no_entering.wait_for(lambda: self._entering == 0, timeout)
-            drained = admitted_done
-            if self._writer is not None:
-                drained = self._writer.close(max(0.0, deadline - time.monotonic())) and drained
+            reasons = [] if admitted_done else [f"store() calls still admitting blocks after {timeout:.1f}s"]
+            if self._writer is not None and not self._writer.close(max(0.0, deadline - time.monotonic())):
+                # The writer drops queued blocks only once a close has aborted it: the count is this close's.
+                dropped = int(self._admission.counters.get("dropped_abort"))
+                reasons.append(f"writer did not drain within {timeout:.1f}s: {dropped} queued block(s) dropped")
+            drained = not reasons
             self._upkeep.signal_stop()
             self._reader.close(max(0.0, deadline - time.monotonic()))
             self._upkeep.join(max(0.0, deadline - time.monotonic()))
             self._upkeep.flush_access_times()
             if self._ns.session is not None:
-                close_session(self._ns.session, clean=drained,
-                              reason="" if drained else f"writer not drained within {timeout:.1f}s")
+                close_session(self._ns.session, clean=drained, reason="; ".join(reasons))
             self._close_result = drained
             return drained
 
