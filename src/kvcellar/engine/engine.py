@@ -328,7 +328,12 @@ class Engine:
             self._wake.set()
             self._thread.join(timeout=max(5.0, timeout))
             if self._thread.is_alive():
-                log.error("engine thread did not stop; a forward pass may be stuck")
+                log.error("engine thread did not stop; a forward pass may be stuck. Aborting its %d request(s)",
+                          len(self._seqs))
+                # Their clients get a final event now instead of waiting for a step that may never
+                # end; only the streams are touched (the scheduler and blocks are the stuck thread's).
+                for seq in list(self._seqs.values()):
+                    seq.emit(TokenEvent(seq.seq_id, None, "", finish_reason="abort"))
                 return False
             self._thread = None
         else:
