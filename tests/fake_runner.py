@@ -152,7 +152,7 @@ class Driver:
             if not self.step():
                 if not self.sched.has_work():
                     return
-                self.wake.wait(5.0)
+                self.wake.wait(0.05)  # a read that hangs never wakes us: poll for it being overdue
         raise AssertionError("the scheduler did not finish")
 
     def assert_no_leaks(self) -> None:

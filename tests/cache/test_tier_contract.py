@@ -6,7 +6,9 @@ subclass overriding the one verb under test."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -41,6 +43,7 @@ class FaultyDisk(DiskTier):
     fault_mode = "raises"
     armed = False
     calls = 0
+    unstall = threading.Event()
 
     def _fault(self, verb: str) -> None:
         if self.armed and verb == self.fault_verb:
@@ -54,8 +57,22 @@ class FaultyDisk(DiskTier):
         return super().lookup(keys)
 
     def load(self, requests: Any) -> Any:
+        if self.armed and self.fault_verb == "load" and self.fault_mode == "stalls":
+            self.calls += 1
+            return self._stalled(requests)
         self._fault("load")
         return super().load(requests)
+
+    def _stalled(self, requests: Any) -> concurrent.futures.Future[int]:
+        """A read that resolves only once ``unstall`` is set, then writes into its blocks."""
+        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def later() -> None:
+            self.unstall.wait()
+            out.set_result(DiskTier.load(self, requests).result())
+
+        threading.Thread(target=later, daemon=True).start()
+        return out
 
     def store(self, requests: Any) -> None:
         self._fault("store")
@@ -105,6 +122,13 @@ def prompts(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(rng.randrange(9, 30))] for _ in range(n)]
 
 
+def fill_disk(faulty: Callable[[Driver], FaultyDisk], work: list[list[int]]) -> None:
+    first = Driver(num_blocks=64)
+    tier = faulty(first)
+    run_all(first, work)
+    assert tier.wait_idle(10) and tier.close(10)
+
+
 def run_all(driver: Driver, work: list[list[int]]) -> None:
     seqs = [driver.submit(p, 3) for p in work]
     driver.run()
@@ -116,10 +140,7 @@ def run_all(driver: Driver, work: list[list[int]]) -> None:
 @pytest.mark.parametrize("verb", LINK_VERBS)
 def test_a_faulty_verb_costs_the_tier_not_the_requests(faulty, verb: str, mode: str) -> None:
     on_disk = prompts(1, 6)
-    first = Driver(num_blocks=64)
-    first_tier = faulty(first)
-    run_all(first, on_disk)
-    assert first_tier.wait_idle(10) and first_tier.close(10)
+    fill_disk(faulty, on_disk)
 
     driver = Driver(num_blocks=64, guard_backoff_s=BACKOFF)  # a restart: RAM empty, the disk full
     tier = faulty(driver)
@@ -191,3 +212,35 @@ def test_every_verb_of_a_guarded_tier_answers_safely(tmp_path: Path, verb: str, 
         spec_tier.armed = False
         spec_tier.close(10)
 
+
+
+def test_a_load_that_never_finishes_is_given_up_and_its_blocks_wait_for_it(faulty) -> None:
+    """A read past the tier's load timeout: the requests are computed instead, the tier stops
+    being asked, and the blocks the read writes into stay held until it ends, so its late
+    writes land in no block anyone uses."""
+    on_disk = prompts(1, 6)
+    fill_disk(faulty, on_disk)
+    driver = Driver(num_blocks=64, guard_backoff_s=(30.0, 30.0))
+    tier = faulty(driver)
+    tier.unstall = threading.Event()
+    tier.fault_verb, tier.fault_mode, tier.armed = "load", "stalls", True
+    run_all(driver, on_disk)  # answered, from compute
+    assert tier.calls >= 1
+    health = driver.lower.health()["ssd"]
+    assert health["state"] == "degraded" and "load still running" in str(health["last_error"])
+    assert driver.lower.stats_by_tier()["ssd"]["ssd_guard_slow_calls"] >= 1
+    assert driver.bm.num_used > 0  # held for the reads still running
+    run_all(driver, prompts(4, 3))  # the tier is not asked again while it backs off
+    calls = tier.calls
+    driver.bm.evict_all()
+    run_all(driver, on_disk)
+    assert tier.calls == calls
+    tier.unstall.set()  # the reads end now, writing into their (held) blocks
+
+    def freed() -> bool:
+        driver.step()
+        return driver.bm.num_used == 0
+
+    wait_until(freed, timeout=30, what="the blocks of the given-up reads to be freed")
+    run_all(driver, on_disk + prompts(5, 3))
+    driver.assert_no_leaks()

@@ -77,6 +77,7 @@ class Prefetcher:
         self.max_blocks = max(0, max_blocks)
         self.max_reads = max(0, max_reads)
         self.reads: list[PrefetchRead] = []
+        self.abandoned: list[PrefetchRead] = []  # overdue reads: blocks held until the tiers are done
         self._by_digest: dict[bytes, PrefetchRead] = {}
         self._by_seq: dict[CachedSequence, PrefetchRead] = {}
         # Blocks published for a sequence that has not been admitted yet (with the digest
@@ -149,9 +150,16 @@ class Prefetcher:
 
     def poll(self, lower: LowerTierLink) -> None:
         """Publish the verified blocks of every read that is over; release all its blocks."""
+        for read in list(self.abandoned):
+            if read.pending.settled:
+                self.abandoned.remove(read)
+                self.bm.release(read.blocks)
         for read in list(self.reads):
             n = lower.finish_load(read.pending)
             if n is None:
+                if lower.overdue(read.pending):  # given up: its sequence is admitted without it
+                    self._end(read)
+                    self.abandoned.append(read)
                 continue
             tiers = read.pending.block_tiers()
             for i in range(n):
@@ -165,12 +173,15 @@ class Prefetcher:
                 # else: the same block was computed meanwhile; this copy stays private and is freed
             self.bm.release(read.blocks)
             self.stats["sched_prefetched_blocks"] += n
-            self.reads.remove(read)
-            for d in read.digests:
-                if self._by_digest.get(d) is read:
-                    del self._by_digest[d]
-            if read.seq is not None:
-                del self._by_seq[read.seq]
+            self._end(read)
+
+    def _end(self, read: PrefetchRead) -> None:
+        self.reads.remove(read)
+        for d in read.digests:
+            if self._by_digest.get(d) is read:
+                del self._by_digest[d]
+        if read.seq is not None:
+            del self._by_seq[read.seq]
 
     def admitted(self, seq: CachedSequence) -> None:
         """``seq`` was admitted: what was prefetched for it is no longer held for a waiting

@@ -50,7 +50,7 @@ from kvcellar.cache.cached_sequence import CachedSequence
 from kvcellar.cache.prefetch import Prefetcher
 
 if TYPE_CHECKING:
-    from kvcellar.cache.tiering import LowerTierLink
+    from kvcellar.cache.tiering import LowerTierLink, PendingLoad
 
 
 class Admission(enum.Enum):
@@ -86,7 +86,10 @@ class PrefixCache(Generic[S]):
         self.lower: LowerTierLink | None = None  # the tiers below RAM, set by the engine
         self.copy_block = copy_block or _no_copy  # one pool block's KV into another (engine-owned storage)
         self.loading: list[S] = []  # admitted; blocks being read from a lower tier
-        self._draining: list[S] = []  # cancelled while loading; freed when the read ends
+        # Loads given up on (cancelled, or overdue: then not counted by ``busy``, which must
+        # end): their blocks are freed when the tiers are done writing into them.
+        self._draining: list[PendingLoad] = []
+        self._abandoned: list[PendingLoad] = []
         # digest -> the sequence computing that block right now (reserved, not yet published)
         self._computing: dict[bytes, S] = {}
         self.stats = stats
@@ -97,6 +100,10 @@ class PrefixCache(Generic[S]):
     def busy(self) -> bool:
         """Reads in flight (loads, prefetches, or cancelled loads still writing into the pool)."""
         return bool(self.loading or self._draining or self.prefetch.reads)
+
+    def _give_up(self, pending: PendingLoad, blocks: list[Block], *, overdue: bool) -> None:
+        (self._abandoned if overdue else self._draining).append(pending)
+        pending.blocks = blocks  # every block to free once settled (the sequence's RAM hits too)
 
     def available(self) -> int:
         return self.bm.available()
@@ -177,18 +184,21 @@ class PrefixCache(Generic[S]):
 
     # ---- reads in flight ------------------------------------------------------------------
 
-    def poll(self) -> list[S]:
-        """Finish what the lower tiers have read; the sequences whose loads are over, in
-        admission order (they can run now)."""
+    def poll(self) -> tuple[list[S], list[S]]:
+        """Finish what the lower tiers have read. Returns the sequences whose loads are over,
+        in admission order (they can run now), and those whose loads are overdue (given up:
+        they wait to be admitted again, when the tier that hung is no longer asked)."""
         lower = self.lower
-        if lower is None or not self.busy():
-            return []
-        if self.prefetch.reads:
-            self.prefetch.poll(lower)
-        ready = []
+        if lower is None or not (self.busy() or self._abandoned or self.prefetch.abandoned):
+            return [], []
+        self.prefetch.poll(lower)
+        ready, again = [], []
         for seq in list(self.loading):
             n = lower.finish_load(seq.pending_load)
             if n is None:
+                if lower.overdue(seq.pending_load):
+                    self._release(seq, overdue=True)
+                    again.append(seq)
                 continue
             self.loading.remove(seq)
             assert seq.pending_load is not None
@@ -201,13 +211,16 @@ class PrefixCache(Generic[S]):
             self._publish(seq, first, seq.num_computed // self.block_size)
             self._first_admission(seq, loaded_tiers)
             ready.append(seq)
-        for seq in list(self._draining):
-            if lower.finish_load(seq.pending_load) is not None:
-                self._draining.remove(seq)
-                seq.pending_load = None
-                self.bm.release(seq.blocks)
-                seq.blocks = []
-        return ready
+        for pending in list(self._draining):
+            if lower.overdue(pending):
+                self._draining.remove(pending)
+                self._abandoned.append(pending)
+        for queue in (self._draining, self._abandoned):
+            for pending in list(queue):
+                if pending.settled:
+                    queue.remove(pending)
+                    self.bm.release(pending.blocks)
+        return ready, again
 
     def prefetch_for(self, waiting: Iterable[S], *, reserve: int) -> None:
         """Start lower-tier reads for sequences still waiting (``cache/prefetch.py``)."""
@@ -244,16 +257,21 @@ class PrefixCache(Generic[S]):
         seq.num_registered = max(seq.num_registered, end)
 
     def release(self, seq: S) -> None:
-        """``seq`` gives its blocks back (its published ones stay cached). A sequence still
-        loading keeps them until the tier is done writing into them."""
+        """``seq`` gives its blocks back (its published ones stay cached). Those of a
+        sequence still loading are held until the tier is done writing into them."""
+        self._release(seq, overdue=False)
+
+    def _release(self, seq: S, *, overdue: bool) -> None:
         for digest, owner in list(self._computing.items()):
             if owner is seq:
                 del self._computing[digest]
         if seq in self.loading:
             self.loading.remove(seq)
-            self._draining.append(seq)
-            return
-        self.bm.release(seq.blocks)
+            assert seq.pending_load is not None
+            self._give_up(seq.pending_load, seq.blocks, overdue=overdue)
+            seq.pending_load = None
+        else:
+            self.bm.release(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
         seq.num_registered = 0

@@ -90,6 +90,12 @@ class PendingLoad:
     futures: list[concurrent.futures.Future[int]]  # one per run of the plan
     staging: list[torch.Tensor] = field(default_factory=list)  # CPU buffers when the pool is not on CPU
     loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
+    deadline: float = float("inf")  # monotonic time past which the read is overdue (``LowerTierLink.overdue``)
+
+    @property
+    def settled(self) -> bool:
+        """Every tier is done with the blocks (whatever it read)."""
+        return all(f.done() for f in self.futures)
 
     def block_tiers(self) -> list[str]:
         """The tier name of each verified leading block (when done): runs are in prefix order."""
@@ -177,7 +183,19 @@ class LowerTierLink:
                 future.add_done_callback(lambda _f: self._wake())  # type: ignore[misc]
             futures.append(future)
             pos += n
-        return PendingLoad(blocks, plan, futures, staging)
+        timeout = max((self.tiers[index].tier.load_timeout_s for index, _ in plan.runs), default=0.0)
+        return PendingLoad(blocks, plan, futures, staging, deadline=time.monotonic() + timeout)
+
+    def overdue(self, pending: PendingLoad) -> bool:
+        """Whether ``pending`` is still reading past its tiers' ``load_timeout_s``; then it is
+        a fault of each tier still reading (which stops answering lookups while it backs
+        off), and the caller gives up on it: its blocks stay held until ``settled``."""
+        if pending.settled or time.monotonic() < pending.deadline:
+            return False
+        for (index, _), future in zip(pending.plan.runs, pending.futures, strict=True):
+            if not future.done():
+                self.tiers[index].calls.overdue(pending.deadline)
+        return True
 
     def finish_load(self, pending: PendingLoad) -> int | None:
         """Number of leading blocks now valid in the pool, or None while still reading.

@@ -126,8 +126,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         self.in_hand = None
-        for seq in self.cache.poll():
+        ready, again = self.cache.poll()
+        for seq in ready:
             self._run(seq)
+        for seq in reversed(again):  # a load that hung: admitted again first, without that tier
+            seq.state = SeqState.WAITING
+            seq.prefetch_checked = False
+            self.waiting.appendleft(seq)
         decoding = any(not seq.in_prefill for seq in self.running)
         budget = self.max_step_tokens if decoding else self.max_prefill_step_tokens
         decodes: list[Scheduled] = []

@@ -80,6 +80,9 @@ class GuardedTier(KVTier):
     # ---- reads ----------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
+        if self._faults["load"].backing_off():  # what it cannot load it must not offer
+            self._c.inc("skipped_calls")
+            return 0
         n = self._call("lookup", 0, lambda: self.tier.lookup(keys))
         try:
             return max(0, min(int(n), len(keys)))
@@ -114,6 +117,13 @@ class GuardedTier(KVTier):
 
         future.add_done_callback(resolved)
         return out
+
+    def overdue(self, deadline: float) -> None:
+        """A load of this tier is still running past ``load_timeout_s`` (its caller gave up)."""
+        self._c.inc("slow_calls")
+        waited = time.monotonic() - deadline + self.tier.load_timeout_s
+        self._faults["load"].failure(
+            TierTimeout(f"load still running after {waited:.2f} s, more than {self.tier.load_timeout_s:g} s"), "load")
 
     # ---- writes ---------------------------------------------------------------------------
 
