@@ -13,7 +13,7 @@ from kvcellar.storage import BlockSpec
 from kvcellar.storage.remote.config import RemoteTierConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from tests.helpers import wait_until
-from tests.remote.redis_server import RedisServer, cluster_port
+from tests.remote.redis_server import RedisServer, TLSFiles, cluster_port
 from tests.storage.helpers import SPEC
 
 
@@ -36,12 +36,12 @@ def redis_server(shared_redis: RedisServer) -> RedisServer:
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
-    """``private_redis(port=None, **settings)``: a server this test may kill, stall or fill;
-    not started yet. Every one is stopped by PID at teardown."""
+    """``private_redis(port=None, tls=None, **settings)``: a server this test may kill, stall
+    or fill; not started yet. Every one is stopped by PID at teardown."""
     servers: list[RedisServer] = []
 
-    def make(port: int | None = None, **settings: str) -> RedisServer:
-        server = RedisServer(tmp_path / f"redis{len(servers)}", port, **settings)
+    def make(port: int | None = None, tls: TLSFiles | None = None, **settings: str) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis{len(servers)}", port, tls, **settings)
         servers.append(server)
         return server
 

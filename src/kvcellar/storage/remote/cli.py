@@ -13,8 +13,9 @@ _FIELDS = ("remote_url", "remote_policy", "remote_timeout_s", "remote_load_timeo
 
 def add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-url", default=None,
-                   help="shared remote KV tier below the SSD: redis://[user:pass@]host:port/db, rediss:// (TLS), "
-                        "redis+cluster://host:port (Redis Cluster); Valkey works the same (default: none)")
+                   help="shared remote KV tier below the SSD: redis://[user:pass@]host:port/db, rediss:// (TLS; "
+                        "a private CA: ?ssl_ca_certs=/path/ca.pem), redis+cluster://host:port (Redis Cluster); "
+                        "Valkey works the same (default: none)")
     p.add_argument("--remote-policy", default=None, choices=list(REMOTE_POLICIES),
                    help="remote tier: store every new block (write_through, default), blocks RAM evicts "
                         "(evict_only), or never store (read_only)")
@@ -25,7 +26,7 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-ttl", dest="remote_ttl_s", type=float, default=None,
                    help="expire remote blocks unused this long, seconds (default 0: never; use maxmemory)")
     p.add_argument("--remote-queue-blocks", type=int, default=None,
-                   help="remote store queue bound, in blocks; a full queue drops (default 64)")
+                   help="remote store queue bound, in blocks; a full queue drops (default 256)")
 
 
 def remote_cli_values(args: argparse.Namespace) -> dict[str, Any]:

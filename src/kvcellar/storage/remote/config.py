@@ -46,8 +46,9 @@ class RemoteTierConfig:
 class RemoteSettings:
     """The ``[remote]`` section. An empty URL means no remote tier."""
 
-    # redis://[user:pass@]host:port/db; rediss:// for TLS; redis+cluster://host:port for a
-    # Redis Cluster (any node as the seed). Valkey speaks the same protocol.
+    # redis://[user:pass@]host:port/db; rediss:// for TLS (a private CA in the query:
+    # ?ssl_ca_certs=/path/ca.pem); redis+cluster://host:port for a Redis Cluster (any node
+    # as the seed). Valkey speaks the same protocol.
     remote_url: str = ""
     # write_through: every new block is also stored remotely (default); evict_only: blocks the
     # RAM tier drops; read_only: only load what other replicas stored.

@@ -11,9 +11,16 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+# What a server or cluster that is down, unreachable, half-configured or refusing raises:
+# the tier turns each into a fault episode, never into an exception for its caller. The
+# cluster client raises its own family (no slot map, slots not covered, no node reachable),
+# which is not a ``RedisError``; OSError covers socket errors that escape the client.
+FAULTS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
 
 
 def redacted(url: str) -> str:
@@ -32,8 +39,9 @@ def is_cluster(url: str) -> bool:
 
 def open_client(url: str, timeout_s: float) -> Any:
     """A ``redis.Redis`` (or ``RedisCluster`` for the ``+cluster`` schemes). A plain client
-    connects lazily; a cluster client asks its seed for the slot map here and raises
-    ``redis.RedisError`` when none answers."""
+    connects lazily; a cluster client asks its seed for the slot map here and raises one of
+    ``FAULTS`` (e.g. ``RedisClusterException``) when none answers or the slots are not covered.
+    TLS options go in the URL's query, e.g. ``rediss://host:6380/0?ssl_ca_certs=/etc/ca.pem``."""
     common: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,

@@ -8,15 +8,17 @@ Data path:
   store   a bounded queue and one writer thread (writer.py): ``EXISTS`` then
           ``SET NX [PX ttl]`` per batch; a full queue drops, never waits
 
-Faults (storage/faults.py): a connection error or timeout starts an episode on the
-connection: lookups answer 0, loads miss, stores drop, all without touching the network,
-until the writer thread's probe (``PING`` every ``probe_interval_s``, on its own thread)
-gets an answer, so the engine thread never waits on a server known to be down and the
-tier is back within about one probe interval of the server, however long it was away
-(a failed probe does not lengthen anything). ``OOM`` from a full ``noeviction`` server
-starts an episode on writes only (reads go on), ended by a block-sized probe write. No
-call waits longer than ``timeout_s`` per round trip; a load never longer than
-``load_timeout_s`` in all.
+Faults (storage/faults.py): any of ``connection.FAULTS`` (a connection error or timeout,
+a cluster with no reachable node or uncovered slots, a TLS handshake refused) starts an
+episode on the connection: lookups answer 0, loads miss, stores drop, all without
+touching the network, until the writer thread's probe (``PING`` every
+``probe_interval_s``, on its own thread) gets an answer, so the engine thread never
+waits on a server known to be down and the tier is back within about one probe interval
+of the server, however long it was away (a failed probe does not lengthen anything). A
+cluster client connects when built: one that cannot be built is not kept, so each probe
+tries afresh. ``OOM`` from a full ``noeviction`` server starts an episode on writes only
+(reads go on), ended by a block-sized probe write. No call waits longer than
+``timeout_s`` per round trip; a load never longer than ``load_timeout_s`` in all.
 
 A corrupt or foreign value under one of our keys is a miss, counted, and deleted.
 Pins are no-ops: Redis evicts on its own (maxmemory + allkeys-lru), and a key gone
@@ -40,7 +42,7 @@ from kvcellar.storage.block_format import check_identity, decode_block_into, enc
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.faults import FaultTracker
 from kvcellar.storage.remote.config import RemoteTierConfig
-from kvcellar.storage.remote.connection import is_cluster, open_client, redacted
+from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
 from kvcellar.storage.remote.layout import RemoteLayout
 from kvcellar.storage.remote.writer import RemoteWriter
 
@@ -81,6 +83,10 @@ class RemoteTier(KVTier):
         self._wfault = FaultTracker("write", self._c, _log, where, config.backoff_initial_s, config.backoff_max_s,
                                     tier="remote")
         self._ttl_ms = int(config.ttl_s * 1000)
+        # The link's bounds (storage/guard.py): past its own timeouts, with a margin for
+        # building a cluster client and for scheduling.
+        self.call_timeout_s = max(1.0, 4 * config.timeout_s)
+        self.load_timeout_s = config.load_timeout_s + self.call_timeout_s
         # _client_lock protects _client (created lazily: a cluster client connects when built).
         self._client_lock = threading.Lock()
         self._client: Any = None
@@ -108,9 +114,7 @@ class RemoteTier(KVTier):
         if _is_oom(exc):
             self._wfault.failure(exc, what, probe=probe)
             return
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            self._c.inc("conn_errors")
-        self._conn.failure(exc, what, probe=probe)
+        self._conn.failure(exc, what, probe=probe)  # counts conn_errors (not for a probe)
         with self._known_lock:  # the server may come back empty (restarted without persistence)
             self._known.clear()
 
@@ -137,7 +141,7 @@ class RemoteTier(KVTier):
                 client.set(probe_key, bytes(self.spec.nbytes), px=1000)
                 client.delete(probe_key)
                 self._wfault.success(probe=True)
-        except redis.RedisError as e:
+        except FAULTS as e:
             self._c.inc("probe_failures")
             self._fault(e, "probe", probe=True)
             return
@@ -166,7 +170,7 @@ class RemoteTier(KVTier):
             for k in keys:
                 pipe.exists(self.layout.key(k))
             present = pipe.execute()
-        except redis.RedisError as e:
+        except FAULTS as e:
             self._fault(e, "lookup")
             return 0
         finally:
@@ -189,11 +193,14 @@ class RemoteTier(KVTier):
         for r in requests:
             self.spec.check_tensor(r.dest, "LoadRequest.dest")
         requests = list(requests)
-        if not requests or self._closed:
-            done: concurrent.futures.Future[int] = concurrent.futures.Future()
-            done.set_result(0)
-            return done
-        return self._loader.submit(self._load, requests)
+        if requests and not self._closed:
+            try:
+                return self._loader.submit(self._load, requests)
+            except RuntimeError:  # closed meanwhile: the pool takes nothing more
+                pass
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(0)
+        return done
 
     def _load(self, requests: list[LoadRequest]) -> int:
         t0 = time.monotonic()
@@ -229,7 +236,7 @@ class RemoteTier(KVTier):
                     else:
                         pipe.get(self.layout.key(r.key))
                 values = pipe.execute()
-            except redis.RedisError as e:
+            except FAULTS as e:
                 self._fault(e, "load")
                 return n
             self._conn.success()
@@ -252,7 +259,7 @@ class RemoteTier(KVTier):
         try:
             if self._redis().delete(self.layout.key(key)):
                 self._c.inc("corrupt_deleted")
-        except redis.RedisError as e:
+        except FAULTS as e:
             self._fault(e, "deleting a corrupt block")
         total = self._c.get("corrupt_total")
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
@@ -301,18 +308,19 @@ class RemoteTier(KVTier):
                 present = pipe.execute()
                 pipe = client.pipeline(transaction=False)
                 todo = [(r, name) for r, name, there in zip(requests, names, present, strict=True) if not there]
-                self._c.inc("store_skipped_existing", len(requests) - len(todo))
-                self._remember([r.key for r, _, there in zip(requests, names, present, strict=True) if there])
                 for r, name in todo:
                     value = encode_block(self.spec, r.key, r.digest, tuple(r.token_ids), r.data, time.time_ns(),
                                          r.parent)
                     pipe.set(name, value, nx=True, px=self._ttl_ms or None)
                 results = pipe.execute(raise_on_error=False) if todo else []
-            except redis.RedisError as e:
+            except FAULTS as e:
                 self._fault(e, "store")
                 self._c.inc("dropped_error", len(requests))
                 return
             self._conn.success()
+            # Counted only now: a batch that raises is counted once, whole, by the writer.
+            self._c.inc("store_skipped_existing", len(requests) - len(todo))
+            self._remember([r.key for r, _, there in zip(requests, names, present, strict=True) if there])
             failed: Exception | None = None
             for (r, _), res in zip(todo, results, strict=True):
                 if isinstance(res, Exception):
@@ -345,7 +353,7 @@ class RemoteTier(KVTier):
             for k in keys:
                 pipe.delete(self.layout.key(k))
             n = sum(int(x) for x in pipe.execute())
-        except redis.RedisError as e:
+        except FAULTS as e:
             self._fault(e, "remove")
             return 0
         self._c.inc("removed_blocks", n)
@@ -393,7 +401,7 @@ class RemoteTier(KVTier):
             if self._client is not None:
                 try:
                     self._client.close()
-                except redis.RedisError:
+                except FAULTS:
                     pass
         return drained
 
