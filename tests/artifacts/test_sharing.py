@@ -37,7 +37,7 @@ def held_by_another_process(models_root: Path, key: str) -> Iterator[None]:
 
 def _load_released(gguf: Path, cache: ArtifactCache) -> str:
     """Load (preparing if needed) and let go of the entry, as a server that stopped would."""
-    loaded = prepare_and_load(str(gguf), device="cpu", artifacts=cache)
+    loaded = prepare_and_load(str(gguf), device="cpu", artifacts=cache, weights="full")
     loaded.artifact.release()
     return loaded.artifact.key
 
@@ -60,7 +60,7 @@ def test_lru_eviction_down_to_80_percent(tiny_ggufs: list[Path], tmp_path: Path)
     cache = ArtifactCache(tmp_path / "models")
     a, b, c = _build_four(tiny_ggufs, cache)
     cache.max_bytes = _limit_for_two_evictions(cache)
-    d = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache)
+    d = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache, weights="full")
     remaining = {e.key for e in cache.entries()}
     assert remaining == {a, d.artifact.key}  # B and C were least recently used
     stats = cache.stats()
@@ -107,7 +107,7 @@ def test_entry_held_by_another_process_is_not_evicted(tiny_ggufs: list[Path], tm
         _load_released(tiny_ggufs[0], cache)
         assert [e.key for e in cache.entries()] == [b, c, a]
         cache.max_bytes = _limit_for_two_evictions(cache)
-        d = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache)
+        d = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache, weights="full")
         assert {e.key for e in cache.entries()} == {b, d.artifact.key}  # C, then A, went instead
         assert not (cache.entries_dir / a).exists() and not (cache.entries_dir / c).exists()
         assert cache.stats()["artifact_evict_skipped_in_use"] == 1

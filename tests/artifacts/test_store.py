@@ -28,6 +28,7 @@ def _cache(cache_dir: Path, **kw: object) -> ArtifactCache:
 def _load(gguf: Path, cache_dir: Path | None = None, **kw: object) -> LoadedModel:
     """Load as ``build_engine`` does, through the artifact cache under ``cache_dir`` if given."""
     cache = None if cache_dir is None else open_artifacts(Settings(cache_dir=cache_dir))
+    kw.setdefault("weights", "full")  # these tests are about the dense entry (auto picks int8 for Q8_0)
     return prepare_and_load(str(gguf), device="cpu", artifacts=cache, **kw)  # type: ignore[arg-type]
 
 
@@ -90,7 +91,7 @@ def test_damaged_entry_is_detected_and_rebuilt(kind: str, tiny_ggufs: list[Path]
     assert (not entry.exists()) == at_startup
     assert cache.stats()["artifact_corrupt"] == (1 if at_startup else 0)
 
-    again = prepare_and_load(str(tiny_ggufs[1]), device="cpu", artifacts=cache)
+    again = prepare_and_load(str(tiny_ggufs[1]), device="cpu", artifacts=cache, weights="full")
     assert again.artifact.built, "a damaged entry must be rebuilt, never loaded"
     assert cache.stats()["artifact_corrupt"] == 1
     assert cache.stats()["artifact_lifetime_builds"] == 2
@@ -119,8 +120,9 @@ def test_fast_verify_trusts_unchanged_stats_full_verify_does_not(tmp_path: Path)
     _flip(entry / "model.safetensors")
     cache = _cache(tmp_path)  # simulate bit rot: the index still trusts the file's stat
     cache.index.set_verified(key, {p.name: stat_signature(p) for p in entry.iterdir() if p.name != "manifest.json"})
-    assert prepare_and_load(str(gguf), device="cpu", artifacts=cache).artifact.hit
-    assert prepare_and_load(str(gguf), device="cpu", artifacts=_cache(tmp_path, verify="full")).artifact.built
+    assert prepare_and_load(str(gguf), device="cpu", artifacts=cache, weights="full").artifact.hit
+    assert prepare_and_load(str(gguf), device="cpu", artifacts=_cache(tmp_path, verify="full"),
+                            weights="full").artifact.built
 
     _flip(entry / "model.safetensors")
     _cache(tmp_path).index.set_verified(key, {p.name: stat_signature(p) for p in entry.iterdir()
@@ -177,7 +179,7 @@ def test_index_is_rebuilt_from_the_entries(tiny_ggufs: list[Path], tmp_path: Pat
         Path(str(index) + suffix).unlink(missing_ok=True)
     cache = _cache(tmp_path)
     assert [e.key for e in cache.entries()] == [first.artifact.key]
-    again = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache)
+    again = prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache, weights="full")
     assert again.artifact.hit  # re-registered, fully re-verified, not rebuilt
     assert cache.index.get(first.artifact.key).verified
     again.artifact.release()
@@ -187,7 +189,7 @@ def test_index_is_rebuilt_from_the_entries(tiny_ggufs: list[Path], tmp_path: Pat
         Path(str(index) + suffix).unlink(missing_ok=True)
     index.write_bytes(b"this is not a database" * 100)
     cache = _cache(tmp_path)
-    assert prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache).artifact.hit
+    assert prepare_and_load(str(tiny_ggufs[3]), device="cpu", artifacts=cache, weights="full").artifact.hit
 
 
 def test_source_digest_is_memoized_and_follows_changes(tiny_ggufs: list[Path], tmp_path: Path) -> None:
@@ -261,7 +263,7 @@ def test_config_precedence_and_disabling(tiny_ggufs: list[Path], tmp_path: Path,
     monkeypatch.setenv("KVCELLAR_ARTIFACT_ENABLED", "0")
     artifacts = open_artifacts(load_settings(cache_dir=tmp_path))
     assert artifacts is None
-    loaded = prepare_and_load(str(tiny_ggufs[0]), device="cpu", artifacts=artifacts)
+    loaded = prepare_and_load(str(tiny_ggufs[0]), device="cpu", artifacts=artifacts, weights="full")
     assert loaded.artifact is None and not (tmp_path / "models").exists()
 
 

@@ -106,17 +106,23 @@ def test_quantized_weights_round_trip_through_named_tensors_and_fuse():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_kernels_compute_the_dequantized_weights(kind):
-    """Each kernel (quantized and dense, prepacked) against ``x @ dequantized.T`` in float32,
-    at every row count a step may have up to the calibration range and beyond."""
+@pytest.mark.parametrize(("kind", "out"), [("int8", 96), ("int4", 128), ("int4", 96)])
+def test_kernels_compute_the_dequantized_weights(kind, out):
+    """Each kernel (quantized, and dense: dequantized on the fly, or prepacked where the int4
+    packing cannot be unpacked for that shape) against ``x @ dequantized.T`` in float32, at
+    every row count a step may have up to the calibration range and beyond."""
     torch.manual_seed(0)
-    weight = torch.randn(96, 128) * 0.05
-    bias = torch.randn(96) * 0.1
+    weight = torch.randn(out, 128) * 0.05
+    bias = torch.randn(out) * 0.1
     q = quantize_int8(weight) if kind == "int8" else quantize_int4(weight)
     deq = q.dequantize(torch.bfloat16)
     layer = FastLinear(deq, bias.to(torch.bfloat16), q, KernelTable(quant_max_rows=64))
-    assert layer.quant_kind == kind and layer.dense_kind == "packed"
+    assert layer.quant_kind == kind
+    if kind == "int4" and out % 64:  # rows not in whole blocks of torch's packing: the dense copy stays
+        assert layer.dense_kind == "packed"
+    else:
+        assert layer.dense_kind == "dequantized" and layer._dense is None  # lean: no dense copy
+        assert torch.equal(layer.dequantized(), deq)  # exactly the numbers of the reference
     for rows in (1, 2, 3, 5, 8, 16, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         want = torch.nn.functional.linear(x.float(), deq.float(), bias.to(torch.bfloat16).float())
@@ -235,17 +241,20 @@ def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():
 
 
 def test_auto_serves_a_4bit_gguf_in_int4_where_the_kernel_runs(tmp_path):
-    from kvcellar.engine.loader import gguf_linears_are_4bit, resolve_weights
+    from kvcellar.engine.loader import gguf_weights_mode, quantized_mode_pays, resolve_weights
+    from kvcellar.gguf_info import read_gguf_info
     from kvcellar.model_source import resolve_source
     from tests.artifacts.helpers import write_tiny_gguf
 
     embedded_source = resolve_source(None)  # Q4_1 linears
     tiny = resolve_source(str(write_tiny_gguf(tmp_path / "tiny.gguf")))  # Q8_0 linears
-    assert gguf_linears_are_4bit(embedded_source.path) and not gguf_linears_are_4bit(tiny.path)
+    assert gguf_weights_mode(read_gguf_info(embedded_source.path)) == "int4"
+    assert gguf_weights_mode(read_gguf_info(tiny.path)) == "int8"
     cpu = torch.device("cpu")
     assert resolve_weights("auto", embedded_source, torch.bfloat16, cpu) == ("int4" if KERNELS else "full")
     assert resolve_weights("auto", embedded_source, torch.float32, cpu) == "full"  # no fast fp32 kernel
-    assert resolve_weights("auto", tiny, torch.bfloat16, cpu) == "full"
+    int8_pays = quantized_mode_pays("int8", torch.bfloat16, cpu)
+    assert resolve_weights("auto", tiny, torch.bfloat16, cpu) == ("int8" if int8_pays else "full")
     assert resolve_weights("int8", tiny, torch.float32, cpu) == "int8"  # asked for: served as asked
     with pytest.raises(ValueError, match="weights mode"):
         resolve_weights("int3", tiny, torch.float32, cpu)
@@ -259,3 +268,19 @@ def test_an_unknown_weights_mode_in_the_settings_is_a_clear_error(tmp_path):
     bad.write_text('[engine]\nweights = "int3"\n')
     with pytest.raises(ValueError, match="weights must be one of auto, full, int8, int4"):
         load_settings(str(bad))
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_linears_keep_no_dense_copy(mode):
+    """Serving int4/int8 holds the quantized weights only: every linear of the embedded model
+    is lean and holds what its kind needs (int4: half a byte a weight and a bf16 scale and
+    zero per 32; int8: a byte a weight and a scale per row), no dense weight beside it."""
+    engine = make_engine(load(mode))
+    linears = engine.runner.linears.linears
+    assert linears and all(m.lean and m._dense is None for m in linears)
+    per_weight = {"int4": 0.5 + 4 / 32, "int8": 1.0}
+    for m in linears:
+        bias = 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
+        scales = 2 * m.out_features if m.quant_kind == "int8" else 0
+        assert m.nbytes == int(per_weight[m.quant_kind] * m.out_features * m.in_features) + scales + bias

@@ -272,6 +272,8 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert h["artifact"]["artifact_entries"] >= 1  # the model came from the artifact cache
     assert 0 <= h["artifact_cache"]["hit_rate"] <= 1 and "last_eviction" in h["artifact_cache"]
     assert h["status"] == "ok" and h["engine_steps"]["healthy"] and h["engine_steps"]["step_failures"] == 0
+    linears = h["linears"]  # float32 serves full weights: every linear dense
+    assert linears["dense"] > 0 and linears["int4"] == linears["int8"] == linears["lean"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvcellar_engine_requests_total" in metrics
     assert "kvcellar_kv_blocks_used " in metrics or "kvcellar_kv_blocks_used{" in metrics

@@ -1,12 +1,14 @@
 """Turning a source into a HF-format directory the loader can mmap: the cache's builders.
 
-Today one source needs preparing: a ``.gguf`` file. transformers parses its metadata with
-the pure-Python ``gguf`` reader (three times: config, tokenizer, weights) and dequantizes
-every tensor, ~20 s for the embedded 98 MB SmolLM2 on this machine. Done once, the result
-is stored as what ``from_pretrained`` loads fastest: ``model.safetensors`` in the serving
-dtype, ``config.json`` (GGUF quantization settings removed), ``generation_config.json``,
-and the tokenizer saved with ``save_pretrained`` (``tokenizer.json``, its config and the
-chat template), which reloads in ~0.2 s.
+Today one source needs preparing: a ``.gguf`` file. Its weights are converted one tensor at
+a time (``gguf_convert``: transformers' own name map and tensor processors, the ``gguf``
+package's dequantization), so preparing never holds the whole model, and stored as what
+``from_pretrained`` loads fastest: safetensors in the serving dtype (``model.safetensors``,
+or ``model-0000k-of-0000n`` shards and their index), ``config.json`` (GGUF quantization
+settings removed), ``generation_config.json``, and the tokenizer saved with
+``save_pretrained`` (``tokenizer.json``, its config and the chat template), which reloads in
+~0.2 s. ``--weights int8|int4`` has an entry of its own, the linears quantized
+(``quantize_gguf``; a GGUF's 4-bit blocks taken as they are).
 
 HF-format directories and hub snapshots are not prepared: they are in that form already
 and stay where they are (the HF cache stores hub models; we don't copy them).
@@ -25,6 +27,14 @@ import torch
 
 from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease, Builder
 from kvcellar.artifacts.directory import ArtifactStoreError
+from kvcellar.artifacts.gguf_convert import (
+    SHARD_BYTES,
+    GgufFile,
+    NotStreamable,
+    quantize_streamed,
+    save_safetensors,
+    write_dense,
+)
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import tokenizer_identity
@@ -35,13 +45,15 @@ log = logging.getLogger(__name__)
 
 QUANTIZATION_NONE = "none"
 QUANTIZED_FILE = "quantized.safetensors"
+# Names how entries are written (``gguf_convert``): change it when what they hold may change.
+STREAM_CONVERTER = "kvcellar-stream-1"
 
 
 def converter_id() -> str:
     """Who converts: a different transformers may dequantize or map names differently."""
     import transformers
 
-    return f"transformers=={transformers.__version__}"
+    return f"transformers=={transformers.__version__}+{STREAM_CONVERTER}"
 
 
 def gguf_descriptor(*, weights_id: str, dtype: torch.dtype, name: str, path: Path) -> ArtifactDescriptor:
@@ -66,6 +78,8 @@ def _strip_gguf_quantization(model: Any) -> None:
 
 
 def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
+    """The whole model, as transformers loads it: for architectures ``gguf_convert`` leaves to
+    transformers' conversion mappings (``NotStreamable``)."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     try:
@@ -75,8 +89,10 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
         raise ModelLoadError(f"Could not read the weights of {gguf_path}: {exc}") from exc
 
 
-def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bool | None = None) -> Builder:
-    """A builder (see ``ArtifactCache.acquire``) writing the dequantized GGUF as HF files."""
+def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bool | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> Builder:
+    """A builder (see ``ArtifactCache.acquire``) writing the dequantized GGUF as HF files,
+    converted a tensor at a time (``gguf_convert.write_dense``; shards of ``shard_bytes``)."""
 
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -85,30 +101,31 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         folder, fname = str(gguf_path.parent), gguf_path.name
         seconds: dict[str, float] = {}
         show = sys.stderr.isatty() if progress is None else progress
-        with tqdm(total=3, desc=f"Preparing {name} (GGUF -> {str(dtype).removeprefix('torch.')} safetensors)",
-                  unit="step", disable=not show) as bar:
-            bar.set_postfix_str("tokenizer")
-            t0 = time.perf_counter()
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-            except Exception as exc:
-                raise ModelLoadError(f"Could not read the tokenizer of {gguf_path}: {exc}") from exc
-            seconds["tokenizer"] = time.perf_counter() - t0
-            bar.update()
+        t0 = time.perf_counter()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not read the tokenizer of {gguf_path}: {exc}") from exc
+        seconds["tokenizer"] = time.perf_counter() - t0
 
-            bar.set_postfix_str("dequantizing weights")
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            desc = f"Preparing {name} (GGUF -> {str(dtype).removeprefix('torch.')} safetensors)"
+            with GgufFile(gguf_path, dtype) as source, \
+                    tqdm(total=len(source.stored), desc=desc, unit="tensor", disable=not show) as bar:
+                write_dense(source, out_dir, dtype, shard_bytes=shard_bytes, on_tensor=bar.update)
+            model = source.model
+            _save_configs(model, out_dir)
+        except NotStreamable as exc:
+            log.warning("%s converted whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
             model = _load_gguf(gguf_path, dtype)
-            seconds["weights"] = time.perf_counter() - t0
-            bar.update()
-
-            bar.set_postfix_str("writing safetensors")
-            t0 = time.perf_counter()
             _strip_gguf_quantization(model)
             model.save_pretrained(out_dir)
-            tokenizer.save_pretrained(out_dir)
-            seconds["save"] = time.perf_counter() - t0
-            bar.update()
+        seconds["weights"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        tokenizer.save_pretrained(out_dir)
+        seconds["save"] = time.perf_counter() - t0
         return {
             "source_kind": "gguf",
             # The identity of the tokenizer read straight from the GGUF: loading from the entry
@@ -120,6 +137,15 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         }
 
     return build
+
+
+def _save_configs(model: Any, out_dir: Path) -> None:
+    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them."""
+    _strip_gguf_quantization(model)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out_dir)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
 
 
 def prepare_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, dtype: torch.dtype, *,
@@ -141,11 +167,17 @@ def _acquire(cache: ArtifactCache, desc: ArtifactDescriptor, build: Builder, pro
 
 
 def quantize_gguf(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
-    """The quantized linears of a GGUF under ``mode``, from its float32 dequantization: a
-    Q4_1 tensor's blocks quantize back to themselves (``quantize_int4``), whatever dtype the
-    model is then served in. Used with and without the artifact cache, so both give the
-    same weights."""
-    return quantize_linears(_load_gguf(gguf_path, torch.float32), mode)
+    """The quantized linears of a GGUF under ``mode``, by module name, converted a tensor at
+    a time (``gguf_convert.quantize_streamed``): int4 linears stored as Q4_0, Q4_1 or Q4_K are
+    their own blocks, the others are quantized from their float32 dequantization, whatever
+    dtype the model is then served in. Used with and without the artifact cache, so both give
+    the same weights."""
+    try:
+        with GgufFile(gguf_path) as source:
+            return quantize_streamed(source, mode)
+    except NotStreamable as exc:
+        log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
+        return quantize_linears(_load_gguf(gguf_path, torch.float32), mode)
 
 
 def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -> ArtifactDescriptor:
@@ -159,7 +191,6 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
     ``quantized.safetensors``; the rest of the model comes from the dense entry."""
 
     def build(out_dir: Path) -> dict[str, Any]:
-        from safetensors.torch import save_file
         from tqdm.auto import tqdm
 
         show = sys.stderr.isatty() if progress is None else progress
@@ -169,7 +200,7 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
             quantize_s = time.perf_counter() - t0
             bar.update()
             t0 = time.perf_counter()
-            save_file(to_tensors(weights), out_dir / QUANTIZED_FILE, metadata={"scheme": SCHEMES[mode]})
+            save_safetensors(to_tensors(weights), out_dir / QUANTIZED_FILE, {"scheme": SCHEMES[mode]})
             bar.update()
         return {
             "source_kind": "gguf",

@@ -24,8 +24,10 @@ own forward, kvcellar's lean forward and a test's reference all run the same num
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,8 +40,9 @@ from kvcellar.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-# Row counts at which ``calibrate`` compares a quantized kernel with the dense weights.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+# Row counts at which ``calibrate`` compares a quantized kernel with the dense weights (for
+# a lean linear: dequantizing them first, which the kernel beats at more rows).
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Before calibration: steps of up to this many rows use the quantized kernel where one is
 # fast at all (the measured cross-over above lies between 4 and 8).
 DEFAULT_QUANT_MAX_ROWS = 4
@@ -76,11 +79,57 @@ class KernelTable:
     calibrated: bool = False
 
 
+# Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
+_DEQUANT_ROWS = 1024
+# torch's CPU int4 packing stores rows in blocks of this many (``int4_pack_layout_ok`` checks it).
+_INT4_BLOCK_N = 64
+_scratch = threading.local()  # per thread: the engine's and a calibrating or testing one never share
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused buffer of at least ``numel`` elements for a lean linear's dequantized weight
+    (one per thread, dtype and device: the size of the largest linear, not of the model)."""
+    # An inference tensor cannot be written outside inference mode: one buffer for each.
+    key = (dtype, device, torch.is_inference_mode_enabled())
+    buffers: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = getattr(_scratch, "buffers", None) or {}
+    _scratch.buffers = buffers
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+@functools.cache
+def int4_pack_layout_ok() -> bool:
+    """Whether torch packs int4 weights here in the layout ``FastLinear`` unpacks (rows in
+    blocks of 64; for each input, a block's row j in the low nibble of byte j and row j + 32
+    in the high one). Checked on a probe once: another CPU build keeps the dense weights."""
+    probe = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (2 * _INT4_BLOCK_N, 64), dtype=torch.int32, generator=probe)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(_unpack_int4(packed, 0, values.shape[0], values.shape[1]), values.to(torch.uint8)))
+
+
+def _unpack_int4(packed: torch.Tensor, start: int, end: int, cols: int) -> torch.Tensor:
+    """Rows ``start:end`` (multiples of 64) of the 4-bit values in torch's CPU int4 packing."""
+    half = _INT4_BLOCK_N // 2
+    blocks = packed.reshape(-1)[start * cols // 2: end * cols // 2].view(-1, cols, half)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(end - start, cols)
+
+
 class FastLinear(nn.Module):
     """``y = x @ W.T + b`` over a weight that may be prepacked and may be quantized.
 
     ``weight`` is the dense weight (for a quantized linear: its dequantized weight, which
-    is what the quantized kernel computes too); ``quant`` the quantized form, if any."""
+    is what the quantized kernel computes too); ``quant`` the quantized form, if any.
+
+    A quantized linear whose kernel runs keeps no dense copy ("lean"): steps of more rows
+    than the kernel is fast for dequantize the weight into a scratch buffer shared by every
+    linear (one layer's weight at a time), from the kernel's own packing, to exactly the
+    numbers ``QuantizedWeight.dequantize`` gives."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantizedWeight | None,
                  table: KernelTable) -> None:
@@ -88,12 +137,7 @@ class FastLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.table = table
         self.bias = None if bias is None else bias.detach()
-        dtype, device = weight.dtype, weight.device
-        self.dense_kind = "packed" if packs_dense(dtype, device) else "plain"
-        if self.dense_kind == "packed":
-            self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
-        else:
-            self._dense = weight.detach()
+        self.dtype, self.device = dtype, device = weight.dtype, weight.device
         self.quant_kind = quant.kind if quant is not None and quant_kernels_run(dtype, device) else None
         self._q: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
@@ -107,6 +151,14 @@ class FastLinear(nn.Module):
                 log.warning("no %s kernel for a %dx%d linear (%s); it runs dense", self.quant_kind,
                             self.out_features, self.in_features, exc)
                 self.quant_kind = None
+        self.lean = self.quant_kind == "int8" or (
+            self.quant_kind == "int4" and self.out_features % _INT4_BLOCK_N == 0 and int4_pack_layout_ok())
+        self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
+        self._dense: torch.Tensor | None = None
+        if self.dense_kind == "packed":
+            self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        elif self.dense_kind == "plain":
+            self._dense = weight.detach()
 
     def _pack_quantized(self, quant: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
         self._scale, zero = quant.kernel_params(dtype)
@@ -118,6 +170,7 @@ class FastLinear(nn.Module):
             assert zero is not None
             # [in / group, out, 2]: the kernel's scale-and-zero layout
             self._zero = torch.stack([self._scale, zero], dim=-1).transpose(0, 1).contiguous()
+            self._scale = None  # int4 scales live in ``_zero``, the kernel's scale-and-zero layout
 
     @classmethod
     def from_linears(cls, linears: Sequence[nn.Linear], quants: Sequence[QuantizedWeight | None],
@@ -141,9 +194,41 @@ class FastLinear(nn.Module):
     def quantized(self) -> bool:
         return self.quant_kind is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this linear holds (weights in every form kept, scales, bias)."""
+        held = (self._q, self._scale, self._zero, self.bias, None if self.dense_kind == "packed" else self._dense)
+        n = sum(t.numel() * t.element_size() for t in held if t is not None)
+        if self.dense_kind == "packed":
+            n += self.out_features * self.in_features * self.dtype.itemsize
+        return n
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in the compute dtype, dequantized into the scratch buffer
+        (valid until the next call on this thread)."""
+        assert self._q is not None
+        rows, cols = self.out_features, self.in_features
+        out = _scratch_buffer(rows * cols, self.dtype, self.device).view(rows, cols)
+        for start in range(0, rows, _DEQUANT_ROWS):
+            end = min(rows, start + _DEQUANT_ROWS)
+            if self.quant_kind == "int8":
+                assert self._scale is not None
+                w = self._q[start:end].float() * self._scale[start:end].float()[:, None]
+            else:
+                assert self._zero is not None
+                gs = self.group_size
+                values = _unpack_int4(self._q, start, end, cols).view(end - start, cols // gs, gs)
+                scale = self._zero[:, start:end, 0].t().float()[:, :, None]
+                zero = self._zero[:, start:end, 1].t().float()[:, :, None]
+                w = ((values.float() - 8) * scale + zero).view(end - start, cols)
+            out[start:end].copy_(w)
+        return out
+
     def dense(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.dense_kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
+        if self.dense_kind == "dequantized":
+            return F.linear(x2d, self.dequantized(), self.bias)
         return F.linear(x2d, self._dense, self.bias)
 
     def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -243,8 +328,7 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
     layers = prepared.quantized
     if not layers:
         return table
-    dtype = layers[0]._scale.dtype if layers[0]._scale is not None else torch.float32
-    device = layers[0]._dense.device if not layers[0]._dense.is_mkldnn else torch.device("cpu")
+    dtype, device = layers[0].dtype, layers[0].device
     widths = sorted({m.in_features for m in layers})
     measured: dict[str, dict[int, float]] = {"quantized": {}, "dense": {}}
     before = torch.get_num_threads()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcellar.errors import ModelLoadError
+from kvcellar.gguf_info import GGUFInfo, read_gguf_info
 from kvcellar.identity import tokenizer_identity, weights_identity
-from kvcellar.model_source import ModelSource, resolve_source
+from kvcellar.model_source import ModelSource, check_architecture, resolve_source
 
 if TYPE_CHECKING:
     from kvcellar.artifacts import ArtifactLease
@@ -74,38 +76,136 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-# GGUF types of 4-bit weights in groups of 32 with a scale (and a minimum): ``--weights auto``
-# serves a GGUF whose decoder linears all have one of them in int4, the precision it ships in.
-FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-_LINEAR_GGUF_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# ``--weights auto`` serves a GGUF in the mode nearest the precision its decoder linears ship
+# in (``gguf_weights_mode``). Only their weights count, by parameters; biases, norms, the
+# embeddings and the output matrix never do.
+_LINEAR_GGUF_TENSORS = frozenset({"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up",
+                                  "ffn_down", "ffn_gate_up"})
+# At most 5 bits a weight: the 4- and 5-bit types, and those below 4 bits (int4 is no coarser).
+LOW_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS",
+                                "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                                "TQ1_0", "TQ2_0"})
+EIGHT_BIT_GGUF_TYPES = frozenset({"Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+# The linear ``quantized_mode_pays`` times: a typical decoder linear, 2048 x 2048.
+PROBE_FEATURES = 2048
+# The quantized kernel must be this much faster than the dense weights to be picked: the
+# choice is part of the weights identity (the KV namespace), so a near-tie must not flip it.
+PROBE_MIN_SPEEDUP = 1.2
+_pays: dict[tuple[str, torch.dtype, torch.device], bool] = {}  # by (mode, dtype, device); a race only measures twice
 
 
-def gguf_linears_are_4bit(path: Path) -> bool:
-    """Whether every decoder linear of a GGUF file is stored in a 4-bit type."""
-    import gguf
+def gguf_weights_mode(info: GGUFInfo) -> str:
+    """The weights mode a GGUF's decoder linears ship in: the ``--weights auto`` rule.
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception:  # unreadable: the loader reports it properly
+    Over the weights of the decoder linears (``blk.<n>.{attn_q,attn_k,attn_v,attn_qkv,
+    attn_output,ffn_gate,ffn_up,ffn_down,ffn_gate_up}.weight``), by parameter count:
+
+    * ``full`` if any of them is in a float type (F32, F16, BF16) or a type not listed
+      below, or none is found;
+    * ``int4`` if those in types of at most 5 bits (``LOW_BIT_GGUF_TYPES``: Q4_0, Q4_1,
+      Q4_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, and the 1.5-3-bit types) hold at least half of
+      the parameters; the rest is 6/8-bit, as K-quant mixes keep some linears (Q4_K_M:
+      ``attn_v`` and ``ffn_down`` of some layers in Q6_K);
+    * ``int8`` otherwise: mostly 6/8-bit (``EIGHT_BIT_GGUF_TYPES``: Q6_K, Q8_0, Q8_1, Q8_K).
+    """
+    low = high = other = 0
+    for t in info.tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEAR_GGUF_TENSORS or parts[3] != "weight":
+            continue
+        if t.type in LOW_BIT_GGUF_TYPES:
+            low += t.params
+        elif t.type in EIGHT_BIT_GGUF_TYPES:
+            high += t.params
+        else:
+            other += t.params
+    if other or not low + high:
+        return "full"
+    return "int4" if low >= high else "int8"
+
+
+def quantized_mode_pays(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``mode``'s kernel (int8/int4) runs for ``dtype`` on ``device``
+    (``linears.quant_kernels_run``) and is faster there than the dense weights: measured
+    once per process and (mode, dtype, device), on a ``PROBE_FEATURES``-square linear at one
+    row (a decode step), in well under a second."""
+    from kvcellar.engine.linears import quant_kernels_run
+
+    if not quant_kernels_run(dtype, device):
         return False
-    types = {t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.split(".")[2] in _LINEAR_GGUF_TENSORS}
-    return bool(types) and types <= FOUR_BIT_GGUF_TYPES
+    key = (mode, dtype, device)
+    if key not in _pays:
+        quantized_ms, dense_ms = _time_probe_linear(mode, dtype, device)
+        _pays[key] = quantized_ms * PROBE_MIN_SPEEDUP <= dense_ms
+        log.info("--weights auto: a %dx%d %s matmul at one row takes %.3f ms, %.3f ms dense (%s on %s): %s",
+                 PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, dense_ms, str(dtype).removeprefix("torch."),
+                 device, mode if _pays[key] else "full")
+    return _pays[key]
+
+
+def _time_probe_linear(mode: str, dtype: torch.dtype, device: torch.device, calls: int = 8,
+                       repeats: int = 5) -> tuple[float, float]:
+    """Median ms of one matmul at one row through ``mode``'s kernel and through the dense
+    weights ``full`` would run, each as the engine runs it (a ``FastLinear``); the kernel's is
+    inf if it refuses the shape."""
+    import statistics
+
+    from kvcellar.engine.linears import FastLinear, KernelTable
+    from kvcellar.quantization import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    quant = quantize(torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=gen) * 0.02, mode)
+    weight = quant.dequantize(dtype).to(device)
+    quantized = FastLinear(weight, None, quant, KernelTable(quant_max_rows=1))
+    dense = FastLinear(weight, None, None, KernelTable(quant_max_rows=0))
+    runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"dense": dense.dense}
+    if quantized.quantized:
+        runs["quantized"] = quantized.quantized_kernel
+    x = torch.randn(1, PROBE_FEATURES, generator=gen).to(dtype=dtype, device=device)
+    times: dict[str, list[float]] = {kind: [] for kind in runs}
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms up
+            for kind, run in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    run(x)
+                times[kind].append((time.perf_counter() - t0) * 1e3 / calls)
+    quantized_ms = statistics.median(times["quantized"][1:]) if "quantized" in times else float("inf")
+    return quantized_ms, statistics.median(times["dense"][1:])
 
 
 def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, device: torch.device) -> str:
-    """``auto``: int4 for a GGUF whose decoder linears are 4-bit (served at the precision it
-    ships in; from Q4_1 blocks exactly) where torch's int4 kernel runs; else full weights."""
+    """The weights mode to serve. ``auto``: for a GGUF, the mode its decoder linears ship in
+    (``gguf_weights_mode``: int4 for 4/5-bit files, K-quant mixes included; int8 for 6/8-bit
+    ones) where that mode's kernel runs and is measured faster (``quantized_mode_pays``);
+    ``full`` for everything else (float GGUFs, HF-format sources, no fast kernel)."""
     from kvcellar.config import WEIGHT_MODES
-    from kvcellar.engine.linears import quant_kernels_run
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     if weights != "auto":
         return weights
-    if source.kind == "gguf" and quant_kernels_run(dtype, device) and gguf_linears_are_4bit(source.path):
-        return "int4"
-    return "full"
+    if source.kind != "gguf":
+        return "full"
+    mode = gguf_weights_mode(read_gguf_info(source.path))
+    return mode if mode != "full" and quantized_mode_pays(mode, dtype, device) else "full"
+
+
+def linear_kernels(model: Any) -> dict[str, int]:
+    """Which kernel runs the linears of a model the engine prepared (``linears.prepare_model``),
+    for ``/health``: how many run their int4 / int8 kernel for steps of up to
+    ``quant_max_rows`` rows (their dense weights above: ``lean`` ones dequantize them for the
+    step, keeping no dense copy), how many always run dense weights. Empty before the engine
+    prepared the model."""
+    prepared = getattr(model, "_kvcellar_prepared", None)
+    if prepared is None:
+        return {}
+    counts = {"int4": 0, "int8": 0, "dense": 0, "lean": 0}
+    for linear in prepared.linears:
+        counts[linear.quant_kind or "dense"] += 1
+        counts["lean"] += int(linear.lean)
+    counts["quant_max_rows"] = prepared.table.quant_max_rows
+    return counts
 
 
 def resolve_device(device: str) -> torch.device:
@@ -156,7 +256,11 @@ def load_model(
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    source = model if isinstance(model, ModelSource) else resolve_source(model)
+    if isinstance(model, ModelSource):
+        source = model
+        check_architecture(source)
+    else:
+        source = resolve_source(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     weights = resolve_weights(weights, source, torch_dtype, dev)

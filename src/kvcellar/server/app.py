@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import kvcellar
 from kvcellar.engine import Engine
+from kvcellar.engine.loader import linear_kernels
 from kvcellar.server import errors
 from kvcellar.server.anthropic import adapter as anthropic
 from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -117,6 +118,7 @@ class ServerState:
             "status": "draining" if self.draining else "ok" if self.engine.healthy else "unhealthy",
             "model": self.serving.model_name,
             "weights": self.engine.loaded.weights,
+            "linears": linear_kernels(self.engine.loaded.model),  # how many run which kernel
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
             "version": kvcellar.__version__,
             "uptime_s": round(time.time() - self.started, 3),

@@ -1,0 +1,484 @@
+"""A GGUF file converted one tensor at a time: the weights of the artifact cache's entries.
+
+transformers' own GGUF loading (``from_pretrained(gguf_file=...)``) dequantizes every tensor
+into one state dict before it builds the model: the whole model in memory at once, in float32
+for the quantized entry. The same steps run here on one tensor at a time, with transformers'
+own pieces: its config, its GGUF -> HF name map (``get_gguf_hf_weights_map``, over the model
+built on the meta device, which costs no memory) and its per-architecture ``TensorProcessor``
+(e.g. llama's q/k row permutation), on the ``gguf`` package's dequantization, as
+``load_gguf_checkpoint`` does. The values are those transformers loads, bit for bit.
+
+A 2-D tensor the processor only renames or reorders by rows (every linear and embedding of
+the dense architectures; found by running the processor on a small probe) is read and
+dequantized a slice of rows at a time; any other tensor whole. Tensors are read with
+``pread``, not through the reader's memory map, so the file's pages never count in this
+process's memory. Peak memory: what the caller keeps (a shard, the quantized linears) plus a
+slice of rows, or the tensor for one converted whole.
+
+``write_dense`` writes safetensors shards in the serving dtype that ``from_pretrained``
+loads; ``quantize_streamed`` gives ``QuantizedWeight``s by linear, taking Q4_0/Q4_1/Q4_K
+blocks as they are where int4 is asked (``int4_from_blocks``) and quantizing the rest with
+``kvcellar.quantization``.
+
+Architectures transformers converts with its newer conversion mappings
+(``transformers.integrations.gguf.GGUF_ARCHS``) are not converted here (``NotStreamable``):
+their per-tensor steps are another API. prepare.py loads those whole, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcellar.errors import ModelLoadError
+from kvcellar.quantization import INT4_GROUP, QuantizedWeight, kind_for, quantize
+
+log = logging.getLogger(__name__)
+
+# Values per slice of rows read and dequantized at once (4 MiB in float32).
+ROW_CHUNK_ELEMENTS = 1 << 20
+SHARD_BYTES = 1 << 30
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# GGUF types whose blocks are int4 groups of 32 with a scale and an offset (Q4_K: 32-value
+# sub-blocks): taken as they are for int4 linears.
+INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+class NotStreamable(ModelLoadError):
+    """transformers converts this GGUF's architecture in a way this module does not follow."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor lies in the file and how it is stored: what ``GGUFReader`` says of it,
+    without the reader, which holds an object per metadata value (a large vocabulary's worth)."""
+
+    name: str
+    type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # as the reader types the data: rows of blocks (uint8) for block types
+    dtype: np.dtype
+    offset: int  # in the file
+    cols: int  # values per row
+
+    @classmethod
+    def of(cls, t: Any) -> StoredTensor:
+        # The reader's own ``shape`` is in ggml order: the row length first.
+        return cls(t.name, t.tensor_type, tuple(int(n) for n in t.data.shape), t.data.dtype, int(t.data_offset),
+                   int(t.shape[0]))
+
+
+@dataclass
+class TensorSource:
+    """One HF tensor of the file, not read yet (``whole`` aside). ``perm``: row ``i`` of the
+    result is row ``perm[i]`` of the stored tensor (None: same order). ``whole``: the result
+    already computed, for a tensor the processor does more to than reorder rows."""
+
+    name: str
+    gguf_name: str
+    gguf_type: str
+    shape: tuple[int, ...]
+    file: GgufFile
+    perm: torch.Tensor | None = None
+    whole: torch.Tensor | None = None
+
+    def raw_rows(self) -> Iterator[tuple[int, np.ndarray]]:
+        """``(first row, stored rows)`` in slices, as the reader types them."""
+        return self.file.read_rows(self.gguf_name)
+
+    def float_rows(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first row, float32 rows)`` in slices, in stored order."""
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[self.gguf_type]
+        for first, raw in self.raw_rows():
+            yield first, torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+
+    def fill(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the tensor into ``out`` (of its shape, in any float dtype), a slice at a time."""
+        if self.whole is not None:
+            return out.copy_(self.whole)
+        into = None if self.perm is None else torch.argsort(self.perm)
+        for first, rows in self.float_rows():
+            if into is None:
+                out[first:first + len(rows)] = rows
+            else:
+                out.index_copy_(0, into[first:first + len(rows)], rows.to(out.dtype))
+        return out
+
+    def quantized(self, kind: str) -> QuantizedWeight:
+        """The tensor quantized as ``kind`` (``quantization.quantize``), or its own int4 blocks,
+        a slice of rows at a time (both quantizers work row by row: slices give what the whole
+        tensor gives)."""
+        if self.whole is not None:
+            return quantize(self.whole.float(), kind)
+        if kind == "int4" and self.gguf_type in INT4_BLOCK_TYPES:
+            parts = ((first, int4_from_blocks(raw, self.gguf_type)) for first, raw in self.raw_rows())
+        else:
+            parts = ((first, quantize(rows, kind)) for first, rows in self.float_rows())
+        into = None if self.perm is None else torch.argsort(self.perm)
+        out: QuantizedWeight | None = None
+        for first, part in parts:
+            if out is None:
+                out = _empty_like_rows(part, self.shape[0])
+            n = part.qweight.shape[0]
+            rows = slice(first, first + n) if into is None else into[first:first + n]
+            for dst, src in ((out.qweight, part.qweight), (out.scales, part.scales), (out.offsets, part.offsets)):
+                if dst is not None and src is not None:
+                    dst[rows] = src
+        assert out is not None
+        return out
+
+
+class GgufFile:
+    """A GGUF file opened for conversion: transformers' config for it, its model on the meta
+    device (no memory; ``dtype`` is what its config records), the name map and tensor
+    processor ``load_gguf_checkpoint`` would use. Not thread-safe; ``close`` (or ``with``)
+    releases the file."""
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
+        import gguf
+        from transformers import AutoModelForCausalLM, PreTrainedConfig
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        self.path = path
+        try:
+            reader = gguf.GGUFReader(str(path))
+            self.architecture = str(read_field(reader, "general.architecture")[0])
+            self.stored = [StoredTensor.of(t) for t in reader.tensors]
+            del reader
+        except Exception as exc:
+            raise ModelLoadError(f"Could not read {path} as a GGUF file: {exc}") from exc
+        if _converted_by_mapping(self.architecture):
+            raise NotStreamable(f"transformers converts GGUF architecture {self.architecture!r} with its weight "
+                                f"conversion mappings")
+        try:
+            # What ``AutoConfig.from_pretrained(gguf_file=...)`` does, keeping the metadata dict
+            # on the way: transformers hands that to the processor, not the config object.
+            parsed, unused = PreTrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
+            self.processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=copy.deepcopy(parsed))
+            config = CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed, **unused)
+            with torch.device("meta"):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self.key_map: dict[str, str] = _weights_map(self.model, self.processor)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not read the model configuration of {path}: {exc}") from exc
+        self._tensors = {t.name: t for t in self.stored}
+        # A tied weight is loaded under its first name (transformers ties the others to it).
+        self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> GgufFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def linears(self, mode: str) -> dict[str, tuple[str, str]]:
+        """``{weight name: (linear name, kind)}`` of the linears ``mode`` quantizes
+        (``quantization.kind_for``); a tied LM head under the embedding's name."""
+        first = {id(p): n for n, p in self.model.named_parameters()}
+        out: dict[str, tuple[str, str]] = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and (kind := kind_for(mode, name, module)) is not None:
+                out[first[id(module.weight)]] = (name, kind)
+        return out
+
+    def tensors(self, wanted: Callable[[str], bool] | None = None) -> Iterator[TensorSource]:
+        """The file's tensors under their HF names, in file order, one at a time; ``wanted``
+        (an HF name) skips the others, unread where the name is known before reading."""
+        import gguf
+
+        def keep(name: str | None) -> bool:
+            return name is not None and name in self.names and (wanted is None or wanted(name))
+
+        last_of_block = {_block(t.name): i for i, t in enumerate(self.stored)}
+        # What a processor puts aside (``parsed_parameters``), by block: a later tensor of the
+        # same block may complete it (MoE experts fused from gate and up), so it is given out
+        # after the block's last tensor.
+        held: dict[int | None, dict[str, torch.Tensor]] = {}
+        origin: dict[str, StoredTensor] = {}
+        for i, t in enumerate(self.stored):
+            block = _block(t.name)
+            rows = self._row_map(t) if len(t.shape) == 2 else None
+            if rows is not None:
+                name, perm = rows
+                if keep(name):
+                    yield TensorSource(name, t.name, t.type.name, (t.shape[0], t.cols), self, perm=perm)
+            else:
+                side = held.setdefault(block, {})
+                weights = gguf.quants.dequantize(self._read(t), t.type)
+                result = self.processor.process(weights=weights, name=t.name, tensor_key_mapping=self.key_map,
+                                                parsed_parameters={"tensors": side})
+                origin.update({k: t for k in side if k not in origin})
+                name = self.key_map.get(result.name) if result.name is not None else None
+                if keep(name):
+                    whole = _from_numpy(result.weights)
+                    yield TensorSource(name, t.name, t.type.name, tuple(whole.shape), self, whole=whole)
+            if block is None or last_of_block[block] == i:
+                for name, tensor in held.pop(block, {}).items():
+                    if keep(name):
+                        yield TensorSource(name, origin[name].name, origin[name].type.name, tuple(tensor.shape), self,
+                                           whole=tensor)
+
+    def read_rows(self, gguf_name: str) -> Iterator[tuple[int, np.ndarray]]:
+        t = self._tensors[gguf_name]
+        rows = t.shape[0]
+        step = max(1, ROW_CHUNK_ELEMENTS // max(1, t.cols))
+        for first in range(0, rows, step):
+            yield first, self._read(t, first, min(rows, first + step))
+
+    def _read(self, t: StoredTensor, first: int = 0, end: int | None = None) -> np.ndarray:
+        """Rows ``first:end`` of a tensor (all of it by default) as the reader types them."""
+        shape = t.shape if end is None else (end - first, *t.shape[1:])
+        out = np.empty(shape, dtype=t.dtype)
+        row_bytes = out[0].nbytes if first else 0
+        view = memoryview(out).cast("B")
+        done, offset = 0, t.offset + first * row_bytes
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise ModelLoadError(f"{self.path} ends inside tensor {t.name}")
+            done += n
+        return out
+
+    def _row_map(self, t: StoredTensor) -> tuple[str | None, torch.Tensor | None] | None:
+        """What the processor does to a 2-D tensor, if no more than rename it and reorder its
+        rows: ``(HF name or None to drop it, row order or None)``; None otherwise. Found on a
+        probe of two columns numbering the elements."""
+        rows = t.shape[0]
+        probe = np.arange(2 * rows, dtype=np.float64).reshape(rows, 2)
+        side: dict[str, Any] = {}
+        try:
+            result = self.processor.process(weights=probe, name=t.name, tensor_key_mapping=self.key_map,
+                                            parsed_parameters={"tensors": side})
+        except Exception:
+            return None
+        got = np.asarray(result.weights)
+        if side or result.name is None or got.shape != probe.shape or not np.array_equal(got[:, 1], got[:, 0] + 1):
+            return None
+        perm = got[:, 0] / 2
+        if not np.array_equal(np.sort(perm), np.arange(rows)):
+            return None
+        name = self.key_map.get(result.name)
+        identity = np.array_equal(perm, np.arange(rows))
+        return name, None if identity else torch.from_numpy(perm.astype(np.int64))
+
+
+class ShardWriter:
+    """Writes tensors into safetensors files of at most ``max_bytes`` each (a bigger tensor
+    gets one of its own), each saved from only its own tensors. ``close`` names them as
+    ``save_pretrained`` does: one file ``model.safetensors``, or ``model-0000k-of-0000n``
+    files and their index.
+
+    The tensors of a shard are views of one buffer, reused from shard to shard: tensors
+    allocated and freed one by one would leave the heap fragmented (glibc keeps what it
+    cannot trim), and memory would grow past one shard."""
+
+    ALIGN = 64
+
+    def __init__(self, out_dir: Path, max_bytes: int = SHARD_BYTES) -> None:
+        self.out_dir = out_dir
+        self.max_bytes = max_bytes
+        self._buffer: torch.Tensor | None = None
+        self._shard: dict[str, torch.Tensor] = {}
+        self._used = 0
+        self._files: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self.total_bytes = 0
+
+    def slot(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor that will be written as ``name``: fill it before the next
+        call (the shard it is in may be written out then)."""
+        if name in self._names:
+            raise ModelLoadError(f"tensor {name} converted twice")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if self._shard and start + nbytes > self.max_bytes:
+            self._flush()
+            start = 0
+        if nbytes > self.max_bytes:
+            tensor = torch.empty(shape, dtype=dtype)
+        else:
+            if self._buffer is None:
+                self._buffer = torch.empty(self.max_bytes, dtype=torch.uint8)
+            tensor = self._buffer[start:start + nbytes].view(dtype).view(shape)
+        self._used = start + nbytes
+        self._shard[name] = tensor
+        self._names.add(name)
+        self.total_bytes += nbytes
+        return tensor
+
+    def close(self) -> list[Path]:
+        if self._shard:
+            self._flush()
+        self._buffer = None
+        n = len(self._files)
+        if n == 0:
+            raise ModelLoadError("no tensors to write")
+        final = [self.out_dir / (SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors")
+                 for k in range(n)]
+        for (path, _), target in zip(self._files, final, strict=True):
+            path.rename(target)
+        if n > 1:
+            weight_map = {name: target.name for (_, names), target in zip(self._files, final, strict=True)
+                          for name in names}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return final
+
+    def _flush(self) -> None:
+        path = self.out_dir / f"model-{len(self._files) + 1:05d}.safetensors.partial"
+        save_safetensors(self._shard, path, {"format": "pt"})
+        self._files.append((path, list(self._shard)))
+        self._shard, self._used = {}, 0
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, its I/O errors (a full disk) raised as ``OSError``:
+    the artifact store takes those for its directory failing and loads without it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as exc:
+        raise OSError(f"could not write {path}: {exc}") from exc
+
+
+def write_dense(source: GgufFile, out_dir: Path, dtype: torch.dtype, *, shard_bytes: int = SHARD_BYTES,
+                on_tensor: Callable[[], None] | None = None) -> list[str]:
+    """Write the weights of ``source`` in ``dtype`` as safetensors shards into ``out_dir``;
+    returns the HF names written."""
+    writer = ShardWriter(out_dir, shard_bytes)
+    written = []
+    for t in source.tensors():
+        t.fill(writer.slot(t.name, t.shape, dtype))
+        written.append(t.name)
+        if on_tensor is not None:
+            on_tensor()
+    writer.close()
+    missing = sorted(set(source.model.state_dict()) & source.names - set(written))
+    if missing:  # transformers initialises them anew, loading the GGUF or the entry
+        log.warning("%s holds no tensor for %s", source.path.name, ", ".join(missing))
+    return written
+
+
+def quantize_streamed(source: GgufFile, mode: str, *,
+                      on_tensor: Callable[[], None] | None = None) -> dict[str, QuantizedWeight]:
+    """The quantized weights of every linear ``mode`` quantizes, by module name (the set
+    ``quantization.quantize_linears`` gives for the loaded model)."""
+    linears = source.linears(mode)
+    out: dict[str, QuantizedWeight] = {}
+    for t in source.tensors(wanted=linears.__contains__):
+        name, kind = linears[t.name]
+        out[name] = t.quantized(kind)
+        if on_tensor is not None:
+            on_tensor()
+    for weight, (name, _) in linears.items():
+        if name not in out:
+            raise ModelLoadError(f"{source.path.name} holds no tensor for {weight}")
+    return out
+
+
+def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:
+    """Rows of Q4_0 / Q4_1 / Q4_K blocks (uint8 ``[rows, bytes]``) as int4 groups of 32,
+    value for value: Q4_0 ``(q - 8) * d`` is scale ``d``, offset ``-8d``; Q4_1 ``q * d + m``
+    is scale ``d``, offset ``m``; a Q4_K 32-value sub-block ``q * d * sc - dmin * m`` is scale
+    ``d * sc``, offset ``-dmin * m`` (6-bit ``sc``, ``m`` decoded by the gguf package)."""
+    import gguf
+
+    rows = raw.shape[0]
+    if gguf_type == "Q4_K":
+        blocks = raw.reshape(-1, 144)
+        d = _half(blocks[:, 0:2])
+        dmin = _half(blocks[:, 2:4])
+        sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        scales = d * sc.astype(np.float32)
+        offsets = -(dmin * mins.astype(np.float32))
+        # 4 runs of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+        values = np.concatenate([qs & 0xF, qs >> 4], axis=2)
+    else:
+        size, head = (18, 2) if gguf_type == "Q4_0" else (20, 4)
+        blocks = raw.reshape(-1, size)
+        scales = _half(blocks[:, 0:2])
+        offsets = -8 * scales if gguf_type == "Q4_0" else _half(blocks[:, 2:4])
+        # 16 bytes: low nibbles are values 0..15, high nibbles 16..31.
+        qs = blocks[:, head:]
+        values = np.concatenate([qs & 0xF, qs >> 4], axis=1)
+    values = values.reshape(rows, -1)
+    packed = values[:, 0::2] | (values[:, 1::2] << 4)
+    return QuantizedWeight("int4", torch.from_numpy(np.ascontiguousarray(packed)),
+                           torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)),
+                           torch.from_numpy(np.ascontiguousarray(offsets.reshape(rows, -1), dtype=np.float32)),
+                           INT4_GROUP)
+
+
+def _half(two_bytes: np.ndarray) -> np.ndarray:
+    """The fp16 numbers stored in ``[n, 2]`` bytes, as float32 ``[n, 1]``."""
+    return np.ascontiguousarray(two_bytes).view(np.float16).astype(np.float32)
+
+
+def _empty_like_rows(part: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """An uninitialised weight of ``rows`` rows, quantized as ``part`` is."""
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
+
+    return QuantizedWeight(part.kind, like(part.qweight), like(part.scales),
+                           None if part.offsets is None else like(part.offsets), part.group_size)
+
+
+def _from_numpy(weights: Any) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor):
+        return weights
+    arr = np.ascontiguousarray(weights)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+def _block(gguf_name: str) -> int | None:
+    m = _BLOCK.match(gguf_name)
+    return int(m.group(1)) if m else None
+
+
+def _weights_map(model: Any, processor: Any) -> dict[str, str]:
+    """transformers' GGUF -> HF name map (``get_gguf_hf_weights_map``). It builds gguf's name
+    table anew for every submodule, slowly: the same table, memoized while it runs."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)
+    try:
+        return get_gguf_hf_weights_map(model, processor)
+    finally:
+        gguf.get_tensor_name_map = build
+
+
+def _converted_by_mapping(architecture: str) -> bool:
+    try:
+        from transformers.integrations.gguf import is_gguf_arch_supported
+    except ImportError:
+        return False
+    return bool(is_gguf_arch_supported(architecture))
+

@@ -1,0 +1,165 @@
+"""Small real GGUF files of any tensor types, for the conversion tests (``test_gguf_streamed``).
+
+``write_gguf`` writes a llama, qwen2 (q/k/v biases) or qwen2moe (experts stacked per layer,
+a shared expert) model with a byte-level BPE vocabulary, each tensor in the GGUF type
+``types`` gives it (default: a Q4_K_M-like mix). The ``gguf``
+package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants: ``quantize_q4_k``
+and ``quantize_q6_k`` make valid blocks of those (simple encoders, not llama.cpp's search;
+the tests check them against ``gguf.quants.dequantize``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tests.artifacts.helpers import CHAT_TEMPLATE
+
+# transformers reads neither expert size from a qwen2moe file: its config defaults.
+MOE_FFN, MOE_SHARED_FFN = 1408, 5632
+
+
+def q4_k_m_types(name: str) -> str:
+    """A Q4_K_M-like mix: Q6_K for the output and every other layer's attn_v/ffn_down."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name.startswith("blk.") and name.split(".")[2] in ("attn_v", "ffn_down"):
+        return "Q6_K" if int(name.split(".")[1]) % 2 == 0 else "Q4_K"
+    return "Q4_K"
+
+
+def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
+               types: Callable[[str], str] | str = q4_k_m_types) -> Path:
+    """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
+    (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
+    ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
+    ``experts``: per qwen2moe layer."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    type_of = types if callable(types) else (lambda _: types)
+    rng = np.random.default_rng(seed)
+    byte_chars = bytes_to_unicode()
+    merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
+    tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges]
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = vocab_size or len(tokens)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"{arch}-{seed}")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(vocab)
+    if arch == "qwen2moe":
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])  # 3: control (special)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_pad_token_id(len(tokens) - 1)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def tensor(name: str, shape: tuple[int, ...], scale: float = 0.05) -> None:
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if len(shape) == 1:
+            w.add_tensor(name, data)
+            return
+        kind = type_of(name)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("F32", "F16", "BF16"):
+            w.add_tensor(name, gguf.quants.quantize(data, qtype) if kind != "F32" else data, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, ENCODERS.get(kind, lambda x, t=qtype: gguf.quants.quantize(x, t))(data), raw_dtype=qtype)
+
+    head_dim = hidden // heads
+    tensor("token_embd.weight", (vocab, hidden))
+    for i in range(layers):
+        tensor(f"blk.{i}.attn_norm.weight", (hidden,))
+        tensor(f"blk.{i}.attn_q.weight", (hidden, hidden))
+        tensor(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
+        tensor(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
+        if arch.startswith("qwen2"):
+            tensor(f"blk.{i}.attn_q.bias", (hidden,))
+            tensor(f"blk.{i}.attn_k.bias", (kv_heads * head_dim,))
+            tensor(f"blk.{i}.attn_v.bias", (kv_heads * head_dim,))
+        tensor(f"blk.{i}.attn_output.weight", (hidden, hidden))
+        tensor(f"blk.{i}.ffn_norm.weight", (hidden,))
+        if arch == "qwen2moe":
+            tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden))
+            tensor(f"blk.{i}.ffn_gate_exps.weight", (experts, MOE_FFN, hidden))
+            tensor(f"blk.{i}.ffn_up_exps.weight", (experts, MOE_FFN, hidden))
+            tensor(f"blk.{i}.ffn_down_exps.weight", (experts, hidden, MOE_FFN))
+            tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (hidden,))
+            tensor(f"blk.{i}.ffn_gate_shexp.weight", (MOE_SHARED_FFN, hidden))
+            tensor(f"blk.{i}.ffn_up_shexp.weight", (MOE_SHARED_FFN, hidden))
+            tensor(f"blk.{i}.ffn_down_shexp.weight", (hidden, MOE_SHARED_FFN))
+            continue
+        tensor(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
+        tensor(f"blk.{i}.ffn_up.weight", (ffn, hidden))
+        tensor(f"blk.{i}.ffn_down.weight", (hidden, ffn))
+    tensor("output_norm.weight", (hidden,))
+    if not tied:
+        tensor("output.weight", (vocab, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """``x [..., cols]`` (cols a multiple of 256) as Q4_K blocks: per 32-value sub-block
+    ``x ~ q * d * sc - dmin * m`` with 4-bit q and 6-bit sc, m."""
+    sub = x.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(axis=-1), 0)
+    step = (sub.max(axis=-1) - lo) / 15
+    d = (step.max(axis=-1, keepdims=True) / 63).astype(np.float16)
+    dmin = ((-lo).max(axis=-1, keepdims=True) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(step / d.astype(np.float32))).clip(0, 63).astype(np.uint8)
+        mins = np.nan_to_num(np.rint(-lo / dmin.astype(np.float32))).clip(0, 63).astype(np.uint8)
+        scale = (d.astype(np.float32) * sc)[..., None]
+        q = np.nan_to_num(np.rint((sub + (dmin.astype(np.float32) * mins)[..., None]) / scale)).clip(0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    packed = np.empty((sub.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mins[:, :4] | ((mins[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mins[:, 4:] & 0xF) << 4)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=1)
+    return blocks.reshape(*x.shape[:-1], -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """``x [..., cols]`` (cols a multiple of 256) as Q6_K blocks: per 16 values
+    ``x ~ d * sc * (q - 32)`` with 6-bit q and int8 sc."""
+    groups = x.reshape(-1, 16, 16).astype(np.float32)
+    step = np.abs(groups).max(axis=-1) / 31
+    d = (step.max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(step / d.astype(np.float32))).clip(0, 127).astype(np.int8)
+        scale = (d.astype(np.float32) * sc)[..., None]
+        q = np.nan_to_num(np.rint(groups / scale)).clip(-32, 31)
+    q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # two halves of 128: four runs of 32
+    ql = np.concatenate([q[:, :, 0] & 0xF | ((q[:, :, 2] & 0xF) << 4),
+                         q[:, :, 1] & 0xF | ((q[:, :, 3] & 0xF) << 4)], axis=2).reshape(-1, 128)
+    qh = (q[:, :, 0] >> 4 | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+    blocks = np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return blocks.reshape(*x.shape[:-1], -1)
+
+
+ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
