@@ -173,11 +173,15 @@ def from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]
     return {name: QuantizedWeight.from_tensors(name, tensors) for name in names}
 
 
-def quantize_model(model: nn.Module, mode: str,
-                   given: dict[str, QuantizedWeight] | None = None) -> dict[str, QuantizedWeight]:
+def quantize_model(model: nn.Module, mode: str, given: dict[str, QuantizedWeight] | None = None, *,
+                   materialize: bool = True) -> dict[str, QuantizedWeight]:
     """Quantize every ``nn.Linear`` of ``model`` under ``mode`` (or take ``given``, e.g.
     read from the artifact cache), and give each linear its dequantized weight in the
-    model's dtype, in place. Returns the quantized weights by module name."""
+    model's dtype, in place. Returns the quantized weights by module name.
+
+    ``materialize=False`` leaves the weights as loaded: for an engine whose quantized kernels
+    run, whose linears (``engine/linears.py``) compute from the quantized weights alone, so
+    a dequantized copy of the whole model is never made."""
     if mode not in WEIGHT_MODES or mode == "auto":
         raise ValueError(f"unknown weights mode {mode!r}; use one of full, int8, int4")
     if mode == "full":
@@ -190,9 +194,11 @@ def quantize_model(model: nn.Module, mode: str,
         q = weights[name]
         if q.shape != tuple(linear.weight.shape):
             raise ValueError(f"{name}: quantized shape {q.shape} is not the weight's {tuple(linear.weight.shape)}")
+        result[name] = q
+        if not materialize:
+            continue
         # A new Parameter, not a write into the old one: a tied embedding keeps its weight.
         linear.weight = nn.Parameter(q.dequantize(linear.weight.dtype).to(linear.weight.device), requires_grad=False)
-        result[name] = q
     # The LM head no longer shares its weight with the embedding: keep transformers from
     # re-tying them (e.g. on a later ``tie_weights`` call).
     config = getattr(model, "config", None)

@@ -155,6 +155,10 @@ class FastLinear(nn.Module):
             self.quant_kind == "int4" and self.out_features % _INT4_BLOCK_N == 0 and int4_pack_layout_ok())
         self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
         self._dense: torch.Tensor | None = None
+        if quant is not None and self.quant_kind is not None and not self.lean:
+            # The model's weights may be as loaded (``quantize_model(materialize=False)``): the
+            # dense path must compute what the kernel does.
+            weight = quant.dequantize(dtype).to(device)
         if self.dense_kind == "packed":
             self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
         elif self.dense_kind == "plain":

@@ -281,7 +281,8 @@ def load_model(
 
             quantized = quantize_gguf(source.path, weights)  # as the artifact cache stores it
         try:
-            quantized_weights = quantize_model(hf_model, weights, given=quantized)
+            quantized_weights = quantize_model(hf_model, weights, given=quantized,
+                                               materialize=not quant_kernels_run(torch_dtype, dev))
         except (KeyError, ValueError) as exc:  # given weights of another shape or set of linears
             raise ModelLoadError(f"The quantized weights of {source.name} do not fit its model: {exc}") from exc
         if not quant_kernels_run(torch_dtype, dev):
