@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB (default 2)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (default 32)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="refuse a model whose planned memory (weights + KV pool + 1 GB) is above this "
+                        "(default: only the memory available is checked)")
     p.add_argument("--unhealthy-after-failed-steps", type=int, default=None,
                    help="engine steps failing in a row before /health answers 503 (default 3)")
     p.add_argument("--max-step-tokens", type=int, default=None,
@@ -85,7 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
                                    "max_prefill_step_tokens", "max_model_len", "max_completion_tokens",
                                    "prefix_caching", "warmup",
-                                   "weights", "unhealthy_after_failed_steps")},
+                                   "weights", "unhealthy_after_failed_steps", "max_memory_gb")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
                                      "ssd_queue_blocks", "ssd_flush_interval_s", "disk_cache_gb", "disk_min_free_gb",
@@ -99,6 +102,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcellar.server.runner import serve
 
     return serve(settings_from_args(args), log_level=args.log_level)
+
+
+def cmd_models_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kvcellar.engine.memory import available_bytes
+    from kvcellar.runtime import memory_plan
+
+    plan = memory_plan(settings_from_args(args))
+    free = available_bytes()
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "available_bytes": free}))
+    else:
+        print(f"{plan.describe()}" + (f"; available now: {free / (1 << 30):.1f} GB" if free is not None else ""))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -160,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     add_cache_commands(sub)
-    add_models_commands(sub)
+    models = add_models_commands(sub)
+    m = models.add_parser("plan", help="the memory a model will need served (weights by mode + KV pool + "
+                                       "overhead), from its headers, before anything loads")
+    add_model_args(m)
+    m.add_argument("--json", action="store_true", help="machine-readable output")
+    m.set_defaults(func=cmd_models_plan)
     add_bench_commands(sub)
     return parser
 

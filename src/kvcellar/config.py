@@ -88,6 +88,9 @@ class EngineConfig:
     # Steps failing in a row (a broken model or kernel, not one bad request) before /health
     # turns 503 so a load balancer takes the replica out; a step that succeeds resets it.
     unhealthy_after_failed_steps: int = 3
+    # Refuse to load a model whose planned memory (engine/memory.py: weights + KV pool +
+    # overhead) is above this many GiB; 0: only the memory available is checked.
+    max_memory_gb: float = 0.0
 
     def validate(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps) < 1:

@@ -16,6 +16,7 @@ from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, rea
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_weights
+from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
@@ -118,11 +119,35 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     return loaded
 
 
+def memory_plan(settings: Settings) -> MemoryPlan:
+    """What serving ``settings.model`` will take (engine/memory.py), from headers alone."""
+    cfg = settings.engine
+    source = resolve_source(settings.model)
+    dev = resolve_device(cfg.device)
+    torch_dtype = resolve_dtype(cfg.dtype, dev)
+    weights = resolve_weights(cfg.weights, source, torch_dtype, dev)
+    return plan_memory(source, weights, torch_dtype, int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0)
+
+
+def check_memory(settings: Settings) -> None:
+    """Refuse, with the figures, a model that will not fit (before anything heavy loads)."""
+    try:
+        plan = memory_plan(settings)
+    except ModelLoadError:  # not a model we serve: said as it is
+        raise
+    except Exception as exc:  # a plan we cannot make must not keep a model from loading
+        log.warning("could not plan the memory of %s: %s", settings.model, exc)
+        return
+    log.info("memory plan: %s", plan.describe())
+    check_fits(plan, settings.engine.max_memory_gb)
+
+
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
     """Load the model (through the artifact cache under the cache root) unless given, build
     the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
     if loaded is None:
         cfg = settings.engine
+        check_memory(settings)
         loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                   artifacts=open_artifacts(settings))
     engine = Engine(loaded, settings.engine)

@@ -13,8 +13,9 @@ from kvcellar.config import load_settings
 from kvcellar.units import format_bytes
 
 
-def add_models_commands(subparsers: Any) -> None:
-    """Register ``models`` under the top-level sub-command parsers."""
+def add_models_commands(subparsers: Any) -> Any:
+    """Register ``models`` under the top-level sub-command parsers; returns its verbs' parsers
+    (the top level adds ``plan``, which needs the engine's view of a model)."""
     p = subparsers.add_parser("models", help="list, prune, clear or verify prepared model artifacts")
     verbs = p.add_subparsers(dest="models_command", required=True)
 
@@ -42,6 +43,7 @@ def add_models_commands(subparsers: Any) -> None:
     v = verbs.add_parser("verify", help="full sha256 of every entry; corrupt ones are removed")
     common(v)
     v.set_defaults(func=cmd_models_verify)
+    return verbs
 
 
 def _open(args: argparse.Namespace) -> ArtifactCache:

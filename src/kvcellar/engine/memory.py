@@ -1,0 +1,155 @@
+"""What serving a model will take in memory, known before anything heavy loads.
+
+``plan_memory`` adds up what the engine will hold for a source under a weights mode: the
+decoder linears at the bytes a weight their kind keeps (``engine/linears.py``: int4 0.5 plus a
+bf16 scale and zero per 32 inputs, int8 one byte plus a scale per row, full the serving
+dtype), the LM head (int8 in both quantized modes), every other tensor (embeddings, norms,
+biases) in the serving dtype, the KV pool as configured, and a fixed allowance for the
+interpreter, libraries and step buffers. A GGUF is read from its header (``gguf_info.py``);
+an HF directory from its safetensors headers. ``serve`` refuses a model whose plan exceeds
+the memory available (``MemAvailable``, and ``--max-memory-gb`` when set) with these figures,
+instead of being killed half-way through loading it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcellar.errors import ModelLoadError
+from kvcellar.gguf_info import read_gguf_info
+from kvcellar.model_source import ModelSource
+
+GIB = 1 << 30
+# Interpreter, torch and transformers, tokenizer, step activations and the dequantization buffer.
+OVERHEAD_BYTES = 1 * GIB
+# Bytes a weight of a decoder linear keeps, by mode (full: the dtype's size).
+BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 32, "int8": 1.0}
+_GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                 "ffn_gate_up")
+_HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights_mode: str
+    linear_params: int
+    head_params: int
+    other_params: int
+    weights_bytes: int
+    kv_pool_bytes: int
+    overhead_bytes: int = OVERHEAD_BYTES
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
+
+    def describe(self) -> str:
+        gb = lambda n: f"{n / GIB:.1f} GB"  # noqa: E731
+        return (f"{gb(self.total_bytes)}: weights {gb(self.weights_bytes)} ({self.weights_mode}), "
+                f"KV pool {gb(self.kv_pool_bytes)}, overhead {gb(self.overhead_bytes)}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"weights_mode": self.weights_mode, "weights_bytes": self.weights_bytes,
+                "kv_pool_bytes": self.kv_pool_bytes, "overhead_bytes": self.overhead_bytes,
+                "total_bytes": self.total_bytes, "linear_params": self.linear_params,
+                "head_params": self.head_params, "other_params": self.other_params}
+
+
+def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int) -> MemoryPlan:
+    """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4)."""
+    linear, head, other, tied = _param_counts(source)
+    itemsize = dtype.itemsize
+    if weights_mode == "full":  # a tied LM head is the embedding itself
+        weights = (linear + (0 if tied else head) + other) * itemsize
+    else:
+        weights = int(linear * BYTES_PER_WEIGHT[weights_mode]) + head * 1 + other * itemsize
+    return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes))
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still take: ``MemAvailable``, lowered by a cgroup limit; None
+    where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        usage = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max":
+            found.append(int(limit) - usage)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits(plan: MemoryPlan, max_memory_gb: float = 0.0) -> None:
+    """``ModelLoadError`` with the figures when ``plan`` exceeds ``max_memory_gb`` (when > 0)
+    or the memory available now."""
+    limits = []
+    if max_memory_gb > 0:
+        limits.append((int(max_memory_gb * GIB), "--max-memory-gb"))
+    available = available_bytes()
+    if available is not None:
+        limits.append((available, "available memory"))
+    for limit, what in limits:
+        if plan.total_bytes > limit:
+            raise ModelLoadError(
+                f"the model will not fit: it needs {plan.describe()}, and {what} is {limit / GIB:.1f} GB. "
+                "Lower --kv-cache-gb, serve it with --weights int4, or raise the limit.")
+
+
+def _param_counts(source: ModelSource) -> tuple[int, int, int, bool]:
+    """Parameters of (decoder linears, LM head, everything else), and whether the LM head is
+    tied to the embedding (then its count is the embedding's, which "everything else" holds)."""
+    if source.kind == "gguf":
+        info = read_gguf_info(source.path)
+        linear = head = other = 0
+        names = {t.name for t in info.tensors}
+        for t in info.tensors:
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight":
+                linear += t.params
+            elif t.name == "output.weight":
+                head += t.params
+            else:
+                other += t.params
+        tied = "output.weight" not in names
+        if tied:  # quantized modes keep the LM head as an int8 copy of the embedding
+            head = next((t.params for t in info.tensors if t.name == "token_embd.weight"), 0)
+        return linear, head, other, tied
+    return _hf_param_counts(Path(source.path))
+
+
+def _hf_param_counts(folder: Path) -> tuple[int, int, int, bool]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {folder} to plan memory from")
+    linear = head = embed = other = 0
+    for file in files:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in meta["shape"]:
+                n *= int(d)
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _HF_LINEARS:
+                linear += n
+            elif name == "lm_head.weight":
+                head += n
+            else:
+                other += n
+                if name.endswith("embed_tokens.weight"):
+                    embed = n
+    return linear, head or embed, other, not head

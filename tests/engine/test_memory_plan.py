@@ -1,0 +1,63 @@
+"""What a model will need, known before it loads (engine/memory.py, issue 25): the plan
+matches what the engine then holds, `kvcellar models plan` prints it, and `serve` refuses a
+model above `--max-memory-gb` with the figures instead of loading it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvcellar.engine.linears import quant_kernels_run
+from kvcellar.engine.memory import GIB, OVERHEAD_BYTES, check_fits, plan_memory
+from kvcellar.errors import ModelLoadError
+from kvcellar.model_source import resolve_source
+from tests._models import make_engine
+from tests.engine.test_quantization import load
+
+
+@pytest.mark.skipif(not quant_kernels_run(torch.bfloat16, torch.device("cpu")), reason="no int4 kernel here")
+def test_the_int4_plan_is_what_the_engine_holds():
+    loaded = load("int4")
+    plan = plan_memory(resolve_source(None), "int4", torch.bfloat16, 0)
+    engine = make_engine(loaded)
+    linears = sum(m.nbytes for m in engine.runner.linears.linears)
+    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
+    held = linears + rest  # the prepared linears hold no parameters: the rest is embeddings and norms
+    assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
+
+
+def test_full_weights_count_a_tied_head_once():
+    source = resolve_source(None)  # SmolLM2 ties its LM head to the embedding
+    full = plan_memory(source, "full", torch.bfloat16, GIB)
+    assert full.weights_bytes == (full.linear_params + full.other_params) * 2
+    assert full.total_bytes == full.weights_bytes + GIB + OVERHEAD_BYTES
+    int4 = plan_memory(source, "int4", torch.bfloat16, GIB)
+    assert int4.weights_bytes < 0.6 * full.weights_bytes
+
+
+def test_a_plan_over_the_limit_is_refused_with_its_figures():
+    plan = plan_memory(resolve_source(None), "full", torch.bfloat16, 2 * GIB)
+    check_fits(plan, max_memory_gb=100)
+    with pytest.raises(ModelLoadError, match=r"needs 3\.\d GB: weights 0\.3 GB \(full\), KV pool 2\.0 GB.*"
+                                             r"--max-memory-gb is 3\.0 GB"):
+        check_fits(plan, max_memory_gb=3)
+
+
+def test_serve_refuses_before_loading_and_models_plan_says_why(tmp_path):
+    kvcellar = [sys.executable, "-m", "kvcellar.cli"]
+    plan = subprocess.run([*kvcellar, "models", "plan", "--json", "--weights", "full", "--dtype", "bfloat16",
+                           "--kv-cache-gb", "1"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    figures = json.loads(plan.stdout)
+    assert figures["weights_mode"] == "full" and figures["kv_pool_bytes"] == GIB
+    assert figures["total_bytes"] == figures["weights_bytes"] + GIB + OVERHEAD_BYTES
+    refused = subprocess.run([*kvcellar, "serve", "--cache-dir", str(tmp_path), "--max-memory-gb", "1.5",
+                              "--kv-cache-gb", "1", "--dtype", "bfloat16", "--weights", "full"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "will not fit" in refused.stderr and "--max-memory-gb is 1.5 GB" in refused.stderr
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").rglob("*.safetensors"))
