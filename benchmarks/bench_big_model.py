@@ -1,0 +1,671 @@
+"""A 7-8B 4-bit GGUF served by kvcellar beside llama.cpp's own ``llama-server`` (issue 25).
+
+Writes a GGUF with the real shapes of Qwen2.5-7B (``--arch qwen2``, the default) or
+Llama-3.1-8B (``--arch llama``) and random weights, then measures both servers on that very
+file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
+token ids, so prompt lengths are exact on both servers).
+
+The file: every decoder linear and ``token_embd`` in Q4_0, ``output`` in ``--output-type``
+(Q6_K, as llama.cpp's ``llama-quantize Q4_0`` writes it; or Q8_0, Q4_0), norms and Qwen2's
+q/k/v biases in F32. Blocks are written as bytes (random nibbles or 6-bit values under an
+fp16 scale that gives weights of std ~0.02), not quantized from floats, so the 4.4 GB of a
+7B take seconds; one tensor at a time is in memory. The tokenizer is a real byte-level BPE
+(256 byte tokens, a few merges, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, a ChatML
+template) padded to the model's vocabulary with plain word tokens (`` w123``), so that every
+id decodes to text and both servers load it with their own GGUF tokenizer readers.
+
+kvcellar (``kvcellar serve --model FILE --weights auto --kv-cache-gb 2``, fresh ``--cache-dir``):
+  1st start    the GGUF prepared into the artifact cache: wall time until ``/health`` answers
+               200 and peak RSS of the server's process group (VmRSS summed over the group,
+               sampled every 0.2 s); ``/health`` ``weights`` and ``linears``
+  2nd start    SIGTERM, the same cache dir: the prepared entry is loaded
+  serving      prefill of cold distinct prompts of ``--lengths`` tokens (non-streamed
+               ``max_tokens`` 1: TTFT is the request's wall time; prefill tok/s = tokens /
+               TTFT), RAM hit (the longest prompt again), decode of ``--decode-tokens`` (128)
+               tokens with ``ignore_eos`` at one stream and at ``--batch`` (8) concurrent
+               streams (short distinct prompts), RSS of the group (peak over the phase)
+  restart      SIGTERM (kvcellar drains its disk writer), the page cache of the KV files
+               dropped (``posix_fadvise DONTNEED`` on the cache dir, not its ``models``), a
+               3rd start, the longest prompt again: TTFT with the KV read from the SSD tier
+llama-server (``-t`` cores ``-c`` max(4096, longest + 512) ``-np 1 --cache-reuse 256``; its
+prompt cache is on by default):
+  start time and peak RSS, RSS after start, the same prefill / RAM-hit / batch-1 decode, then
+  a restart with ``-np 8`` for the batch decode. It keeps no cache across a restart.
+
+RSS is what the kernel counts resident: for llama-server that includes the mmapped GGUF pages
+it touched (``RssFile``, shared with the page cache); the JSON has anon and file parts.
+Figures only, no asserts. Run when ``uptime`` shows a load below ~1.5.
+
+    .venv/bin/python benchmarks/bench_big_model.py --out bench-results/big-model.json   # 7B, ~20-30 min
+    .venv/bin/python benchmarks/bench_big_model.py --small --out /tmp/small.json        # tiny shapes, ~2 min
+    .venv/bin/python benchmarks/bench_big_model.py --arch llama --gguf /tmp/llama8b-q4_0.gguf --keep-gguf
+
+``--gguf PATH`` reuses a file this script wrote earlier (same arch and shapes) or writes it
+there; ``--skip-kvcellar`` / ``--skip-peer`` measure one side only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvcellar.bench.launch import LaunchError, ServerLauncher, kvcellar_command
+from kvcellar.bench.report import format_table, machine_info, table
+from kvcellar.bench.targets import flat_counters
+
+PEER_BIN = Path(os.environ.get("LLAMA_SERVER_BIN", "/work/llama-server/bin/llama-server"))
+READY_TIMEOUT_S = 3600.0
+REQUEST_TIMEOUT_S = 1800.0
+SAMPLE_INTERVAL_S = 0.2
+# /health counters whose deltas around the restart hit say which tier served it.
+TIER_COUNTERS = ("sched_lower_tier_hit_tokens", "kv_hit_tokens", "ssd_load_bytes")
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MERGES = ("Ġ t", "h e", "i n", "e r", "a n", "Ġ a", "o n", "r e")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+# ---- the model file ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # GGUF architecture: qwen2 (q/k/v biases) or llama
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float
+    context: int
+    name: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES = {
+    "qwen2": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1e6, 1e-6, 32768, "Qwen2.5-7B-shaped"),
+    # Llama-3.1's rope scaling (rope_freqs) is left out: RoPE frequencies do not change the cost.
+    "llama": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 5e5, 1e-5, 32768, "Llama-3.1-8B-shaped"),
+}
+SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
+
+WEIGHT_STD = 0.02
+# Per-type block layout: (values per block, bytes per block).
+BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q6_K": (256, 210)}
+
+
+def tokenizer_tokens(vocab: int) -> tuple[list[str], list[int]]:
+    """A byte-level BPE vocabulary of ``vocab`` entries: bytes, merges, specials, then words."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES] + list(SPECIALS)
+    types = [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)  # 1 normal, 3 control
+    first_word = len(tokens)
+    tokens += [f"Ġw{i}" for i in range(first_word, vocab)]
+    types += [1] * (vocab - first_word)
+    return tokens, types
+
+
+def first_word_id() -> int:
+    return 256 + len(MERGES) + len(SPECIALS)
+
+
+def tensor_plan(shape: Shape, output_type: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape (rows, cols), type) in the order llama.cpp's converter writes them."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), "Q4_0")]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", (h,), "F32"),
+                 (b + "attn_q.weight", (h, h), "Q4_0"), (b + "attn_k.weight", (kv, h), "Q4_0"),
+                 (b + "attn_v.weight", (kv, h), "Q4_0")]
+        if shape.arch == "qwen2":
+            plan += [(b + "attn_q.bias", (h,), "F32"), (b + "attn_k.bias", (kv,), "F32"),
+                     (b + "attn_v.bias", (kv,), "F32")]
+        plan += [(b + "attn_output.weight", (h, h), "Q4_0"), (b + "ffn_norm.weight", (h,), "F32"),
+                 (b + "ffn_gate.weight", (shape.ffn, h), "Q4_0"), (b + "ffn_up.weight", (shape.ffn, h), "Q4_0"),
+                 (b + "ffn_down.weight", (h, shape.ffn), "Q4_0")]
+    plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
+    return plan
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
+    """``rows x cols`` weights of GGUF type ``kind`` as random block bytes, values of std ~0.02."""
+    per, nbytes = BLOCKS[kind]
+    n = rows * cols // per
+    raw = np.frombuffer(rng.bytes(n * nbytes), np.uint8).reshape(n, nbytes).copy()
+    jitter = (0.75 + 0.5 * rng.random(n)).astype(np.float32)
+    if kind == "Q4_0":  # d (fp16), 16 bytes of nibbles: w = d * (q - 8), q uniform 0..15 (std 4.6)
+        raw[:, :2] = (jitter * (WEIGHT_STD / 4.6)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    elif kind == "Q8_0":  # d (fp16), 32 int8: w = d * q, q uniform -128..127 (std 74)
+        raw[:, :2] = (jitter * (WEIGHT_STD / 74)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    else:  # Q6_K: ql[128] qh[64] scales[16] int8, d (fp16): w = d * sc * (q - 32), q 6-bit (std 18.5)
+        raw[:, 192:208] = rng.integers(16, 48, (n, 16), dtype=np.uint8)  # sc mean 32
+        raw[:, 208:] = (jitter * (WEIGHT_STD / (18.5 * 32))).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, cols // per * nbytes)
+
+
+def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0) -> dict[str, Any]:
+    """Write the GGUF one tensor at a time; returns its size and the seconds it took."""
+    import gguf
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), shape.arch)
+    w.add_name(shape.name + " random Q4_0")
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_rope_dimension_count(shape.head_dim)
+    w.add_vocab_size(shape.vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    tokens, types = tokenizer_tokens(shape.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(list(MERGES))
+    eot, _im_start, im_end = (tokens.index(s) for s in SPECIALS)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(im_end)
+    w.add_pad_token_id(eot)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    plan = tensor_plan(shape, output_type)
+    for name, dims, kind in plan:
+        if kind == "F32":
+            w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+        else:
+            per, nbytes = BLOCKS[kind]
+            byte_dims = (dims[0], dims[1] // per * nbytes)
+            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), byte_dims[0] * byte_dims[1],
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, dims, kind in plan:
+        if kind != "F32":
+            w.write_tensor_data(random_blocks(rng, dims[0], dims[1], kind))
+        elif name.endswith(".bias"):
+            w.write_tensor_data((rng.standard_normal(dims[0]) * WEIGHT_STD).astype(np.float32))
+        else:  # norms: ~1
+            w.write_tensor_data((1.0 + 0.05 * rng.standard_normal(dims[0])).astype(np.float32))
+    w.close()
+    return {"path": str(path), "bytes": path.stat().st_size, "write_s": time.perf_counter() - t0}
+
+
+# ---- memory of a process group -----------------------------------------------------------------
+
+
+def group_memory(pgid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssFile (bytes) summed over the processes of group ``pgid``."""
+    total = {"rss": 0, "anon": 0, "file": 0, "procs": 0}
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file"}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields: state, ppid, pgrp, ...
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    key = line.split(None, 1)[0]
+                    if key in keys:
+                        total[keys[key]] += int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            continue
+        total["procs"] += 1
+    return total
+
+
+class RssSampler:
+    """Samples ``group_memory`` of a launcher's process group every 0.2 s on one thread
+    (``rss-sampler``) from ``start()`` until ``stop()``; ``peak()`` is the highest VmRSS sum
+    seen since the last ``reset()``. The group is found when the launcher has a process."""
+
+    def __init__(self, launcher: ServerLauncher) -> None:
+        self.launcher = launcher
+        self._lock = threading.Lock()  # guards _peak and _last
+        self._peak: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler")
+
+    def start(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._peak = {}
+
+    def peak(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._peak)
+
+    def now(self) -> dict[str, int]:
+        proc = self.launcher.proc
+        return group_memory(proc.pid) if proc is not None and proc.poll() is None else {}
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            m = self.now()
+            if not m.get("procs"):
+                continue
+            with self._lock:
+                self._last = m
+                if m["rss"] > self._peak.get("rss", -1):
+                    self._peak = m
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    """``n`` token ids of plain words, different for every seed from the first token on."""
+    rng = np.random.default_rng(1_000_003 + seed)
+    return [int(t) for t in rng.integers(first_word_id(), vocab, n)]
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+    """One non-streamed completion; its wall time is the TTFT when ``max_tokens`` is 1."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    usage = r.json().get("usage") or {}
+    return {"ttft_s": wall, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def stream_decode(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion of exactly ``max_tokens`` tokens (``ignore_eos``). TTFT: the
+    first chunk with text; decode tok/s: text chunks after the first over the time from the
+    first to the last one (every token of this vocabulary has text; a server sends one chunk
+    a token), and over the wall time after the TTFT (``decode_tok_s_e2e``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    text_chunks = 0
+    finish = None
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    last = time.perf_counter() - t0
+                    first = last if first is None else first
+                    text_chunks += 1
+    end = time.perf_counter() - t0
+    tokens = usage.get("completion_tokens") or (max_tokens if finish == "length" else text_chunks)
+    out = {"ttft_s": first, "e2e_s": end, "tokens": tokens, "text_chunks": text_chunks, "finish_reason": finish,
+           "decode_tok_s": None, "decode_tok_s_e2e": None}
+    if first is not None and last is not None and text_chunks > 1 and last > first:
+        out["decode_tok_s"] = (text_chunks - 1) / (last - first)
+    if first is not None and tokens > 1 and end > first:
+        out["decode_tok_s_e2e"] = (tokens - 1) / (end - first)
+    return out
+
+
+def decode_batch(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int) -> dict[str, Any]:
+    """``len(prompts)`` streams at once: aggregate tok/s = all tokens / wall time."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stream_decode(url, model, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    rates = [r["decode_tok_s"] for r in results if r["decode_tok_s"]]
+    return {"streams": len(prompts), "wall_s": wall, "tokens": tokens, "aggregate_tok_s": tokens / wall,
+            "per_stream_tok_s": sum(rates) / len(rates) if rates else None, "results": results}
+
+
+def health(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/health", timeout=30).json()
+
+
+# ---- one server's run ------------------------------------------------------------------------
+
+
+def timed_start(launcher: ServerLauncher, sampler: RssSampler) -> dict[str, Any]:
+    """Start, timing until the ready check holds; the peak RSS while starting and RSS once up."""
+    sampler.reset()
+    t0 = time.perf_counter()
+    launcher.start(READY_TIMEOUT_S)
+    out = {"ready_s": time.perf_counter() - t0, "peak": sampler.peak()}
+    time.sleep(1.0)
+    out["after"] = sampler.now()
+    print(f"  {launcher.name} up in {out['ready_s']:.1f} s, peak RSS {gb(out['peak'].get('rss'))} GB, "
+          f"then {gb(out['after'].get('rss'))} GB", flush=True)
+    return out
+
+
+def serve_phase(url: str, model: str, sampler: RssSampler, args: argparse.Namespace, vocab: int, *,
+                batch: bool) -> dict[str, Any]:
+    """Cold prefill per length, the RAM hit of the longest, decode at 1 (and ``--batch``) streams."""
+    out: dict[str, Any] = {"prefill": {}}
+    sampler.reset()
+    for i, n in enumerate(args.lengths):
+        r = complete(url, model, prompt_ids(n, 100 + i, vocab))
+        r["prefill_tok_s"] = (r["prompt_tokens"] or n) / r["ttft_s"]
+        out["prefill"][str(n)] = r
+        print(f"  cold {n}: TTFT {r['ttft_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s), "
+              f"prompt_tokens {r['prompt_tokens']}", flush=True)
+    longest = max(args.lengths)
+    out["ram_hit"] = complete(url, model, prompt_ids(longest, 100 + args.lengths.index(longest), vocab))
+    print(f"  RAM hit {longest}: TTFT {out['ram_hit']['ttft_s']:.3f} s, "
+          f"cached {out['ram_hit']['cached_tokens']}", flush=True)
+    out["decode_1"] = stream_decode(url, model, prompt_ids(args.decode_prompt, 500, vocab), args.decode_tokens)
+    print(f"  decode 1 stream: {fmt(out['decode_1']['decode_tok_s'])} tok/s", flush=True)
+    if batch:
+        out["decode_batch"] = decode_batch(url, model, [prompt_ids(args.decode_prompt, 600 + k, vocab)
+                                                        for k in range(args.batch)], args.decode_tokens)
+        print(f"  decode {args.batch} streams: {fmt(out['decode_batch']['aggregate_tok_s'])} tok/s aggregate",
+              flush=True)
+    out["serving_peak"] = sampler.peak()
+    out["serving_after"] = sampler.now()
+    return out
+
+
+def drop_kv_pages(cache_dir: Path) -> int:
+    """posix_fadvise(DONTNEED) on every file of ``cache_dir`` but its prepared models."""
+    os.sync()
+    files = 0
+    for dirpath, dirs, names in os.walk(cache_dir):
+        if Path(dirpath) == cache_dir and "models" in dirs:
+            dirs.remove("models")
+        for name in names:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                files += 1
+            finally:
+                os.close(fd)
+    return files
+
+
+def run_kvcellar(gguf_path: Path, work: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    cache_dir = work / "kvcellar-cache"
+    flags = ["--model", str(gguf_path), "--weights", args.weights, "--kv-cache-gb", str(args.kv_cache_gb),
+             *args.kvcellar_args.split()]
+    base = args.kvcellar_cmd.split() if args.kvcellar_cmd else kvcellar_command()
+
+    def command(port: int) -> list[str]:
+        return [*base, "serve", "--port", str(port), "--cache-dir", str(cache_dir), *flags]
+
+    launcher = ServerLauncher(command, work / "kvcellar.log", name="kvcellar")
+    sampler = RssSampler(launcher).start()
+    out: dict[str, Any] = {"command": " ".join(command(0))}
+    try:
+        print("kvcellar: 1st start (preparation)", flush=True)
+        out["start_1"] = timed_start(launcher, sampler)
+        h = health(launcher.url)
+        out["weights"], out["linears"] = h.get("weights"), h.get("linears")
+        model = httpx.get(launcher.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        print(f"  weights {out['weights']}, linears {json.dumps(out['linears'])}", flush=True)
+        launcher.stop()
+        print("kvcellar: 2nd start", flush=True)
+        out["start_2"] = timed_start(launcher, sampler)
+        out["serve"] = serve_phase(launcher.url, model, sampler, args, vocab, batch=True)
+        launcher.stop()
+        out["dropped_files"] = drop_kv_pages(cache_dir)
+        print("kvcellar: restart (SSD)", flush=True)
+        out["start_3"] = timed_start(launcher, sampler)
+        longest = max(args.lengths)
+        before = flat_counters(health(launcher.url))
+        out["restart_hit"] = complete(launcher.url, model,
+                                      prompt_ids(longest, 100 + args.lengths.index(longest), vocab))
+        after = flat_counters(health(launcher.url))
+        out["restart_hit"]["tiers"] = {k: after.get(k, 0) - before.get(k, 0) for k in TIER_COUNTERS}
+        print(f"  restart hit {longest}: TTFT {out['restart_hit']['ttft_s']:.3f} s, "
+              f"cached {out['restart_hit']['cached_tokens']}, tiers {out['restart_hit']['tiers']}", flush=True)
+        out["health_end"] = health(launcher.url)
+    except (LaunchError, httpx.HTTPError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["peak_before_error"] = sampler.peak()
+        print(f"kvcellar failed: {out['error']}\n{launcher.log_tail(3000)}", flush=True)
+    finally:
+        launcher.stop()
+        sampler.stop()
+    return out
+
+
+def peer_command(gguf_path: Path, args: argparse.Namespace, slots: int) -> Callable[[int], list[str]]:
+    ctx = max(args.peer_ctx, max(args.lengths) + 512)
+    return lambda port: [str(args.peer_bin), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+                         "-c", str(ctx), "-np", str(slots), "-t", str(args.threads), "--cache-reuse", "256",
+                         "--no-webui", "--alias", "bench", *args.peer_args.split()]
+
+
+def run_peer(gguf_path: Path, work: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"command": " ".join(peer_command(gguf_path, args, 1)(0))}
+    launcher = ServerLauncher(peer_command(gguf_path, args, 1), work / "llama-server.log", name="llama-server")
+    sampler = RssSampler(launcher).start()
+    try:
+        print("llama-server: start (-np 1)", flush=True)
+        out["start_1"] = timed_start(launcher, sampler)
+        # kvcellar runs every path once before it answers; llama-server gets one short request
+        out["warmup"] = complete(launcher.url, "bench", prompt_ids(16, 999, vocab))
+        out["serve"] = serve_phase(launcher.url, "bench", sampler, args, vocab, batch=False)
+        launcher.stop()
+        print(f"llama-server: restart with -np {args.batch}", flush=True)
+        launcher.command = peer_command(gguf_path, args, args.batch)
+        out["start_2"] = timed_start(launcher, sampler)
+        out["serve"]["decode_batch"] = decode_batch(
+            launcher.url, "bench", [prompt_ids(args.decode_prompt, 600 + k, vocab) for k in range(args.batch)],
+            args.decode_tokens)
+        print(f"  decode {args.batch} streams: {fmt(out['serve']['decode_batch']['aggregate_tok_s'])} tok/s "
+              f"aggregate", flush=True)
+    except (LaunchError, httpx.HTTPError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"llama-server failed: {out['error']}\n{launcher.log_tail(3000)}", flush=True)
+    finally:
+        launcher.stop()
+        sampler.stop()
+    return out
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+def gb(n: int | None) -> str:
+    return "-" if not n else f"{n / 1e9:.2f}"
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def get(d: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def rss_cell(m: dict[str, Any] | None) -> str:
+    if not m or not m.get("rss"):
+        return "-"
+    return f"{gb(m['rss'])} (anon {gb(m['anon'])}, file {gb(m['file'])})"
+
+
+def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    kvc, peer = result.get("kvcellar") or {}, result.get("llama_server") or {}
+    longest = max(args.lengths)
+
+    def both(f: Callable[[dict[str, Any]], str], peer_f: Callable[[dict[str, Any]], str] | None = None) -> list[str]:
+        return [f(kvc) if kvc else "-", (peer_f or f)(peer) if peer else "-"]
+
+    def secs(*path: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: fmt(get(r, *path), 2)
+
+    rows = [["first start (kvcellar: GGUF preparation), s", *both(secs("start_1", "ready_s"))],
+            ["first start: peak RSS, GB", *both(lambda r: rss_cell(get(r, "start_1", "peak")))],
+            ["second start, s", *both(secs("start_2", "ready_s"), lambda r: "same as first (mmap)")],
+            ["second start: peak RSS, GB", *both(lambda r: rss_cell(get(r, "start_2", "peak")),
+                                                 lambda r: "-")],
+            ["RSS after start, GB", *both(lambda r: rss_cell(get(r, "start_2", "after")),
+                                          lambda r: rss_cell(get(r, "start_1", "after")))],
+            ["peak RSS while serving, GB", *both(lambda r: rss_cell(get(r, "serve", "serving_peak")))],
+            ["weights / linears", *both(lambda r: f"{r.get('weights')} / {json.dumps(r.get('linears'))}",
+                                        lambda r: "Q4_0 (ggml)")]]
+    for n in args.lengths:
+        rows.append([f"cold {n} tokens: TTFT s (prefill tok/s)",
+                     *both(lambda r, n=n: f"{fmt(get(r, 'serve', 'prefill', str(n), 'ttft_s'), 2)} "
+                                          f"({fmt(get(r, 'serve', 'prefill', str(n), 'prefill_tok_s'), 0)})")])
+    rows += [[f"RAM hit {longest}: TTFT s", *both(secs("serve", "ram_hit", "ttft_s"))],
+             [f"restart (SSD) hit {longest}: TTFT s", *both(secs("restart_hit", "ttft_s"),
+                                                            lambda r: "n/a (no cache across restarts)")],
+             ["decode, 1 stream, tok/s", *both(lambda r: fmt(get(r, "serve", "decode_1", "decode_tok_s")))],
+             [f"decode, {args.batch} streams: aggregate tok/s (per stream)",
+              *both(lambda r: f"{fmt(get(r, 'serve', 'decode_batch', 'aggregate_tok_s'))} "
+                              f"({fmt(get(r, 'serve', 'decode_batch', 'per_stream_tok_s'))})")]]
+    notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF (Q4_0, output "
+             f"{args.output_type}), random weights; {args.threads} threads for llama-server"]
+    if kvc.get("restart_hit"):
+        tiers = get(kvc, "restart_hit", "tiers") or {}
+        notes.append(f"kvcellar cached tokens: RAM hit {get(kvc, 'serve', 'ram_hit', 'cached_tokens')}, "
+                     f"restart hit {get(kvc, 'restart_hit', 'cached_tokens')} (from SSD "
+                     f"{fmt(tiers.get('sched_lower_tier_hit_tokens'), 0)} tokens, "
+                     f"{fmt((tiers.get('ssd_load_bytes') or 0) / 1e6)} MB read); "
+                     f"restart start {fmt(get(kvc, 'start_3', 'ready_s'), 1)} s")
+    notes += [f"{side} failed: {r['error']}" for side, r in (("kvcellar", kvc), ("llama-server", peer))
+              if r.get("error")]
+    return table("kvcellar beside llama-server", ["", "kvcellar", "llama-server"], rows, notes)
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2", help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B")
+    p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run: " + json.dumps(SMALL))
+    for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
+    p.add_argument("--output-type", choices=("Q6_K", "Q8_0", "Q4_0"), default="Q6_K")
+    p.add_argument("--gguf", type=Path, help="the model file: reused if it exists, else written there "
+                   "(default: a temporary file, deleted at the end unless --keep-gguf)")
+    p.add_argument("--keep-gguf", action="store_true")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048],
+                   help="cold prompt lengths; the longest is also the RAM and restart hit (default 512,2048)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-prompt", type=int, default=32, help="prompt tokens of each decode stream")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--kvcellar-args", default="", help="more `kvcellar serve` flags, word-split")
+    p.add_argument("--kvcellar-cmd", default="", help="the command that runs kvcellar, word-split "
+                   "(default: the kvcellar script beside this Python)")
+    p.add_argument("--peer-bin", type=Path, default=PEER_BIN)
+    p.add_argument("--peer-ctx", type=int, default=4096)
+    p.add_argument("--peer-args", default="", help="more llama-server flags, word-split")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--skip-kvcellar", action="store_true")
+    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--work-dir", type=Path, help="logs and the kvcellar cache dir (default: a temp dir, kept)")
+    p.add_argument("--out", type=Path, help="write the JSON result here")
+    return p.parse_args(argv)
+
+
+def save(result: dict[str, Any], path: Path | None) -> None:
+    """The result so far (a run cut short keeps what it measured)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the launchers' stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupted)
+    shape = replace(SHAPES[args.arch], **(SMALL if args.small else {}))
+    shape = replace(shape, **{k: v for k in SMALL if (v := getattr(args, k)) is not None})
+    if args.small or any(getattr(args, k) is not None for k in SMALL):
+        shape = replace(shape, name=shape.name.replace("-shaped", "") + f"-small-{shape.hidden}x{shape.layers}")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvc-big-model-"))
+    work.mkdir(parents=True, exist_ok=True)
+    gguf_path = args.gguf or work / f"{shape.arch}-{shape.hidden}x{shape.layers}-q4_0.gguf"
+    print(f"work dir {work}", flush=True)
+
+    result: dict[str, Any] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+                              "shape": asdict(shape), "argv": sys.argv}
+    try:
+        if gguf_path.exists():
+            result["model"] = {"path": str(gguf_path), "bytes": gguf_path.stat().st_size, "write_s": None}
+            print(f"reusing {gguf_path}", flush=True)
+        else:
+            print(f"writing {shape.name} to {gguf_path}", flush=True)
+            result["model"] = write_model(gguf_path, shape, args.output_type)
+            print(f"  {gb(result['model']['bytes'])} GB in {result['model']['write_s']:.1f} s", flush=True)
+        result["model"]["name"] = shape.name
+        save(result, args.out)
+        if not args.skip_kvcellar:
+            result["kvcellar"] = run_kvcellar(gguf_path, work, args, shape.vocab)
+            save(result, args.out)
+        if not args.skip_peer:
+            result["llama_server"] = run_peer(gguf_path, work, args, shape.vocab)
+    finally:
+        if not args.keep_gguf and args.gguf is None and gguf_path.exists():
+            gguf_path.unlink()
+        shutil.rmtree(work / "kvcellar-cache", ignore_errors=True)
+    t = result_table(result, args)
+    result["tables"] = [t]
+    print("\n" + format_table(t))
+    if args.out:
+        save(result, args.out)
+        print(f"\nwrote {args.out}")
+    return 1 if any((result.get(k) or {}).get("error") for k in ("kvcellar", "llama_server")) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
