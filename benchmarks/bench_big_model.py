@@ -29,8 +29,9 @@ kvcellar (``kvcellar serve --model FILE --weights auto --kv-cache-gb 2``, fresh 
                3rd start, the longest prompt again: TTFT with the KV read from the SSD tier
 llama-server (``-t`` cores ``-c`` max(4096, longest + 512) ``-np 1 --cache-reuse 256``; its
 prompt cache is on by default):
-  start time and peak RSS, RSS after start, the same prefill / RAM-hit / batch-1 decode, then
-  a restart with ``-np 8`` for the batch decode. It keeps no cache across a restart.
+  start time and peak RSS, RSS after start, one 16-token request (kvcellar warms itself up
+  before it answers), the same prefill / RAM-hit / batch-1 decode, then a restart with ``-np 8``
+  for the batch decode. It keeps no cache across a restart.
 
 RSS is what the kernel counts resident: for llama-server that includes the mmapped GGUF pages
 it touched (``RssFile``, shared with the page cache); the JSON has anon and file parts.
@@ -41,7 +42,10 @@ Figures only, no asserts. Run when ``uptime`` shows a load below ~1.5.
     .venv/bin/python benchmarks/bench_big_model.py --arch llama --gguf /tmp/llama8b-q4_0.gguf --keep-gguf
 
 ``--gguf PATH`` reuses a file this script wrote earlier (same arch and shapes) or writes it
-there; ``--skip-kvcellar`` / ``--skip-peer`` measure one side only.
+there; ``--skip-kvcellar`` / ``--skip-peer`` measure one side only; ``--kvcellar-cmd`` runs
+another kvcellar (e.g. ``"python my_wrapper.py"``, which must take ``serve`` and its flags).
+A side that fails or is stopped (SIGTERM/Ctrl-C) keeps what it measured in the JSON, with the
+error, how long into its phase and that phase's peak RSS.
 """
 
 from __future__ import annotations
@@ -258,6 +262,7 @@ class RssSampler:
         self._lock = threading.Lock()  # guards _peak and _last
         self._peak: dict[str, int] = {}
         self._last: dict[str, int] = {}
+        self.since = time.perf_counter()  # of the last reset()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler")
 
@@ -272,6 +277,7 @@ class RssSampler:
     def reset(self) -> None:
         with self._lock:
             self._peak = {}
+        self.since = time.perf_counter()
 
     def peak(self) -> dict[str, int]:
         with self._lock:
@@ -376,6 +382,8 @@ def timed_start(launcher: ServerLauncher, sampler: RssSampler) -> dict[str, Any]
     out = {"ready_s": time.perf_counter() - t0, "peak": sampler.peak()}
     time.sleep(1.0)
     out["after"] = sampler.now()
+    if out["after"].get("rss", 0) > out["peak"].get("rss", 0):  # up before the first sample
+        out["peak"] = out["after"]
     print(f"  {launcher.name} up in {out['ready_s']:.1f} s, peak RSS {gb(out['peak'].get('rss'))} GB, "
           f"then {gb(out['after'].get('rss'))} GB", flush=True)
     return out
@@ -406,6 +414,15 @@ def serve_phase(url: str, model: str, sampler: RssSampler, args: argparse.Namesp
     out["serving_peak"] = sampler.peak()
     out["serving_after"] = sampler.now()
     return out
+
+
+def failed(out: dict[str, Any], exc: BaseException, sampler: RssSampler, launcher: ServerLauncher) -> None:
+    """Record why a side stopped, when, and the peak RSS of the phase it stopped in."""
+    out["error"] = f"{type(exc).__name__}: {exc}".split("\n")[0]
+    out["interrupted"] = isinstance(exc, KeyboardInterrupt)
+    out["error_phase"] = {"after_s": time.perf_counter() - sampler.since, "peak": sampler.peak()}
+    print(f"{launcher.name} failed: {out['error']} ({out['error_phase']['after_s']:.0f} s into the phase, peak RSS "
+          f"{gb(out['error_phase']['peak'].get('rss'))} GB)\n{launcher.log_tail(3000)}", flush=True)
 
 
 def drop_kv_pages(cache_dir: Path) -> int:
@@ -464,10 +481,8 @@ def run_kvcellar(gguf_path: Path, work: Path, args: argparse.Namespace, vocab: i
         print(f"  restart hit {longest}: TTFT {out['restart_hit']['ttft_s']:.3f} s, "
               f"cached {out['restart_hit']['cached_tokens']}, tiers {out['restart_hit']['tiers']}", flush=True)
         out["health_end"] = health(launcher.url)
-    except (LaunchError, httpx.HTTPError) as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        out["peak_before_error"] = sampler.peak()
-        print(f"kvcellar failed: {out['error']}\n{launcher.log_tail(3000)}", flush=True)
+    except (LaunchError, httpx.HTTPError, KeyboardInterrupt) as exc:
+        failed(out, exc, sampler, launcher)
     finally:
         launcher.stop()
         sampler.stop()
@@ -500,9 +515,8 @@ def run_peer(gguf_path: Path, work: Path, args: argparse.Namespace, vocab: int) 
             args.decode_tokens)
         print(f"  decode {args.batch} streams: {fmt(out['serve']['decode_batch']['aggregate_tok_s'])} tok/s "
               f"aggregate", flush=True)
-    except (LaunchError, httpx.HTTPError) as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"llama-server failed: {out['error']}\n{launcher.log_tail(3000)}", flush=True)
+    except (LaunchError, httpx.HTTPError, KeyboardInterrupt) as exc:
+        failed(out, exc, sampler, launcher)
     finally:
         launcher.stop()
         sampler.stop()
@@ -574,8 +588,9 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                      f"{fmt(tiers.get('sched_lower_tier_hit_tokens'), 0)} tokens, "
                      f"{fmt((tiers.get('ssd_load_bytes') or 0) / 1e6)} MB read); "
                      f"restart start {fmt(get(kvc, 'start_3', 'ready_s'), 1)} s")
-    notes += [f"{side} failed: {r['error']}" for side, r in (("kvcellar", kvc), ("llama-server", peer))
-              if r.get("error")]
+    notes += [f"{side} failed: {r['error']} ({fmt(get(r, 'error_phase', 'after_s'), 0)} s into its phase, peak "
+              f"RSS {rss_cell(get(r, 'error_phase', 'peak'))} GB)"
+              for side, r in (("kvcellar", kvc), ("llama-server", peer)) if r.get("error")]
     return table("kvcellar beside llama-server", ["", "kvcellar", "llama-server"], rows, notes)
 
 
@@ -652,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.skip_kvcellar:
             result["kvcellar"] = run_kvcellar(gguf_path, work, args, shape.vocab)
             save(result, args.out)
-        if not args.skip_peer:
+        if not args.skip_peer and not (result.get("kvcellar") or {}).get("interrupted"):
             result["llama_server"] = run_peer(gguf_path, work, args, shape.vocab)
     finally:
         if not args.keep_gguf and args.gguf is None and gguf_path.exists():
