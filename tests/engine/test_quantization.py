@@ -284,3 +284,21 @@ def test_quantized_linears_keep_no_dense_copy(mode):
         bias = 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
         scales = 2 * m.out_features if m.quant_kind == "int8" else 0
         assert m.nbytes == int(per_weight[m.quant_kind] * m.out_features * m.in_features) + scales + bias
+
+
+@needs_kernels
+def test_an_int8_weight_read_at_an_unaligned_address_is_copied_for_the_kernel():
+    """safetensors places tensors 8-byte aligned; torch's int8 kernel crashed (SIGSEGV) on a
+    7B model's LM head read that way."""
+    torch.manual_seed(0)
+    q = quantize_int8(torch.randn(128, 256) * 0.05)
+    raw = torch.empty(q.qweight.numel() + 64, dtype=torch.int8)
+    offset = next(i for i in range(1, 64) if (raw.data_ptr() + i) % 64 == 24)
+    unaligned = raw[offset: offset + q.qweight.numel()].view(128, 256)
+    unaligned.copy_(q.qweight)
+    assert unaligned.data_ptr() % 64 != 0
+    layer = FastLinear(q.dequantize(torch.bfloat16), None, QuantizedWeight("int8", unaligned, q.scales),
+                       KernelTable(quant_max_rows=64))
+    assert layer._q is not None and layer._q.data_ptr() % 64 == 0
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.allclose(layer.quantized_kernel(x).float(), layer.dense(x).float(), atol=0.05)

@@ -120,6 +120,12 @@ def _unpack_int4(packed: torch.Tensor, start: int, end: int, cols: int) -> torch
     return torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(end - start, cols)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory aligned for the kernels' vector loads: safetensors aligns tensors to 8
+    bytes only, and torch's int8 kernel faults on such a weight (SIGSEGV)."""
+    return t if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 class FastLinear(nn.Module):
     """``y = x @ W.T + b`` over a weight that may be prepacked and may be quantized.
 
@@ -167,7 +173,8 @@ class FastLinear(nn.Module):
     def _pack_quantized(self, quant: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
         self._scale, zero = quant.kernel_params(dtype)
         if quant.kind == "int8":
-            self._q = quant.qweight.to(device)
+            self._q = _aligned(quant.qweight.to(device))
+            self._scale = _aligned(self._scale)
         else:
             self.group_size = quant.group_size
             self._q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quant.int4_values().to(device), 1)
