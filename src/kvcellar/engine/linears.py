@@ -334,13 +334,21 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
     """Time one pass over the model's quantized linears with their quantized kernel and with
     their dense weights, at each of ``CALIBRATION_ROWS`` rows (``threads_for(rows)`` torch
     threads, as steps of that size run), and use the kernel up to the largest row count from
-    which on it is no longer faster. Returns the table, updated in place."""
+    which on it is no longer faster. Returns the table, updated in place.
+
+    Linears of one shape and kind take the same time, so one of each is timed and counted
+    as many times as the model holds it: a 7B model's ~200 quantized linears are 5 shapes,
+    and dequantizing every one at every row count took minutes."""
     table = prepared.table
     layers = prepared.quantized
     if not layers:
         return table
     dtype, device = layers[0].dtype, layers[0].device
-    widths = sorted({m.in_features for m in layers})
+    shapes: dict[tuple[int, int, str | None, bool, int], list[FastLinear]] = {}
+    for m in layers:
+        shapes.setdefault((m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size), []).append(m)
+    sample = [(group[0], len(group)) for group in shapes.values()]
+    widths = sorted({m.in_features for m, _ in sample})
     measured: dict[str, dict[int, float]] = {"quantized": {}, "dense": {}}
     before = torch.get_num_threads()
     try:
@@ -350,15 +358,17 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
                 inputs = {w: torch.randn(rows, w, dtype=dtype, device=device) for w in widths}
-                runs: dict[str, list[float]] = {"quantized": [], "dense": []}
-                for _ in range(repeats):
-                    for kind in ("quantized", "dense"):
-                        t0 = time.perf_counter()
-                        for m in layers:
-                            (m.quantized_kernel if kind == "quantized" else m.dense)(inputs[m.in_features])
-                        runs[kind].append(time.perf_counter() - t0)
-                for kind, times in runs.items():
-                    measured[kind][rows] = statistics.median(times[1:] or times) * 1e3
+                for kind in ("quantized", "dense"):
+                    total = 0.0
+                    for m, count in sample:
+                        run = m.quantized_kernel if kind == "quantized" else m.dense
+                        times = []
+                        for _ in range(repeats + 1):  # the first run warms up
+                            t0 = time.perf_counter()
+                            run(inputs[m.in_features])
+                            times.append(time.perf_counter() - t0)
+                        total += statistics.median(times[1:]) * count
+                    measured[kind][rows] = total * 1e3
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
