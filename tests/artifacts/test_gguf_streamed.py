@@ -313,3 +313,23 @@ def test_architectures_transformers_maps_otherwise_are_prepared_whole(ggufs: dic
     expected = quantize_linears(references["qwen2-tied-q4_0"], "int8")
     assert sorted(quantized) == sorted(expected)
     assert all(torch.equal(quantized[k].qweight, q.qweight) for k, q in expected.items())
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied-q4_0", "llama-q4_k_m"])
+def test_the_entry_tokenizer_is_the_ggufs_own(ggufs: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """Loaded back from the entry, the tokenizer is the one transformers reads from the GGUF
+    (same identity, same ids): ``Qwen2Tokenizer`` would otherwise rebuild it with an NFC
+    normalizer the GGUF's lacks, and every start would log that they differ."""
+    from transformers import AutoTokenizer
+
+    from kvcellar.identity import tokenizer_identity
+
+    path = ggufs[name]
+    info = prepare.gguf_builder(path, torch.float32, name=name, progress=False)(tmp_path)
+    own = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    entry = prepare.load_tokenizer(tmp_path)
+    assert tokenizer_identity(entry) == tokenizer_identity(own) == info["source_tokenizer_id"]
+    text = "cafe\u0301 <|im_start|>hello world"  # not NFC: a normalizer would change the ids
+    assert entry(text).input_ids == own(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert entry.apply_chat_template(chat, tokenize=False) == own.apply_chat_template(chat, tokenize=False)

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 QUANTIZATION_NONE = "none"
 QUANTIZED_FILE = "quantized.safetensors"
 # Names how entries are written (``gguf_convert``): change it when what they hold may change.
-STREAM_CONVERTER = "kvcellar-stream-1"
+STREAM_CONVERTER = "kvcellar-stream-2"
 
 
 def converter_id() -> str:
@@ -124,7 +124,7 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         seconds["weights"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        tokenizer.save_pretrained(out_dir)
+        _save_tokenizer(tokenizer, out_dir)
         seconds["save"] = time.perf_counter() - t0
         return {
             "source_kind": "gguf",
@@ -137,6 +137,43 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         }
 
     return build
+
+
+# Saved as this class, an entry's tokenizer is read back from ``tokenizer.json`` as it is.
+GENERIC_TOKENIZER = "TokenizersBackend"
+
+
+def _save_tokenizer(tokenizer: Any, out_dir: Path) -> None:
+    """Save the tokenizer so that it loads back (``load_tokenizer``) as the GGUF's own: a
+    model-specific class (e.g. ``Qwen2Tokenizer``) rebuilds its pipeline from the vocabulary
+    with a normalizer the one converted from the GGUF lacks, so where that changes it the
+    entry records the generic class, which takes the saved ``tokenizer.json`` as it is."""
+    import json
+
+    tokenizer.save_pretrained(out_dir)
+    want = tokenizer_identity(tokenizer)
+    if tokenizer_identity(load_tokenizer(out_dir)) == want:
+        return
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = GENERIC_TOKENIZER
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if tokenizer_identity(load_tokenizer(out_dir)) != want:
+        log.warning("the tokenizer of this GGUF does not load back as it was saved; KV blocks cached by a run "
+                    "without the artifact cache won't be reused")
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The tokenizer of a prepared entry. ``AutoTokenizer`` would pick the class by the
+    model type of ``config.json`` even where the entry records the generic one."""
+    import json
+
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("tokenizer_class") == GENERIC_TOKENIZER:
+        return TokenizersBackend.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _save_configs(model: Any, out_dir: Path) -> None:

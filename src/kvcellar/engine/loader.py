@@ -332,7 +332,12 @@ def _load_weights_and_tokenizer(
 
     t0 = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+        if folder is not None:
+            from kvcellar.artifacts.prepare import load_tokenizer
+
+            tokenizer = load_tokenizer(folder)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"Could not load the tokenizer of {source.name} from {load_dir}: {exc}") from exc
     timings["tokenizer"] = timings.get("tokenizer", 0.0) + time.perf_counter() - t0
