@@ -1,6 +1,7 @@
 """Small real GGUF files of any tensor types, for the conversion tests (``test_gguf_streamed``).
 
-``write_gguf`` writes a llama, qwen2 (q/k/v biases) or qwen2moe (experts stacked per layer,
+``write_gguf`` writes a llama, qwen2 (q/k/v biases), qwen3 (q/k norms), gemma3 (q/k norms,
+norms after attention and MLP, sliding-window layers) or qwen2moe (experts stacked per layer,
 a shared expert) model with a byte-level BPE vocabulary, each tensor in the GGUF type
 ``types`` gives it (default: a Q4_K_M-like mix). The ``gguf``
 package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants: ``quantize_q4_k``
@@ -32,11 +33,13 @@ def q4_k_m_types(name: str) -> str:
 
 def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
-               types: Callable[[str], str] | str = q4_k_m_types) -> Path:
+               types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05) -> Path:
     """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
     (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
     ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
-    ``experts``: per qwen2moe layer."""
+    ``experts``: per qwen2moe layer; ``head_scale``: the deviation of the output matrix (the
+    embedding if tied): random weights give near-uniform logits, a larger scale sharper
+    ones, so that greedy tokens are no near-ties."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -59,6 +62,11 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(hidden // heads)
+    if arch in ("qwen3", "gemma3"):  # their configs default to another head size
+        w.add_key_length(hidden // heads)
+        w.add_value_length(hidden // heads)
+    if arch == "gemma3":
+        w.add_sliding_window(64)
     w.add_vocab_size(vocab)
     if arch == "qwen2moe":
         w.add_expert_count(experts)
@@ -86,7 +94,7 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
             w.add_tensor(name, ENCODERS.get(kind, lambda x, t=qtype: gguf.quants.quantize(x, t))(data), raw_dtype=qtype)
 
     head_dim = hidden // heads
-    tensor("token_embd.weight", (vocab, hidden))
+    tensor("token_embd.weight", (vocab, hidden), head_scale if tied else 0.05)
     for i in range(layers):
         tensor(f"blk.{i}.attn_norm.weight", (hidden,))
         tensor(f"blk.{i}.attn_q.weight", (hidden, hidden))
@@ -96,8 +104,14 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
             tensor(f"blk.{i}.attn_q.bias", (hidden,))
             tensor(f"blk.{i}.attn_k.bias", (kv_heads * head_dim,))
             tensor(f"blk.{i}.attn_v.bias", (kv_heads * head_dim,))
+        if arch in ("qwen3", "gemma3"):
+            tensor(f"blk.{i}.attn_q_norm.weight", (head_dim,))
+            tensor(f"blk.{i}.attn_k_norm.weight", (head_dim,))
         tensor(f"blk.{i}.attn_output.weight", (hidden, hidden))
         tensor(f"blk.{i}.ffn_norm.weight", (hidden,))
+        if arch == "gemma3":
+            tensor(f"blk.{i}.post_attention_norm.weight", (hidden,))
+            tensor(f"blk.{i}.post_ffw_norm.weight", (hidden,))
         if arch == "qwen2moe":
             tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden))
             tensor(f"blk.{i}.ffn_gate_exps.weight", (experts, MOE_FFN, hidden))
@@ -113,7 +127,7 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
         tensor(f"blk.{i}.ffn_down.weight", (hidden, ffn))
     tensor("output_norm.weight", (hidden,))
     if not tied:
-        tensor("output.weight", (vocab, hidden))
+        tensor("output.weight", (vocab, hidden), head_scale)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

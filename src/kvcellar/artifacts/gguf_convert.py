@@ -203,6 +203,11 @@ class GgufFile:
                 out[first[id(module.weight)]] = (name, kind)
         return out
 
+    def linear_weights(self) -> set[str]:
+        """The HF names of the weights only linears use (a tied LM head's is the embedding's:
+        not one of them), which ``--weights int8|int4`` serves from the quantized entry."""
+        return {weight for weight, (linear, _) in self.linears("int8").items() if weight == f"{linear}.weight"}
+
     def tensors(self, wanted: Callable[[str], bool] | None = None) -> Iterator[TensorSource]:
         """The file's tensors under their HF names, in file order, one at a time; ``wanted``
         (an HF name) skips the others, unread where the name is known before reading."""
@@ -366,18 +371,18 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
 
 def write_dense(source: GgufFile, out_dir: Path, dtype: torch.dtype, *, shard_bytes: int = SHARD_BYTES,
-                on_tensor: Callable[[], None] | None = None) -> list[str]:
-    """Write the weights of ``source`` in ``dtype`` as safetensors shards into ``out_dir``;
-    returns the HF names written."""
+                on_tensor: Callable[[], None] | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Write the weights of ``source`` in ``dtype`` as safetensors shards into ``out_dir``,
+    but those named in ``skip``; returns the HF names written."""
     writer = ShardWriter(out_dir, shard_bytes)
     written = []
-    for t in source.tensors():
+    for t in source.tensors(wanted=lambda name: name not in skip):
         t.fill(writer.slot(t.name, t.shape, dtype))
         written.append(t.name)
         if on_tensor is not None:
             on_tensor()
     writer.close()
-    missing = sorted(set(source.model.state_dict()) & source.names - set(written))
+    missing = sorted(set(source.model.state_dict()) & source.names - set(written) - skip)
     if missing:  # transformers initialises them anew, loading the GGUF or the entry
         log.warning("%s holds no tensor for %s", source.path.name, ", ".join(missing))
     return written

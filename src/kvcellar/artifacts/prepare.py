@@ -44,6 +44,9 @@ from kvcellar.quantization import SCHEMES, QuantizedWeight, from_tensors, quanti
 log = logging.getLogger(__name__)
 
 QUANTIZATION_NONE = "none"
+# An entry of every weight but the linears' (``--weights int8|int4``: those are in the
+# quantized entry), so a quantized model never has its dense linears written or read.
+QUANTIZATION_LINEARS_APART = "none-linears-apart"
 QUANTIZED_FILE = "quantized.safetensors"
 # Names how entries are written (``gguf_convert``): change it when what they hold may change.
 STREAM_CONVERTER = "kvcellar-stream-2"
@@ -56,12 +59,13 @@ def converter_id() -> str:
     return f"transformers=={transformers.__version__}+{STREAM_CONVERTER}"
 
 
-def gguf_descriptor(*, weights_id: str, dtype: torch.dtype, name: str, path: Path) -> ArtifactDescriptor:
+def gguf_descriptor(*, weights_id: str, dtype: torch.dtype, name: str, path: Path,
+                    linears_apart: bool = False) -> ArtifactDescriptor:
     """The descriptor of a GGUF dequantized to ``dtype``; ``weights_id`` is its content hash."""
     return ArtifactDescriptor(
         source=weights_id,
         dtype=str(dtype).removeprefix("torch."),
-        quantization=QUANTIZATION_NONE,
+        quantization=QUANTIZATION_LINEARS_APART if linears_apart else QUANTIZATION_NONE,
         modality="text",
         converter=converter_id(),
         name=name,
@@ -90,9 +94,11 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
 
 
 def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bool | None = None,
-                 shard_bytes: int = SHARD_BYTES) -> Builder:
+                 shard_bytes: int = SHARD_BYTES, linears_apart: bool = False) -> Builder:
     """A builder (see ``ArtifactCache.acquire``) writing the dequantized GGUF as HF files,
-    converted a tensor at a time (``gguf_convert.write_dense``; shards of ``shard_bytes``)."""
+    converted a tensor at a time (``gguf_convert.write_dense``; shards of ``shard_bytes``).
+    ``linears_apart``: leave out the weights only linears use (``GgufFile.linear_weights``);
+    the entry's info says whether it did (``linears_apart``): a GGUF converted whole keeps them."""
 
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -111,13 +117,16 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         t0 = time.perf_counter()
         try:
             desc = f"Preparing {name} (GGUF -> {str(dtype).removeprefix('torch.')} safetensors)"
-            with GgufFile(gguf_path, dtype) as source, \
-                    tqdm(total=len(source.stored), desc=desc, unit="tensor", disable=not show) as bar:
-                write_dense(source, out_dir, dtype, shard_bytes=shard_bytes, on_tensor=bar.update)
+            with GgufFile(gguf_path, dtype) as source:
+                skip = frozenset(source.linear_weights()) if linears_apart else frozenset()
+                with tqdm(total=len(source.stored) - len(skip), desc=desc, unit="tensor", disable=not show) as bar:
+                    write_dense(source, out_dir, dtype, shard_bytes=shard_bytes, on_tensor=bar.update, skip=skip)
             model = source.model
             _save_configs(model, out_dir)
+            apart = bool(skip)
         except NotStreamable as exc:
             log.warning("%s converted whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
+            apart = False
             model = _load_gguf(gguf_path, dtype)
             _strip_gguf_quantization(model)
             model.save_pretrained(out_dir)
@@ -128,6 +137,7 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
         seconds["save"] = time.perf_counter() - t0
         return {
             "source_kind": "gguf",
+            "linears_apart": apart,
             # The identity of the tokenizer read straight from the GGUF: loading from the entry
             # must give the same one, or the KV namespace would change with the cache state.
             "source_tokenizer_id": tokenizer_identity(tokenizer),
@@ -186,12 +196,14 @@ def _save_configs(model: Any, out_dir: Path) -> None:
 
 
 def prepare_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, dtype: torch.dtype, *,
-                 progress: bool | None = None) -> ArtifactLease | None:
-    """The cache entry of a GGUF source in ``dtype``, prepared now if needed; None if the
-    cache dir fails (the caller then loads the GGUF directly)."""
-    desc = gguf_descriptor(weights_id=weights_id, dtype=dtype, name=source.name, path=source.path)
-    return _acquire(cache, desc, gguf_builder(source.path, dtype, name=source.name, progress=progress), progress,
-                    f"loading {source.name} without it")
+                 progress: bool | None = None, linears_apart: bool = False) -> ArtifactLease | None:
+    """The cache entry of a GGUF source in ``dtype`` (``linears_apart``: without the
+    linears' weights), prepared now if needed; None if the cache dir fails (the caller then
+    loads the GGUF directly)."""
+    desc = gguf_descriptor(weights_id=weights_id, dtype=dtype, name=source.name, path=source.path,
+                           linears_apart=linears_apart)
+    build = gguf_builder(source.path, dtype, name=source.name, progress=progress, linears_apart=linears_apart)
+    return _acquire(cache, desc, build, progress, f"loading {source.name} without it")
 
 
 def _acquire(cache: ArtifactCache, desc: ArtifactDescriptor, build: Builder, progress: bool | None,

@@ -161,9 +161,10 @@ class FastLinear(nn.Module):
             self.quant_kind == "int4" and self.out_features % _INT4_BLOCK_N == 0 and int4_pack_layout_ok())
         self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
         self._dense: torch.Tensor | None = None
-        if quant is not None and self.quant_kind is not None and not self.lean:
-            # The model's weights may be as loaded (``quantize_model(materialize=False)``): the
-            # dense path must compute what the kernel does.
+        if quant is not None and not self.lean:
+            # The model's weights may be as loaded (``quantize_model(materialize=False)``) or
+            # placeholders (``loader.linear_placeholder``): the dense path must compute what
+            # the kernel does.
             weight = quant.dequantize(dtype).to(device)
         if self.dense_kind == "packed":
             self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
@@ -187,18 +188,24 @@ class FastLinear(nn.Module):
     def from_linears(cls, linears: Sequence[nn.Linear], quants: Sequence[QuantizedWeight | None],
                      table: KernelTable) -> FastLinear:
         """One linear computing ``linears`` side by side (outputs concatenated)."""
-        weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight
+        quant = None
+        if all(q is not None for q in quants):
+            quant = QuantizedWeight.concat(quants) if len(quants) > 1 else quants[0]  # type: ignore[arg-type]
+        elif any(q is not None for q in quants):
+            raise ValueError("cannot fuse a quantized linear with a dense one")
+        first = linears[0].weight
+        if len(linears) == 1:
+            weight = first
+        elif quant is not None:  # its values come from ``quant``: only the shape is needed
+            weight = first[:1, :1].expand(sum(m.out_features for m in linears), first.shape[1])
+        else:
+            weight = torch.cat([m.weight.detach() for m in linears])
         biases = [m.bias for m in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
                                                                             device=m.weight.device)
                               for b, m in zip(biases, linears, strict=True)])
-        quant = None
-        if all(q is not None for q in quants):
-            quant = QuantizedWeight.concat(quants) if len(quants) > 1 else quants[0]  # type: ignore[arg-type]
-        elif any(q is not None for q in quants):
-            raise ValueError("cannot fuse a quantized linear with a dense one")
         return cls(weight, bias, quant, table)
 
     @property

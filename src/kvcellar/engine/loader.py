@@ -239,6 +239,7 @@ def load_model(
     weights_id: str | None = None,
     attn_implementation: str | None = None,
     quantized: dict[str, QuantizedWeight] | None = None,
+    linears_apart: bool = False,
 ) -> LoadedModel:
     """Load a model (a ``--model`` argument or a resolved source) and its tokenizer.
 
@@ -250,6 +251,10 @@ def load_model(
     linears (``kvcellar.quantization``; a GGUF's from its float32 dequantization) or take
     ``quantized`` (the same, read from the artifact cache); ``auto`` picks one
     (``resolve_weights``). The mode becomes part of the weights identity.
+
+    ``linears_apart``: ``folder`` holds every weight but the linears' (``prepare_gguf``), which
+    come from ``quantized`` alone; no dense copy of them is ever made where the quantized
+    kernels run (the linears hold placeholders until the engine prepares them).
     """
     from kvcellar.engine.linears import quant_kernels_run
     from kvcellar.quantization import quantize_model
@@ -270,7 +275,10 @@ def load_model(
         weights_id = weights_identity(source)
         timings["source_identity"] = time.perf_counter() - t0
 
-    tokenizer, hf_model = _load_weights_and_tokenizer(source, folder, torch_dtype, dev, attn_implementation, timings)
+    if linears_apart and (folder is None or weights == "full"):
+        raise ValueError("linears_apart needs a folder and a quantized weights mode")
+    tokenizer, hf_model = _load_weights_and_tokenizer(source, folder, torch_dtype, dev, attn_implementation, timings,
+                                                      linears_apart)
 
     quantized_weights: dict[str, QuantizedWeight] = {}
     if weights != "full":
@@ -315,7 +323,7 @@ def load_model(
 
 def _load_weights_and_tokenizer(
     source: ModelSource, folder: Path | None, torch_dtype: torch.dtype, dev: torch.device,
-    attn_implementation: str | None, timings: dict[str, float],
+    attn_implementation: str | None, timings: dict[str, float], linears_apart: bool = False,
 ) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -344,18 +352,74 @@ def _load_weights_and_tokenizer(
 
     t0 = time.perf_counter()
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            load_dir,
-            dtype=torch_dtype,
-            attn_implementation=attn_implementation or ATTENTION_NAME,
-            **kwargs,
-        )
+        if linears_apart:
+            assert folder is not None
+            hf_model = _load_without_linears(folder, torch_dtype, dev, attn_implementation or ATTENTION_NAME)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                load_dir,
+                dtype=torch_dtype,
+                attn_implementation=attn_implementation or ATTENTION_NAME,
+                **kwargs,
+            )
     except Exception as exc:
         raise ModelLoadError(f"Could not load the weights of {source.name} from {load_dir}: {exc}") from exc
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
     timings["weights"] = timings.get("weights", 0.0) + time.perf_counter() - t0
     return tokenizer, hf_model
+
+
+def linear_placeholder(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A ``[rows, cols]`` weight that holds no memory (one NaN, broadcast): the shape of a
+    linear whose values live in its quantized form. Anything computing with it gets NaNs,
+    never plausible numbers."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(rows, cols)
+
+
+def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, attn_implementation: str) -> Any:
+    """The model of a ``linears_apart`` entry: built on the meta device, every weight of the
+    entry loaded by mmap (safetensors), the linears' weights placeholders
+    (``linear_placeholder``), non-persistent buffers (rotary frequencies, embedding scales)
+    initialised by transformers' own ``initialize_weights``, which skips what was loaded."""
+    from safetensors import safe_open
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    modules = dict(model.named_modules())
+    apart = set()
+    for name, param in list(model.named_parameters()):  # a tied weight under its first name only
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight" and isinstance(modules[owner], nn.Linear):
+            rows, cols = param.shape
+            modules[owner].weight = nn.Parameter(linear_placeholder(rows, cols, dtype, dev), requires_grad=False)
+            apart.add(name)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device=str(dev)) as f:
+            state.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ModelLoadError(f"{folder} holds weights the model does not have: {', '.join(result.unexpected_keys)}")
+    model.tie_weights()
+    missing = sorted(k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta and k not in apart)
+    if missing:
+        raise ModelLoadError(f"{folder} holds no weights for {', '.join(missing)}")
+    for tensor in model.state_dict(keep_vars=True).values():
+        tensor._is_hf_initialized = True
+    for key, buffer in list(model.named_non_persistent_buffers()):
+        owner, _, leaf = key.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, torch.empty_like(buffer, device=dev))
+    model.initialize_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"could not initialise {', '.join(left)} of the model in {folder}")
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    return model
 
 
 def wrap_model(
