@@ -135,8 +135,8 @@ class UncachedRuns:
     ones in one batch (cache disabled all the same; batching changes logprobs by far less
     than ``LOGPROB_TOL``), which is much cheaper for many long decodes."""
 
-    def __init__(self, loaded: LoadedModel, params: Any) -> None:
-        self.engine = make_engine(loaded, prefix_caching=False)
+    def __init__(self, loaded: LoadedModel, params: Any, **overrides: Any) -> None:
+        self.engine = make_engine(loaded, prefix_caching=False, **overrides)
         self.params = params
         self.memo: dict[tuple[int, ...], Any] = {}
 
@@ -152,8 +152,9 @@ class UncachedRuns:
         return [self.memo[tuple(p)] for p in prompts]
 
 
-def uncached_runner(loaded: LoadedModel, params: Any) -> UncachedRuns:
-    return UncachedRuns(loaded, params)
+def uncached_runner(loaded: LoadedModel, params: Any, **overrides: Any) -> UncachedRuns:
+    """``overrides``: engine settings the reference shares with the cached runs (e.g. ``kv_bits``)."""
+    return UncachedRuns(loaded, params, **overrides)
 
 
 def assert_same_output(result: Any, reference: Any, tol: float = LOGPROB_TOL) -> None:

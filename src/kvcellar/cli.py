@@ -25,6 +25,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="RAM for the KV block pool, GiB (default 2)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(16, 8, 4),
+                   help="KV precision: 16 (the model's dtype, default) or quantized to 8 or 4 bits, 2x / 3.5x the "
+                        "tokens per GB in RAM, on SSD and in Redis; another setting is another cache")
+    p.add_argument("--kv-group-size", type=int, default=None,
+                   help="values per scale and offset of quantized KV, along the head dimension (default 64)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (default 32)")
     p.add_argument("--max-memory-gb", type=float, default=None,
                    help="refuse a model whose planned memory (weights + KV pool + 1 GB) is above this "
@@ -85,9 +90,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             # --dtype and --device default to "auto", which must not override the file
             "dtype": None if get("dtype") == "auto" else get("dtype"),
             "device": None if get("device") == "auto" else get("device"),
-            **{k: get(k) for k in ("block_size", "kv_cache_gb", "max_num_seqs", "max_step_tokens",
-                                   "max_prefill_step_tokens", "max_model_len", "max_completion_tokens",
-                                   "prefix_caching", "warmup",
+            **{k: get(k) for k in ("block_size", "kv_cache_gb", "kv_bits", "kv_group_size", "max_num_seqs",
+                                   "max_step_tokens", "max_prefill_step_tokens", "max_model_len",
+                                   "max_completion_tokens", "prefix_caching", "warmup",
                                    "weights", "unhealthy_after_failed_steps", "max_memory_gb")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",

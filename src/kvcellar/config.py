@@ -41,6 +41,12 @@ class EngineConfig:
     kv_cache_gb: float = 2.0
     # Exact pool size in blocks; overrides kv_cache_gb when > 0.
     kv_cache_blocks: int = 0
+    # KV stored at 16 bits (the model's dtype), or quantized to 8 or 4 bits in groups of
+    # kv_group_size along the head dimension (cache/kv_pool.py): about 2x / 3.5x the tokens
+    # in the same memory, SSD space and Redis, at a small cost in accuracy (README). A
+    # different setting is a different cache (namespace), never a wrong one.
+    kv_bits: int = 16
+    kv_group_size: int = 64
     # Upper bound on sequences in the running batch.
     max_num_seqs: int = 32
     # Per-step token budget: decodes first, then prefill chunks fill what is left, so a long
@@ -98,6 +104,10 @@ class EngineConfig:
                              "must be >= 1")
         if not 0 <= self.prefetch_pool_fraction <= 1:
             raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
+        if self.kv_bits not in (16, 8, 4):
+            raise ValueError(f"kv_bits must be 16, 8 or 4, not {self.kv_bits}")
+        if not 2 <= self.kv_group_size < 4096:
+            raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
 

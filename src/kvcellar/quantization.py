@@ -76,16 +76,14 @@ class QuantizedWeight:
         return self.scales.to(dtype), (self.offsets + 8 * self.scales).to(dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight the kernels compute with: from the scales rounded to ``dtype`` as the
-        kernels take them, evaluated in float32, then rounded to ``dtype``."""
+        """The weight the kernels compute with, from the scales rounded to ``dtype`` as the
+        kernels take them: int8 ``q * scale``, int4 ``dequantize_int4`` (what a lean linear
+        computes, ``engine/linears.py``)."""
         scale, zero = self.kernel_params(dtype)
         if self.kind == "int8":
             return (self.qweight.float() * scale.float()[:, None]).to(dtype)
         assert zero is not None
-        out, cols = self.shape
-        groups = (self.int4_values() - 8).float().view(out, cols // self.group_size, self.group_size)
-        w = groups * scale.float()[:, :, None] + zero.float()[:, :, None]
-        return w.view(out, cols).to(dtype)
+        return dequantize_int4(self.int4_values().to(torch.uint8), scale, zero, self.group_size)
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Named tensors for a safetensors file (``from_tensors`` reads them back)."""
@@ -115,6 +113,22 @@ class QuantizedWeight:
         offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
         return QuantizedWeight(parts[0].kind, torch.cat([p.qweight for p in parts]),
                                torch.cat([p.scales for p in parts]), offsets, parts[0].group_size)
+
+
+def dequantize_int4(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` (torch's int4 kernels' form) as ``q * scale + (zero - 8 *
+    scale)``: one multiply-add in the dtype of ``scale`` (float32 inside, one rounding), the
+    fewest passes over a weight that prefill dequantizes a layer at a time.
+    ``values`` uint8 ``[rows, cols]``; ``scale``/``zero`` ``[rows, cols / group_size]``."""
+    rows, cols = values.shape
+    dtype = scale.dtype
+    zero8 = (zero.float() - 8 * scale.float()).to(dtype)[:, :, None]
+    grouped = values.view(rows, cols // group_size, group_size).to(dtype)
+    if out is None:
+        return torch.addcmul(zero8, grouped, scale[:, :, None]).view(rows, cols)
+    torch.addcmul(zero8, grouped, scale[:, :, None], out=out.view(rows, cols // group_size, group_size))
+    return out
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
@@ -162,10 +176,6 @@ def quantize_linears(model: nn.Module, mode: str) -> dict[str, QuantizedWeight]:
         if kind is not None:
             out[name] = quantize(linear.weight, kind)
     return out
-
-
-def to_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    return {k: v for name, q in weights.items() for k, v in q.to_tensors(name).items()}
 
 
 def from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:

@@ -122,3 +122,30 @@ def test_redis_cluster_spreads_blocks_over_its_nodes(redis_cluster, open_remote)
     assert reader.load(loads).result(30) == 24
     assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
     assert reader.health()["remote"]["cluster"] is True
+
+
+def test_quantized_kv_values_round_trip_bit_exact_and_other_settings_miss(redis_server, open_remote):
+    """8- and 4-bit KV blocks (cache/kv_pool.py) are values like any other: bit-exact back;
+    the value records bits and group size, so a replica of another setting misconfigured
+    onto the same namespace reads none of them."""
+    from kvcellar.storage import BlockSpec
+    from tests.storage.helpers import SPEC_Q4, SPEC_Q8
+
+    for spec in (SPEC_Q8, SPEC_Q4):
+        blocks = chain(3, spec, seed=spec.kv_bits)
+        for i, b in enumerate(blocks):
+            b.data.copy_(torch.randint(0, 256, spec.shape, dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(i)))
+        fp = f"q{spec.kv_bits}"
+        stored(open_remote(redis_server.url, fingerprint=fp, spec=spec), blocks)
+        value = redis_server.client().get(f"kvc:{fp}-v{FORMAT_VERSION}:{blocks[0].key.hex()}")
+        assert len(value) == 4096 + spec.nbytes and int.from_bytes(value[10:12], "little") == spec.flags
+        reader = open_remote(redis_server.url, fingerprint=fp, spec=spec)
+        loads = [load_request(b, torch.zeros(spec.shape, dtype=torch.uint8)) for b in blocks]
+        assert reader.load(loads).result(30) == 3
+        assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+        other = BlockSpec(torch.uint8, spec.shape, 16, kv_bits=spec.kv_bits, kv_group_size=16)
+        foreign = open_remote(redis_server.url, fingerprint=fp, spec=other)
+        dest = torch.zeros(spec.shape, dtype=torch.uint8)
+        assert foreign.load([load_request(blocks[0], dest)]).result(30) == 0
+        assert foreign.stats()["remote_corrupt_geometry"] == 1 and torch.count_nonzero(dest) == 0

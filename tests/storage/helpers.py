@@ -20,6 +20,11 @@ SPEC = BlockSpec(torch.bfloat16, (2, 2, 16, 2, 8), 16)
 SPEC_F32 = BlockSpec(torch.float32, (2, 2, 16, 2, 8), 16)
 # 36 KiB files, for the 4 MiB tmpfs tests.
 SPEC_BIG = BlockSpec(torch.bfloat16, (4, 2, 16, 4, 32), 16)
+# Quantized KV (cache/kv_pool.py) of 2 layers x 16 tokens x 2 heads x 64 dims, groups of 32:
+# per layer and K/V, 2048 bytes of 8-bit values and 128 of float16 scales; 1024 bytes of
+# 4-bit values and 256 of scales and offsets.
+SPEC_Q8 = BlockSpec(torch.uint8, (2, 2, 2176), 16, kv_bits=8, kv_group_size=32)
+SPEC_Q4 = BlockSpec(torch.uint8, (2, 2, 1280), 16, kv_bits=4, kv_group_size=32)
 
 
 def key_of(i: int, seed: int = 0, key_len: int = 32) -> bytes:

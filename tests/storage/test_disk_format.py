@@ -100,3 +100,53 @@ def test_padding_is_checked_without_a_new_format_version() -> None:
     with pytest.raises(fmt.HeaderError) as e:
         fmt.decode_header(older)
     assert e.value.reason == "version"
+
+
+def test_quantized_kv_is_recorded_in_the_flags_and_checked() -> None:
+    """A block of quantized KV says how (bits 0-3: KV bits, 4-15: group size); a block of
+    another setting is never this one, even where its byte count is the same."""
+    from tests.storage.helpers import SPEC_Q4, SPEC_Q8
+
+    for spec, flags in ((SPEC, 0), (SPEC_Q8, 8 | 32 << 4), (SPEC_Q4, 4 | 32 << 4)):
+        buf = fmt.encode_header(spec, KEY, DIGEST, TOKENS, 1, 2)
+        assert struct.unpack_from("<H", buf, 10) == (flags,)
+        h = fmt.decode_header(buf)
+        assert h.flags == flags and h.dtype == spec.dtype and h.shape == spec.shape
+        fmt.check_geometry(h, spec)
+    same_bytes = BlockSpec(torch.uint8, SPEC_Q8.shape, 16, kv_bits=4, kv_group_size=16)
+    assert same_bytes.nbytes == SPEC_Q8.nbytes
+    with pytest.raises(fmt.HeaderError) as e:
+        fmt.check_geometry(fmt.decode_header(fmt.encode_header(SPEC_Q8, KEY, DIGEST, TOKENS, 1, 2)), same_bytes)
+    assert e.value.reason == "geometry"
+    with pytest.raises(ValueError, match="kv_bits"):
+        BlockSpec(torch.uint8, (2, 2, 64), 16, kv_bits=6, kv_group_size=32)
+
+
+@pytest.mark.parametrize("which", ["q8", "q4"])
+def test_quantized_blocks_round_trip_bit_exact_on_disk(tmp_path, which: str) -> None:
+    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.tier import DiskTier
+    from tests.storage.helpers import SPEC_Q4, SPEC_Q8, bits_equal, chain, load_request
+
+    spec = SPEC_Q8 if which == "q8" else SPEC_Q4
+    blocks = chain(4, spec, linked=True)
+    for b in blocks:  # any byte may occur in packed values and float16 parameters
+        b.data.copy_(torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(
+            int.from_bytes(b.key[:4], "little"))))
+    tier = DiskTier(tmp_path, "fp", spec, DiskTierConfig(min_free_bytes=0, async_writes=False))
+    tier.store(blocks)
+    assert tier.lookup([b.key for b in blocks]) == 4
+    loads = [load_request(b, torch.zeros(spec.shape, dtype=torch.uint8)) for b in blocks]
+    assert tier.load(loads).result(30) == 4
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert len(files) == 4 and all(f.stat().st_size == 4096 + spec.nbytes for f in files)
+    assert all(struct.unpack_from("<H", f.read_bytes(), 10) == (spec.flags,) for f in files)
+    tier.close(10)
+    # The same directory opened with another group size (a misconfigured namespace): every block a miss.
+    other = BlockSpec(torch.uint8, spec.shape, 16, kv_bits=spec.kv_bits, kv_group_size=16)
+    foreign = DiskTier(tmp_path, "fp", other, DiskTierConfig(min_free_bytes=0, async_writes=False))
+    dest = torch.zeros(spec.shape, dtype=torch.uint8)
+    assert foreign.load([load_request(blocks[0], dest)]).result(30) == 0
+    assert torch.count_nonzero(dest) == 0
+    foreign.close(10)

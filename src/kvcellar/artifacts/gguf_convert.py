@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,17 +392,42 @@ def quantize_streamed(source: GgufFile, mode: str, *,
                       on_tensor: Callable[[], None] | None = None) -> dict[str, QuantizedWeight]:
     """The quantized weights of every linear ``mode`` quantizes, by module name (the set
     ``quantization.quantize_linears`` gives for the loaded model)."""
-    linears = source.linears(mode)
     out: dict[str, QuantizedWeight] = {}
-    for t in source.tensors(wanted=linears.__contains__):
-        name, kind = linears[t.name]
-        out[name] = t.quantized(kind)
+    for name, q in iter_quantized(source, mode):
+        out[name] = q
         if on_tensor is not None:
             on_tensor()
-    for weight, (name, _) in linears.items():
-        if name not in out:
-            raise ModelLoadError(f"{source.path.name} holds no tensor for {weight}")
     return out
+
+
+def iter_quantized(source: GgufFile, mode: str) -> Iterator[tuple[str, QuantizedWeight]]:
+    """``quantize_streamed`` one linear at a time, in file order: (module name, weights)."""
+    linears = source.linears(mode)
+    done: set[str] = set()
+    for t in source.tensors(wanted=linears.__contains__):
+        name, kind = linears[t.name]
+        done.add(name)
+        yield name, t.quantized(kind)
+    for weight, (name, _) in linears.items():
+        if name not in done:
+            raise ModelLoadError(f"{source.path.name} holds no tensor for {weight}")
+
+
+def write_quantized(weights: Iterable[tuple[str, QuantizedWeight]], out_dir: Path, *,
+                    shard_bytes: int = SHARD_BYTES, on_tensor: Callable[[], None] | None = None) -> tuple[int, int]:
+    """Write quantized linears as safetensors shards as they come (``QuantizedWeight.
+    to_tensors`` names), holding one shard and one linear; returns (linears, bytes)."""
+    writer = ShardWriter(out_dir, shard_bytes)
+    count = nbytes = 0
+    for name, q in weights:
+        for key, value in q.to_tensors(name).items():
+            writer.slot(key, tuple(value.shape), value.dtype).copy_(value)
+        count += 1
+        nbytes += q.nbytes
+        if on_tensor is not None:
+            on_tensor()
+    writer.close()
+    return count, nbytes
 
 
 def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:

@@ -31,15 +31,16 @@ from kvcellar.artifacts.gguf_convert import (
     SHARD_BYTES,
     GgufFile,
     NotStreamable,
+    iter_quantized,
     quantize_streamed,
-    save_safetensors,
     write_dense,
+    write_quantized,
 )
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import tokenizer_identity
 from kvcellar.model_source import ModelSource
-from kvcellar.quantization import SCHEMES, QuantizedWeight, from_tensors, quantize_linears, to_tensors
+from kvcellar.quantization import SCHEMES, QuantizedWeight, from_tensors, quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ QUANTIZATION_NONE = "none"
 # An entry of every weight but the linears' (``--weights int8|int4``: those are in the
 # quantized entry), so a quantized model never has its dense linears written or read.
 QUANTIZATION_LINEARS_APART = "none-linears-apart"
-QUANTIZED_FILE = "quantized.safetensors"
 # Names how entries are written (``gguf_convert``): change it when what they hold may change.
 STREAM_CONVERTER = "kvcellar-stream-2"
 
@@ -237,26 +237,29 @@ def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -
 
 def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: bool | None = None) -> Builder:
     """A builder writing the GGUF's linears quantized under ``mode`` (``quantize_gguf``) as
-    ``quantized.safetensors``; the rest of the model comes from the dense entry."""
+    safetensors shards, a linear at a time as they are converted; the rest of the model
+    comes from the dense entry."""
 
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         show = sys.stderr.isatty() if progress is None else progress
-        with tqdm(total=2, desc=f"Preparing {name} ({SCHEMES[mode]})", unit="step", disable=not show) as bar:
-            t0 = time.perf_counter()
-            weights = quantize_gguf(gguf_path, mode)
-            quantize_s = time.perf_counter() - t0
-            bar.update()
-            t0 = time.perf_counter()
-            save_safetensors(to_tensors(weights), out_dir / QUANTIZED_FILE, {"scheme": SCHEMES[mode]})
-            bar.update()
+        t0 = time.perf_counter()
+        desc = f"Preparing {name} ({SCHEMES[mode]})"
+        try:
+            with GgufFile(gguf_path) as source, \
+                    tqdm(total=len(source.linears(mode)), desc=desc, unit="linear", disable=not show) as bar:
+                count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
+        except NotStreamable as exc:
+            log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
+            count, nbytes = write_quantized(quantize_linears(_load_gguf(gguf_path, torch.float32), mode).items(),
+                                            out_dir)
         return {
             "source_kind": "gguf",
             "scheme": SCHEMES[mode],
-            "linears": len(weights),
-            "bytes": sum(q.nbytes for q in weights.values()),
-            "prepare_seconds": {"quantize": round(quantize_s, 3), "save": round(time.perf_counter() - t0, 3)},
+            "linears": count,
+            "bytes": nbytes,
+            "prepare_seconds": {"quantize": round(time.perf_counter() - t0, 3)},
         }
 
     return build
@@ -272,10 +275,16 @@ def prepare_quantized_gguf(cache: ArtifactCache, source: ModelSource, weights_id
 
 
 def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
+    """The quantized linears of an entry, by mmap (safetensors)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return from_tensors(load_file(lease.path / QUANTIZED_FILE))
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(lease.path.glob("*.safetensors")):
+            tensors.update(load_file(shard))
+        if not tensors:
+            raise OSError("no safetensors file")
+        return from_tensors(tensors)
     except (SafetensorError, OSError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"Could not read the quantized weights in {lease.path}: {exc}") from exc

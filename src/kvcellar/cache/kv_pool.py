@@ -6,6 +6,19 @@ to a lower tier one copy and loading one ``readinto`` straight into the pool; ga
 sequence's blocks for one layer is an ``index_select`` over the block dimension of a
 strided view, measured as fast as a layer-major layout here.
 
+Quantized KV (``kv_bits`` 8 or 4, as mlx-lm's ``--kv-bits``): each group of
+``kv_group_size`` values along the head dimension is stored as ``kv_bits``-bit integers with
+float16 parameters: 8 bits symmetric, ``x = q * scale`` (q in -127..127; an offset would cost
+6 % of the bytes and win little at 255 levels), 4 bits min/max affine, ``x = q * scale +
+offset`` (q in 0..15). A block is then bytes, ``[num_layers, 2, layer_bytes]``: per layer
+and K/V, the packed values ``[block_size, kv_heads, head_dim * bits / 8]`` then the
+parameters ``[block_size, kv_heads, groups, 1 or 2]``; still one contiguous region, so the
+tiers move it as they move any block.
+Attention reads a step's blocks dequantized (``gather``): no full-precision copy of the
+cache exists. Every token's K/V is read back from the pool, its own step's too, so the KV a
+request attends to is the quantized KV whoever computed it: a cache hit gives what
+recomputing gives under the same setting.
+
 Keys are stored after RoPE (the model applies it before attention). The pool is zeroed at
 allocation: masked-out positions must hold finite values (0 x NaN is NaN in softmax @ V).
 """
@@ -16,6 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+KV_BITS = (16, 8, 4)
+DEFAULT_KV_GROUP_SIZE = 64
+_PARAM_DTYPE = torch.float16  # scale and offset of a group
+_PARAM_MAX = 65504.0  # float16's largest finite value
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -24,29 +42,115 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_bits: int = 16
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}")
+        if self.quantized and (self.kv_group_size < 2 or self.head_dim % self.kv_group_size):
+            raise ValueError(f"kv_group_size {self.kv_group_size} must divide the head dimension {self.head_dim}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_bits < 16
 
     @property
     def block_shape(self) -> tuple[int, ...]:
+        """The KV a block holds, as attention sees it."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def packed_dim(self) -> int:
+        """Bytes of one head's packed values (quantized KV)."""
+        return self.head_dim * self.kv_bits // 8
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim // self.kv_group_size
+
+    @property
+    def params_per_group(self) -> int:
+        """float16 parameters of a group: a scale (8 bits), a scale and an offset (4 bits)."""
+        return 1 if self.kv_bits == 8 else 2
+
+    @property
+    def values_bytes(self) -> int:
+        """Bytes of one layer's packed K (or V) values in a block (quantized KV)."""
+        return self.block_size * self.num_kv_heads * self.packed_dim
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """A block as stored: ``block_shape`` in ``dtype``, or bytes when quantized."""
+        if not self.quantized:
+            return self.block_shape
+        params = self.block_size * self.num_kv_heads * self.groups * self.params_per_group * _PARAM_DTYPE.itemsize
+        return (self.num_layers, 2, self.values_bytes + params)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else self.dtype
 
     @property
     def bytes_per_block(self) -> int:
         n = 1
-        for d in self.block_shape:
+        for d in self.storage_shape:
             n *= d
-        return n * torch.tensor([], dtype=self.dtype).element_size()
+        return n * self.storage_dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
 
     @classmethod
-    def from_model_config(cls, config: object, block_size: int, dtype: torch.dtype) -> KVLayout:
+    def from_model_config(cls, config: object, block_size: int, dtype: torch.dtype, kv_bits: int = 16,
+                          kv_group_size: int = DEFAULT_KV_GROUP_SIZE) -> KVLayout:
         text = getattr(config, "get_text_config", lambda: config)()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+        return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size)
+
+
+def quantize_kv(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., head_dim]`` as packed ``bits``-bit values ``[..., head_dim * bits / 8]``
+    (uint8 bytes; 8-bit: int8 ``round(x / scale)``; 4-bit: ``round((x - offset) / scale)``
+    in 0..15, element 2i in the low nibble of byte i, 2i + 1 in the high one) and float16
+    parameters per group of ``group_size``: ``[..., groups, 1]`` (scale) for 8 bits,
+    ``[..., groups, 2]`` (scale, offset) for 4. Every value comes back within half a step
+    (plus, at 4 bits, the float16 rounding of the offset): the values are computed against
+    the rounded parameters."""
+    *lead, dim = x.shape
+    g = x.float().reshape(*lead, dim // group_size, group_size).clamp(-_PARAM_MAX, _PARAM_MAX)
+    if bits == 8:
+        scale = (g.abs().amax(dim=-1, keepdim=True) / 127).to(_PARAM_DTYPE)
+        step = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+        q = (g / step).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        return q.reshape(*lead, dim), scale
+    levels = (1 << bits) - 1
+    low = g.amin(dim=-1, keepdim=True)
+    high = g.amax(dim=-1, keepdim=True)
+    offset = low.to(_PARAM_DTYPE)
+    scale = ((high - low) / levels).to(_PARAM_DTYPE)
+    step = torch.where(scale > 0, scale.float(), torch.ones_like(low))
+    q = ((g - offset.float()) / step).round_().clamp_(0, levels).to(torch.uint8).reshape(*lead, dim)
+    return q[..., 0::2] | (q[..., 1::2] << 4), torch.cat([scale, offset], dim=-1)
+
+
+def dequantize_kv(q: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_kv``: ``[..., head_dim]`` in ``dtype``, computed in ``dtype``
+    (one fused multiply-add over the values: this runs for every block a step reads)."""
+    if bits == 8:
+        *lead, dim = q.shape
+        groups = params.shape[-2]
+        g = q.view(torch.int8).reshape(*lead, groups, dim // groups).to(dtype)
+        return (g * params.to(dtype)).reshape(*lead, dim)
+    q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+    *lead, dim = q.shape
+    groups = params.shape[-2]
+    g = q.reshape(*lead, groups, dim // groups).to(dtype)
+    scale, offset = params[..., 0:1].to(dtype), params[..., 1:2].to(dtype)
+    return torch.addcmul(offset, g, scale).reshape(*lead, dim)
 
 
 class KVPool:
@@ -54,10 +158,23 @@ class KVPool:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
-        self.data = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
-        # Per-layer views [num_blocks, block_size, kv_heads, head_dim]; indexing them does not copy.
-        self._k = [self.data[:, i, 0] for i in range(layout.num_layers)]
-        self._v = [self.data[:, i, 1] for i in range(layout.num_layers)]
+        self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
+        if layout.quantized:
+            lay = layout
+            # Views, per layer: values [num_blocks, block_size, kv_heads, packed_dim] and
+            # params [num_blocks, block_size, kv_heads, groups, 1 or 2] of K and of V.
+            values = self.data[..., : lay.values_bytes].view(
+                num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.packed_dim)
+            params = self.data[..., lay.values_bytes:].view(_PARAM_DTYPE).view(
+                num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.groups, lay.params_per_group)
+            self._qk = [values[:, i, 0] for i in range(lay.num_layers)]
+            self._qv = [values[:, i, 1] for i in range(lay.num_layers)]
+            self._pk = [params[:, i, 0] for i in range(lay.num_layers)]
+            self._pv = [params[:, i, 1] for i in range(lay.num_layers)]
+        else:
+            # Per-layer views [num_blocks, block_size, kv_heads, head_dim]; indexing them does not copy.
+            self._k = [self.data[:, i, 0] for i in range(layout.num_layers)]
+            self._v = [self.data[:, i, 1] for i in range(layout.num_layers)]
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
@@ -66,17 +183,32 @@ class KVPool:
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[T, kv_heads, head_dim]`` at (block, offset) pairs."""
-        self._k[layer][blocks, offsets] = key
-        self._v[layer][blocks, offsets] = value
+        lay = self.layout
+        if not lay.quantized:
+            self._k[layer][blocks, offsets] = key
+            self._v[layer][blocks, offsets] = value
+            return
+        for x, values, params in ((key, self._qk, self._pk), (value, self._qv, self._pv)):
+            q, p = quantize_kv(x, lay.kv_bits, lay.kv_group_size)
+            values[layer][blocks, offsets] = q
+            params[layer][blocks, offsets] = p
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``block_table [B, n]`` as ``[B, kv_heads, n * block_size, head_dim]`` views."""
+        """K and V of ``block_table [B, n]`` as ``[B, kv_heads, n * block_size, head_dim]``
+        (views of the pool; dequantized copies of those blocks alone when quantized)."""
+        lay = self.layout
         b, n = block_table.shape
         flat = block_table.reshape(-1)
-        shape = (b, n * self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        k = self._k[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        v = self._v[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        return k, v
+        shape = (b, n * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        if not lay.quantized:
+            k = self._k[layer].index_select(0, flat).view(shape).transpose(1, 2)
+            v = self._v[layer].index_select(0, flat).view(shape).transpose(1, 2)
+            return k, v
+        k = dequantize_kv(self._qk[layer].index_select(0, flat), self._pk[layer].index_select(0, flat),
+                          lay.kv_bits, lay.dtype)
+        v = dequantize_kv(self._qv[layer].index_select(0, flat), self._pv[layer].index_select(0, flat),
+                          lay.kv_bits, lay.dtype)
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])

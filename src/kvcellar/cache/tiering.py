@@ -138,7 +138,8 @@ class LowerTierLink:
     @staticmethod
     def block_spec(pool: KVPool) -> BlockSpec:
         layout = pool.layout
-        return BlockSpec(dtype=layout.dtype, shape=layout.block_shape, block_size=layout.block_size)
+        return BlockSpec(dtype=layout.storage_dtype, shape=layout.storage_shape, block_size=layout.block_size,
+                         kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0)
 
     def _count(self, index: int, what: str, n: int = 1) -> None:
         self.stats[f"{self.tiers[index].tier.name}_link_{what}"] += n
@@ -172,7 +173,8 @@ class LowerTierLink:
             if self._on_cpu:
                 dest = self.pool.block(block.block_id)
             else:
-                dest = torch.empty(self.pool.layout.block_shape, dtype=self.pool.layout.dtype, pin_memory=True)
+                dest = torch.empty(self.pool.layout.storage_shape, dtype=self.pool.layout.storage_dtype,
+                                   pin_memory=True)
                 staging.append(dest)
             requests.append(LoadRequest(self.key_of(digest), digest, tokens, dest))
         futures = []

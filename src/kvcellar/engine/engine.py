@@ -56,7 +56,8 @@ class Engine:
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.device = loaded.device
         self.block_size = cfg.block_size
-        self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype)
+        self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype, cfg.kv_bits,
+                                                 cfg.kv_group_size)
         self.max_model_len = cfg.max_model_len or loaded.max_context
         if self.max_model_len > loaded.max_context:
             # Allowed, as llama.cpp allows a larger -c: agents' prompts outgrow small models'
@@ -96,6 +97,8 @@ class Engine:
             kv_dtype=self.layout.dtype,
             block_size=cfg.block_size,
             model_name=loaded.name,
+            kv_bits=self.layout.kv_bits,
+            kv_group_size=self.layout.kv_group_size,
         )
         self.fingerprint = kv_fingerprint(self.descriptor)
         self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
@@ -127,6 +130,11 @@ class Engine:
             "engine_warmup_seconds": 0.0,
             "engine_step_failures": 0,  # steps an exception ended (their sequences failed)
             "engine_step_failures_in_a_row": 0,
+            # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.
+            "engine_kv_bits": self.layout.kv_bits,
+            "engine_kv_group_size": self.layout.kv_group_size if self.layout.quantized else 0,
+            "engine_kv_bytes_per_token": self.layout.bytes_per_token,
+            "engine_kv_pool_tokens": (num_blocks - 1) * cfg.block_size,  # block 0 is the null block
         }
         # The last step failure, for /health: "<ExceptionType>: message" and its unix time.
         self.last_step_error: str | None = None
@@ -248,6 +256,12 @@ class Engine:
         self.blocks.on_evict = None
         steps = 0
         try:
+            # First: the waves' short chunks then run the kernel they will run when serving
+            # (a chunk on the dense path dequantizes every lean linear: seconds on a 7B model).
+            kernels = self.runner.calibrate_kernels()
+            if kernels:
+                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
+                         kernels["ms_per_pass"])
             # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
             filler = encode_chat(self.tokenizer, [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(self.max_model_len, self.pool_tokens // 4)
@@ -257,10 +271,6 @@ class Engine:
                 steps += int(self.stats["engine_steps"] - before)
             if self.config.decode_threads == 0:
                 steps += self._calibrate_decode_threads(filler)
-            kernels = self.runner.calibrate_kernels()
-            if kernels:
-                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
-                         kernels["ms_per_pass"])
         finally:
             self.blocks.evict_all()
             self.lower = self.scheduler.cache.lower = lower
@@ -376,7 +386,8 @@ class Engine:
 
     # Levels among the snapshot's own keys (exported as gauges); the others are counts.
     GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
-                        "engine_step_failures_in_a_row"})
+                        "engine_step_failures_in_a_row", "engine_kv_bits", "engine_kv_group_size",
+                        "engine_kv_bytes_per_token", "engine_kv_pool_tokens"})
 
     @property
     def healthy(self) -> bool:

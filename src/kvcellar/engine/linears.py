@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcellar.quantization import QuantizedWeight
+from kvcellar.quantization import QuantizedWeight, dequantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -232,14 +232,11 @@ class FastLinear(nn.Module):
             if self.quant_kind == "int8":
                 assert self._scale is not None
                 w = self._q[start:end].float() * self._scale[start:end].float()[:, None]
+                out[start:end].copy_(w)
             else:
                 assert self._zero is not None
-                gs = self.group_size
-                values = _unpack_int4(self._q, start, end, cols).view(end - start, cols // gs, gs)
-                scale = self._zero[:, start:end, 0].t().float()[:, :, None]
-                zero = self._zero[:, start:end, 1].t().float()[:, :, None]
-                w = ((values.float() - 8) * scale + zero).view(end - start, cols)
-            out[start:end].copy_(w)
+                dequantize_int4(_unpack_int4(self._q, start, end, cols), self._zero[:, start:end, 0].t(),
+                                self._zero[:, start:end, 1].t(), self.group_size, out=out[start:end])
         return out
 
     def dense(self, x2d: torch.Tensor) -> torch.Tensor:

@@ -44,12 +44,16 @@ class BlockSpec:
     """Geometry of every block of one namespace.
 
     ``shape`` is ``(num_layers, 2, block_size, num_kv_heads, head_dim)``, where
-    2 is (K, V). All blocks of one namespace share one spec.
+    2 is (K, V). All blocks of one namespace share one spec. Quantized KV
+    (``kv_bits`` 8 or 4, groups of ``kv_group_size``; ``cache/kv_pool.py``) is bytes:
+    ``dtype`` uint8, ``shape`` ``(num_layers, 2, bytes of one layer's K or V)``.
     """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     block_size: int
+    kv_bits: int = 16
+    kv_group_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype):
@@ -58,6 +62,14 @@ class BlockSpec:
             raise ValueError(f"BlockSpec.block_size must be positive, got {self.block_size}")
         if not self.shape or any(int(d) <= 0 for d in self.shape):
             raise ValueError(f"BlockSpec.shape must be non-empty and positive, got {self.shape}")
+        if self.kv_bits != 16 and (self.kv_bits not in (4, 8) or not 0 < self.kv_group_size < 4096):
+            raise ValueError(f"BlockSpec: kv_bits {self.kv_bits} with group size {self.kv_group_size}")
+
+    @property
+    def flags(self) -> int:
+        """The block format's ``flags``: 0 for KV in ``dtype``; quantized KV: bits 0-3 the
+        KV bits, bits 4-15 the group size."""
+        return 0 if self.kv_bits == 16 else self.kv_bits | self.kv_group_size << 4
 
     @property
     def numel(self) -> int:

@@ -95,6 +95,7 @@ class BlockHeader:
     token_ids: tuple[int, ...]
     created_ns: int
     parent: bytes | None = None  # key of the previous block of the chain; None for its first
+    flags: int = 0  # ``BlockSpec.flags``: how the KV is quantized, 0 if it is not
 
 
 _ZEROS = bytes(HEADER_ALIGN)
@@ -141,7 +142,7 @@ def encode_header(
     shape8 = tuple(int(d) for d in spec.shape) + (0,) * (MAX_NDIM - len(spec.shape))
     _FIXED.pack_into(
         buf, 0,
-        MAGIC, FORMAT_VERSION, 0, size, spec.nbytes, payload_crc32,
+        MAGIC, FORMAT_VERSION, spec.flags, size, spec.nbytes, payload_crc32,
         DTYPE_CODES[spec.dtype], len(spec.shape), len(key), len(parent or b""),
         n, n, created_ns,
         *shape8,
@@ -163,7 +164,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     mv = memoryview(buf)
     if len(mv) < FIXED_SIZE:
         raise HeaderError("truncated", f"{len(mv)} bytes")
-    (magic, version, _flags, hsize, nbytes, pcrc, dcode, ndim, klen, plen,
+    (magic, version, flags, hsize, nbytes, pcrc, dcode, ndim, klen, plen,
      block_size, ntok, created_ns, *rest) = _FIXED.unpack_from(mv, 0)
     shape8, key_field, digest, parent_field = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1], rest[MAX_NDIM + 2]
     if magic != MAGIC:
@@ -198,6 +199,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         token_ids=token_ids,
         created_ns=created_ns,
         parent=bytes(parent_field[:plen]) if plen else None,
+        flags=flags,
     )
 
 
@@ -209,11 +211,12 @@ def check_geometry(header: BlockHeader, spec: BlockSpec) -> None:
         or header.block_size != spec.block_size
         or header.payload_nbytes != spec.nbytes
         or header.header_size != header_size_for(spec.block_size)
+        or header.flags != spec.flags
     ):
         raise HeaderError(
             "geometry",
-            f"file has {header.dtype} {header.shape} bs={header.block_size}, "
-            f"namespace has {spec.dtype} {tuple(spec.shape)} bs={spec.block_size}",
+            f"file has {header.dtype} {header.shape} bs={header.block_size} flags={header.flags:#x}, "
+            f"namespace has {spec.dtype} {tuple(spec.shape)} bs={spec.block_size} flags={spec.flags:#x}",
         )
 
 

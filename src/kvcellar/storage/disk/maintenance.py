@@ -58,7 +58,8 @@ class NamespaceInfo:
         try:
             s = (self.descriptor or {})["spec"]
             dtype = getattr(torch, s["dtype"])
-            return BlockSpec(dtype, tuple(int(d) for d in s["shape"]), int(s["block_size"]))
+            return BlockSpec(dtype, tuple(int(d) for d in s["shape"]), int(s["block_size"]),
+                             int(s.get("kv_bits", 16)), int(s.get("kv_group_size", 0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 

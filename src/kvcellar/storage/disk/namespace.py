@@ -126,6 +126,8 @@ class OpenNamespace:
                 "dtype": str(self.spec.dtype).removeprefix("torch."),
                 "shape": list(self.spec.shape),
                 "block_size": self.spec.block_size,
+                "kv_bits": self.spec.kv_bits,
+                "kv_group_size": self.spec.kv_group_size,
                 "block_nbytes": self.spec.nbytes,
                 "file_nbytes": self.file_size,
             },
