@@ -139,18 +139,16 @@ def quantize_kv(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tens
 
 def dequantize_kv(q: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``quantize_kv``: ``[..., head_dim]`` in ``dtype``, computed in ``dtype``
-    (one fused multiply-add over the values: this runs for every block a step reads)."""
-    if bits == 8:
-        *lead, dim = q.shape
-        groups = params.shape[-2]
-        g = q.view(torch.int8).reshape(*lead, groups, dim // groups).to(dtype)
-        return (g * params.to(dtype)).reshape(*lead, dim)
-    q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+    in place (this runs for every block a step reads: the fewest passes measured fastest)."""
+    q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2) if bits == 4 else q.view(torch.int8)
     *lead, dim = q.shape
     groups = params.shape[-2]
     g = q.reshape(*lead, groups, dim // groups).to(dtype)
-    scale, offset = params[..., 0:1].to(dtype), params[..., 1:2].to(dtype)
-    return torch.addcmul(offset, g, scale).reshape(*lead, dim)
+    p = params.to(dtype)
+    g.mul_(p[..., 0:1])
+    if bits == 4:
+        g.add_(p[..., 1:2])
+    return g.reshape(*lead, dim)
 
 
 class KVPool:
