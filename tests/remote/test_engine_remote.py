@@ -226,3 +226,39 @@ def test_a_whole_prefill_chunk_reaches_redis_at_once_with_the_default_queue(mode
     assert_same_output(result, uncached(prompt))
     for engine in (a, b):
         assert engine.shutdown(30)
+
+
+def test_replicas_share_8bit_kv_through_redis_and_other_settings_never_mix(model, redis_server):
+    """Replica B with ``--kv-bits 8`` serves A's 8-bit blocks from Redis: the very KV A
+    computed (B's tokens equal A's RAM hit), within tolerance of an uncached 8-bit run. A
+    replica with 16-bit or 4-bit KV on the same Redis finds nothing of it and computes."""
+    from tests._models import assert_equivalent_output, uncached_runner
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5)
+    prompt = ask(model, "Is a refund of an authorized intent allowed?")
+    a = replica(model, redis_server.url, None, engine_config={"kv_bits": 8})
+    first = a.generate([prompt], params)[0]
+    hit = a.generate([prompt], params)[0]  # A's own RAM hit over the stored 8-bit KV
+    assert tier(a, "remote").wait_idle(30)
+    stored = a.snapshot()["remote_stored_blocks"]
+    assert stored >= len(prompt) // BS  # the prompt, and generated blocks too
+    assert a.shutdown(30)
+    assert_equivalent_output(first, uncached_runner(model, params, kv_bits=8)(prompt), 0.15, 0.3)
+
+    b = replica(model, redis_server.url, None, engine_config={"kv_bits": 8})
+    result = b.generate([prompt], params)[0]
+    assert result.cached_tokens_by_tier == {"ram": 0, "remote": expected_cached(len(prompt), len(prompt))}
+    assert result.token_ids == hit.token_ids and result.logprobs == hit.logprobs
+    assert b.snapshot()["remote_corrupt_total"] == 0
+    assert_no_leaks(b)
+    assert b.shutdown(30)
+
+    for bits in (16, 4):
+        other = replica(model, redis_server.url, None, engine_config={"kv_bits": bits})
+        assert other.fingerprint != a.fingerprint
+        assert other.generate([prompt], params)[0].num_cached_tokens == 0
+        assert other.snapshot()["remote_corrupt_total"] == 0  # another key space, not rejected values
+        assert other.shutdown(30)
+    again = replica(model, redis_server.url, None, engine_config={"kv_bits": 8})  # A's blocks still there
+    assert again.generate([prompt], params)[0].cached_tokens_by_tier.get("remote", 0) > 0
+    assert again.shutdown(30)
