@@ -18,6 +18,11 @@ In one process, the embedded model in bf16 (``--model`` for another), for each o
    both sides). On the embedded model and on a Qwen2.5-0.5B-shaped model with random weights
    (shape-driven error; its tokens mean nothing, their agreement does).
 
+5. with ``--peer-bin`` (llama.cpp's ``llama-server``, default: where benchmarks/peer puts it,
+   if there): the same GGUF served with ``-ctk f16 -ctv f16`` and ``-ctk q8_0 -ctv q8_0``
+   (``-fa on``, which quantized V needs), its KV bytes per token from its log and its decode
+   speed at ``--decode-context`` tokens (its own ``timings``).
+
 Figures only, no asserts. Run on a quiet machine (``uptime`` below ~1.5).
 """
 
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -40,6 +46,7 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
 from kvcellar.artifacts import ArtifactCache
+from kvcellar.bench.launch import ServerLauncher
 from kvcellar.bench.pagecache import drop_page_cache
 from kvcellar.bench.report import format_table, machine_info, table
 from kvcellar.cache.kv_pool import KVLayout
@@ -57,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.remote.redis_server import RedisServer  # (the one way a real redis-server starts)
 
 BITS = (16, 8, 4)
+PEER_BIN = Path(os.environ.get("LLAMA_SERVER_BIN", "/work/llama-server/bin/llama-server"))
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
 # Configs' numbers: layers, KV heads, head dim.
 SHAPES = {"Qwen2.5-0.5B": (24, 2, 64), "Llama-3.1-8B": (32, 8, 128)}
@@ -223,6 +231,36 @@ def random_qwen(tokenizer: Any) -> LoadedModel:
     return wrap_model(model, tokenizer, name="Qwen2.5-0.5B-shape-random")
 
 
+def peer_rows(gguf: Path, binary: Path, context: int, work: Path, steps: int = 64) -> list[dict[str, Any]]:
+    """llama-server on ``gguf`` with 16-bit and q8_0 KV: KV bytes per token (its log's
+    ``llama_kv_cache: size = X MiB`` over its context) and decode tok/s at ``context``."""
+    import httpx
+
+    rows = []
+    prompt = random_prompt(context, 7)
+    for kind in ("f16", "q8_0"):
+        ctx = context + steps + 64
+
+        def command(port: int, kind: str = kind, ctx: int = ctx) -> list[str]:
+            return [str(binary), "-m", str(gguf), "--port", str(port), "-c", str(ctx), "-np", "1",
+                    "-t", str(os.cpu_count() or 1), "-fa", "on", "-ctk", kind, "-ctv", kind]
+
+        log = work / f"llama-server-{kind}.log"
+        server = ServerLauncher(command, log, name="llama-server")
+        server.start(timeout=300)
+        try:
+            body = {"prompt": prompt, "max_tokens": steps, "temperature": 0.0, "ignore_eos": True}
+            reply = httpx.post(server.url + "/completion", json={**body, "n_predict": steps}, timeout=3600).json()
+            per_s = reply["timings"]["predicted_per_second"]
+        finally:
+            server.stop(60)
+        mib = [float(m) for m in re.findall(r"llama_kv_cache: size = *([0-9.]+) MiB", log.read_text())]
+        rows.append({"kv": kind, "context": context, "decode_step_ms": round(1e3 / per_s, 2),
+                     "bytes_per_token": int(mib[-1] * (1 << 20) / ctx) if mib else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model kvcellar serves (default: the embedded one)")
@@ -232,6 +270,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-hits", action="store_true")
+    p.add_argument("--peer-bin", type=Path, default=PEER_BIN if PEER_BIN.exists() else None)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -255,6 +294,10 @@ def main() -> None:
         out["quality"] += quality_rows(random_qwen(model.tokenizer), "Qwen2.5-0.5B shape, random weights",
                                        args.quality_tokens, args.kv_cache_gb)
         show("quality against 16-bit KV", out["quality"])
+    if args.peer_bin is not None and model.source.kind == "gguf":
+        with tempfile.TemporaryDirectory(prefix="kvq-peer-") as tmp:
+            out["llama_server"] = peer_rows(model.source.path, args.peer_bin, args.decode_context, Path(tmp))
+        show("llama-server, same GGUF: f16 and q8_0 KV", out["llama_server"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2))

@@ -286,6 +286,7 @@ def test_health_and_metrics(server: ServerProcess) -> None:
 LEVELS = {  # every level of the snapshot: gauges; the issue found most exported as counters
     "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable", "kv_blocks_used",
     "engine_running", "engine_waiting", "engine_loading", "engine_prefetching", "engine_step_failures_in_a_row",
+    "engine_kv_bits", "engine_kv_group_size", "engine_kv_bytes_per_token", "engine_kv_pool_tokens",
     "ssd_blocks", "ssd_bytes", "ssd_capacity_bytes", "ssd_free_bytes", "ssd_pinned_blocks", "ssd_scan_complete",
     "writer_queue_depth", "writer_in_flight", "writer_pending_keys", "ssd_load_batches_in_flight",
     "server_inflight_requests", "server_inflight_sequences",
