@@ -15,7 +15,7 @@ from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.config import Settings
 from kvcellar.engine import Engine
-from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_weights
+from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
@@ -81,8 +81,8 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     t0 = time.perf_counter()
     source = resolve_source(model)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    weights = resolve_weights(weights, source, torch_dtype, dev)
+    precision = resolve_serving(dtype, weights, source, dev)
+    torch_dtype, weights = precision.dtype, precision.weights
     timings["resolve"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights_id = weights_identity(source, artifacts.file_digest if artifacts is not None else file_sha256)
@@ -129,9 +129,9 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     cfg = settings.engine
     source = resolve_source(settings.model)
     dev = resolve_device(cfg.device)
-    torch_dtype = resolve_dtype(cfg.dtype, dev)
-    weights = resolve_weights(cfg.weights, source, torch_dtype, dev)
-    return plan_memory(source, weights, torch_dtype, int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0)
+    precision = resolve_serving(cfg.dtype, cfg.weights, source, dev)
+    kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
+    return plan_memory(source, precision.weights, precision.dtype, kv_bytes)
 
 
 def check_memory(settings: Settings) -> None:

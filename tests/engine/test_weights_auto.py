@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams, loader
-from kvcellar.engine.linears import prepare_model, quant_kernels_run
+from kvcellar.engine.linears import int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.loader import (
     LoadedModel,
     gguf_weights_mode,
@@ -216,8 +216,12 @@ def test_linear_kernels_say_which_linears_run_which_kernel(dtype: torch.dtype) -
     assert linear_kernels(model) == {}  # not prepared yet
     prepare_model(model, quantize_model(model, "int4"))
     if quant_kernels_run(dtype, CPU):  # decoder linears int4, the LM head int8
-        # lean (no dense copy): all but k/v_proj, whose 32 rows are not a whole block of torch's int4 packing
-        want = {"int4": 14, "int8": 1, "dense": 0, "lean": 11, "quant_max_rows": 4}
+        # lean (no dense copy): the LM head, and the int4 linears whose rows are whole blocks of
+        # torch's int4 packing (64 rows on AVX-512: all but k/v_proj's 32; 32 on AVX2: all)
+        block = int4_pack_block()
+        rows = [64, 32, 32, 64, 128, 128, 64] * 2  # q, k, v, o, gate, up, down of each layer
+        lean = 1 + sum(1 for r in rows if block and r % block == 0)
+        want = {"int4": 14, "int8": 1, "dense": 0, "lean": lean, "quant_max_rows": 4}
     else:
         want = {"int4": 0, "int8": 0, "dense": 15, "lean": 0, "quant_max_rows": 0}
     assert linear_kernels(model) == want

@@ -84,7 +84,8 @@ class Engine:
             prefetch_pool_fraction=cfg.prefetch_pool_fraction,
             prefetch_max_reads=cfg.prefetch_max_reads,
         )
-        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward, quantized=loaded.quantized)
+        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward, quantized=loaded.quantized,
+                                  kernel_dtype=loaded.kernel_dtype)
         # The kernels hold their own copies of the quantized weights now (engine/linears.py);
         # the portable form would only take memory (0.75 bytes a weight for int4).
         loaded.quantized = {}

@@ -63,10 +63,17 @@ def packs_dense(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether torch's weight-only int8/int4 kernels exist for these activations. On CPU they
-    need bf16 to be fast (fp32 activations: 3-50x slower than fp32 ``F.linear``, measured
-    on AVX2 and AVX-512 hosts); on other devices the dequantized weights run."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_cpu()
+    """Whether torch's weight-only int8/int4 kernels take activations of ``dtype`` here: bf16
+    on CPU, with or without native bf16 (fp32 activations run them 3-50x slower than fp32
+    ``F.linear``); on other devices the dequantized weights run. Whether they pay is measured
+    (``loader.quantized_mode_pays``, ``calibrate``)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def upcasts_dense(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a lean linear's dequantized weight is multiplied in float32: bf16 matmuls on a
+    CPU without native bf16 are several times slower than float32 ones."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_cpu()
 
 
 @dataclass
@@ -74,6 +81,10 @@ class KernelTable:
     """The per-step kernel choice shared by every linear of one model."""
 
     quant_max_rows: int
+    # The activations' dtype in the quantized kernels; None: the model's own. bf16 under a
+    # float32 model where the CPU has no native bf16 (``loader.resolve_serving``): the kernels
+    # run decode steps, float32 runs everything else.
+    kernel_dtype: torch.dtype | None = None
     # Row count -> ms of one pass over the model's quantized linears, per kernel; set by ``calibrate``.
     measured: dict[str, dict[int, float]] = field(default_factory=dict)
     calibrated: bool = False
@@ -81,8 +92,8 @@ class KernelTable:
 
 # Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
 _DEQUANT_ROWS = 1024
-# torch's CPU int4 packing stores rows in blocks of this many (``int4_pack_layout_ok`` checks it).
-_INT4_BLOCK_N = 64
+# Rows per block of torch's CPU int4 packing, by vector width (AVX-512: 64, AVX2: 32).
+_INT4_BLOCKS = (64, 32, 16)
 _scratch = threading.local()  # per thread: the engine's and a calibrating or testing one never share
 
 
@@ -100,22 +111,26 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tor
 
 
 @functools.cache
-def int4_pack_layout_ok() -> bool:
-    """Whether torch packs int4 weights here in the layout ``FastLinear`` unpacks (rows in
-    blocks of 64; for each input, a block's row j in the low nibble of byte j and row j + 32
-    in the high one). Checked on a probe once: another CPU build keeps the dense weights."""
+def int4_pack_block() -> int:
+    """The rows per block of torch's CPU int4 packing here, in the layout ``FastLinear``
+    unpacks (for each input, a block's row j in the low nibble of byte j and row j + block/2
+    in the high one): 64 on AVX-512, 32 on AVX2. Found on a probe once; 0 for a layout not
+    known, where int4 linears keep their dense weights."""
     probe = torch.Generator().manual_seed(0)
-    values = torch.randint(0, 16, (2 * _INT4_BLOCK_N, 64), dtype=torch.int32, generator=probe)
+    values = torch.randint(0, 16, (2 * _INT4_BLOCKS[0], 64), dtype=torch.int32, generator=probe)
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
     except RuntimeError:
-        return False
-    return bool(torch.equal(_unpack_int4(packed, 0, values.shape[0], values.shape[1]), values.to(torch.uint8)))
+        return 0
+    for block in _INT4_BLOCKS:
+        if torch.equal(_unpack_int4(packed, 0, values.shape[0], values.shape[1], block), values.to(torch.uint8)):
+            return block
+    return 0
 
 
-def _unpack_int4(packed: torch.Tensor, start: int, end: int, cols: int) -> torch.Tensor:
-    """Rows ``start:end`` (multiples of 64) of the 4-bit values in torch's CPU int4 packing."""
-    half = _INT4_BLOCK_N // 2
+def _unpack_int4(packed: torch.Tensor, start: int, end: int, cols: int, block: int) -> torch.Tensor:
+    """Rows ``start:end`` (multiples of ``block``) of the 4-bit values in torch's CPU int4 packing."""
+    half = block // 2
     blocks = packed.reshape(-1)[start * cols // 2: end * cols // 2].view(-1, cols, half)
     return torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(end - start, cols)
 
@@ -144,7 +159,8 @@ class FastLinear(nn.Module):
         self.table = table
         self.bias = None if bias is None else bias.detach()
         self.dtype, self.device = dtype, device = weight.dtype, weight.device
-        self.quant_kind = quant.kind if quant is not None and quant_kernels_run(dtype, device) else None
+        self.kernel_dtype = table.kernel_dtype or dtype
+        self.quant_kind = quant.kind if quant is not None and quant_kernels_run(self.kernel_dtype, device) else None
         self._q: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
@@ -152,14 +168,15 @@ class FastLinear(nn.Module):
         if self.quant_kind is not None:
             assert quant is not None
             try:
-                self._pack_quantized(quant, dtype, device)
+                self._pack_quantized(quant, self.kernel_dtype, device)
             except RuntimeError as exc:  # a shape the kernel does not take: the dequantized weight runs
                 log.warning("no %s kernel for a %dx%d linear (%s); it runs dense", self.quant_kind,
                             self.out_features, self.in_features, exc)
                 self.quant_kind = None
         self.lean = self.quant_kind == "int8" or (
-            self.quant_kind == "int4" and self.out_features % _INT4_BLOCK_N == 0 and int4_pack_layout_ok())
+            self.quant_kind == "int4" and int4_pack_block() > 0 and self.out_features % int4_pack_block() == 0)
         self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
+        self.upcast = self.lean and upcasts_dense(dtype, device)
         self._dense: torch.Tensor | None = None
         if quant is not None and not self.lean:
             # The model's weights may be as loaded (``quantize_model(materialize=False)``) or
@@ -235,22 +252,28 @@ class FastLinear(nn.Module):
                 out[start:end].copy_(w)
             else:
                 assert self._zero is not None
-                dequantize_int4(_unpack_int4(self._q, start, end, cols), self._zero[:, start:end, 0].t(),
-                                self._zero[:, start:end, 1].t(), self.group_size, out=out[start:end])
+                params = self._zero[:, start:end].to(self.dtype)  # the kernel's scales, in the compute dtype
+                values = _unpack_int4(self._q, start, end, cols, int4_pack_block())
+                dequantize_int4(values, params[..., 0].t(), params[..., 1].t(), self.group_size, out=out[start:end])
         return out
 
     def dense(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.dense_kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
         if self.dense_kind == "dequantized":
+            if self.upcast:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x2d.float(), self.dequantized().float(), bias).to(self.dtype)
             return F.linear(x2d, self.dequantized(), self.bias)
         return F.linear(x2d, self._dense, self.bias)
 
     def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        x = x2d.to(self.kernel_dtype)
         if self.quant_kind == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(x2d, self._q, self._scale)
+            out = torch.ops.aten._weight_int8pack_mm(x, self._q, self._scale)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self._q, self.group_size, self._zero)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._q, self.group_size, self._zero)
+        out = out.to(self.dtype)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,17 +318,20 @@ class PreparedModel:
 
 
 def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
-                  fuse: Sequence[tuple[str, Sequence[str]]] = ()) -> PreparedModel:
+                  fuse: Sequence[tuple[str, Sequence[str]]] = (), kernel_dtype: torch.dtype | None = None
+                  ) -> PreparedModel:
     """Turn every ``nn.Linear`` of ``model`` into a ``FastLinear``, in place, once (a model
     already prepared is returned as it is). ``quantized``: quantized weights by module name
     (``quantization.quantize_model``); ``fuse``: (name, [module names]) groups to fuse, e.g.
-    ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``."""
+    ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``;
+    ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``)."""
     prepared: PreparedModel | None = getattr(model, "_kvcellar_prepared", None)
     if prepared is not None:
         return prepared
     quantized = quantized or {}
     param = next(model.parameters())
-    table = KernelTable(DEFAULT_QUANT_MAX_ROWS if quantized and quant_kernels_run(param.dtype, param.device) else 0)
+    kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
+    table = KernelTable(DEFAULT_QUANT_MAX_ROWS if kernels else 0, kernel_dtype=kernel_dtype)
     modules = dict(model.named_modules())
     fused: dict[str, FastLinear] = {}
     linears: list[FastLinear] = []

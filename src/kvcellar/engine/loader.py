@@ -49,6 +49,9 @@ class LoadedModel:
     # Quantized weights by linear name (``--weights int8|int4``; kvcellar/quantization.py): the
     # model's linears hold their dequantized weights, the engine runs these where faster.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # The activations' dtype in the quantized kernels where it is not ``dtype``
+    # (``resolve_serving``: bf16 under a float32 model on a CPU without native bf16).
+    kernel_dtype: torch.dtype | None = None
     # The artifact-cache entry this model was loaded from, held so that it isn't evicted while
     # the model is served (set by ``runtime.prepare_and_load``); None when loaded from the source.
     artifact: ArtifactLease | None = None
@@ -91,7 +94,52 @@ PROBE_FEATURES = 2048
 # The quantized kernel must be this much faster than the dense weights to be picked: the
 # choice is part of the weights identity (the KV namespace), so a near-tie must not flip it.
 PROBE_MIN_SPEEDUP = 1.2
-_pays: dict[tuple[str, torch.dtype, torch.device], bool] = {}  # by (mode, dtype, device); a race only measures twice
+# By (mode, kernel dtype, dense dtype, device); a race only measures twice.
+_pays: dict[tuple[str, torch.dtype, torch.dtype, torch.device], bool] = {}
+
+
+@dataclass(frozen=True)
+class ServingPrecision:
+    """What ``--dtype`` and ``--weights`` resolve to (``resolve_serving``)."""
+
+    dtype: torch.dtype  # the model's: activations, norms, attention, KV, dense weights
+    weights: str  # full, int8 or int4
+    kernel_dtype: torch.dtype | None = None  # the quantized kernels' activations, where not ``dtype``
+
+    @property
+    def weights_suffix(self) -> str:
+        """What the weights identity (and so the KV namespace) adds: another mode or kernel
+        precision computes other KV."""
+        if self.weights == "full":
+            return ""
+        kernels = f"|kernels={str(self.kernel_dtype).removeprefix('torch.')}" if self.kernel_dtype else ""
+        return f"|weights={self.weights}{kernels}"
+
+
+def resolve_serving(dtype: str, weights: str, source: ModelSource, device: torch.device) -> ServingPrecision:
+    """``--dtype`` and ``--weights`` resolved together.
+
+    ``auto`` dtype is bf16 where the hardware computes it natively, else float32 on CPU
+    (``resolve_dtype``). torch's int4/int8 kernels take bf16 activations only, and on a CPU
+    without native bf16 a float32 model would keep the quantized linears dequantized (a 7B
+    Q4 GGUF: 30 GB of float32). There, for quantized weights (asked for, or ``auto`` on a
+    4-8-bit GGUF), the model stays float32 and its quantized linears run their kernel on bf16
+    activations for decode-sized steps, where it is measured faster than float32 dense
+    weights (``quantized_mode_pays``); larger steps dequantize to float32. An explicit
+    ``--dtype`` is served as asked."""
+    torch_dtype = resolve_dtype(dtype, device)
+    if dtype == "auto" and device.type == "cpu" and torch_dtype == torch.float32 and weights != "full":
+        from kvcellar.config import WEIGHT_MODES
+
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
+        mode = weights
+        if weights == "auto":
+            mode = gguf_weights_mode(read_gguf_info(source.path)) if source.kind == "gguf" else "full"
+        if mode != "full" and quantized_mode_pays(mode, torch.bfloat16, device, dense_dtype=torch.float32):
+            return ServingPrecision(torch.float32, mode, torch.bfloat16)
+        return ServingPrecision(torch.float32, "full" if weights == "auto" else mode)
+    return ServingPrecision(torch_dtype, resolve_weights(weights, source, torch_dtype, device))
 
 
 def gguf_weights_mode(info: GGUFInfo) -> str:
@@ -124,30 +172,34 @@ def gguf_weights_mode(info: GGUFInfo) -> str:
     return "int4" if low >= high else "int8"
 
 
-def quantized_mode_pays(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``mode``'s kernel (int8/int4) runs for ``dtype`` on ``device``
-    (``linears.quant_kernels_run``) and is faster there than the dense weights: measured
-    once per process and (mode, dtype, device), on a ``PROBE_FEATURES``-square linear at one
-    row (a decode step), in well under a second."""
+def quantized_mode_pays(mode: str, dtype: torch.dtype, device: torch.device,
+                        dense_dtype: torch.dtype | None = None) -> bool:
+    """Whether ``mode``'s kernel (int8/int4) runs on ``dtype`` activations on ``device``
+    (``linears.quant_kernels_run``) and is faster there than the dense weights in
+    ``dense_dtype`` (default ``dtype``): measured once per process and (mode, dtypes,
+    device), on a ``PROBE_FEATURES``-square linear at one row (a decode step), in well under
+    a second."""
     from kvcellar.engine.linears import quant_kernels_run
 
+    dense_dtype = dense_dtype or dtype
     if not quant_kernels_run(dtype, device):
         return False
-    key = (mode, dtype, device)
+    key = (mode, dtype, dense_dtype, device)
     if key not in _pays:
-        quantized_ms, dense_ms = _time_probe_linear(mode, dtype, device)
+        quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
         _pays[key] = quantized_ms * PROBE_MIN_SPEEDUP <= dense_ms
-        log.info("--weights auto: a %dx%d %s matmul at one row takes %.3f ms, %.3f ms dense (%s on %s): %s",
-                 PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, dense_ms, str(dtype).removeprefix("torch."),
-                 device, mode if _pays[key] else "full")
+        log.info("--weights auto: a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense "
+                 "(%s) on %s: %s", PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms,
+                 str(dtype).removeprefix("torch."), dense_ms, str(dense_dtype).removeprefix("torch."), device,
+                 mode if _pays[key] else "full")
     return _pays[key]
 
 
-def _time_probe_linear(mode: str, dtype: torch.dtype, device: torch.device, calls: int = 8,
-                       repeats: int = 5) -> tuple[float, float]:
-    """Median ms of one matmul at one row through ``mode``'s kernel and through the dense
-    weights ``full`` would run, each as the engine runs it (a ``FastLinear``); the kernel's is
-    inf if it refuses the shape."""
+def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device,
+                       calls: int = 8, repeats: int = 5) -> tuple[float, float]:
+    """Median ms of one matmul at one row through ``mode``'s kernel on ``dtype`` activations
+    and through the dense weights in ``dense_dtype``, each as the engine runs it (a
+    ``FastLinear`` of a ``dense_dtype`` model); the kernel's is inf if it refuses the shape."""
     import statistics
 
     from kvcellar.engine.linears import FastLinear, KernelTable
@@ -155,13 +207,14 @@ def _time_probe_linear(mode: str, dtype: torch.dtype, device: torch.device, call
 
     gen = torch.Generator().manual_seed(0)
     quant = quantize(torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=gen) * 0.02, mode)
-    weight = quant.dequantize(dtype).to(device)
-    quantized = FastLinear(weight, None, quant, KernelTable(quant_max_rows=1))
+    weight = quant.dequantize(dense_dtype).to(device)
+    kernel_dtype = dtype if dtype != dense_dtype else None
+    quantized = FastLinear(weight, None, quant, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
     dense = FastLinear(weight, None, None, KernelTable(quant_max_rows=0))
     runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"dense": dense.dense}
     if quantized.quantized:
         runs["quantized"] = quantized.quantized_kernel
-    x = torch.randn(1, PROBE_FEATURES, generator=gen).to(dtype=dtype, device=device)
+    x = torch.randn(1, PROBE_FEATURES, generator=gen).to(dtype=dense_dtype, device=device)
     times: dict[str, list[float]] = {kind: [] for kind in runs}
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up
@@ -267,8 +320,9 @@ def load_model(
     else:
         source = resolve_source(model)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    weights = resolve_weights(weights, source, torch_dtype, dev)
+    precision = resolve_serving(dtype, weights, source, dev)
+    torch_dtype, weights = precision.dtype, precision.weights
+    kernel_dtype = precision.kernel_dtype or (torch_dtype if quant_kernels_run(torch_dtype, dev) else None)
     timings["resolve"] = time.perf_counter() - t0
     if weights_id is None:
         t0 = time.perf_counter()
@@ -289,14 +343,13 @@ def load_model(
 
             quantized = quantize_gguf(source.path, weights)  # as the artifact cache stores it
         try:
-            quantized_weights = quantize_model(hf_model, weights, given=quantized,
-                                               materialize=not quant_kernels_run(torch_dtype, dev))
+            quantized_weights = quantize_model(hf_model, weights, given=quantized, materialize=kernel_dtype is None)
         except (KeyError, ValueError) as exc:  # given weights of another shape or set of linears
             raise ModelLoadError(f"The quantized weights of {source.name} do not fit its model: {exc}") from exc
-        if not quant_kernels_run(torch_dtype, dev):
+        if kernel_dtype is None:
             log.warning("--weights %s: torch has no fast %s kernel for %s activations on %s; the dequantized "
                         "weights run instead (same outputs, no speed-up)", weights, weights, torch_dtype, dev)
-        weights_id += f"|weights={weights}"  # other weights, other KV
+        weights_id += precision.weights_suffix  # other weights, other KV
         timings["quantized_weights" if given else "quantize"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -318,6 +371,7 @@ def load_model(
         load_seconds=timings,
         weights=weights,
         quantized=quantized_weights,
+        kernel_dtype=precision.kernel_dtype,
     )
 
 

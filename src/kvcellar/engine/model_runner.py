@@ -35,15 +35,17 @@ class ModelRunner:
     GAUGES = frozenset({"runner_decode_threads", "runner_quant_max_rows"})
 
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
-                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
+                 quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None
+                 ) -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
         logits with less Python per step), others through transformers' modules. The model's
         linears are prepared once (``engine/linears.py``: prepacked, fused for the lean
-        forward, ``quantized`` ones with their kernels); other runners over the same model
-        object share that."""
+        forward, ``quantized`` ones with their kernels, on ``kernel_dtype`` activations where
+        given); other runners over the same model object share that."""
         self.model = model
         self.pool = pool
-        self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else ())
+        self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else (),
+                                     kernel_dtype=kernel_dtype)
         self.lean = lean_forward_for(model) if lean else None
         self.forward = self.lean or module_forward(model)
         self.device = pool.device
