@@ -73,9 +73,9 @@ QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, n
                 rope_theta=1_000_000.0)
 
 
-def engine_for(model: LoadedModel, bits: int, kv_gb: float, *, ssd: Path | None = None, url: str | None = None
-               ) -> Engine:
-    engine = Engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb))
+def engine_for(model: LoadedModel, bits: int, kv_gb: float, *, ssd: Path | None = None, url: str | None = None,
+               max_model_len: int = 0) -> Engine:
+    engine = Engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len))
     if ssd is not None:
         engine.attach_tier(DiskTier(ssd, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
@@ -127,22 +127,23 @@ def bytes_table(model: LoadedModel, kv_gb: float) -> list[dict[str, Any]]:
 def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: RedisServer, work: Path
               ) -> list[dict[str, Any]]:
     rows = []
+    room = max(lengths) + 64  # an 8192-token prompt on an 8192-token model: past its trained context
     for n in lengths:
         prompt = random_prompt(n, n)
         for bits in BITS:
             ssd = work / f"ssd-{bits}-{n}"
-            a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url)
+            a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url, max_model_len=room)
             a.warm_up()
             cold, _ = ttft(a, prompt)
             ram, _ = ttft(a, prompt)
             assert lower(a, "remote").wait_idle(600) and lower(a, "ssd").wait_idle(600)
             assert a.shutdown(120)
             drop_page_cache([ssd])
-            b = engine_for(model, bits, kv_gb, ssd=ssd)  # restart: RAM empty, the SSD holds the prefix
+            b = engine_for(model, bits, kv_gb, ssd=ssd, max_model_len=room)  # restart: the SSD holds it
             b.warm_up()
             restart, cached_ssd = ttft(b, prompt)
             assert b.shutdown(120)
-            c = engine_for(model, bits, kv_gb, url=server.url)  # another replica: Redis holds it
+            c = engine_for(model, bits, kv_gb, url=server.url, max_model_len=room)  # another replica: Redis holds it
             c.warm_up()
             redis_hit, cached_redis = ttft(c, prompt)
             assert c.shutdown(120)
@@ -270,6 +271,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-hits", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--peer-bin", type=Path, default=PEER_BIN if PEER_BIN.exists() else None)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -279,8 +281,9 @@ def main() -> None:
     out: dict[str, Any] = {"machine": machine_info(), "model": model.name, "dtype": "bfloat16"}
     out["bytes"] = bytes_table(model, args.kv_cache_gb)
     show("KV bytes per token", out["bytes"])
-    out["decode"] = decode_table(model, args.decode_context, args.kv_cache_gb)
-    show("decode step, batch 1", out["decode"])
+    if not args.skip_decode:
+        out["decode"] = decode_table(model, args.decode_context, args.kv_cache_gb)
+        show("decode step, batch 1", out["decode"])
     if not args.skip_hits:
         with tempfile.TemporaryDirectory(prefix="kvq-") as tmp:
             server = RedisServer(Path(tmp) / "redis", maxmemory="8gb").start()

@@ -263,7 +263,7 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert h["status"] == "ok"
     assert h["model"] == MODEL
     # fp32 (the tests' --dtype): no fast quantized kernel, so --weights auto serves full weights
-    assert (h["weights"], h["dtype"]) == ("full", "float32")
+    assert (h["weights"], h["dtype"], h["kernel_dtype"]) == ("full", "float32", None)
     assert h["runner"]["runner_quant_max_rows"] == 0
     for key in ("queue_depth", "running", "inflight_requests", "kv_blocks_used", "last_shutdown_clean"):
         assert key in h

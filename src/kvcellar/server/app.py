@@ -120,6 +120,9 @@ class ServerState:
             "weights": self.engine.loaded.weights,
             "linears": linear_kernels(self.engine.loaded.model),  # how many run which kernel
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
+            # The activations' dtype in the quantized kernels, where it is not ``dtype``.
+            "kernel_dtype": (str(self.engine.loaded.kernel_dtype).removeprefix("torch.")
+                             if self.engine.loaded.kernel_dtype is not None else None),
             "version": kvcellar.__version__,
             "uptime_s": round(time.time() - self.started, 3),
             "queue_depth": int(stats.get("engine_waiting", 0)),
