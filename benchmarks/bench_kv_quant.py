@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_kv_quant.py --out bench-results/kv-quant.json          # ~10 min
     .venv/bin/python benchmarks/bench_kv_quant.py --skip-quality --lengths 4096               # ~3 min
 
-In one process, the embedded model in bf16 (``--model`` for another), for each of 16/8/4 bits:
+In one process, the embedded model in bf16 (``--model`` for another, ``--dtype float32`` for KV in
+float32 as "16 bits"), for each of 16/8/4 bits:
 
 1. bytes per token of the KV layout (also for a Qwen2.5-0.5B and a Llama-3.1-8B shape, from
    their configs' numbers), and the tokens ``--kv-cache-gb`` buys;
@@ -222,12 +223,12 @@ def quality_rows(model: LoadedModel, label: str, tokens: int, kv_gb: float) -> l
     return rows
 
 
-def random_qwen(tokenizer: Any) -> LoadedModel:
+def random_qwen(tokenizer: Any, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), **QWEN_05B)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.generation_config.eos_token_id = None
     return wrap_model(model, tokenizer, name="Qwen2.5-0.5B-shape-random")
 
@@ -255,7 +256,7 @@ def peer_rows(gguf: Path, binary: Path, context: int, work: Path, steps: int = 6
             per_s = reply["timings"]["predicted_per_second"]
         finally:
             server.stop(60)
-        mib = [float(m) for m in re.findall(r"llama_kv_cache: size = *([0-9.]+) MiB", log.read_text())]
+        mib = [float(m) for m in re.findall(r"llama_kv_cache:\s+size\s*=\s*([0-9.]+) MiB", log.read_text())]
         rows.append({"kv": kind, "context": context, "decode_step_ms": round(1e3 / per_s, 2),
                      "bytes_per_token": int(mib[-1] * (1 << 20) / ctx) if mib else None})
         print(json.dumps(rows[-1]), flush=True)
@@ -272,13 +273,18 @@ def main() -> None:
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-hits", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--quality-models", default="embedded,random",
+                   help="whose quality to measure: the model served (embedded) and/or the random 0.5B shape")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the models' dtype, so the KV of '16 bits' (float32 is faster where bf16 is not native)")
     p.add_argument("--peer-bin", type=Path, default=PEER_BIN if PEER_BIN.exists() else None)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
     cache = ArtifactCache(Path(os.environ.get("KVCELLAR_CACHE_DIR", Path.home() / ".cache" / "kvcellar")) / "models")
-    model = prepare_and_load(args.model, dtype="bfloat16", device="cpu", weights="full", artifacts=cache)
-    out: dict[str, Any] = {"machine": machine_info(), "model": model.name, "dtype": "bfloat16"}
+    model = prepare_and_load(args.model, dtype=args.dtype, device="cpu", weights="full", artifacts=cache)
+    out: dict[str, Any] = {"machine": machine_info(), "model": model.name, "dtype": args.dtype}
     out["bytes"] = bytes_table(model, args.kv_cache_gb)
     show("KV bytes per token", out["bytes"])
     if not args.skip_decode:
@@ -293,11 +299,14 @@ def main() -> None:
                 server.stop()
         show("TTFT: cold, RAM hit, SSD after a restart, Redis on another replica", out["hits"])
     if not args.skip_quality:
-        out["quality"] = quality_rows(model, model.name, args.quality_tokens, args.kv_cache_gb)
-        out["quality"] += quality_rows(random_qwen(model.tokenizer), "Qwen2.5-0.5B shape, random weights",
-                                       args.quality_tokens, args.kv_cache_gb)
+        which = args.quality_models.split(",")
+        out["quality"] = quality_rows(model, model.name, args.quality_tokens, args.kv_cache_gb) \
+            if "embedded" in which else []
+        if "random" in which:
+            out["quality"] += quality_rows(random_qwen(model.tokenizer, model.dtype),
+                                           "Qwen2.5-0.5B shape, random weights", args.quality_tokens, args.kv_cache_gb)
         show("quality against 16-bit KV", out["quality"])
-    if args.peer_bin is not None and model.source.kind == "gguf":
+    if args.peer_bin is not None and model.source.kind == "gguf" and not args.skip_peer:
         with tempfile.TemporaryDirectory(prefix="kvq-peer-") as tmp:
             out["llama_server"] = peer_rows(model.source.path, args.peer_bin, args.decode_context, Path(tmp))
         show("llama-server, same GGUF: f16 and q8_0 KV", out["llama_server"])
