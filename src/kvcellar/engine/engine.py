@@ -31,6 +31,7 @@ from kvcellar.config import EngineConfig
 from kvcellar.engine.blocking import GenerationResult, collect, run_to_end
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.output import final_event, token_event
@@ -273,6 +274,7 @@ class Engine:
             if self.config.decode_threads == 0:
                 steps += self._calibrate_decode_threads(filler)
         finally:
+            release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
             self.blocks.evict_all()
             self.lower = self.scheduler.cache.lower = lower
             self.blocks.on_evict = on_evict

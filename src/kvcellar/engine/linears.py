@@ -110,6 +110,13 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     return buf[:numel]
 
 
+def release_scratch() -> None:
+    """Drop this thread's scratch buffers. Calibration sizes them for the largest linear it
+    times, the LM head (a 7B's in float32: 2.2 GB), which serving steps rarely dequantize;
+    the engine thread grows its own to what its steps need."""
+    _scratch.buffers = {}
+
+
 @functools.cache
 def int4_pack_block() -> int:
     """The rows per block of torch's CPU int4 packing here, in the layout ``FastLinear``
