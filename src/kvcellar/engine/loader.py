@@ -129,13 +129,7 @@ def resolve_serving(dtype: str, weights: str, source: ModelSource, device: torch
     ``--dtype`` is served as asked."""
     torch_dtype = resolve_dtype(dtype, device)
     if dtype == "auto" and device.type == "cpu" and torch_dtype == torch.float32 and weights != "full":
-        from kvcellar.config import WEIGHT_MODES
-
-        if weights not in WEIGHT_MODES:
-            raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
-        mode = weights
-        if weights == "auto":
-            mode = gguf_weights_mode(read_gguf_info(source.path)) if source.kind == "gguf" else "full"
+        mode = requested_mode(weights, source)
         if mode != "full" and quantized_mode_pays(mode, torch.bfloat16, device, dense_dtype=torch.float32):
             return ServingPrecision(torch.float32, mode, torch.bfloat16)
         return ServingPrecision(torch.float32, "full" if weights == "auto" else mode)
@@ -232,16 +226,22 @@ def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, devic
     (``gguf_weights_mode``: int4 for 4/5-bit files, K-quant mixes included; int8 for 6/8-bit
     ones) where that mode's kernel runs and is measured faster (``quantized_mode_pays``);
     ``full`` for everything else (float GGUFs, HF-format sources, no fast kernel)."""
+    mode = requested_mode(weights, source)
+    if weights != "auto":
+        return mode
+    return mode if mode != "full" and quantized_mode_pays(mode, dtype, device) else "full"
+
+
+def requested_mode(weights: str, source: ModelSource) -> str:
+    """``weights`` checked, ``auto`` read as the mode a GGUF's decoder linears ship in
+    (``gguf_weights_mode``; ``full`` for other sources), before any kernel is measured."""
     from kvcellar.config import WEIGHT_MODES
 
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     if weights != "auto":
         return weights
-    if source.kind != "gguf":
-        return "full"
-    mode = gguf_weights_mode(read_gguf_info(source.path))
-    return mode if mode != "full" and quantized_mode_pays(mode, dtype, device) else "full"
+    return gguf_weights_mode(read_gguf_info(source.path)) if source.kind == "gguf" else "full"
 
 
 def linear_kernels(model: Any) -> dict[str, int]:
