@@ -154,3 +154,34 @@ def test_many_cancellations_leave_nothing_behind(server: ServerProcess) -> None:
     h = server.wait_idle()
     assert h["kv_blocks_used"] == 0
     wait_until(lambda: server.health()["server"]["server_inflight_requests"] == 0, what="no inflight requests")
+
+
+def test_a_cancelled_reader_stays_cancelled_when_its_event_arrives_at_the_same_moment() -> None:
+    """A stream writer cancelled (its client hung up) just as the next event landed must still
+    stop: were the cancellation swallowed, the response would stream into a dead socket until
+    the generation ended, holding its sequences and blocks (asyncio.wait_for on Python 3.11
+    did exactly that). Whichever loop turn the cancel lands on, a reader that accepted it ends
+    cancelled and the event stays queued; one that had already returned gave the event."""
+    import asyncio
+
+    from kvcellar.engine import EventStream, TokenEvent
+
+    async def scenario(turns: int) -> bool:
+        stream = EventStream(asyncio.get_running_loop())
+        reader = asyncio.ensure_future(stream.get(timeout=30))
+        await asyncio.sleep(0)  # the reader is waiting on the queue
+        event = TokenEvent(seq_id=1, token_id=5, text="x")
+        stream._async_q.put_nowait(event)  # what put() schedules from the engine thread
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        accepted = reader.cancel()
+        if accepted:
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert await stream.get(timeout=1) is event
+        else:
+            assert reader.result() is event
+        return accepted
+
+    outcomes = [asyncio.run(scenario(turns)) for turns in range(4)]
+    assert outcomes[0], "a cancel before the event is handed over must be accepted"

@@ -81,9 +81,12 @@ class EventStream:
     async def get(self, timeout: float | None = None) -> TokenEvent:
         """The next event; ``asyncio.TimeoutError`` if none arrives within ``timeout``."""
         assert self._async_q is not None, "stream was built without an event loop"
-        if not self._async_q.empty():  # wait_for(timeout<=0) would give up without looking
+        if not self._async_q.empty():  # an expired timeout would give up without looking
             return self._async_q.get_nowait()
-        return await asyncio.wait_for(self._async_q.get(), timeout)
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands as the
+        # event arrives, and a cancelled stream writer would run on until the generation ends.
+        async with asyncio.timeout(timeout):
+            return await self._async_q.get()
 
     def get_sync(self, timeout: float | None = None) -> TokenEvent:
         assert self._sync_q is not None, "stream was built for asyncio"
