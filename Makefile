@@ -67,11 +67,11 @@ $(AGENTS_STAMP): agents/package.json
 serve: setup
 	$(BIN)/kvcellar serve $(ARGS)
 
-# Two pytest-xdist workers, a test file each at a time (module fixtures stay in one worker):
-# 533 tests in 6.8 and 7.3 min on 2 cores, against 12.1 min in one process (see CHANGELOG).
+# Two pytest-xdist workers, a test file each at a time (module fixtures stay in one worker),
+# the longest files first (tests/conftest.py LONGEST_FIRST; see CHANGELOG for the timings).
 # TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup redis-server agents
 	$(PYTEST) $(ARGS)

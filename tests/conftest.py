@@ -35,6 +35,31 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(threads)
 
 
+# The files that take longest, longest first. pytest-xdist hands each worker whole files
+# (``--dist loadfile``, in collection order with ``--no-loadscope-reorder``), so a long file
+# collected late runs alone at the end while the other core idles; started first, the rest
+# of the suite fills the other worker around it.
+LONGEST_FIRST = (
+    "tests/integration/test_coding_agents.py",
+    "tests/integration/test_server_ssd.py",
+    "tests/engine/test_quantization.py",
+    "tests/integration/test_engine_prefetch.py",
+    "tests/remote/test_server_remote.py",
+    "tests/engine/test_engine_correctness.py",
+    "tests/integration/test_engine_ssd.py",
+    "tests/integration/test_server_disk_faults.py",
+    "tests/remote/test_engine_remote.py",
+    "tests/server/test_anthropic.py",
+    "tests/engine/test_lean_forward.py",
+    "tests/engine/test_kv_quantized.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))  # stable
+
+
 @pytest.fixture(scope="session")
 def models_dir() -> Path:
     """Prepared model artifacts shared by every server and in-process model of the session

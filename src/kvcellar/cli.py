@@ -160,11 +160,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcellar", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", help="log level: WARNING, INFO, DEBUG")
     parser.add_argument("--config", default=None, help="TOML config file (also KVCELLAR_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API (ready when GET /health answers 200)")
+    # Also after the subcommand, where people put it (`kvcellar serve --log-level INFO`).
+    s.add_argument("--log-level", default=argparse.SUPPRESS,
+                   help="log level (default WARNING; INFO: a line per request)")
     add_model_args(s)
     add_cache_args(s)
     add_serve_args(s)

@@ -10,9 +10,9 @@ the server ends every reply at its first newline or sentence end (``--stop``, as
 Modelfile's stop; reported as a normal end) with ``--max-completion-tokens`` as a backstop, and a
 turn whose reply the cap still cut is run once more (the agent says so; any other failure fails
 the test). What is checked is what a user sees: the agent exits 0 after its turn, and a later
-turn finds the conversation so far in the cache. The cache share of a turn is read from the server's counters around it
-(prompt tokens served from the cache / prompt tokens, over every request of the turn). The
-answers themselves are a 135M model's and are not judged.
+turn finds the conversation so far in the cache. The cache share of a turn is its first
+request's (prompt tokens served from the cache / prompt tokens), read from the server's JSON
+request log. The answers themselves are a 135M model's and are not judged.
 """
 
 from __future__ import annotations
@@ -40,37 +40,42 @@ def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterat
     # bf16 where the CPU has it (prefill of the agents' prompts is the slow part); a context that
     # holds them; the pool grows to one such request.
     proc = ServerProcess(tmp_path_factory.mktemp("agents-server"), "--dtype", "auto", "--max-model-len", "32768",
-                         "--stop", "\\n,. ,! ,? ", "--max-completion-tokens", "512", models_dir=models_dir).start()
+                         "--stop", "\\n,. ,! ,? ", "--max-completion-tokens", "512",
+                         "--log-level", "INFO", "--log-format", "json", models_dir=models_dir).start()
     yield proc
     proc.stop()
 
 
-def counters(server: ServerProcess) -> dict[str, float]:
-    engine = httpx.get(server.url + "/health", timeout=30).json()["engine"]
-    return {k: engine[k] for k in ("engine_prompt_tokens", "engine_cached_prompt_tokens", "engine_requests_total")}
+def finished_requests(server: ServerProcess) -> list[dict[str, Any]]:
+    """Every request the server has finished, in order, from its JSON request log."""
+    out = []
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"request finished"' in line:
+            out.append(json.loads(line))
+    return out
 
 
 def run_turn(server: ServerProcess, name: str, prompt: str, folder: Path, **kwargs: Any
              ) -> tuple[str, float, int]:
-    """Run one turn; (the agent's answer, the share of the turn's prompt tokens read from the
-    cache, the number of requests it made)."""
+    """Run one turn; (the agent's answer, the share of the prompt of the turn's first request
+    read from the cache, the number of requests it made). Only the first request's share says
+    what the cache kept: the model may call a tool, and the next request then carries the
+    tool's output, which no cache can have seen."""
     skip = agents.skip_reason(name)
     if skip is not None:
         pytest.skip(skip)
-    before = counters(server)
+    before = len(finished_requests(server))
     result = agents.run_agent(name, server.url, MODEL, prompt, folder, timeout=TIMEOUT, **kwargs)
     if result.returncode != 0 and any(cut in result.stdout + result.stderr for cut in CUT_BY_THE_CAP):
-        before = counters(server)  # the model rambled to --max-completion-tokens: sample the turn again
+        before = len(finished_requests(server))  # the model rambled to --max-completion-tokens: sample again
         result = agents.run_agent(name, server.url, MODEL, prompt, folder, timeout=TIMEOUT, **kwargs)
-    after = counters(server)
     assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-3000:]}\nserver log: {server.log_path}"
     answer = agents.answer_text(name, result)  # may be empty: the model's reply can start with its stop
-    prompt_tokens = after["engine_prompt_tokens"] - before["engine_prompt_tokens"]
-    cached = after["engine_cached_prompt_tokens"] - before["engine_cached_prompt_tokens"]
-    requests = int(after["engine_requests_total"] - before["engine_requests_total"])
-    assert requests >= 1 and prompt_tokens > 0
-    return answer, cached / prompt_tokens, requests
+    server.wait_idle()  # a request's log line is written as its stream closes
+    turn = finished_requests(server)[before:]
+    assert turn and turn[0]["prompt_tokens"] > 0, turn
+    return answer, turn[0]["cached_tokens"] / turn[0]["prompt_tokens"], len(turn)
 
 
 def test_claude_code_sessions_and_turns_reuse_the_cache(server: ServerProcess, tmp_path: Path) -> None:

@@ -147,3 +147,12 @@ def test_usage_counts_tokens_of_a_stream_that_never_finished() -> None:
                                          num_output_tokens=i + 1))
     assert builder.usage() == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23,
                                "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+def test_log_level_is_taken_before_or_after_serve() -> None:
+    from kvcellar.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).log_level == "WARNING"
+    assert parser.parse_args(["--log-level", "DEBUG", "serve"]).log_level == "DEBUG"
+    assert parser.parse_args(["serve", "--log-level", "INFO"]).log_level == "INFO"
