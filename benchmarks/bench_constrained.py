@@ -27,7 +27,7 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, SamplingParams
+from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.engine.loader import load_model
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.server.tools.grammar import forced_call_grammar
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
 
     loaded = load_model(None, dtype=args.dtype)
-    engine = Engine(loaded, EngineConfig(prefix_caching=False, kv_cache_gb=0.5))
+    engine = assemble_engine(loaded, EngineConfig(prefix_caching=False, kv_cache_gb=0.5))
     compiler = engine.grammars
     t0 = time.perf_counter()
     compiler.prepare()

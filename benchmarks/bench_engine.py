@@ -31,8 +31,9 @@ from transformers import DynamicCache
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, SamplingParams
+from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.runtime import prepare_and_load
+from kvcellar.engine.warmup import warm_up
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -153,14 +154,14 @@ def main() -> None:
     model.set_attn_implementation("sdpa")
     cfg = EngineConfig(kv_cache_gb=1.0, block_size=args.block_size, max_step_tokens=args.max_step_tokens,
                        max_prefill_step_tokens=args.max_prefill_step_tokens, prefix_caching=False, max_num_seqs=16)
-    engine = Engine(loaded, cfg)
+    engine = assemble_engine(loaded, cfg)
     # its own copy of the model: an engine prepares its model's linears (fused QKV/gate-up for
     # the lean forward), which transformers' modules would run three times over
-    modules = Engine(prepare_and_load(None, dtype=args.dtype, device="cpu", weights=args.weights,
+    modules = assemble_engine(prepare_and_load(None, dtype=args.dtype, device="cpu", weights=args.weights,
                                       artifacts=ArtifactCache.open(kvcellar_cache())),
                      dataclasses.replace(cfg, lean_forward=False))
     for e in (engine, modules):
-        e.warm_up()  # as the server does: it also picks the decode threads (engine/model_runner.py)
+        warm_up(e)  # as the server does: it also picks the decode threads (engine/model_runner.py)
     print(f"decode steps on {engine.runner.decode_threads} of {engine.runner.threads} threads (measured at warm-up)")
     result: dict[str, Any] = {"dtype": args.dtype, "weights": args.weights,
                               "decode_threads": engine.runner.decode_threads, "threads": torch.get_num_threads(),

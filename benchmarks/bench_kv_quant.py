@@ -52,7 +52,7 @@ from kvcellar.bench.pagecache import drop_page_cache
 from kvcellar.bench.report import format_table, machine_info, table
 from kvcellar.cache.kv_pool import KVLayout
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, SamplingParams
+from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.runtime import prepare_and_load
@@ -60,6 +60,7 @@ from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteTierConfig
 from kvcellar.storage.remote.tier import RemoteTier
+from kvcellar.engine.warmup import warm_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.remote.redis_server import RedisServer  # (the one way a real redis-server starts)
@@ -76,7 +77,7 @@ QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, n
 
 def engine_for(model: LoadedModel, bits: int, kv_gb: float, *, ssd: Path | None = None, url: str | None = None,
                max_model_len: int = 0) -> Engine:
-    engine = Engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len))
+    engine = assemble_engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len))
     if ssd is not None:
         engine.attach_tier(DiskTier(ssd, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
@@ -93,7 +94,6 @@ def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
 
 
 def lower(engine: Engine, name: str) -> Any:
-    assert engine.lower is not None
     return next(a.tier for a in engine.lower.tiers if a.tier.name == name)
 
 
@@ -134,18 +134,18 @@ def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: Redi
         for bits in BITS:
             ssd = work / f"ssd-{bits}-{n}"
             a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url, max_model_len=room)
-            a.warm_up()
+            warm_up(a)
             cold, _ = ttft(a, prompt)
             ram, _ = ttft(a, prompt)
             assert lower(a, "remote").wait_idle(600) and lower(a, "ssd").wait_idle(600)
             assert a.shutdown(120)
             drop_page_cache([ssd])
             b = engine_for(model, bits, kv_gb, ssd=ssd, max_model_len=room)  # restart: the SSD holds it
-            b.warm_up()
+            warm_up(b)
             restart, cached_ssd = ttft(b, prompt)
             assert b.shutdown(120)
             c = engine_for(model, bits, kv_gb, url=server.url, max_model_len=room)  # another replica: Redis holds it
-            c.warm_up()
+            warm_up(c)
             redis_hit, cached_redis = ttft(c, prompt)
             assert c.shutdown(120)
             server.client().flushall()
@@ -165,7 +165,7 @@ def decode_table(model: LoadedModel, context: int, kv_gb: float, steps: int = 16
     prompt = random_prompt(context, 7)
     for bits in BITS:
         engine = engine_for(model, bits, kv_gb)
-        engine.warm_up()
+        warm_up(engine)
         handle = engine.submit(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
         times = []
         while True:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests._models import chat_ids, embedded, make_engine
 
 from kvcellar.bench.pagecache import drop_page_cache
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 
@@ -73,7 +73,7 @@ def one_row(loaded: Any, root: Path, prompt: list[int], busy_tokens: int, gb: fl
         row["after_slot_s"] = t_first - times["busy_done"]
         row["busy_rest_s"] = times["busy_done"] - t0
         row["cached"] = first.num_cached_tokens
-        snap = engine.snapshot()
+        snap = observability.snapshot(engine)
         row["prefetched_blocks"] = int(snap["sched_prefetched_blocks"])
         row["ssd_load_hits"] = int(snap["ssd_load_hits"])
     finally:

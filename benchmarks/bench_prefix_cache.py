@@ -23,7 +23,7 @@ import torch
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, SamplingParams
+from kvcellar.engine import Engine, SamplingParams, assemble_engine
 from kvcellar.runtime import prepare_and_load
 
 
@@ -91,7 +91,8 @@ def main() -> None:
               f"{'hit/step':>8} {'cached':>7} {'b1@512 ms':>10} {'b8@512 ms':>10}")
     print(header)
     for bs in [int(x) for x in args.block_sizes.split(",")]:
-        engine = Engine(loaded, EngineConfig(block_size=bs, kv_cache_gb=1.5, max_step_tokens=args.max_step_tokens))
+        cfg = EngineConfig(block_size=bs, kv_cache_gb=1.5, max_step_tokens=args.max_step_tokens)
+        engine = assemble_engine(loaded, cfg)
         cold, hit, step, cached = [], [], [], 0
         for r in range(args.repeats + 1):
             ids = prompt_of(args.tokens, 10 * bs + r)

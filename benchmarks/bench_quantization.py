@@ -25,10 +25,11 @@ import torch
 from bench_engine import engine_decode_ms, engine_prefill, kvcellar_cache, profile_decode_step, prompt_of, stats
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine
+from kvcellar.engine import assemble_engine
 from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.runtime import prepare_and_load
+from kvcellar.engine.warmup import warm_up
 
 PROMPTS = (
     "Explain what a hash table is in two sentences.",
@@ -100,9 +101,9 @@ def main() -> None:
 
     cfg = EngineConfig(kv_cache_gb=1.0, max_step_tokens=512, max_prefill_step_tokens=2048, prefix_caching=False,
                        max_num_seqs=16)
-    engines = {mode: Engine(ld, cfg) for mode, ld in loaded.items()}
+    engines = {mode: assemble_engine(ld, cfg) for mode, ld in loaded.items()}
     for mode, engine in engines.items():
-        engine.warm_up()  # as the server does: decode threads and the quantized kernels' cross-over
+        warm_up(engine)  # as the server does: decode threads and the quantized kernels' cross-over
         print(f"{mode}: decode on {engine.runner.decode_threads} thread(s), quantized kernel up to "
               f"{engine.runner.linears.table.quant_max_rows} rows {engine.runner.linears.table.measured or ''}")
     result["decode"] = {}

@@ -31,7 +31,8 @@ from pathlib import Path
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent
+from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent, assemble_engine, observability
+from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import prepare_and_load
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
@@ -48,7 +49,7 @@ REMOTE_TIMEOUT_S = 0.25
 
 
 def engine_with(model, cfg: EngineConfig, url: str | None, ssd_dir: Path | None) -> Engine:
-    engine = Engine(model, cfg)
+    engine = assemble_engine(model, cfg)
     if ssd_dir is not None:
         engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
@@ -113,7 +114,7 @@ def ttft_table(model, cfg, server, sizes, repeats, work: Path, rng) -> list[dict
     for n in sizes:
         prompt = random_prompt(rng, n)
         a = engine_with(model, cfg, server.url, None)
-        a.warm_up()  # as a server does before it serves: no one-off costs in the figures
+        warm_up(a)  # as a server does before it serves: no one-off costs in the figures
         t_cold_a, _ = ttft(a, prompt)
         assert tier(a, "remote").wait_idle(300)
         a.shutdown(60)
@@ -122,11 +123,11 @@ def ttft_table(model, cfg, server, sizes, repeats, work: Path, rng) -> list[dict
         cached: dict[str, int] = {}
         for r in range(repeats):
             b = engine_with(model, cfg, server.url, work / f"b-{n}-{r}")
-            b.warm_up()
+            warm_up(b)
             block_bytes = b.block_spec.nbytes
             t, cached["remote"] = ttft(b, prompt)
             samples["remote"].append(t)
-            assert b.snapshot()["remote_link_loaded_blocks"] > 0
+            assert observability.snapshot(b)["remote_link_loaded_blocks"] > 0
             assert tier(b, "ssd").wait_idle(300)
             b.blocks.evict_all()
             t, cached["ssd"] = ttft(b, prompt)
@@ -157,7 +158,7 @@ def decode_cost(model, cfg, server, streams: int, rounds: int, rng) -> list[dict
             results = engine.generate(prompts, params)
             dt = time.perf_counter() - t0
             tokens = sum(len(x.token_ids) for x in results)
-            stored = engine.snapshot().get("remote_link_stored_blocks", 0)
+            stored = observability.snapshot(engine).get("remote_link_stored_blocks", 0)
             engine.shutdown(60)
             out.append({"round": r, "variant": variant, "tok_s": tokens / dt, "remote_blocks_offered": stored})
             print(f"[decode] {json.dumps(out[-1])}", flush=True)
@@ -187,7 +188,7 @@ def main() -> None:
         work = Path(tmp)
         server = RedisServer(work / "redis", maxmemory="4gb", **{"maxmemory-policy": "allkeys-lru"}).start()
         try:
-            probe = Engine(model, cfg)
+            probe = assemble_engine(model, cfg)
             block_bytes = probe.block_spec.nbytes
             probe.shutdown(10)
             throughput = redis_get_throughput(server, block_bytes)

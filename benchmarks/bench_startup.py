@@ -52,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
 
     from kvcellar.artifacts import ArtifactCache, ArtifactConfig
     from kvcellar.config import EngineConfig
-    from kvcellar.engine import Engine, SamplingParams
+    from kvcellar.engine import SamplingParams, assemble_engine
     from kvcellar.engine.loader import load_model
     from kvcellar.engine.tokenization import encode_chat
     from kvcellar.runtime import prepare_and_load
@@ -71,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
         out.update({f"artifact.{k}": v for k, v in loaded.artifact.seconds.items()})
 
     t1 = time.perf_counter()
-    engine = Engine(loaded, EngineConfig(kv_cache_gb=0.25, dtype=args.dtype, device=args.device))
+    engine = assemble_engine(loaded, EngineConfig(kv_cache_gb=0.25, dtype=args.dtype, device=args.device))
     out["engine"] = time.perf_counter() - t1
 
     t1 = time.perf_counter()

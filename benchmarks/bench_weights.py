@@ -30,10 +30,11 @@ from torch import nn
 from bench_engine import engine_decode_ms, hf_decode_ms, stats
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine
+from kvcellar.engine import assemble_engine
 from kvcellar.engine.loader import wrap_model
 from kvcellar.quantization import quantize_model
 from kvcellar.runtime import prepare_and_load
+from kvcellar.engine.warmup import warm_up
 
 # Shapes of the published configs (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -125,8 +126,8 @@ def main() -> None:
         for mode in args.modes.split(","):
             loaded = build(name, tokenizer, mode)
             nbytes = step_bytes(loaded, args.context)
-            engine = Engine(loaded, EngineConfig(kv_cache_gb=0.5, prefix_caching=False, max_num_seqs=4))
-            engine.warm_up()
+            engine = assemble_engine(loaded, EngineConfig(kv_cache_gb=0.5, prefix_caching=False, max_num_seqs=4))
+            warm_up(engine)
             ms = stats([engine_decode_ms(engine, 1, args.context, args.steps) for _ in range(args.repeats + 1)][1:])
             floor = nbytes / bandwidth[engine.runner.decode_threads] * 1e3
             rows[mode] = {"ms_per_step": ms, "tok_s": 1e3 / ms["median"], "bytes_per_step": nbytes,

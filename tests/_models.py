@@ -20,7 +20,7 @@ import torch
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 from kvcellar.config import EngineConfig
-from kvcellar.engine import Engine
+from kvcellar.engine import Engine, assemble_engine
 from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat
@@ -54,7 +54,7 @@ def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
     cfg = {"kv_cache_gb": 0.1, "block_size": 16, "max_step_tokens": 512, "max_prefill_step_tokens": 0,
            "max_num_seqs": 16}
     cfg.update(overrides)
-    return Engine(loaded, EngineConfig(**cfg))
+    return assemble_engine(loaded, EngineConfig(**cfg))
 
 
 def chat_ids(loaded: LoadedModel, user: str, system: str | None = None) -> list[int]:

@@ -87,16 +87,16 @@ class Driver:
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, prefix_caching: bool = True,
                  max_num_seqs: int = 8, max_step_tokens: int = 32, prefetch_pool_fraction: float = 0.25,
                  guard_backoff_s: tuple[float, float] = (1.0, 30.0)) -> None:
-        self.guard_backoff_s = guard_backoff_s
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=block_size, dtype=torch.float32)
         self.pool = KVPool(layout, num_blocks, torch.device("cpu"))
         self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
+        self.wake = threading.Event()
+        self.lower = LowerTierLink(self.pool, self.bm.key, wake=self.wake.set, guard_backoff_s=guard_backoff_s)
+        self.bm.on_evict = self.lower.evicted
+        self.sched = Scheduler(self.bm, self.lower, max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
                                prefix_caching=prefix_caching, copy_block=self.pool.copy_block,
                                prefetch_pool_fraction=prefetch_pool_fraction)
         self.runner = FakeRunner(self.pool)
-        self.lower: LowerTierLink | None = None
-        self.wake = threading.Event()
         self.done: dict[int, list[int]] = {}
         self._ids = 0
         self._max_tokens: dict[int, int] = {}
@@ -106,10 +106,6 @@ class Driver:
         return self.sched.cache
 
     def attach(self, tier: KVTier, policy: str = "write_through") -> None:
-        if self.lower is None:
-            self.lower = LowerTierLink(self.pool, self.bm.key, wake=self.wake.set, guard_backoff_s=self.guard_backoff_s)
-            self.sched.cache.lower = self.lower
-            self.bm.on_evict = self.lower.evicted
         self.lower.attach(tier, policy)
 
     def submit(self, prompt: Seq[int], max_tokens: int = 4, salt: str | None = None) -> Sequence:
@@ -129,8 +125,7 @@ class Driver:
         """One step; False when there was nothing to compute (reads may still be in flight)."""
         plan = self.sched.schedule()
         if plan is None:
-            if self.lower is not None:
-                self.lower.flush()
+            self.lower.flush()
             return False
         sampled = self.runner.run(plan)
         for item in plan.items:
@@ -141,8 +136,7 @@ class Driver:
                 if len(seq.output_ids) >= self._max_tokens[seq.seq_id]:
                     self.done[seq.seq_id] = seq.output_ids
                     self.sched.remove(seq)
-        if self.lower is not None:
-            self.lower.flush()
+        self.lower.flush()
         return True
 
     def run(self, max_steps: int = 100_000) -> None:

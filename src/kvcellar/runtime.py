@@ -14,7 +14,7 @@ import time
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.config import Settings
-from kvcellar.engine import Engine
+from kvcellar.engine import Engine, assemble_engine
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.errors import ModelLoadError
@@ -155,7 +155,7 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
         check_memory(settings)
         loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                   artifacts=open_artifacts(settings))
-    engine = Engine(loaded, settings.engine)
+    engine = assemble_engine(loaded, settings.engine)
     try:
         attach_disk_tier(engine, settings)
         attach_remote_tier(engine, settings)

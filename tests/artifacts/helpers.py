@@ -87,11 +87,11 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, hidden: int = 64, layers: int 
 def greedy(loaded: Any, user: str = "hello there", max_tokens: int = 8) -> list[int]:
     """Greedy completion of a one-turn chat through the kvcellar engine."""
     from kvcellar.config import EngineConfig
-    from kvcellar.engine import Engine, SamplingParams
+    from kvcellar.engine import SamplingParams, assemble_engine
     from kvcellar.engine.tokenization import encode_chat
 
     ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": user}])
-    engine = Engine(loaded, EngineConfig(kv_cache_gb=0.02))
+    engine = assemble_engine(loaded, EngineConfig(kv_cache_gb=0.02))
     try:
         [result] = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))
     finally:

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.model_runner import SMALL_STEP_TOKENS
+from kvcellar.engine.warmup import warm_up
 from tests._models import LOGPROB_TOL, chat_ids, make_engine
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
@@ -39,8 +40,8 @@ def test_decode_steps_use_decode_threads_and_prefill_uses_all(model: Any, two_th
     assert torch.get_num_threads() == 2  # set per step, then given back
     assert seen[0][0] > SMALL_STEP_TOKENS and seen[0][1] == 2  # the prefill
     assert len(seen) == GREEDY.max_tokens and all(threads == 1 for _, threads in seen[1:])  # decodes
-    assert engine.snapshot()["runner_decode_threads"] == 1
-    assert "runner_decode_threads" in engine.gauge_keys()
+    assert observability.snapshot(engine)["runner_decode_threads"] == 1
+    assert "runner_decode_threads" in observability.gauge_keys(engine)
 
 
 def test_outputs_do_not_depend_on_decode_threads(model: Any, two_threads: None) -> None:
@@ -57,9 +58,9 @@ def test_outputs_do_not_depend_on_decode_threads(model: Any, two_threads: None) 
 def test_warm_up_measures_decode_threads_and_leaves_no_trace(model: Any, two_threads: None) -> None:
     engine = make_engine(model)
     assert engine.runner.decode_threads == 2  # before warm-up: all threads
-    engine.warm_up()
+    warm_up(engine)
     assert engine.runner.decode_threads in (1, 2)
-    snap = engine.snapshot()
+    snap = observability.snapshot(engine)
     assert snap["runner_decode_threads"] == engine.runner.decode_threads
     assert snap["engine_requests_total"] == 0 and engine.blocks.num_used == 0
     assert make_engine(model, decode_threads=1, warmup=True).runner.decode_threads == 1  # given: kept

@@ -21,7 +21,7 @@ import torch
 
 from kvcellar.cache.kv_pool import KVLayout, KVPool, dequantize_kv, quantize_kv
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
@@ -83,9 +83,9 @@ def test_bytes_per_token_and_pool_capacity(model) -> None:
     assert KVPool.blocks_for_budget(eight, budget) >= 1.9 * KVPool.blocks_for_budget(full, budget)
     assert KVPool.blocks_for_budget(four, budget) >= 3.5 * KVPool.blocks_for_budget(full, budget)
     engines = {bits: make_engine(model, kv_bits=bits, kv_cache_gb=0.05) for bits in (16, 8)}
-    tokens = {bits: e.snapshot()["engine_kv_pool_tokens"] for bits, e in engines.items()}
+    tokens = {bits: observability.snapshot(e)["engine_kv_pool_tokens"] for bits, e in engines.items()}
     assert tokens[8] >= 1.9 * tokens[16]
-    assert engines[8].pool.data.nbytes <= 0.05 * (1 << 30) and engines[8].snapshot()["engine_kv_bits"] == 8
+    assert engines[8].pool.data.nbytes <= 0.05 * (1 << 30) and observability.snapshot(engines[8])["engine_kv_bits"] == 8
     with pytest.raises(ValueError, match="divide the head dimension"):
         KVLayout.from_model_config(model.config, BS, torch.bfloat16, 8, 48)
 

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine import linears as linears_module
 from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
+from kvcellar.engine.warmup import warm_up
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
@@ -183,7 +184,7 @@ def test_calibration_picks_the_kernel_where_it_is_faster():
     found = engine.runner.calibrate_kernels()
     measured = found["ms_per_pass"]
     rows = found["quant_max_rows"]
-    assert engine.snapshot()["runner_quant_max_rows"] == rows
+    assert observability.snapshot(engine)["runner_quant_max_rows"] == rows
     for r, ms in measured["quantized"].items():
         if r <= rows:
             assert ms < measured["dense"][r]
@@ -318,7 +319,7 @@ def test_a_float32_model_with_bf16_kernels_is_lean_and_every_prefix_path_agrees(
     x = torch.randn(3, lean[0].in_features)
     assert lean[0].quantized_kernel(x).dtype == torch.float32 and lean[0].dense(x).dtype == torch.float32
     assert lean[0].dequantized().dtype == torch.float32
-    engine.warm_up()  # calibrates on this thread: its scratch (the LM head's size) is released after
+    warm_up(engine)  # calibrates on this thread: its scratch (the LM head's size) is released after
     assert not getattr(linears_module._scratch, "buffers", None)
 
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import StepPlan
 from tests._models import assert_no_leaks, chat_ids, make_engine
@@ -84,7 +84,7 @@ def test_steps_failing_in_a_row_make_the_engine_unhealthy_until_one_succeeds(mod
         assert engine.collect(engine.submit(chat_ids(model, POISONED), GREEDY)).finish_reason == "error"
         assert engine.stats["engine_step_failures_in_a_row"] == n
         assert engine.healthy == (n < 3)
-    health = engine.step_health()
+    health = observability.step_health(engine)
     assert health["healthy"] is False and health["step_failures"] == 3
     assert "kernel failed" in str(health["last_step_error"])
     assert engine.generate([chat_ids(model, PROMPTS[0])], GREEDY)[0].token_ids == clean[0]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine.warmup import warm_up
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import assert_same_output, chat_ids, make_engine
@@ -33,7 +34,7 @@ def test_without_warmup_first_requests_run_cold_paths(model):
     """The counter the server test relies on does move when nothing was warmed."""
     engine = make_engine(model)
     serve_first_requests(engine, model)
-    assert engine.snapshot()["runner_cold_paths"] > 0
+    assert observability.snapshot(engine)["runner_cold_paths"] > 0
 
 
 def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
@@ -41,10 +42,10 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
     tier = DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
                     descriptor=engine.descriptor)
     engine.attach_tier(tier, "write_through")
-    before = engine.snapshot()
+    before = observability.snapshot(engine)
     try:
-        seconds = engine.warm_up()
-        after = engine.snapshot()
+        seconds = warm_up(engine)
+        after = observability.snapshot(engine)
         assert seconds > 0 and after["engine_warmup_steps"] >= 4
         # every attention path the engine has was run
         assert engine.runner.paths_seen >= {"prefill_causal", "prefill_split", "prefill_folded", "prefill_masked",
@@ -56,7 +57,7 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
             assert after[key] == before[key], key
 
         warmed = serve_first_requests(engine, model)
-        assert engine.snapshot()["runner_cold_paths"] == 0
+        assert observability.snapshot(engine)["runner_cold_paths"] == 0
         # the outputs are those of an engine that was not warmed
         cold = serve_first_requests(make_engine(model, prefix_caching=False), model)
         for got, ref in zip(warmed, cold, strict=True):

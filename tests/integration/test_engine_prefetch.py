@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvcellar.cache.hashing import block_digests, root_digest
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.sequence import SeqState
 from kvcellar.storage.base import KVTier, LoadRequest
 from kvcellar.storage.disk.config import DiskTierConfig
@@ -161,7 +161,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     (read,) = engine.scheduler.cache.prefetch.reads
     wanted = expected_cached(len(prompt), len(prompt)) // BS  # whole blocks on disk
     assert len(read.blocks) == len(prompt) // BS >= wanted
-    assert engine.snapshot()["engine_prefetching"] == 1
+    assert observability.snapshot(engine)["engine_prefetching"] == 1
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()  # publishes the blocks; the busy request still holds the slot
     assert seq.state == SeqState.WAITING and len(engine.scheduler.running) == 1
@@ -175,7 +175,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     # a RAM hit on prefetched blocks counts for the tier that served them
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": result.num_cached_tokens}
-    snap = engine.snapshot()
+    snap = observability.snapshot(engine)
     assert snap["sched_lower_tier_hit_tokens"] == result.num_cached_tokens
     assert snap["kv_lookup_hits"] == 0
     assert snap["ssd_load_calls"] == 1 and snap["ssd_load_hits"] == len(prompt) // BS  # read once
@@ -201,14 +201,14 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     assert seq.state == SeqState.WAITING and not engine.scheduler.loading
     assert engine.scheduler.stats["sched_deferred_for_prefetch"] >= 1
     assert engine.scheduler.cache.prefetch.reads == [read]
-    assert engine.snapshot()["ssd_load_calls"] <= 1
+    assert observability.snapshot(engine)["ssd_load_calls"] <= 1
 
     gate.open()
     engine.run_until_idle()
     result = engine.collect(handle)
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": result.num_cached_tokens}
-    snap = engine.snapshot()
+    snap = observability.snapshot(engine)
     assert snap["ssd_load_calls"] == 1  # no second read of the same keys
     assert snap["sched_prefetch_reads"] == 1 and snap["sched_prefetched_blocks"] == len(prompt) // BS
     assert_same_output(result, uncached(prompt))
@@ -241,7 +241,7 @@ def test_cancel_while_prefetching_keeps_blocks_until_the_read_ends(model, uncach
     result = engine.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert result.cached_tokens_by_tier["ram"] == result.num_cached_tokens
-    assert engine.snapshot()["ssd_load_calls"] == 1
+    assert observability.snapshot(engine)["ssd_load_calls"] == 1
     assert_same_output(result, uncached(prompt))
     assert_no_leaks(engine)
     engine.shutdown(30)
@@ -255,7 +255,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
     victim = 3
     path = engine.lower.tiers[0].tier.layout.block_path(engine.blocks.key(chain[victim]))
     # after the start-up scan (which would drop a file caught half-written), in place
-    wait_until(lambda: engine.snapshot().get("ssd_scan_complete"), what="the start-up scan")
+    wait_until(lambda: observability.snapshot(engine).get("ssd_scan_complete"), what="the start-up scan")
     with open(path, "r+b") as fh:
         fh.seek(-100, 2)
         byte = fh.read(1)
@@ -273,7 +273,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
     result = engine.collect(handle)
     assert result.num_cached_tokens == victim * BS
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": victim * BS}
-    assert engine.snapshot()["ssd_corrupt_total"] == 1
+    assert observability.snapshot(engine)["ssd_corrupt_total"] == 1
     assert_same_output(result, uncached(prompt))
     assert engine.collect(busy).finish_reason == "length"
     assert_no_leaks(engine)
@@ -293,7 +293,7 @@ def test_prefix_longer_than_the_cap_is_read_in_part_and_the_rest_at_admission(mo
     result = engine.collect(handle)
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": result.num_cached_tokens}
-    snap = engine.snapshot()
+    snap = observability.snapshot(engine)
     assert snap["sched_prefetched_blocks"] == cap
     assert snap["ssd_load_calls"] == 2 and snap["ssd_load_hits"] == len(prompt) // BS  # the rest, once
     assert snap["kv_lookup_hits"] == 0
@@ -342,7 +342,7 @@ def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_ow
     fill_pool(engine, model, leave_free=busy_blocks + 1)  # the busy request's admission takes those
     queue_behind_busy(model, engine)
     assert engine.blocks.num_free == 1  # the busy request's next decode block: reserved
-    before = engine.snapshot()
+    before = observability.snapshot(engine)
     handle = engine.submit(prompt, GREEDY)
     engine.step()
     seq = only_seq(engine, handle)
@@ -355,7 +355,7 @@ def test_a_pool_full_of_cached_blocks_prefetches_without_evicting_the_prompts_ow
     result = engine.collect(handle)
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert result.cached_tokens_by_tier == {"ram": len(own) * BS, "ssd": result.num_cached_tokens - len(own) * BS}
-    after = engine.snapshot()
+    after = observability.snapshot(engine)
     assert after["ssd_load_hits"] - before["ssd_load_hits"] == n_full - len(own)  # nothing read twice
     assert after["kv_evictions"] > before["kv_evictions"]  # room was made from other cached blocks
     assert_same_output(result, uncached(prompt))
@@ -385,7 +385,7 @@ def test_a_crowded_queue_with_cancels_and_preemption_leaks_nothing(model, tmp_pa
         if h.seq_id in cancelled:
             h.cancel()
     engine.run_until_idle()
-    stats = engine.snapshot()
+    stats = observability.snapshot(engine)
     assert stats["sched_prefetch_reads"] > 0 and stats["sched_prefetched_blocks"] > 0
     assert stats["ssd_load_calls"] > stats["sched_prefetch_reads"]  # some loads start at admission
     assert stats["sched_deferred_for_shared_prefix"] > 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcellar.config import Settings
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.runtime import attach_disk_tier
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.config import DiskSettings, DiskTierConfig
@@ -86,11 +86,11 @@ def test_block_aligned_prompt_from_disk_recomputes_only_the_last_token(model, un
     second = tiered(model, tmp_path)
     result = second.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == len(prompt) - 1
-    assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
+    assert observability.snapshot(second)["ssd_load_hits"] == len(prompt) // BS
     assert_same_output(result, uncached(prompt))
     again = second.generate([prompt], GREEDY)[0]  # RAM now holds every block, the last one included
     assert again.num_cached_tokens == len(prompt) - 1
-    assert second.snapshot()["ssd_load_hits"] == len(prompt) // BS
+    assert observability.snapshot(second)["ssd_load_hits"] == len(prompt) // BS
     assert_same_output(again, uncached(prompt))
     assert_no_leaks(second)
     second.shutdown(30)
@@ -102,10 +102,10 @@ def test_promote_after_ram_drop(model, uncached, tmp_path):
     engine.generate([prompt], GREEDY)
     engine.lower.tiers[0].tier.wait_idle(30)
     assert engine.blocks.evict_all() > 0
-    before = engine.snapshot()
+    before = observability.snapshot(engine)
     loads_before = before["ssd_load_hits"]
     promoted = engine.generate([prompt], GREEDY)[0]
-    after = engine.snapshot()
+    after = observability.snapshot(engine)
     loaded = after["ssd_load_hits"] - loads_before
     assert loaded == promoted.num_cached_tokens // BS > 0
     # loaded blocks are registered in RAM but never stored back; only computed ones are
@@ -114,7 +114,7 @@ def test_promote_after_ram_drop(model, uncached, tmp_path):
     offered = sum(after[f"ssd_link_{k}_blocks"] - before[f"ssd_link_{k}_blocks"] for k in ("stored", "declined"))
     assert offered == registered - loaded
     again = engine.generate([prompt], GREEDY)[0]  # now a RAM hit: promoted blocks are registered
-    assert engine.snapshot()["ssd_load_hits"] - loads_before == loaded
+    assert observability.snapshot(engine)["ssd_load_hits"] - loads_before == loaded
     assert again.num_cached_tokens == promoted.num_cached_tokens
     assert_same_output(promoted, uncached(prompt))
     assert_same_output(again, uncached(prompt))
@@ -131,9 +131,9 @@ def test_write_through_drops_are_written_later(model, uncached, tmp_path):
     overloaded = DiskTierConfig(min_free_bytes=0, queue_blocks=1, enqueue_timeout_s=0.0)
     first = tiered(model, tmp_path, tier_config=overloaded)
     results = first.generate(prompts, GREEDY)  # one burst: every prompt is prefilled in the same steps
-    burst = first.snapshot()
+    burst = observability.snapshot(first)
     assert first.shutdown(60)
-    closed = first.snapshot()
+    closed = observability.snapshot(first)
     offered, dropped = burst["ssd_link_stored_blocks"], burst["writer_dropped_queue_full"]
     # a block whose parent was dropped is dropped too (it would be unreachable), and both come back
     no_parent = burst["writer_dropped_no_parent"]
@@ -150,7 +150,7 @@ def test_write_through_drops_are_written_later(model, uncached, tmp_path):
     again = second.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, again, strict=True):
         assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
-    served = second.snapshot()["ssd_load_hits"]
+    served = observability.snapshot(second)["ssd_load_hits"]
     prompt_blocks = {key for prompt, keys in zip(prompts, chains, strict=True)
                      for key in keys[: expected_cached(len(prompt), len(prompt)) // BS]}
     assert served == len(prompt_blocks)  # shared prefixes are read once, then hit in RAM
@@ -175,7 +175,7 @@ def test_ttl_expired_prefix_is_a_miss_and_is_recomputed(model, uncached, tmp_pat
     second = tiered(model, tmp_path, tier_config=DiskTierConfig(min_free_bytes=0, ttl_s=3600))
     assert second.lower.tiers[0].tier.wait_scanned(30)  # the start-up scan applies the TTL
     result = second.generate([prompt], GREEDY)[0]
-    stats = second.snapshot()
+    stats = observability.snapshot(second)
     assert result.num_cached_tokens == 0 and stats["ssd_load_hits"] == 0
     assert stats["ssd_ttl_pruned_blocks"] == len(expired)
     assert_same_output(result, uncached(prompt))
@@ -207,7 +207,7 @@ def test_ram_hits_keep_the_disk_copy_from_expiring(model, tmp_path):
 
     assert wait_until(cold_expired, timeout=120, what="the cold prefix to expire")
     assert all(p.exists() for p in hot_paths)
-    assert engine.blocks.stats["kv_lookup_hits"] > 0 and engine.snapshot()["ssd_load_hits"] == 0
+    assert engine.blocks.stats["kv_lookup_hits"] > 0 and observability.snapshot(engine)["ssd_load_hits"] == 0
     engine.shutdown(30)
 
 
@@ -245,7 +245,7 @@ def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, da
     result = second.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == victim * BS  # blocks before the damaged one are used
     assert_same_output(result, uncached(prompt))
-    stats = second.snapshot()
+    stats = observability.snapshot(second)
     # caught by the load's checks, by the lookup's size check, or removed by the start-up scan
     assert stats["ssd_corrupt_total"] + stats["ssd_recovered_bad_size"] + stats.get("ssd_load_missing", 0) >= 1
     second.lower.tiers[0].tier.wait_idle(30)
@@ -254,7 +254,7 @@ def test_damaged_block_is_a_miss_and_is_recomputed(model, uncached, tmp_path, da
     second.blocks.evict_all()
     again = second.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
-    assert second.snapshot()["ssd_load_hits"] > loads_before
+    assert observability.snapshot(second)["ssd_load_hits"] > loads_before
     assert_same_output(again, uncached(prompt))
     second.shutdown(30)
 
@@ -270,7 +270,7 @@ def test_models_dtypes_and_block_sizes_never_share(model, tmp_path):
         fingerprints.add(engine.fingerprint)
         result = engine.generate([prompt], GREEDY)[0]
         assert result.num_cached_tokens == 0, f"{loaded.name} {kw} hit another namespace's blocks"
-        assert engine.snapshot()["ssd_lookup_hit_blocks"] == 0
+        assert observability.snapshot(engine)["ssd_lookup_hit_blocks"] == 0
         engine.shutdown(30)
     assert len(fingerprints) == 4
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 4
@@ -340,7 +340,7 @@ def test_several_damaged_blocks_of_a_prompt_are_all_rewritten(model, uncached, t
     assert second.lower.tiers[0].tier.wait_idle(30)
     (rep,) = maintenance.verify_cache(tmp_path, delete=False)
     assert rep.bad == {} and rep.ok == rep.checked, rep.as_dict()
-    stats = second.snapshot()
+    stats = observability.snapshot(second)
     assert stats["ssd_corrupt_total"] == 4, {k: v for k, v in stats.items() if "corrupt" in k or "store" in k}
     assert all(chain[v].hex() in {p.stem for p in block_files(tmp_path)} for v in victims)
     second.shutdown(30)
@@ -356,12 +356,12 @@ def test_settings_attach_the_tier_with_its_policy(model, tmp_path):
     engine = make_engine(model)
     settings = Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="evict_only", disk_min_free_gb=0))
     attach_disk_tier(engine, settings)
-    assert engine.lower is not None and engine.lower.tiers[0].policy == "evict_only"
-    assert engine.tier_health()["ssd"]["ssd"]["path"].startswith(str(tmp_path / "kv"))
+    assert [a.policy for a in engine.lower.tiers] == ["evict_only"]
+    assert engine.lower.health()["ssd"]["ssd"]["path"].startswith(str(tmp_path / "kv"))
     engine.shutdown(10)
     off = make_engine(model)
     attach_disk_tier(off, Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="off")))
-    assert off.lower is None
+    assert off.lower.tiers == []
 
 
 # ---- real filesystem faults ---------------------------------------------------------------
@@ -389,7 +389,7 @@ def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, sm
     prompts = [ask(model, f"Review change {i}: " + "amount += fee; " * (5 + i)) for i in range(6)]
     for prompt in prompts:
         assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
-    stats = engine.snapshot()
+    stats = observability.snapshot(engine)
     # The free-space check runs before each write, so a full disk is a capacity decision, never a
     # write error, and the tier stays healthy. The chains (one shared system prompt) are longer
     # than the disk: they are cut at the tail (dropped), never evicted from the head.
@@ -401,7 +401,7 @@ def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, sm
     assert not [p for p in small_fs.rglob("*") if p.is_file() and ".tmp" in p.name]
     for path in block_files(small_fs):  # whatever is on disk is whole
         assert path.stat().st_size == engine.lower.tiers[0].tier.file_size
-    assert engine.tier_health()["ssd"]["state"] == "ok"
+    assert engine.lower.health()["ssd"]["state"] == "ok"
     engine.shutdown(30)
 
 
@@ -412,12 +412,12 @@ def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     a = ask(model, "Review: fees computed in floats.")
     assert_same_output(engine.generate([a], GREEDY)[0], uncached(a))
-    assert engine.tier_health()["ssd"]["state"] == "degraded"
-    assert engine.snapshot()["ssd_write_errors"] >= 1
+    assert engine.lower.health()["ssd"]["state"] == "degraded"
+    assert observability.snapshot(engine)["ssd_write_errors"] >= 1
     assert block_files(small_fs) == []
 
     subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
-    wait_until(lambda: engine.tier_health()["ssd"]["state"] == "ok", timeout=30, what="the tier to recover")
+    wait_until(lambda: engine.lower.health()["ssd"]["state"] == "ok", timeout=30, what="the tier to recover")
     b = ask(model, "Review: ledger entries written twice on retry.")
     assert_same_output(engine.generate([b], GREEDY)[0], uncached(b))
     assert len(block_files(small_fs)) > 0, "writes resume once the fault clears"
@@ -427,8 +427,8 @@ def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
 
     a_keys = [engine.blocks.key(d) for d in block_digests(root_digest(engine.fingerprint), a, BS)]
     assert engine.lower.tiers[0].tier.lookup(a_keys) == 0
-    assert engine.snapshot()["writer_written_after_drop"] == 0
+    assert observability.snapshot(engine)["writer_written_after_drop"] == 0
     engine.blocks.evict_all()  # the tmpfs holds only ~4 blocks: capacity evicts some of them again
     assert engine.lower.tiers[0].tier.lookup(a_keys) > 0
-    assert engine.snapshot()["writer_written_after_drop"] >= 1
+    assert observability.snapshot(engine)["writer_written_after_drop"] >= 1
     engine.shutdown(30)

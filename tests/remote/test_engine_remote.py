@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, observability
 from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.config import DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier
@@ -76,19 +76,19 @@ def test_replica_b_serves_what_a_computed_and_promotes_it_to_its_ssd(model, unca
     result = b.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt)) >= 0.9 * len(prompt)
     assert_same_output(result, uncached(prompt))
-    s = b.snapshot()
+    s = observability.snapshot(b)
     assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS)  # all of it from Redis
     assert s["ssd_link_loaded_blocks"] == 0 and s["remote_corrupt_total"] == 0
     assert result.cached_tokens_by_tier == {"ram": 0, "remote": result.num_cached_tokens}
     assert tier(b, "ssd").wait_idle(30)
-    assert b.snapshot()["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to B's SSD
+    assert observability.snapshot(b)["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to B's SSD
     assert_no_leaks(b)
     b.shutdown(30)
 
     again = replica(model, redis_server.url, tmp_path / "b")  # B restarted: its SSD comes first now
     result = again.generate([prompt], GREEDY)[0]
     assert_same_output(result, uncached(prompt))
-    s = again.snapshot()
+    s = observability.snapshot(again)
     assert s["ssd_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) and s["remote_link_loaded_blocks"] == 0
     again.shutdown(30)
 
@@ -107,7 +107,7 @@ def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached
     result = both.generate([prompt], GREEDY)[0]
     assert_same_output(result, uncached(prompt))
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
-    s = both.snapshot()
+    s = observability.snapshot(both)
     assert s["ssd_link_loaded_blocks"] == half // BS
     assert s["remote_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) - half // BS
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS,
@@ -143,13 +143,13 @@ def test_a_queued_request_prefetches_from_both_tiers_and_credits_each(model, unc
     cached = expected_cached(len(prompt), len(prompt))
     assert result.num_cached_tokens == cached
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": half // BS * BS, "remote": cached - half // BS * BS}
-    s = engine.snapshot()
+    s = observability.snapshot(engine)
     assert s["sched_prefetched_blocks"] == len(prompt) // BS
     assert s["ssd_link_loaded_blocks"] == half // BS
     assert s["remote_link_loaded_blocks"] == len(prompt) // BS - half // BS
     assert s["sched_lower_tier_hit_tokens"] == cached and s["kv_lookup_hits"] == 0
     assert tier(engine, "ssd").wait_idle(30)
-    assert engine.snapshot()["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to the SSD
+    assert observability.snapshot(engine)["ssd_stored_blocks"] >= s["remote_link_loaded_blocks"]  # promoted to the SSD
     assert_no_leaks(engine)
     engine.shutdown(30)
 
@@ -173,7 +173,7 @@ def test_planted_values_are_misses_and_the_prefix_is_recomputed(model, uncached,
     result = b.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == victim * BS
     assert_same_output(result, uncached(prompt))
-    assert b.snapshot()["remote_corrupt_key"] == 1
+    assert observability.snapshot(b)["remote_corrupt_key"] == 1
     b.shutdown(30)
 
 
@@ -183,11 +183,11 @@ def test_a_redis_that_is_down_degrades_to_compute(model, uncached, tmp_path, sch
     engine = replica(model, f"{scheme}://127.0.0.1:{free_port()}", tmp_path / "ssd")
     result = engine.generate([prompt], GREEDY)[0]
     assert_same_output(result, uncached(prompt))
-    health = engine.tier_health()
+    health = engine.lower.health()
     assert health["remote"]["state"] == "degraded" and health["ssd"]["state"] == "ok"
     error = "RedisClusterException" if scheme == "redis+cluster" else "ConnectionError"
     assert error in str(health["remote"]["last_error"])
-    assert engine.snapshot()["remote_guard_call_errors"] == 0  # the tier kept the contract, not the guard
+    assert observability.snapshot(engine)["remote_guard_call_errors"] == 0  # the tier kept the contract, not the guard
     again = engine.generate([prompt], GREEDY)[0]  # the RAM tier still works
     assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     engine.shutdown(30)
@@ -200,13 +200,13 @@ def test_a_full_redis_with_noeviction_drops_writes_and_answers_stay_right(model,
     for prompt in prompts:
         assert_same_output(engine.generate([prompt], GREEDY)[0], uncached(prompt))
     assert tier(engine, "remote").wait_idle(30)
-    s, health = engine.snapshot(), engine.tier_health()["remote"]
+    s, health = observability.snapshot(engine), engine.lower.health()["remote"]
     # writes back off and probe; the state may already be "ok" again between two failed writes
     assert s["remote_dropped_oom"] >= 1 and "maxmemory" in str(health["last_error"])
     engine.blocks.evict_all()  # what did fit is still served, verified
     result = engine.generate([prompts[0]], GREEDY)[0]
     assert_same_output(result, uncached(prompts[0]))
-    assert result.num_cached_tokens == engine.snapshot()["remote_link_loaded_blocks"] * BS
+    assert result.num_cached_tokens == observability.snapshot(engine)["remote_link_loaded_blocks"] * BS
     engine.shutdown(30)
 
 
@@ -218,7 +218,7 @@ def test_a_whole_prefill_chunk_reaches_redis_at_once_with_the_default_queue(mode
     a = replica(model, redis_server.url, None, engine_config={"max_prefill_step_tokens": 2048, "kv_cache_gb": 0.25})
     a.generate([prompt], GREEDY)
     assert tier(a, "remote").wait_idle(60)
-    stats = a.snapshot()
+    stats = observability.snapshot(a)
     assert stats["remote_dropped_queue_full"] == 0 and stats["remote_stored_blocks"] == len(prompt) // BS
     b = replica(model, redis_server.url, None, engine_config={"kv_cache_gb": 0.25})
     result = b.generate([prompt], GREEDY)[0]
@@ -240,7 +240,7 @@ def test_replicas_share_8bit_kv_through_redis_and_other_settings_never_mix(model
     first = a.generate([prompt], params)[0]
     hit = a.generate([prompt], params)[0]  # A's own RAM hit over the stored 8-bit KV
     assert tier(a, "remote").wait_idle(30)
-    stored = a.snapshot()["remote_stored_blocks"]
+    stored = observability.snapshot(a)["remote_stored_blocks"]
     assert stored >= len(prompt) // BS  # the prompt, and generated blocks too
     assert a.shutdown(30)
     assert_equivalent_output(first, uncached_runner(model, params, kv_bits=8)(prompt), 0.15, 0.3)
@@ -249,7 +249,7 @@ def test_replicas_share_8bit_kv_through_redis_and_other_settings_never_mix(model
     result = b.generate([prompt], params)[0]
     assert result.cached_tokens_by_tier == {"ram": 0, "remote": expected_cached(len(prompt), len(prompt))}
     assert result.token_ids == hit.token_ids and result.logprobs == hit.logprobs
-    assert b.snapshot()["remote_corrupt_total"] == 0
+    assert observability.snapshot(b)["remote_corrupt_total"] == 0
     assert_no_leaks(b)
     assert b.shutdown(30)
 
@@ -257,7 +257,7 @@ def test_replicas_share_8bit_kv_through_redis_and_other_settings_never_mix(model
         other = replica(model, redis_server.url, None, engine_config={"kv_bits": bits})
         assert other.fingerprint != a.fingerprint
         assert other.generate([prompt], params)[0].num_cached_tokens == 0
-        assert other.snapshot()["remote_corrupt_total"] == 0  # another key space, not rejected values
+        assert observability.snapshot(other)["remote_corrupt_total"] == 0  # another key space, not rejected values
         assert other.shutdown(30)
     again = replica(model, redis_server.url, None, engine_config={"kv_bits": 8})  # A's blocks still there
     assert again.generate([prompt], params)[0].cached_tokens_by_tier.get("remote", 0) > 0

@@ -73,6 +73,7 @@ class PrefixCache(Generic[S]):
     def __init__(
         self,
         blocks: BlockManager,
+        lower: LowerTierLink,
         *,
         stats: dict[str, int],
         enabled: bool = True,
@@ -83,7 +84,7 @@ class PrefixCache(Generic[S]):
         self.bm = blocks
         self.block_size = blocks.block_size
         self.enabled = enabled  # off: no reuse at all (comparisons and tests)
-        self.lower: LowerTierLink | None = None  # the tiers below RAM, set by the engine
+        self.lower = lower  # the tiers below RAM (maybe none)
         self.copy_block = copy_block or _no_copy  # one pool block's KV into another (engine-owned storage)
         self.loading: list[S] = []  # admitted; blocks being read from a lower tier
         # Loads given up on (cancelled, or overdue: then not counted by ``busy``, which must
@@ -132,7 +133,7 @@ class PrefixCache(Generic[S]):
                 return Admission.DEFERRED
             if hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
-            elif self.lower is not None and len(hits) < n_full:
+            elif len(hits) < n_full:
                 plan = self.lower.lookup(digests[len(hits):n_full])
         need = -(-seq.num_tokens // bs) - len(hits)
         held = [*hits, cow] if cow is not None else hits
@@ -140,7 +141,7 @@ class PrefixCache(Generic[S]):
         if need > available or (crowded and need + reserve > available):
             return Admission.NO_ROOM
         self.bm.acquire(held)
-        if held and self.lower is not None:
+        if held:
             self.lower.touch(digests[:len(held)])
         seq.hit_tiers = [self._tier_of_hit(seq, b) for b in held]
         seq.blocks = hits + self.bm.allocate(need)
@@ -154,7 +155,6 @@ class PrefixCache(Generic[S]):
             self._computing.setdefault(digests[i], seq)
         self.prefetch.admitted(seq)
         if plan is not None and plan.num_blocks:
-            assert self.lower is not None
             span = range(len(hits), len(hits) + plan.num_blocks)
             seq.pending_load = self.lower.start_load(
                 plan, [seq.blocks[i] for i in span], [digests[i] for i in span],
@@ -189,7 +189,7 @@ class PrefixCache(Generic[S]):
         in admission order (they can run now), and those whose loads are overdue (given up:
         they wait to be admitted again, when the tier that hung is no longer asked)."""
         lower = self.lower
-        if lower is None or not (self.busy() or self._abandoned or self.prefetch.abandoned):
+        if not (self.busy() or self._abandoned or self.prefetch.abandoned):
             return [], []
         self.prefetch.poll(lower)
         ready, again = [], []
@@ -224,7 +224,7 @@ class PrefixCache(Generic[S]):
 
     def prefetch_for(self, waiting: Iterable[S], *, reserve: int) -> None:
         """Start lower-tier reads for sequences still waiting (``cache/prefetch.py``)."""
-        if self.enabled and self.lower is not None:
+        if self.enabled and self.lower.tiers:
             self.prefetch.start(waiting, self.lower, reserve=reserve, computing=self._computing.__contains__)
 
     # ---- running sequences ----------------------------------------------------------------
@@ -251,8 +251,7 @@ class PrefixCache(Generic[S]):
             if self._computing.get(digests[i]) is seq:
                 del self._computing[digests[i]]
             parent = digests[i - 1] if i > 0 else None
-            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size), parent) and \
-                    self.lower is not None:
+            if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size), parent):
                 self.lower.published(block)
         seq.num_registered = max(seq.num_registered, end)
 

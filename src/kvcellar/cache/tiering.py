@@ -31,6 +31,9 @@ A write-through store a tier dropped (queue full, fault) is not lost while the b
 RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if the tier
 ``wants`` it (a block the tier already holds costs no copy).
 
+The engine always has a link; with no tier attached every call is a no-op, so nobody
+checks whether there are lower tiers.
+
 Threading: every method is called from the engine thread, except the wake-up callback
 the tiers' futures run on their own threads.
 """
@@ -38,8 +41,9 @@ the tiers' futures run on their own threads.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +139,16 @@ class LowerTierLink:
         self.stats.update({p + k: 0 for k in ("lookups", "queried_blocks", "lookup_blocks", "loaded_blocks",
                                               "load_failed_blocks", "stored_blocks", "declined_blocks")})
 
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside, no tier is asked or given anything (the engine's warm-up: its blocks
+        must never reach a tier)."""
+        tiers, self.tiers = self.tiers, []
+        try:
+            yield
+        finally:
+            self.tiers = tiers
+
     @staticmethod
     def block_spec(pool: KVPool) -> BlockSpec:
         layout = pool.layout
@@ -149,6 +163,8 @@ class LowerTierLink:
     def lookup(self, digests: Sequence[bytes]) -> LoadPlan:
         """Which tiers hold the leading ``digests``: each tier is asked for the keys after
         the run of the tier above it, and its answer is taken per key."""
+        if not self.tiers:
+            return LoadPlan(())
         keys = [self.key_of(d) for d in digests]
         runs: list[tuple[int, int]] = []
         pos = 0
@@ -231,7 +247,7 @@ class LowerTierLink:
     def touch(self, digests: Sequence[bytes]) -> None:
         """RAM hits: keep the write-through tiers' copies recently used, so hot blocks do
         not age out there."""
-        if not digests:
+        if not digests or not self.tiers:
             return
         keys = [self.key_of(d) for d in digests]
         for attached in self.tiers:
@@ -272,6 +288,8 @@ class LowerTierLink:
     def _store(self, block: Block, policies: tuple[str, ...], *, batch: bool) -> None:
         """Store ``block`` into each tier above the one it came from whose policy is in
         ``policies`` and that ``wants`` it; one copy off the pool serves them all."""
+        if not self.tiers:
+            return
         assert block.digest is not None and block.token_ids is not None
         above = block.loaded_from - 1 if block.loaded_from else len(self.tiers)
         key = self.key_of(block.digest)

@@ -1,9 +1,11 @@
-"""The engine: owns the model, the KV pool and the scheduler, and runs the step loop.
+"""The engine: runs the step loop over the parts ``engine/build.py`` assembled (KV pool,
+block manager, scheduler, model runner, the link to the lower tiers).
 
 Other threads talk to it only through ``submit`` / ``cancel`` (an inbox drained at the
 start of every step) and receive results through each request's ``EventStream``. The
 step loop runs on one named thread (``kvcellar-engine``) started by ``start()``; without
 it, tests may drive the engine deterministically by calling ``step()`` themselves.
+Warm-up is ``engine/warmup.py``; what the engine reports, ``engine/observability.py``.
 
 Shutdown protocol: ``shutdown(timeout)`` stops admitting, lets running and queued
 sequences finish until the deadline, aborts what is left (each stream gets a final
@@ -25,91 +27,90 @@ from typing import Any
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
-from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.config import EngineConfig
 from kvcellar.engine.blocking import GenerationResult, collect, run_to_end
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.output import final_event, token_event
 from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
 from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
-from kvcellar.engine.tokenization import encode_chat
-from kvcellar.engine.warmup import WARMUP_SALT, warmup_waves
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
 from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
 
 
+# What other threads put in the engine's inbox; the step loop drains it.
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    seq: Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cancel:
+    seq_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Message = _Add | _Cancel | _AbortAll | _Stop
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What an engine runs, assembled by ``engine/build.py``."""
+
+    layout: KVLayout
+    pool: KVPool
+    blocks: BlockManager
+    lower: LowerTierLink
+    scheduler: Scheduler
+    runner: ModelRunner
+    descriptor: dict[str, Any]  # what the KV cache's fingerprint is computed from
+    fingerprint: str
+    max_model_len: int
+    wake: threading.Event  # set by whoever has work for the engine thread (the tiers' reads too)
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, parts: EngineParts) -> None:
+        """Use ``assemble_engine`` (``engine/build.py``), which assembles ``parts``."""
         self.loaded = loaded
-        self.config = cfg = config or EngineConfig()
+        self.config = config
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         # The engine thread decodes with its own copy: HF tokenizers keep mutable
         # truncation/padding state, and the server encodes on other threads.
         self._detok_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.device = loaded.device
-        self.block_size = cfg.block_size
-        self.layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype, cfg.kv_bits,
-                                                 cfg.kv_group_size)
-        self.max_model_len = cfg.max_model_len or loaded.max_context
-        if self.max_model_len > loaded.max_context:
-            # Allowed, as llama.cpp allows a larger -c: agents' prompts outgrow small models'
-            # contexts, and RoPE is computed from positions; quality past training is the user's call.
-            log.warning("max_model_len %d is above the model's trained context of %d tokens",
-                        self.max_model_len, loaded.max_context)
-        num_blocks = cfg.kv_cache_blocks or KVPool.blocks_for_budget(self.layout, int(cfg.kv_cache_gb * (1 << 30)))
-        # An explicit --max-model-len is a promise that one such request fits: the pool grows to it.
-        if cfg.max_model_len and not cfg.kv_cache_blocks and (num_blocks - 1) * cfg.block_size < self.max_model_len:
-            needed = -(-self.max_model_len // cfg.block_size) + 1
-            log.warning("kv_cache_gb holds %d tokens, less than max_model_len %d: the pool is sized for one "
-                        "full-length sequence (%d blocks)", (num_blocks - 1) * cfg.block_size,
-                        self.max_model_len, needed)
-            num_blocks = needed
-        self.pool = KVPool(self.layout, num_blocks, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
-        self.scheduler = Scheduler(
-            self.blocks,
-            max_num_seqs=cfg.max_num_seqs,
-            max_step_tokens=cfg.max_step_tokens,
-            max_prefill_step_tokens=cfg.max_prefill_step_tokens,
-            prefix_caching=cfg.prefix_caching,
-            copy_block=self.pool.copy_block,
-            prefetch_pool_fraction=cfg.prefetch_pool_fraction,
-            prefetch_max_reads=cfg.prefetch_max_reads,
-        )
-        self.runner = ModelRunner(self.model, self.pool, lean=cfg.lean_forward, quantized=loaded.quantized,
-                                  kernel_dtype=loaded.kernel_dtype)
-        # The kernels hold their own copies of the quantized weights now (engine/linears.py);
-        # the portable form would only take memory (0.75 bytes a weight for int4).
-        loaded.quantized = {}
-        if cfg.decode_threads > 0:
-            self.runner.set_decode_threads(cfg.decode_threads)
-        self.descriptor = kv_descriptor(
-            weights_id=loaded.weights_id,
-            tokenizer_id=loaded.tokenizer_id,
-            dtype=loaded.dtype,
-            kv_dtype=self.layout.dtype,
-            block_size=cfg.block_size,
-            model_name=loaded.name,
-            kv_bits=self.layout.kv_bits,
-            kv_group_size=self.layout.kv_group_size,
-        )
-        self.fingerprint = kv_fingerprint(self.descriptor)
+        self.block_size = config.block_size
+        self.layout = parts.layout
+        self.max_model_len = parts.max_model_len
+        self.pool = parts.pool
+        self.blocks = parts.blocks
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.lower = parts.lower
+        self.descriptor = parts.descriptor
+        self.fingerprint = parts.fingerprint
         self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
-        self.lower: LowerTierLink | None = None
         # Structured outputs: grammars compiled for this tokenizer (llguidance loads lazily).
         self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, loaded.eos_token_ids)
 
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._wake = parts.wake
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stop_now = False
@@ -117,6 +118,7 @@ class Engine:
         self._shutdown_result: bool | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
+        layout = self.layout
         self.stats: dict[str, float] = {
             "engine_requests_total": 0,
             "engine_requests_finished": 0,
@@ -133,10 +135,10 @@ class Engine:
             "engine_step_failures": 0,  # steps an exception ended (their sequences failed)
             "engine_step_failures_in_a_row": 0,
             # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.
-            "engine_kv_bits": self.layout.kv_bits,
-            "engine_kv_group_size": self.layout.kv_group_size if self.layout.quantized else 0,
-            "engine_kv_bytes_per_token": self.layout.bytes_per_token,
-            "engine_kv_pool_tokens": (num_blocks - 1) * cfg.block_size,  # block 0 is the null block
+            "engine_kv_bits": layout.kv_bits,
+            "engine_kv_group_size": layout.kv_group_size if layout.quantized else 0,
+            "engine_kv_bytes_per_token": layout.bytes_per_token,
+            "engine_kv_pool_tokens": self.pool_tokens,
         }
         # The last step failure, for /health: "<ExceptionType>: message" and its unix time.
         self.last_step_error: str | None = None
@@ -180,7 +182,7 @@ class Engine:
             constraint=(self.grammars.constraint(params.grammar, params.max_tokens)
                         if params.grammar is not None else None),
         )
-        self._inbox.put(("add", seq))
+        self._inbox.put(_Add(seq))
         self._wake.set()
         return RequestHandle(seq.seq_id, stream, len(prompt), self.cancel)
 
@@ -207,7 +209,7 @@ class Engine:
         return max(1, min(max_tokens, room))
 
     def cancel(self, seq_id: int) -> None:
-        self._inbox.put(("cancel", seq_id))
+        self._inbox.put(_Cancel(seq_id))
         self._wake.set()
 
     def generate(
@@ -237,73 +239,12 @@ class Engine:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
             raise ValueError("a lower tier needs prefix caching")
-        if self.lower is None:
-            self.lower = LowerTierLink(self.pool, self.blocks.key, wake=self._wake.set)
-            self.scheduler.cache.lower = self.lower
-            # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
-            self.blocks.on_evict = self.lower.evicted
         self.lower.attach(tier, policy)
 
-    def warm_up(self) -> float:
-        """Run every code path a first request needs (``engine.warmup``) before ``start``, so
-        the first request after a start is not the one paying one-off costs. Leaves no trace:
-        its blocks are dropped, nothing reaches the lower tier, counters are restored (but
-        ``engine_warmup_*``). Returns the seconds it took."""
-        if self._thread is not None or self._seqs:
-            raise RuntimeError("warm up an idle engine before starting it")
-        t0 = time.perf_counter()
-        saved = [dict(self.stats), dict(self.scheduler.stats), dict(self.blocks.stats)]
-        lower, on_evict = self.lower, self.blocks.on_evict
-        self.lower = self.scheduler.cache.lower = None  # warm-up blocks never reach the SSD
-        self.blocks.on_evict = None
-        steps = 0
-        try:
-            # First: the waves' short chunks then run the kernel they will run when serving
-            # (a chunk on the dense path dequantizes every lean linear: seconds on a 7B model).
-            kernels = self.runner.calibrate_kernels()
-            if kernels:
-                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
-                         kernels["ms_per_pass"])
-            # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
-            filler = encode_chat(self.tokenizer, [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
-            limit = min(self.max_model_len, self.pool_tokens // 4)
-            for wave in warmup_waves(filler, self.block_size, limit):
-                before = self.stats["engine_steps"]
-                self.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
-                steps += int(self.stats["engine_steps"] - before)
-            if self.config.decode_threads == 0:
-                steps += self._calibrate_decode_threads(filler)
-        finally:
-            release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
-            self.blocks.evict_all()
-            self.lower = self.scheduler.cache.lower = lower
-            self.blocks.on_evict = on_evict
-            for live, old in zip((self.stats, self.scheduler.stats, self.blocks.stats), saved, strict=True):
-                live.clear()
-                live.update(old)
-        self.runner.stats["runner_cold_paths"] = 0
-        seconds = time.perf_counter() - t0
-        self.stats["engine_warmup_steps"] = steps
-        self.stats["engine_warmup_seconds"] = seconds
-        return seconds
-
-    def _calibrate_decode_threads(self, prompt: list[int]) -> int:
-        """Warm-up: time batch-1 decode steps on one thread and on all (``ModelRunner``);
-        returns the steps it ran."""
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        handle = self.submit(prompt[: max(1, min(len(prompt), self.pool_tokens // 8))], params,
-                             cache_salt=WARMUP_SALT)
-        while True:  # prefill, then it decodes
-            self.step()
-            seq = self._seqs.get(handle.seq_id)
-            if seq is None or not seq.in_prefill:
-                break
-        before = self.stats["engine_steps"]
-        chosen = self.runner.calibrate_decode_threads(self.step)
-        self.cancel(handle.seq_id)
-        self.run_until_idle()
-        log.info("decode steps use %d of %d torch threads (measured)", chosen, self.runner.threads)
-        return int(self.stats["engine_steps"] - before)
+    def in_prefill(self, seq_id: int) -> bool:
+        """Whether sequence ``seq_id`` is active and still computing its prompt."""
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.in_prefill
 
     def start(self) -> None:
         if self._thread is not None:
@@ -320,9 +261,8 @@ class Engine:
                 return self._shutdown_result
             deadline = time.monotonic() + timeout
             clean = self._stop_engine(timeout)
-            if self.lower is not None:
-                clean = self.lower.close(max(1.0, deadline - time.monotonic()),
-                                         cached=self.blocks.cached_blocks()) and clean
+            clean = self.lower.close(max(1.0, deadline - time.monotonic()),
+                                     cached=self.blocks.cached_blocks()) and clean
             self._shutdown_result = clean
             return clean
 
@@ -336,8 +276,8 @@ class Engine:
                     break
                 time.sleep(0.02)
             clean = self.num_active() == 0
-            self._inbox.put(("abort_all", None))
-            self._inbox.put(("stop", None))
+            self._inbox.put(_AbortAll())
+            self._inbox.put(_Stop())
             self._wake.set()
             self._thread.join(timeout=max(5.0, timeout))
             if self._thread.is_alive():
@@ -366,78 +306,10 @@ class Engine:
         """Tokens of KV the RAM block pool holds (the null block excluded)."""
         return (self.blocks.num_blocks - 1) * self.block_size
 
-    def snapshot(self) -> dict[str, float]:
-        """Counters of the engine, scheduler, runner and every cache tier, merged into one
-        flat dict (each owner's prefix keeps them apart); ``tier_stats`` has the tiers' part
-        by tier."""
-        return {
-            **self.stats,
-            "engine_running": len(self.scheduler.running),
-            "engine_waiting": len(self.scheduler.waiting),
-            "engine_loading": len(self.scheduler.loading),
-            "engine_prefetching": len(self.scheduler.cache.prefetch.reads),
-            **self.scheduler.stats,
-            **self.runner.stats,
-            **{k: v for counters in self.tier_stats().values() for k, v in counters.items()},
-        }
-
-    def tier_stats(self) -> dict[str, dict[str, float]]:
-        """Counters per cache tier, top first: ``ram`` (the block manager's ``kv_*``), then
-        each lower tier's own and the link's for it."""
-        lower = self.lower
-        return {"ram": dict(self.blocks.snapshot()), **(lower.stats_by_tier() if lower is not None else {})}
-
-    # Levels among the snapshot's own keys (exported as gauges); the others are counts.
-    GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
-                        "engine_step_failures_in_a_row", "engine_kv_bits", "engine_kv_group_size",
-                        "engine_kv_bytes_per_token", "engine_kv_pool_tokens"})
-
     @property
     def healthy(self) -> bool:
         """False once ``unhealthy_after_failed_steps`` steps failed in a row (until one succeeds)."""
         return self.stats["engine_step_failures_in_a_row"] < self.config.unhealthy_after_failed_steps
-
-    def step_health(self) -> dict[str, object]:
-        """The step loop's state for /health."""
-        return {
-            "healthy": self.healthy,
-            "step_failures": int(self.stats["engine_step_failures"]),
-            "step_failures_in_a_row": int(self.stats["engine_step_failures_in_a_row"]),
-            "unhealthy_after_failed_steps": self.config.unhealthy_after_failed_steps,
-            "last_step_error": self.last_step_error,
-            "last_step_error_time": self.last_step_error_time,
-        }
-
-    def gauge_keys(self) -> frozenset[str]:
-        """The keys of ``snapshot`` that are levels, as their owners declare them."""
-        tiers = self.lower.tiers if self.lower is not None else []
-        return (self.GAUGES | BlockManager.GAUGES | ModelRunner.GAUGES
-                | frozenset().union(*(a.tier.gauges for a in tiers)))
-
-    def tier_reports(self) -> list[dict[str, object]]:
-        """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked
-        of it and served by it (the hit-rate pair)."""
-        kv = self.blocks.stats
-        reports: list[dict[str, object]] = [{
-            "tier": "ram", "state": "ok", "last_shutdown_clean": None,
-            "queried_blocks": kv["kv_lookup_hits"] + kv["kv_lookup_misses"], "hit_blocks": kv["kv_lookup_hits"],
-        }]
-        lower = self.lower
-        for attached in lower.tiers if lower is not None else []:
-            name = attached.tier.name
-            health = attached.calls.health()
-            reports.append({
-                "tier": name, "state": health.get("state"),
-                "last_shutdown_clean": health.get("last_shutdown_clean"),
-                "queried_blocks": lower.stats[name + "_link_queried_blocks"],
-                "hit_blocks": lower.stats[name + "_link_loaded_blocks"],
-            })
-        return reports
-
-    def tier_health(self) -> dict[str, dict[str, object]]:
-        """Each lower tier's health with its policy, by tier name (empty without tiers)."""
-        lower = self.lower
-        return {} if lower is None else lower.health()
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -450,22 +322,22 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._seqs[arg.seq_id] = arg
-                self.scheduler.add(arg)
-                self.stats["engine_requests_total"] += 1
-                self.stats["engine_prompt_tokens"] += arg.num_prompt_tokens
-            elif kind == "cancel":
-                seq = self._seqs.get(arg)
-                if seq is not None:
-                    self._finish(seq, TokenEvent(seq.seq_id, None, "", finish_reason="abort"))
-            elif kind == "abort_all":
-                self._abort_all()
-            elif kind == "stop":
-                self._stop_now = True
+            match message:
+                case _Add(seq):
+                    self._seqs[seq.seq_id] = seq
+                    self.scheduler.add(seq)
+                    self.stats["engine_requests_total"] += 1
+                    self.stats["engine_prompt_tokens"] += seq.num_prompt_tokens
+                case _Cancel(seq_id):
+                    if (cancelled := self._seqs.get(seq_id)) is not None:
+                        self._finish(cancelled, TokenEvent(seq_id, None, "", finish_reason="abort"))
+                case _AbortAll():
+                    self._abort_all()
+                case _Stop():
+                    self._stop_now = True
 
     def _abort_all(self) -> None:
         for seq in list(self._seqs.values()):
@@ -488,8 +360,7 @@ class Engine:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan is None:
-            if self.lower is not None:
-                self.lower.flush()
+            self.lower.flush()
             return False
         t0 = time.perf_counter()
         try:
@@ -519,8 +390,7 @@ class Engine:
             except Exception as exc:  # one sequence's failure must not strand the others
                 log.exception("post-processing sequence %d failed", seq.seq_id)
                 failed.append((seq, exc))
-        if self.lower is not None:
-            self.lower.flush()
+        self.lower.flush()
         self.stats["engine_step_seconds"] += time.perf_counter() - t0
         if failed:
             for seq, exc in failed:
@@ -628,12 +498,4 @@ class Engine:
 
 
 
-def default_engine(model: str | None = None, **config: Any) -> Engine:
-    """Load ``model`` (the embedded default if None) and build an engine around it."""
-    from kvcellar.engine.loader import load_model
-
-    cfg = EngineConfig(**config)
-    return Engine(load_model(model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights), cfg)
-
-
-__all__ = ["Engine", "GenerationResult", "RequestHandle", "default_engine"]
+__all__ = ["Engine", "GenerationResult", "RequestHandle"]

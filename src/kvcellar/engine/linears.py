@@ -12,7 +12,7 @@ against 26. So:
   at 1-2 rows; fp16 on CPU was not measured and stays there too);
 * a quantized linear runs its int8/int4 kernel for steps of at most ``quant_max_rows``
   rows (decodes) and its dequantized weight, dense, above (prefill chunks, big batches).
-  Where the cross-over lies depends on the CPU, so ``Engine.warm_up`` measures it over the
+  Where the cross-over lies depends on the CPU, so warm-up (``engine/warmup.py``) measures it over the
   model's own linears (``calibrate``); until then a default per device and dtype holds;
 * QKV and gate-up projections of supported architectures are fused into one linear each
   (12-15 % less matmul time at 1-64 rows, 90 fewer calls per step).

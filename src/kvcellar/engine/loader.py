@@ -62,6 +62,12 @@ class LoadedModel:
     def config(self) -> Any:
         return self.model.config
 
+    def take_quantized(self) -> dict[str, QuantizedWeight]:
+        """Hand the quantized weights over (to the engine's kernels, which keep their own
+        copies): kept here too they would only take memory (0.75 bytes a weight for int4)."""
+        quantized, self.quantized = self.quantized, {}
+        return quantized
+
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 where the hardware computes it fast, else fp32 (CPU) / fp16 (old GPUs)."""

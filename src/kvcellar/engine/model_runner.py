@@ -6,7 +6,7 @@ passive OpenMP wait policy the package sets (``kvcellar/__init__.py``: spinning 
 decode ~7-30x slower whenever another process was busy), every parallel region pays for
 waking its threads: on the 2-core dev VM a bf16 batch-1 decode step took 57 ms on one thread
 against 69 ms on two (int8: 37 vs 50 ms), batch 8 86 vs 90 ms; prefill needs both. Which is
-faster depends on the machine, so ``Engine.warm_up`` measures it (``calibrate_decode_threads``).
+faster depends on the machine, so warm-up (``engine/warmup.py``) measures it (``calibrate_decode_threads``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         # Attention paths run so far (see ``StepMeta.paths``). The first run of a path pays
         # one-off costs (kernel selection, lazy imports, allocator growth); ``runner_cold_paths``
-        # counts paths first run by a request, i.e. after warm-up (``Engine.warm_up``).
+        # counts paths first run by a request, i.e. after warm-up (``engine/warmup.py``).
         self.paths_seen: set[str] = set()
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.prefix_cache import Admission, PrefixCache
+from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.sequence import SeqState, Sequence
 
 
@@ -62,6 +63,7 @@ class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
+        lower: LowerTierLink,
         *,
         max_num_seqs: int,
         max_step_tokens: int,
@@ -81,7 +83,7 @@ class Scheduler:
         # if an exception escapes; None between sequences.
         self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
-            blocks, stats=self.stats, enabled=prefix_caching, copy_block=copy_block,
+            blocks, lower, stats=self.stats, enabled=prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=prefetch_pool_fraction, prefetch_max_reads=prefetch_max_reads)
 
     @property

@@ -4,7 +4,7 @@ The first run of each code path pays one-off costs (oneDNN/SDPA kernel selection
 imports and caches inside transformers, allocator growth): measured on main, a 10-token
 prompt took 0.24 s (bf16) / 0.91 s (fp32) as the first request after a start against tens
 of ms later. A restart is exactly when users look at time to first token, so the server
-runs these before ``/health`` turns 200 (``Engine.warm_up``).
+runs these before ``/health`` turns 200 (``warm_up``).
 
 The plan covers every attention path of ``engine.attention`` (fresh causal prefill, a long
 chunk over a cached prefix, a short folded tail, a masked chunk over a short prefix, masked
@@ -15,10 +15,20 @@ client request can match them, and the engine drops their blocks afterwards.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST
+from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.sampling import SamplingParams
+from kvcellar.engine.tokenization import encode_chat
+
+if TYPE_CHECKING:
+    from kvcellar.engine.engine import Engine
+
+log = logging.getLogger(__name__)
 
 WARMUP_SALT = "kvcellar-warmup"
 # Long enough that a chunk on top of it takes the split path (SPLIT_MIN_PAST).
@@ -58,3 +68,62 @@ def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int) -> l
         [WarmupRequest(text[:block_size] + text[-UNFOLDED_CHUNK:], sampled)],
     ]
     return waves
+
+
+def warm_up(engine: Engine) -> float:
+    """Run every code path a first request needs on ``engine`` (idle, not started), so the
+    first request after a start is not the one paying one-off costs. Leaves no trace: its
+    blocks are dropped, nothing reaches a lower tier, counters are restored (but
+    ``engine_warmup_*``). Returns the seconds it took."""
+    if engine.threaded or engine.num_active():
+        raise RuntimeError("warm up an idle engine before starting it")
+    t0 = time.perf_counter()
+    counters = (engine.stats, engine.scheduler.stats, engine.blocks.stats)
+    saved = [dict(c) for c in counters]
+    steps = 0
+    with engine.lower.suspended():  # until its blocks are dropped too
+        try:
+            # First: the waves' short chunks then run the kernel they will run when serving
+            # (a chunk on the dense path dequantizes every lean linear: seconds on a 7B model).
+            kernels = engine.runner.calibrate_kernels()
+            if kernels:
+                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
+                         kernels["ms_per_pass"])
+            # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
+            filler = encode_chat(engine.tokenizer,
+                                 [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
+            limit = min(engine.max_model_len, engine.pool_tokens // 4)
+            for wave in warmup_waves(filler, engine.block_size, limit):
+                before = engine.stats["engine_steps"]
+                engine.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
+                steps += int(engine.stats["engine_steps"] - before)
+            if engine.config.decode_threads == 0:
+                steps += _calibrate_decode_threads(engine, filler)
+        finally:
+            release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
+            engine.blocks.evict_all()
+            for live, old in zip(counters, saved, strict=True):
+                live.clear()
+                live.update(old)
+    engine.runner.stats["runner_cold_paths"] = 0
+    seconds = time.perf_counter() - t0
+    engine.stats["engine_warmup_steps"] = steps
+    engine.stats["engine_warmup_seconds"] = seconds
+    return seconds
+
+
+def _calibrate_decode_threads(engine: Engine, prompt: list[int]) -> int:
+    """Time batch-1 decode steps on one thread and on all (``ModelRunner``); returns the
+    steps it ran."""
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    handle = engine.submit(prompt[: max(1, min(len(prompt), engine.pool_tokens // 8))], params,
+                           cache_salt=WARMUP_SALT)
+    engine.step()
+    while engine.in_prefill(handle.seq_id):  # prefill, then it decodes
+        engine.step()
+    before = engine.stats["engine_steps"]
+    chosen = engine.runner.calibrate_decode_threads(engine.step)
+    engine.cancel(handle.seq_id)
+    engine.run_until_idle()
+    log.info("decode steps use %d of %d torch threads (measured)", chosen, engine.runner.threads)
+    return int(engine.stats["engine_steps"] - before)

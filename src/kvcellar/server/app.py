@@ -22,14 +22,14 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import kvcellar
-from kvcellar.engine import Engine
+from kvcellar.engine import Engine, observability
 from kvcellar.engine.loader import linear_kernels
 from kvcellar.server import errors
 from kvcellar.server.anthropic import adapter as anthropic
 from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.metrics import ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
-from kvcellar.server.middleware import Admission, ApiGate, RequestMetrics
+from kvcellar.server.middleware import ApiGate, DrainState, RequestMetrics
 from kvcellar.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -73,7 +73,7 @@ class ServerState:
         # Every counter source, merged in this order by ``stats`` (their key prefixes keep them
         # apart): the engine (engine_, sched_, kv_, and whatever tiers it reports), the
         # artifact cache the model came from, any extra ones, then this layer's server_.
-        self.sources: list[Callable[[], Mapping[str, float]]] = [engine.snapshot]
+        self.sources: list[Callable[[], Mapping[str, float]]] = [lambda: observability.snapshot(engine)]
         artifact_cache = getattr(getattr(engine.loaded, "artifact", None), "cache", None)
         if artifact_cache is not None and hasattr(artifact_cache, "stats"):
             self.sources.append(artifact_cache.stats)
@@ -82,15 +82,16 @@ class ServerState:
         self.serving = Serving(engine, config, self.metrics)
         self.responses = ResponseStore(config.max_stored_responses)
         self.started = time.time()
-        self.admission = Admission()
-        self.metrics.registry.register(SnapshotCollector(self.stats, self.gauge_keys, engine.tier_reports))
+        self.drain = DrainState()
+        self.metrics.registry.register(
+            SnapshotCollector(self.stats, self.gauge_keys, lambda: observability.tier_reports(engine)))
 
     @property
     def draining(self) -> bool:
-        return self.admission.draining
+        return self.drain.draining
 
     def start_draining(self) -> None:
-        self.admission.draining = True
+        self.drain.draining = True
 
     def stats(self) -> dict[str, float]:
         server = {**self.metrics.stats, "server_inflight_requests": len(self.serving.inflight),
@@ -106,7 +107,7 @@ class ServerState:
     def gauge_keys(self) -> frozenset[str]:
         """The keys of ``stats`` that are levels, as each source's owner declares them."""
         artifact_cache = getattr(getattr(self.engine.loaded, "artifact", None), "cache", None)
-        return (self.engine.gauge_keys() | ServerMetrics.GAUGES
+        return (observability.gauge_keys(self.engine) | ServerMetrics.GAUGES
                 | getattr(artifact_cache, "GAUGES", frozenset()) | self.extra_gauges)
 
     def health(self) -> dict[str, Any]:
@@ -134,7 +135,7 @@ class ServerState:
             "last_shutdown_clean": None if ssd is None else ssd.get("last_shutdown_clean"),
             "last_shutdown_reason": None if ssd is None else (ssd.get("ssd") or {}).get("last_shutdown_reason"),
             # Why /health may be 503 while not draining: steps failing in a row.
-            "engine_steps": self.engine.step_health(),
+            "engine_steps": observability.step_health(self.engine),
             "tiers": tiers,
             **self._artifact_health(),
             **group_by_prefix({k: v for k, v in stats.items() if k not in in_tiers}),
@@ -154,9 +155,9 @@ class ServerState:
     def tiers(self) -> dict[str, dict[str, Any]]:
         """Each cache tier once, top first: its state and health (lower tiers: policy, last
         error, writer queue, a tier-specific sub-dict) with its counters."""
-        health = self.engine.tier_health()
+        health = observability.tier_health(self.engine)
         return {name: {**health.get(name, {"state": "ok"}), "counters": counters}
-                for name, counters in self.engine.tier_stats().items()}
+                for name, counters in observability.tier_stats(self.engine).items()}
 
 
 def create_app(engine: Engine, settings: ServerConfig | None = None,
@@ -233,7 +234,7 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(ApiGate, admission=state.admission, api_key=config.api_key,
+    app.add_middleware(ApiGate, drain=state.drain, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app

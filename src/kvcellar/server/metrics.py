@@ -2,16 +2,16 @@
 
 Each module owns its counters under a prefix (``engine_``, ``sched_``, ``runner_``,
 ``artifact_``; this layer's ``server_``); the cache tiers' counters come from the engine by
-tier (``Engine.tier_stats``: each tier names itself, so nothing here maps prefixes to
+tier (``observability.tier_stats``: each tier names itself, so nothing here maps prefixes to
 tiers). ``merged_stats`` flattens every source into one dict, which ``SnapshotCollector``
 exports to Prometheus as ``kvcellar_<key>``; /health lists each tier once under ``tiers``
 (its state and health with its counters) and groups the rest by prefix
 (``group_by_prefix``).
 
 Kinds are declared where the numbers are made, never guessed from names: each owner lists
-which of its keys are levels (``Engine.gauge_keys``, ``BlockManager.GAUGES``,
+which of its keys are levels (``observability.gauge_keys``, ``BlockManager.GAUGES``,
 ``KVTier.gauges``, ``ArtifactStore.GAUGES``, ``ServerMetrics.GAUGES``); those are gauges,
-every other key is a monotonic count and a counter. Per tier (``Engine.tier_reports``) the
+every other key is a monotonic count and a counter. Per tier (``observability.tier_reports``) the
 collector also exports the state as ``kvcellar_tier_state{tier,state}`` (1 for the current
 state), ``kvcellar_tier_last_shutdown_clean{tier}``, and the hit-rate pair
 ``kvcellar_tier_queried_blocks_total{tier}`` / ``kvcellar_tier_hit_blocks_total{tier}``.

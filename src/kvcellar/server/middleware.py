@@ -28,16 +28,16 @@ async def _send_error(err: errors.APIError, scope: Scope, receive: Receive, send
 
 
 @dataclass
-class Admission:
+class DrainState:
     """Shared between the gate and whoever shuts the server down."""
 
     draining: bool = False
 
 
 class ApiGate:
-    def __init__(self, app: ASGIApp, *, admission: Admission, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, drain: DrainState, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self.admission = admission
+        self.drain = drain
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
 
@@ -57,7 +57,7 @@ class ApiGate:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        if self.admission.draining:
+        if self.drain.draining:
             await _send_error(errors.shutting_down(), scope, receive, send)
             return
         if not self._authorized(scope):

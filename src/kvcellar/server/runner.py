@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from kvcellar.config import Settings
+from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import build_engine
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
@@ -48,7 +49,7 @@ def serve(settings: Settings, log_level: str = "WARNING") -> int:
     engine = build_engine(settings)
     if settings.engine.warmup:
         try:
-            seconds = engine.warm_up()
+            seconds = warm_up(engine)
             print(f"kvcellar: warmed up in {seconds:.2f} s", file=sys.stderr, flush=True)
         except Exception:  # a speed-up only: serve anyway, the first request pays the one-off costs
             log.exception("warm-up failed; serving without it")

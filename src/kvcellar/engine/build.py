@@ -1,0 +1,88 @@
+"""Assembling an engine from a loaded model and its config.
+
+``assemble_engine`` sizes the KV pool, makes the block manager, the link to the lower tiers
+(none yet: ``Engine.attach_tier`` adds them), the scheduler and the model runner, wires
+the block manager's evictions to the link, and names the cache (descriptor and
+fingerprint: another model, dtype, block size or KV setting is another cache). ``Engine``
+only runs what it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvcellar.cache.block_manager import BlockManager
+from kvcellar.cache.kv_pool import KVLayout, KVPool
+from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
+from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.config import EngineConfig
+from kvcellar.engine.engine import Engine, EngineParts
+from kvcellar.engine.loader import LoadedModel
+from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def assemble_engine(loaded: LoadedModel, config: EngineConfig | None = None) -> Engine:
+    """An engine serving ``loaded`` (which hands it its quantized weights) under ``config``."""
+    config = config or EngineConfig()
+    return Engine(loaded, config, assemble_parts(loaded, config))
+
+
+def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
+    layout = KVLayout.from_model_config(loaded.model.config, cfg.block_size, loaded.dtype, cfg.kv_bits,
+                                        cfg.kv_group_size)
+    max_model_len = cfg.max_model_len or loaded.max_context
+    if max_model_len > loaded.max_context:
+        # Allowed, as llama.cpp allows a larger -c: agents' prompts outgrow small models'
+        # contexts, and RoPE is computed from positions; quality past training is the user's call.
+        log.warning("max_model_len %d is above the model's trained context of %d tokens",
+                    max_model_len, loaded.max_context)
+    num_blocks = _pool_blocks(layout, cfg, max_model_len)
+    pool = KVPool(layout, num_blocks, loaded.device)
+    blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
+    wake = threading.Event()
+    lower = LowerTierLink(pool, blocks.key, wake=wake.set)
+    # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
+    blocks.on_evict = lower.evicted
+    scheduler = Scheduler(
+        blocks,
+        lower,
+        max_num_seqs=cfg.max_num_seqs,
+        max_step_tokens=cfg.max_step_tokens,
+        max_prefill_step_tokens=cfg.max_prefill_step_tokens,
+        prefix_caching=cfg.prefix_caching,
+        copy_block=pool.copy_block,
+        prefetch_pool_fraction=cfg.prefetch_pool_fraction,
+        prefetch_max_reads=cfg.prefetch_max_reads,
+    )
+    runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
+                         kernel_dtype=loaded.kernel_dtype)
+    if cfg.decode_threads > 0:
+        runner.set_decode_threads(cfg.decode_threads)
+    descriptor = kv_descriptor(
+        weights_id=loaded.weights_id,
+        tokenizer_id=loaded.tokenizer_id,
+        dtype=loaded.dtype,
+        kv_dtype=layout.dtype,
+        block_size=cfg.block_size,
+        model_name=loaded.name,
+        kv_bits=layout.kv_bits,
+        kv_group_size=layout.kv_group_size,
+    )
+    return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
+                       max_model_len, wake)
+
+
+def _pool_blocks(layout: KVLayout, cfg: EngineConfig, max_model_len: int) -> int:
+    num_blocks = cfg.kv_cache_blocks or KVPool.blocks_for_budget(layout, int(cfg.kv_cache_gb * (1 << 30)))
+    # An explicit --max-model-len is a promise that one such request fits: the pool grows to it.
+    if cfg.max_model_len and not cfg.kv_cache_blocks and (num_blocks - 1) * cfg.block_size < max_model_len:
+        needed = -(-max_model_len // cfg.block_size) + 1
+        log.warning("kv_cache_gb holds %d tokens, less than max_model_len %d: the pool is sized for one "
+                    "full-length sequence (%d blocks)", (num_blocks - 1) * cfg.block_size, max_model_len, needed)
+        num_blocks = needed
+    return num_blocks
+

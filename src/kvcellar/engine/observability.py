@@ -1,0 +1,88 @@
+"""What an engine reports: its counters merged with its parts', and the cache tiers'.
+
+Read from any thread (the server's /health and /metrics, the bench); every number is
+owned by one part of the engine and only read here. Counter names carry their owner's
+prefix (``engine_``, ``sched_``, ``runner_``, ``kv_``, ``<tier>_``), so merging them into
+one flat dict keeps them apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcellar.cache.block_manager import BlockManager
+from kvcellar.engine.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from kvcellar.engine.engine import Engine
+
+# Levels among the engine's own keys (exported as gauges); the others are counts.
+GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
+                    "engine_step_failures_in_a_row", "engine_kv_bits", "engine_kv_group_size",
+                    "engine_kv_bytes_per_token", "engine_kv_pool_tokens"})
+
+
+def snapshot(engine: Engine) -> dict[str, float]:
+    """Counters of the engine, scheduler, runner and every cache tier, merged into one flat
+    dict; ``tier_stats`` has the tiers' part by tier."""
+    sched = engine.scheduler
+    return {
+        **engine.stats,
+        "engine_running": len(sched.running),
+        "engine_waiting": len(sched.waiting),
+        "engine_loading": len(sched.loading),
+        "engine_prefetching": len(sched.cache.prefetch.reads),
+        **sched.stats,
+        **engine.runner.stats,
+        **{k: v for counters in tier_stats(engine).values() for k, v in counters.items()},
+    }
+
+
+def tier_stats(engine: Engine) -> dict[str, dict[str, float]]:
+    """Counters per cache tier, top first: ``ram`` (the block manager's ``kv_*``), then each
+    lower tier's own and the link's for it."""
+    return {"ram": dict(engine.blocks.snapshot()), **engine.lower.stats_by_tier()}
+
+
+def gauge_keys(engine: Engine) -> frozenset[str]:
+    """The keys of ``snapshot`` that are levels, as their owners declare them."""
+    return (GAUGES | BlockManager.GAUGES | ModelRunner.GAUGES
+            | frozenset().union(*(a.tier.gauges for a in engine.lower.tiers)))
+
+
+def step_health(engine: Engine) -> dict[str, object]:
+    """The step loop's state for /health."""
+    return {
+        "healthy": engine.healthy,
+        "step_failures": int(engine.stats["engine_step_failures"]),
+        "step_failures_in_a_row": int(engine.stats["engine_step_failures_in_a_row"]),
+        "unhealthy_after_failed_steps": engine.config.unhealthy_after_failed_steps,
+        "last_step_error": engine.last_step_error,
+        "last_step_error_time": engine.last_step_error_time,
+    }
+
+
+def tier_reports(engine: Engine) -> list[dict[str, object]]:
+    """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked of
+    it and served by it (the hit-rate pair)."""
+    kv = engine.blocks.stats
+    reports: list[dict[str, object]] = [{
+        "tier": "ram", "state": "ok", "last_shutdown_clean": None,
+        "queried_blocks": kv["kv_lookup_hits"] + kv["kv_lookup_misses"], "hit_blocks": kv["kv_lookup_hits"],
+    }]
+    lower = engine.lower
+    for attached in lower.tiers:
+        name = attached.tier.name
+        health = attached.calls.health()
+        reports.append({
+            "tier": name, "state": health.get("state"),
+            "last_shutdown_clean": health.get("last_shutdown_clean"),
+            "queried_blocks": lower.stats[name + "_link_queried_blocks"],
+            "hit_blocks": lower.stats[name + "_link_loaded_blocks"],
+        })
+    return reports
+
+
+def tier_health(engine: Engine) -> dict[str, dict[str, object]]:
+    """Each lower tier's health with its policy, by tier name (empty without tiers)."""
+    return engine.lower.health()
