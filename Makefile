@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcellar-installed
 ARGS   ?=
 
-.PHONY: setup serve test test-fast lint bench clean redis-server agents
+.PHONY: setup serve test test-fast lint typecheck bench clean redis-server agents
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,8 @@ TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup redis-server agents
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 	$(PYTEST) $(ARGS)
 
 test-fast: setup redis-server
@@ -81,6 +83,11 @@ test-fast: setup redis-server
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
+
+# mypy over src/kvcellar, strict on cache/, engine/ and storage/ (pyproject.toml [tool.mypy]).
+typecheck: setup
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/kvcellar bench $(ARGS)

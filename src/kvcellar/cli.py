@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
@@ -84,7 +86,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The settings of a command: its flags over ``config.load_settings``' defaults, file and
     environment (SPEC §8)."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
+    get: Callable[[str], Any] = lambda name: getattr(args, name, None)  # noqa: E731
     return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"), flags={
         "engine": {
             # --dtype and --device default to "auto", which must not override the file

@@ -82,6 +82,7 @@ def _parse(buf: mmap.mmap) -> GGUFInfo:
 
     def scalar(fmt: str) -> int | float | bool:
         nonlocal pos
+        value: int | float | bool
         (value,) = struct.unpack_from(order + fmt, buf, pos)
         pos += struct.calcsize(fmt)
         return value

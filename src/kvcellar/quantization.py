@@ -110,7 +110,8 @@ class QuantizedWeight:
         kinds = {(p.kind, p.group_size) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")
-        offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
+        offsets = (None if parts[0].offsets is None
+                   else torch.cat([p.offsets for p in parts]))  # type: ignore[misc]  # one kind: all have offsets
         return QuantizedWeight(parts[0].kind, torch.cat([p.qweight for p in parts]),
                                torch.cat([p.scales for p in parts]), offsets, parts[0].group_size)
 

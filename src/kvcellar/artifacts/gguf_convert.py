@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -170,7 +170,8 @@ class GgufFile:
             # What ``AutoConfig.from_pretrained(gguf_file=...)`` does, keeping the metadata dict
             # on the way: transformers hands that to the processor, not the config object.
             parsed, unused = PreTrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
-            self.processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=copy.deepcopy(parsed))
+            processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)
+            self.processor = processor_class(config=copy.deepcopy(parsed))
             config = CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed, **unused)
             with torch.device("meta"):
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -213,7 +214,7 @@ class GgufFile:
         (an HF name) skips the others, unread where the name is known before reading."""
         import gguf
 
-        def keep(name: str | None) -> bool:
+        def keep(name: str | None) -> TypeGuard[str]:
             return name is not None and name in self.names and (wanted is None or wanted(name))
 
         last_of_block = {_block(t.name): i for i, t in enumerate(self.stored)}
@@ -257,7 +258,7 @@ class GgufFile:
         shape = t.shape if end is None else (end - first, *t.shape[1:])
         out = np.empty(shape, dtype=t.dtype)
         row_bytes = out[0].nbytes if first else 0
-        view = memoryview(out).cast("B")
+        view = memoryview(out.data).cast("B")
         done, offset = 0, t.offset + first * row_bytes
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -500,14 +501,15 @@ def _weights_map(model: Any, processor: Any) -> dict[str, str]:
     build = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(build)
     try:
-        return get_gguf_hf_weights_map(model, processor)
+        mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor)
+        return mapping
     finally:
         gguf.get_tensor_name_map = build
 
 
 def _converted_by_mapping(architecture: str) -> bool:
     try:
-        from transformers.integrations.gguf import is_gguf_arch_supported
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
     except ImportError:
         return False
     return bool(is_gguf_arch_supported(architecture))

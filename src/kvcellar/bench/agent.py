@@ -225,7 +225,8 @@ def _measure(target: Target, maker: PromptMaker, cfg: dict[str, Any]) -> dict[st
         repeats.append({"seed": seed, "shared_prefix_tokens": shared, "restart": restart, "passes": passes})
     keys = ("ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tok_s", "cached_ratio", "ram_ratio",
             "ssd_ratio", "prompt_tokens", "wall_s")
-    summary = {str(n): {k: summarize(r["passes"][n - 1][k] for r in repeats) for k in keys} for n in (1, 2)}
+    summary: dict[str, dict[str, Any]] = {
+        str(n): {k: summarize(r["passes"][n - 1][k] for r in repeats) for k in keys} for n in (1, 2)}
     for n in (1, 2):
         turns = sorted({t for r in repeats for t in r["passes"][n - 1]["ttft_p50_by_turn_s"]}, key=int)
         summary[str(n)]["ttft_p50_by_turn_s"] = {

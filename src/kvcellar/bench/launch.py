@@ -38,12 +38,13 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 60.0, interval: f
     last: Any = None
     while True:
         try:
-            last = predicate()
+            value = predicate()
         except Exception as exc:
             last = exc
         else:
-            if last:
-                return last
+            last = value
+            if value:
+                return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
         time.sleep(interval)
@@ -138,6 +139,7 @@ class ServerLauncher:
                 return
             if "address already in use" not in self.log_tail().lower():
                 break
+        assert self.proc is not None  # every attempt starts one
         raise LaunchError(f"{self.name} exited with {self.proc.returncode} while starting; log {self.log_path}, "
                           f"tail:\n{self.log_tail()}")
 

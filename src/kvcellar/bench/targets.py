@@ -145,7 +145,7 @@ class ProcessTarget(Target):
                  stop_timeout: float = 60.0, env: Mapping[str, str] | None = None) -> None:
         super().__init__(name)
         self.work_dir = Path(work_dir)
-        self.cache_dir = self.work_dir / "cache"
+        self.cache_dir: Path = self.work_dir / "cache"
         self.log_path = self.work_dir / "server.log"
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout

@@ -120,10 +120,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _build_prompts(maker: PromptMaker, cfg: dict[str, Any], tok_dir: Path | None,
                    context: int | None) -> dict[int, list[tuple[ChatPrompt, ChatPrompt]]]:
     if context is None:
-        try:
-            context = int(json.loads((tok_dir / "config.json").read_text())["max_position_embeddings"])
-        except (OSError, ValueError, KeyError, TypeError):
-            context = 8192
+        context = 8192  # unless the tokenizer folder's config.json says
+        if tok_dir is not None:
+            try:
+                context = int(json.loads((tok_dir / "config.json").read_text())["max_position_embeddings"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
     limit = context - cfg["decode_tokens"] - 1
     cfg["context"] = context
     cfg["lengths"] = sorted({min(n, limit) for n in cfg["lengths"]})
@@ -273,7 +275,7 @@ def _derive(res: dict[str, Any], floor: dict[str, Any]) -> None:
 
 
 def _cached(rows: list[dict[str, Any]]) -> str:
-    vals = [r.get("cached_tokens") for r in rows if r.get("ok")]
+    vals: list[Any] = [r.get("cached_tokens") for r in rows if r.get("ok")]
     if not vals or any(v is None for v in vals):
         return "n/a"
     return "/".join(str(v) for v in sorted(set(vals)))

@@ -26,6 +26,7 @@ allocation: masked-out positions must hold finite values (0 x NaN is NaN in soft
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class KVLayout:
         return self.bytes_per_block // self.block_size
 
     @classmethod
-    def from_model_config(cls, config: object, block_size: int, dtype: torch.dtype, kv_bits: int = 16,
+    def from_model_config(cls, config: Any, block_size: int, dtype: torch.dtype, kv_bits: int = 16,
                           kv_group_size: int = DEFAULT_KV_GROUP_SIZE) -> KVLayout:
         text = getattr(config, "get_text_config", lambda: config)()
         heads = text.num_attention_heads

@@ -94,7 +94,7 @@ class Prefetcher:
     def _held_for_waiting(self) -> list[Block]:
         """Unreferenced blocks prefetched for sequences that still wait (still holding what
         was published)."""
-        out = []
+        out: list[Block] = []
         for published in self._published.values():
             out.extend(b for b, d in published if b.digest == d and b.ref_count == 0)
         return out

@@ -194,6 +194,7 @@ class PrefixCache(Generic[S]):
         self.prefetch.poll(lower)
         ready, again = [], []
         for seq in list(self.loading):
+            assert seq.pending_load is not None  # set by admit() before it joins ``loading``
             n = lower.finish_load(seq.pending_load)
             if n is None:
                 if lower.overdue(seq.pending_load):
@@ -201,7 +202,6 @@ class PrefixCache(Generic[S]):
                     again.append(seq)
                 continue
             self.loading.remove(seq)
-            assert seq.pending_load is not None
             loaded_tiers = seq.pending_load.block_tiers()
             seq.pending_load = None
             first = seq.num_registered

@@ -19,6 +19,7 @@ sequence. For each layer the function
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ class StepMeta:
 
 
 def paged_attention(
-    module: torch.nn.Module,
+    module: Any,  # the model's attention module; only its ``layer_idx`` is read
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -118,7 +119,7 @@ def paged_attention(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by kvcellar's paged attention")
     window = kwargs.get("sliding_window") or None
-    layer = module.layer_idx
+    layer: int = module.layer_idx
     pool = meta.pool
     # query [1, Hq, T, D]; key/value [1, Hkv, T, D]
     _, n_q_heads, total, head_dim = query.shape
@@ -186,7 +187,7 @@ def _chunk_over_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     log-sum-exp. SDPA with a [n, past + n] boolean mask was ~18 % slower on CPU (it expands
     the mask per call and cannot skip masked tiles), and attention is most of a long prefill."""
     _, n_q_heads, n, head_dim = q.shape
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash: Callable[..., tuple[torch.Tensor, ...]] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     folded = q.reshape(1, n_kv_heads, groups * n, head_dim)  # all past keys visible: fold GQA
     o_past, lse_past = flash(folded, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)[:2]
     k_own, v_own = k[:, :, past:], v[:, :, past:]

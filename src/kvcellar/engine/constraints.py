@@ -27,16 +27,19 @@ import json
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from kvcellar.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in llguidance's stub only
+
 # JSON is written the way json.dumps writes it (", " and ": "), with no free whitespace:
 # small models given free whitespace can emit newlines until max_tokens.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
 # Budget steering (TokenConstraint, _Planner).
 _PLAN_CAP = 2048  # the longest start plan min_tokens looks for
@@ -93,7 +96,7 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # type: ignore[arg-type]
+            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
         except ValueError as exc:
             raise InvalidRequestError(f"Invalid schema for '{param}': {exc}", param=param) from None
         return self._compile(source, "json_schema", param)
@@ -282,8 +285,8 @@ class TokenConstraint:
         if self._completion_after(token_id, left - 1) is not None:
             return token_id
         values, ids = torch.topk(logits.detach().to("cpu", torch.float32), min(_ALTERNATIVES + 1, logits.numel()))
-        alternatives = [t for v, t in zip(values.tolist(), ids.tolist(), strict=True)
-                        if v != float("-inf") and t != token_id][:_ALTERNATIVES]
+        alternatives: list[int] = [t for v, t in zip(values.tolist(), ids.tolist(), strict=True)
+                                   if v != float("-inf") and t != token_id][:_ALTERNATIVES]
         for token in alternatives:
             if self._completion_after(token, left - 1) is not None:
                 return token
@@ -441,7 +444,7 @@ class _Planner:
         bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
         top = self.ranked[bias[self.ranked] != 0][:k]  # cheap where most tokens are allowed (strings)
         if top.size == k:
-            return top.tolist()
+            return cast(list[int], top.tolist())
         allowed = np.flatnonzero(bias[:self.score.size])
         if allowed.size <= 1:
             return allowed.tolist()
@@ -450,7 +453,7 @@ class _Planner:
             return [int(allowed[np.argmax(scores)])]
         best = np.argpartition(-scores, k)[:k] if allowed.size > k else np.arange(allowed.size)
         best = best[np.argsort(-scores[best], kind="stable")]
-        return allowed[best].tolist()
+        return cast(list[int], allowed[best].tolist())
 
     def search(self, m: Any, limit: int, *, extra_nodes: int = 0, branch: int = 1) -> list[int] | None:
         """A completion of at most ``limit`` tokens from ``m``'s state to an accepting one
@@ -507,7 +510,7 @@ class _Planner:
     def _merged(self, m: Any, plan: list[int]) -> list[int]:
         """``plan``'s text tokenized as the tokenizer would, where that is shorter and ends
         accepted too (the search goes token by token: ``"`` then ``,`` where ``",`` is one)."""
-        merged = self._lltok.tokenize_bytes(self._lltok.decode_bytes(plan))
+        merged: list[int] = self._lltok.tokenize_bytes(self._lltok.decode_bytes(plan))
         if len(merged) >= len(plan):
             return plan
         for i, t in enumerate(merged):

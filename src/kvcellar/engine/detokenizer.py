@@ -27,7 +27,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+        text: str = self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""

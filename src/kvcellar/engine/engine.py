@@ -393,8 +393,8 @@ class Engine:
         self.lower.flush()
         self.stats["engine_step_seconds"] += time.perf_counter() - t0
         if failed:
-            for seq, exc in failed:
-                self._step_failed(exc, [seq])
+            for seq, error in failed:
+                self._step_failed(error, [seq])
         else:
             self.stats["engine_step_failures_in_a_row"] = 0
         return True

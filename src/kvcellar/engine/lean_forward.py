@@ -49,12 +49,12 @@ def _rotate_joint(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (qk * cos) + (rotated * sin)
 
 
-def fusion_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
+def fusion_groups(model: Any) -> list[tuple[str, list[str]]]:
     """The linears ``linears.prepare_model`` fuses for a supported architecture: per layer
     q/k/v into ``<layer>.self_attn.qkv`` and gate/up into ``<layer>.mlp.gate_up``."""
     if lean_forward_for(model) is None:
         return []
-    groups = []
+    groups: list[tuple[str, list[str]]] = []
     for i in range(len(model.model.layers)):
         path = f"model.layers.{i}"
         groups.append((f"{path}.self_attn.qkv", [f"{path}.self_attn.{p}_proj" for p in "qkv"]))
@@ -62,9 +62,10 @@ def fusion_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
     return groups
 
 
-def _rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """transformers' LlamaRMSNorm/Qwen2RMSNorm forward, op for op."""
-    weight, eps = module.weight, module.variance_epsilon
+    weight: torch.Tensor = module.weight
+    eps: float = module.variance_epsilon
 
     def norm(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -77,30 +78,32 @@ def _rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Layer:
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.attn = attn
+        self.attn: nn.Module = attn
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
-        self.sliding_window = getattr(attn, "sliding_window", None)
+        self.sliding_window: int | None = getattr(attn, "sliding_window", None)
         # Fused QKV / gate-up where ``linears.prepare_model`` fused them: one call, then views.
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-        self.qkv = q.fused if isinstance(q, FusedPart) and k.fused is q.fused and v.fused is q.fused else None
-        self.qkv_sizes = [q.out_features, k.out_features, v.out_features]
-        self.qk_heads = (q.out_features + k.out_features) // self.head_dim
-        self.q_heads = q.out_features // self.head_dim
+        self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = (
+            q.fused if isinstance(q, FusedPart) and k.fused is q.fused and v.fused is q.fused else None)
+        self.qkv_sizes: list[int] = [q.out_features, k.out_features, v.out_features]
+        self.qk_heads: int = (q.out_features + k.out_features) // self.head_dim
+        self.q_heads: int = q.out_features // self.head_dim
         self.q, self.k, self.v = _linear(q), _linear(k), _linear(v)
         self.o = _linear(attn.o_proj)
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up = gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None
-        self.gate_up_sizes = [gate.out_features, up.out_features]
+        self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = (
+            gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None)
+        self.gate_up_sizes: list[int] = [gate.out_features, up.out_features]
         self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
-        self.act = mlp.act_fn
+        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.input_norm = _rms_norm(layer.input_layernorm)
         self.post_norm = _rms_norm(layer.post_attention_layernorm)
 
 
-def lean_forward_for(model: nn.Module) -> LeanForward | None:
+def lean_forward_for(model: Any) -> LeanForward | None:
     """A ``LeanForward`` over ``model``, or None if its architecture is not one this file
     reproduces exactly."""
     layer_class = SUPPORTED.get(type(model).__name__)
@@ -120,10 +123,10 @@ def lean_forward_for(model: nn.Module) -> LeanForward | None:
 
 
 class LeanForward:
-    def __init__(self, model: nn.Module, rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: Any, rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
         inner = model.model
-        self.embed = inner.embed_tokens
-        self.rotary = inner.rotary_emb
+        self.embed: Callable[[torch.Tensor], torch.Tensor] = inner.embed_tokens
+        self.rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = inner.rotary_emb
         self.rope = rope
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm)
@@ -176,7 +179,8 @@ def module_forward(model: nn.Module) -> Callable[..., Any]:
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                 meta: StepMeta) -> torch.Tensor:
-        return model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
-                     use_cache=False, kvcellar_meta=meta).logits
+        logits: torch.Tensor = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
+                                     use_cache=False, kvcellar_meta=meta).logits
+        return logits
 
     return forward

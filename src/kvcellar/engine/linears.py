@@ -214,7 +214,8 @@ class FastLinear(nn.Module):
         """One linear computing ``linears`` side by side (outputs concatenated)."""
         quant = None
         if all(q is not None for q in quants):
-            quant = QuantizedWeight.concat(quants) if len(quants) > 1 else quants[0]  # type: ignore[arg-type]
+            quant = (QuantizedWeight.concat(quants)  # type: ignore[arg-type]  # all() above: no None in quants
+                     if len(quants) > 1 else quants[0])
         elif any(q is not None for q in quants):
             raise ValueError("cannot fuse a quantized linear with a dense one")
         first = linears[0].weight
@@ -266,16 +267,19 @@ class FastLinear(nn.Module):
 
     def dense(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.dense_kind == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
+            packed: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
+            return packed
         if self.dense_kind == "dequantized":
             if self.upcast:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x2d.float(), self.dequantized().float(), bias).to(self.dtype)
             return F.linear(x2d, self.dequantized(), self.bias)
+        assert self._dense is not None  # "plain" always keeps its dense weight (__init__)
         return F.linear(x2d, self._dense, self.bias)
 
     def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         x = x2d.to(self.kernel_dtype)
+        out: torch.Tensor
         if self.quant_kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x, self._q, self._scale)
         else:
@@ -308,7 +312,8 @@ class FusedPart(nn.Module):
         self.in_features, self.out_features = fused.in_features, end - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)[..., self.start : self.end]
+        out: torch.Tensor = self.fused(x)
+        return out[..., self.start : self.end]
 
 
 @dataclass
@@ -363,7 +368,7 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     prepared = PreparedModel(table, fused, linears)
-    model._kvcellar_prepared = prepared  # type: ignore[assignment]
+    model._kvcellar_prepared = prepared  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
     return prepared
 
 

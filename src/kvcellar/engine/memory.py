@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class MemoryPlan:
         return self.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
 
     def describe(self) -> str:
-        gb = lambda n: f"{n / GIB:.1f} GB"  # noqa: E731
+        gb: Callable[[int], str] = lambda n: f"{n / GIB:.1f} GB"  # noqa: E731
         return (f"{gb(self.total_bytes)}: weights {gb(self.weights_bytes)} ({self.weights_mode}), "
                 f"KV pool {gb(self.kv_pool_bytes)}, overhead {gb(self.overhead_bytes)}")
 

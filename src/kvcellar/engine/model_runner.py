@@ -91,7 +91,7 @@ class ModelRunner:
         self.stats["runner_quant_max_rows"] = table.quant_max_rows
         return {"quant_max_rows": table.quant_max_rows, "ms_per_pass": table.measured}
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def build(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], StepMeta]:

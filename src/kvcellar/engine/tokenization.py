@@ -19,9 +19,10 @@ def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, add_gener
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
     try:
-        return tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
+        return text
     except InvalidRequestError:
         raise
     except Exception as exc:  # template errors (e.g. jinja raise_exception for bad roles)

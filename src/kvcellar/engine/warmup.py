@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST
 from kvcellar.engine.linears import release_scratch
@@ -78,7 +78,7 @@ def warm_up(engine: Engine) -> float:
     if engine.threaded or engine.num_active():
         raise RuntimeError("warm up an idle engine before starting it")
     t0 = time.perf_counter()
-    counters = (engine.stats, engine.scheduler.stats, engine.blocks.stats)
+    counters: tuple[dict[str, Any], ...] = (engine.stats, engine.scheduler.stats, engine.blocks.stats)
     saved = [dict(c) for c in counters]
     steps = 0
     with engine.lower.suspended():  # until its blocks are dropped too

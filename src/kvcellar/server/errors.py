@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,6 +75,10 @@ def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+@overload
+def _printable(text: str) -> str: ...
+@overload
+def _printable(text: str | None) -> str | None: ...
 def _printable(text: str | None) -> str | None:
     """Error text may quote a request (a model name, a path); a lone surrogate in it would make
     the error body itself unencodable."""

@@ -190,7 +190,8 @@ class ResponseBuilder:
         return {"content": content, "refusal": None}
 
     def _legacy_logprobs(self, choice: ChoiceState, raws: Sequence[RawLogprob]) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens, token_lps, offsets = [], [], []
+        tops: list[dict[str, float] | None] = []
         for token_id, lp, top in raws:
             text, _ = self.tokens.get(token_id)
             tokens.append(text)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,7 +73,7 @@ class SnapshotCollector(Collector):
         yield from self._tier_families(self._tiers())
 
     @staticmethod
-    def _tier_families(tiers: Sequence[Mapping[str, object]]) -> Iterable[Metric]:
+    def _tier_families(tiers: Sequence[Mapping[str, Any]]) -> Iterable[Metric]:
         if not tiers:
             return
         state = GaugeMetricFamily("kvcellar_tier_state", "1 for the tier's current state", labels=["tier", "state"])
@@ -86,8 +87,8 @@ class SnapshotCollector(Collector):
                 state.add_metric([name, s], 1.0 if t.get("state") == s else 0.0)
             if t.get("last_shutdown_clean") is not None:
                 clean.add_metric([name], float(bool(t["last_shutdown_clean"])))
-            queried.add_metric([name], float(t.get("queried_blocks", 0)))  # type: ignore[arg-type]
-            hits.add_metric([name], float(t.get("hit_blocks", 0)))  # type: ignore[arg-type]
+            queried.add_metric([name], float(t.get("queried_blocks", 0)))
+            hits.add_metric([name], float(t.get("hit_blocks", 0)))
         yield from (state, clean, queried, hits)
 
     def describe(self) -> Iterable[Metric]:

@@ -224,9 +224,9 @@ class Serving:
         if isinstance(raw, str):
             raw_prompts: list[str | list[int]] = [raw]
         elif raw and isinstance(raw[0], int):
-            raw_prompts = [list(raw)]  # type: ignore[arg-type]
+            raw_prompts = [list(raw)]
         else:
-            raw_prompts = list(raw)  # type: ignore[arg-type]
+            raw_prompts = list(raw)  # type: ignore[arg-type]  # list[str] or list[list[int]]: raw[0] is no int
         n = self._choice_count(req.n or 1, len(raw_prompts))
         if req.best_of is not None and req.best_of != n:
             raise errors.invalid("best_of is supported only equal to n.", param="best_of",

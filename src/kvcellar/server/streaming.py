@@ -102,5 +102,5 @@ class SSEResponse(Response):
         finally:
             await _cancel(writer, watcher)
             with contextlib.suppress(BaseException):
-                await self._body.aclose()  # type: ignore[attr-defined]
+                await self._body.aclose()  # type: ignore[attr-defined]  # async generators have it; suppressed
             self._on_close(disconnected)

@@ -248,7 +248,7 @@ def encode_block(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[in
                  data: torch.Tensor, created_ns: int, parent: bytes | None = None) -> bytes:
     """One whole block (header + payload) as one bytes value, for stores that keep
     values rather than files."""
-    payload = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    payload = memoryview(data.reshape(-1).view(torch.uint8).numpy().data)
     header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns, parent)
     return b"".join((header, payload))
 
@@ -271,7 +271,7 @@ def decode_block_into(value: bytes | memoryview, spec: BlockSpec, key: bytes, di
     reason = identity_mismatch(header, key, digest, token_ids)
     if reason is not None:
         return reason
-    out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    out = memoryview(dest.reshape(-1).view(torch.uint8).numpy().data)
     out[:] = mv[header_size:]
     if payload_checksum(out) != header.payload_crc32:
         return "checksum"

@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvcellar.storage.base import KVTier, LoadRequest, StoreRequest
 from kvcellar.storage.counters import Counters
@@ -164,7 +164,7 @@ class GuardedTier(KVTier):
 
     def health(self) -> dict[str, object]:
         try:
-            health = dict(self.tier.health())
+            health: dict[str, Any] = dict(self.tier.health())
         except Exception as exc:
             self._faults["health"].failure(exc, "health")
             health = {"state": "degraded", self.name: {}}
@@ -172,7 +172,7 @@ class GuardedTier(KVTier):
         if faults:
             health["state"] = "degraded"
             last = max(faults, key=lambda f: f.last_error_time or 0.0)
-            if (last.last_error_time or 0.0) >= float(health.get("last_error_time") or 0.0):  # type: ignore[arg-type]
+            if (last.last_error_time or 0.0) >= float(health.get("last_error_time") or 0.0):
                 health["last_error"] = last.last_error
                 health["last_error_time"] = last.last_error_time
         health["guard"] = {"failing": sorted(v for v, f in self._faults.items() if f.in_episode),

@@ -43,7 +43,7 @@ class ToolResultBlock(_Request):
 class OtherBlock(_Request):
     """A block type we recognise but do not serve, or skip (see the module docstring)."""
 
-    type: Literal[UNSUPPORTED_BLOCKS + SKIPPED_BLOCKS]  # type: ignore[valid-type]
+    type: Literal[UNSUPPORTED_BLOCKS + SKIPPED_BLOCKS]  # type: ignore[valid-type]  # built from tuples at runtime
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock, Field(discriminator="type")]

@@ -206,7 +206,7 @@ def _tool_plan(req: ResponsesRequest | InputTokensRequest, functions: list[dict[
                                   schema_param=lambda i: f"{params[i]}.parameters")
     if not functions and choice in (None, "auto", "none"):
         return None
-    kind = "named" if named is not None else choice
+    kind = "named" if isinstance(choice, NamedTool) else choice
     return make_tool_plan(functions, kind, named, req.parallel_tool_calls is not False,
                           schema_param=lambda i: f"{params[i]}.parameters", names_param=lambda i: f"{params[i]}.name")
 

@@ -55,7 +55,8 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     return make_tool_plan([t.model_dump(exclude_none=True) for t in req.tools or []],
-                          "named" if named is not None else choice, named, req.parallel_tool_calls is not False,
+                          "named" if isinstance(choice, NamedToolChoice) else choice, named,
+                          req.parallel_tool_calls is not False,
                           schema_param=lambda i: f"tools[{i}].function.parameters")
 
 

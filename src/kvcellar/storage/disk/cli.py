@@ -36,7 +36,7 @@ def add_cache_commands(subparsers: Any) -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    cache = subparsers.add_parser("cache", help="inspect and maintain the persistent KV cache")
+    cache: argparse.ArgumentParser = subparsers.add_parser("cache", help="inspect and maintain the persistent KV cache")
     sub = cache.add_subparsers(dest="cache_command", required=True, metavar="{stats,verify,prune,clear}")
     sub.add_parser("stats", parents=[common], help="blocks, bytes and ages per namespace")
     v = sub.add_parser("verify", parents=[common], help="read and check every block; delete bad ones")
@@ -114,13 +114,13 @@ def run_cache_command(args: argparse.Namespace) -> int:
                 print(f"  removed empty old-format namespace {name}")
         return 0
     if cmd == "clear":
-        rep = maintenance.clear_cache(root, args.namespace, progress=progress)
+        cleared = maintenance.clear_cache(root, args.namespace, progress=progress)
         if args.json:
-            _dump(rep.as_dict())
+            _dump(cleared.as_dict())
         else:
-            if not rep.namespaces:
+            if not cleared.namespaces:
                 print("clear: nothing to delete")
-            for n in rep.namespaces:
+            for n in cleared.namespaces:
                 live = f" (was open by {n['live_sessions']} running server(s))" if n["live_sessions"] else ""
                 print(f"  deleted {n['dir']}: {n['blocks']} block(s), {format_bytes(n['bytes'])}{live}")
         return 0

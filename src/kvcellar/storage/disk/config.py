@@ -116,7 +116,7 @@ class DiskSettings:
     def to_tier_config(self) -> DiskTierConfig:
         self.validate()
         return DiskTierConfig(
-            durability=self.ssd_durability,  # type: ignore[arg-type]  (validated above)
+            durability=self.ssd_durability,  # type: ignore[arg-type]  # a Durability: validate() checked it
             persistent_retries=self.ssd_persistent_retries,
             async_writes=self.ssd_async,
             queue_blocks=self.ssd_queue_blocks,

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -46,7 +47,7 @@ class NamespaceInfo:
     namespace: str
     version: int
     path: Path
-    descriptor: dict | None  # contents of namespace.json, if readable
+    descriptor: dict[str, Any] | None  # contents of namespace.json, if readable
 
     @property
     def current(self) -> bool:
@@ -111,7 +112,8 @@ def _walk(ns: NamespaceInfo, progress: bool, desc: str) -> Iterator[tuple[str, o
 
 
 def _files(ns: NamespaceInfo, progress: bool, desc: str) -> tuple[list[_File], list[_File]]:
-    blocks, tmps = [], []
+    blocks: list[_File] = []
+    tmps: list[_File] = []
     for kind, e in _walk(ns, progress, desc):
         if kind == "other":
             continue
@@ -139,7 +141,7 @@ class NamespaceStats:
     unclean_sessions: int = 0
     unreachable_blocks: int = 0  # blocks whose chain parent is gone: no prefix can reach them
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "namespace": self.info.namespace,
             "format_version": self.info.version,
@@ -230,7 +232,7 @@ class NamespaceVerify:
     unreadable: int = 0
     skipped: str | None = None  # why the namespace was not verified
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"namespace": self.info.namespace, "format_version": self.info.version, "checked": self.checked,
                 "ok": self.ok, "bad": dict(self.bad), "deleted": self.deleted, "unreadable": self.unreadable,
                 "skipped": self.skipped}
@@ -318,7 +320,7 @@ class PruneReport:
     remaining_blocks: int = 0
     remaining_bytes: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -405,9 +407,10 @@ def _unlink(path: str) -> bool:
 # ---------------------------------------------------------------------------- clear
 @dataclass
 class ClearReport:
-    namespaces: list[dict] = field(default_factory=list)  # {"namespace", "dir", "blocks", "bytes", "live_sessions"}
+    # {"namespace", "dir", "blocks", "bytes", "live_sessions"}
+    namespaces: list[dict[str, Any]] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"namespaces": self.namespaces}
 
 

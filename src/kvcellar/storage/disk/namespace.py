@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kvcellar.storage.base import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION, header_size_for
@@ -69,7 +70,7 @@ class OpenNamespace:
     does no I/O; call ``open``."""
 
     def __init__(self, root: Path, namespace: str, spec: BlockSpec, config: DiskTierConfig,
-                 descriptor: dict | None) -> None:
+                 descriptor: dict[str, Any] | None) -> None:
         self.spec = spec
         self.config = config
         self.layout = NamespaceLayout(root, namespace)  # validates the namespace

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -52,9 +53,17 @@ class ReadResult:
     mtime_ns: int = 0
 
 
+class _Identity(TypedDict):
+    """The file a result is about (``ReadResult``'s ``ino``, ``dev``, ``mtime_ns``)."""
+
+    ino: int
+    dev: int
+    mtime_ns: int
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest) -> ReadResult:
@@ -67,7 +76,7 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         return ReadResult(Outcome.IO_ERROR, error=e)
     try:
         st = os.fstat(fd)
-        ident = {"ino": st.st_ino, "dev": st.st_dev, "mtime_ns": st.st_mtime_ns}
+        ident: _Identity = {"ino": st.st_ino, "dev": st.st_dev, "mtime_ns": st.st_mtime_ns}
         if st.st_size != expected:
             return ReadResult(Outcome.CORRUPT, "size", **ident)
         hdr = bytearray(header_size)

@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
 from kvcellar.storage.block_format import MAX_KEY_LEN, check_identity
@@ -85,7 +86,7 @@ class DiskTier(KVTier):
         namespace: str,
         spec: BlockSpec,
         config: DiskTierConfig | None = None,
-        descriptor: dict | None = None,
+        descriptor: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.config = config = config or DiskTierConfig()

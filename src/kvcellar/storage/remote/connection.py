@@ -20,7 +20,7 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 # the tier turns each into a fault episode, never into an exception for its caller. The
 # cluster client raises its own family (no slot map, slots not covered, no node reachable),
 # which is not a ``RedisError``; OSError covers socket errors that escape the client.
-FAULTS: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
+FAULTS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException, OSError)
 
 
 def redacted(url: str) -> str:

@@ -261,7 +261,7 @@ class RemoteTier(KVTier):
                 self._c.inc("corrupt_deleted")
         except FAULTS as e:
             self._fault(e, "deleting a corrupt block")
-        total = self._c.get("corrupt_total")
+        total = int(self._c.get("corrupt_total"))
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("remote tier %s: deleted a value that failed its %s check (%d so far)",
                          redacted(self.url), reason, total)
