@@ -85,7 +85,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The settings of a command: its flags over ``config.load_settings``' defaults, file and
-    environment (SPEC §8)."""
+    environment."""
     get: Callable[[str], Any] = lambda name: getattr(args, name, None)  # noqa: E731
     return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"), flags={
         "engine": {

@@ -53,10 +53,9 @@ class EngineConfig:
     # prompt never stalls running decodes for more than one budget's worth of compute.
     max_step_tokens: int = 512
     # Budget of a step in which no sequence is decoding: nobody waits between tokens, so a
-    # long prompt goes in fewer, larger chunks. Measured (bf16, 2 cores, benchmarks/
-    # bench_engine.py): prefill vs one transformers forward at 2048/4096 tokens went from
-    # 0.87x/0.97x (512-token chunks) to 1.04x/1.00x. The price: a request arriving meanwhile
-    # waits for that larger step (2.7 s for 2048 tokens here) before its own first one. 0: max_step_tokens.
+    # long prompt goes in fewer, larger chunks (faster prefill; docs/performance.md). The
+    # price: a request arriving meanwhile waits for that larger step before its own first
+    # one. 0: max_step_tokens.
     max_prefill_step_tokens: int = 2048
     # Largest prompt + completion accepted; 0 means the model's own context length.
     max_model_len: int = 0
@@ -81,7 +80,7 @@ class EngineConfig:
     warmup: bool = True
     # Supported architectures (Llama, Qwen2) run through kvcellar's own walk over the model's
     # layers (engine/lean_forward.py): bitwise the same logits as transformers' modules, with
-    # less Python per step (bf16 batch-1 decode step 41.8 -> 39.2 ms here). Off: the modules.
+    # less Python per step (docs/performance.md). Off: the modules.
     lean_forward: bool = True
     # torch threads for steps of at most 8 tokens (decodes; engine/model_runner.py): 0 = the
     # faster of one and all, measured at warm-up (all without warm-up); N = N.

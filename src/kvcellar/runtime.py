@@ -1,6 +1,6 @@
 """Assembling a running kvcellar from its settings: model, engine, and the tiers below it.
 
-The one place that knows how the parts fit (SPEC §2): a model source goes through the
+The one place that knows how the parts fit: a model source goes through the
 artifact cache (``prepare_and_load``) to the loader, the engine is built around the result,
 and the tiers go under it. The server, ``kvcellar generate`` and the benchmarks all build
 through ``build_engine`` or ``prepare_and_load``.

@@ -1,4 +1,4 @@
-"""The model artifact cache (SPEC §6): prepared models, content-addressed under ``<cache_dir>/models``.
+"""The model artifact cache: prepared models, content-addressed under ``<cache_dir>/models``.
 
 ``store`` holds the cache (``ArtifactCache``; the directory, descriptors and leases,
 acquiring and housekeeping sit beside it), ``prepare`` the builders that turn a source into

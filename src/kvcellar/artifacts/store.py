@@ -1,4 +1,4 @@
-"""ArtifactCache: the model artifact cache (SPEC §6), content-addressed, validated,
+"""ArtifactCache: the model artifact cache, content-addressed, validated,
 size-bounded prepared models under ``<cache_dir>/models``.
 
 ``<key>`` is a hash of the descriptor's identity fields (source content identity, target

@@ -161,7 +161,7 @@ def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
     notes = [f"{cfg['max_tokens']} tokens per stream (ignore_eos), prompts of ~{cfg['prompt_words']} words, "
              f"fresh per measurement; median (min–max) of {cfg['repeats']} repeat(s), variants interleaved",
              "vs off: aggregate tok/s over kvcellar with --ssd-policy off at the same concurrency "
-             "(issue 5 target: write_through >= 0.95x)"]
+             "(target: write_through >= 0.95x)"]
     for name, res in result["targets"].items():
         if not all(r["usage_reported"] for row in res["concurrency"].values() for r in row["runs"]):
             notes.append(f"{name}: streams carry no usage; tokens counted from streamed text chunks")

@@ -13,8 +13,8 @@ prompt is sent once more (page cache dropped right before each): the disk hit.
 
 The floor is what a disk hit cannot beat: the prompt's KV bytes over the sequential
 O_DIRECT read bandwidth of the cache's filesystem (measured in this run) plus one decode
-step at that context. Targets: issue 5 wants disk hit <= 1.5x floor, issue 4 RAM hit <= 1.2x
-one decode step. Against a peer the same requests are sent; tier splits and cached-token
+step at that context. Targets: a disk hit within 1.5x the floor, a RAM hit within 1.2x one
+decode step. Against a peer the same requests are sent; tier splits and cached-token
 counts are kvcellar's /health and usage fields and show as n/a where a server lacks them.
 """
 

@@ -31,7 +31,7 @@ from kvcellar.cache.kv_pool import KVPool
 
 ATTENTION_NAME = "kvcellar_paged"  # must not start with "paged|": the registry strips that prefix
 # Spans up to this many queries fold GQA groups into query rows: bf16 SDPA with enable_gqa
-# was 4x slower for a 1-token query over 4096 keys here, and no faster up to ~32 queries.
+# is several times slower for short queries over long contexts (docs/performance.md).
 FOLD_GQA_MAX_QUERIES = 32
 # A prefill chunk on top of at least this many earlier tokens takes the mask-free split path
 # (``_chunk_over_past``): 15 % faster at 4096 earlier tokens, no gain below a few hundred.

@@ -46,10 +46,8 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Before calibration: steps of up to this many rows use the quantized kernel where one is
 # fast at all (the measured cross-over above lies between 4 and 8).
 DEFAULT_QUANT_MAX_ROWS = 4
-# The row count oneDNN packs the weights for. Measured on the embedded model (full bf16): 1 ->
-# decode batch 1/8 39.4/60.0 ms, prefill 2048/4096 tokens 2466/1876 tok/s; 64 -> 39.5/60.2 ms,
-# 2606/1910 tok/s; 2048 -> 39.7/60.9 ms, 2555/1894 tok/s (packing for one row made 2048-row
-# matmuls up to 30 % slower than unpacked ``F.linear``).
+# The row count oneDNN packs the weights for: packing for one row slows large prefill matmuls,
+# and 64 costs decode nothing (docs/performance.md).
 PACK_ROWS_HINT = 64
 
 

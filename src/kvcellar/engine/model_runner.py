@@ -2,11 +2,11 @@
 
 Threads: a step of at most ``SMALL_STEP_TOKENS`` tokens (decodes) runs with
 ``decode_threads`` torch threads, larger ones (prefill chunks) with all of them. Under the
-passive OpenMP wait policy the package sets (``kvcellar/__init__.py``: spinning threads made
-decode ~7-30x slower whenever another process was busy), every parallel region pays for
-waking its threads: on the 2-core dev VM a bf16 batch-1 decode step took 57 ms on one thread
-against 69 ms on two (int8: 37 vs 50 ms), batch 8 86 vs 90 ms; prefill needs both. Which is
-faster depends on the machine, so warm-up (``engine/warmup.py``) measures it (``calibrate_decode_threads``).
+passive OpenMP wait policy the package sets (``kvcellar/__init__.py``: spinning threads slow
+decode down whenever another process is busy), every parallel region pays for waking its
+threads, so a small step can be faster on one thread; prefill needs all of them. Which is
+faster depends on the machine, so warm-up (``engine/warmup.py``) measures it
+(``calibrate_decode_threads``; figures in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Why this shape:
   blocks whose prefix is gone (unreachable: never served again).
 - The padding between the header checksum and the payload must be zeros: the
   header checksum does not cover it, and a flipped bit there was neither a
-  load failure nor a ``cache verify`` finding (issue 14, F4). Requiring zeros
+  load failure nor a ``cache verify`` finding. Requiring zeros
   rather than extending the checksum keeps every version-2 file valid (writers
   always wrote zeros), so the format version stays 2.
 - The payload starts at a 4096-byte boundary, so it can be read with

@@ -7,7 +7,7 @@ backing off, writes are dropped without touching the disk; the delay doubles
 per fault of a real operation up to a maximum and resets after a real block
 write succeeds. A failed probe changes neither the back-off nor the counters:
 probes run on their own short interval, so the episode ends within one probe
-interval of the fault clearing however long it lasted (issue 14, F3).
+interval of the fault clearing however long it lasted.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ it also reflects other processes and other files on the filesystem.
 
 The floor is ``min_free_bytes`` when given, else min(1 GiB, 5 % of the
 filesystem): a fixed 1 GiB floor silently switched the tier off on a
-filesystem smaller than that (issue 14, F2). ``no_space_reason`` says when the
+filesystem smaller than that. ``no_space_reason`` says when the
 limits leave no room for a single block even after evicting everything this
 tier holds: the tier then reports the state "no_space" instead of "ok", and ``has_room``
 (re-read at most once a second) makes ``wants`` say no, so the RAM tier does not copy
-blocks off its pool for a tier that would drop them (issue 14, item 6).
+blocks off its pool for a tier that would drop them.
 """
 
 from __future__ import annotations

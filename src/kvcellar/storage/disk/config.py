@@ -1,4 +1,4 @@
-"""Knobs of the disk tier (SPEC §5): ``DiskSettings`` as users set them (flags, ``[disk]`` in
+"""Knobs of the disk tier: ``DiskSettings`` as users set them (flags, ``[disk]`` in
 the TOML file, ``KVCELLAR_SSD_*``), ``DiskTierConfig`` as the tier takes them; defaults are the
 production ones."""
 
@@ -37,7 +37,7 @@ class DiskTierConfig:
     capacity_bytes: int = 20 * GIB
     # Free space always left on the filesystem. None: min(1 GiB, 5 % of the
     # filesystem's size), so a small cache filesystem is not switched off by a
-    # floor larger than itself (issue 14, F2). An explicit value is kept as given;
+    # floor larger than itself. An explicit value is kept as given;
     # if it leaves no room, start-up warns and health says "no_space".
     min_free_bytes: int | None = None
     ttl_s: float = 7 * 24 * 3600.0
@@ -53,8 +53,8 @@ class DiskTierConfig:
     # Fault back-off: writes are dropped while backing off; it doubles per failed real
     # write up to the cap. Probes (a 4 KiB write) run every probe_interval_s during an
     # episode whatever the back-off, and a successful one ends it: recovery after the
-    # fault clears takes at most about one probe interval (issue 14, F3: it was ~15 s
-    # when failed probes doubled the back-off towards 60 s).
+    # fault clears takes at most about one probe interval (failed probes do not double
+    # the back-off).
     fault_backoff_initial_s: float = 1.0
     fault_backoff_max_s: float = 2.0
     probe_interval_s: float = 1.0

@@ -9,7 +9,7 @@
   files of one prompt are often damaged together (a bad sector run, a faulty copy), but a
   load stops at the first bad block of a chain: the blocks after it are never read, and
   when the recomputed chain is stored again their files "already exist", so the damage
-  stayed on disk until a later read or ``cache verify`` (issue 14, F5). A store of a
+  would stay on disk until a later read or ``cache verify``. A store of a
   suspect checks the existing file and rewrites it if it is bad.
 
 Both forget their oldest keys beyond ``limit``: a forgotten drop loses only its

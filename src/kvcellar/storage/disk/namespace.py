@@ -192,7 +192,7 @@ class OpenNamespace:
     def unlink_block(self, key: bytes) -> bool:
         """Delete a block's file (eviction, TTL, remove). A failure (EROFS, EIO, EACCES)
         is a fault of the write direction like a failed write: without room, writes
-        cannot succeed either (issue 14, F1: a full disk remounted read-only said "ok")."""
+        cannot succeed either (a full disk remounted read-only must not say "ok")."""
         path = self.layout.block_path(key)
         try:
             os.unlink(path)

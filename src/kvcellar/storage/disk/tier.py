@@ -1,4 +1,4 @@
-"""DiskTier: the persistent SSD tier of the KV cache (SPEC §5), the KVTier verbs.
+"""DiskTier: the persistent SSD tier of the KV cache, the KVTier verbs.
 
 This file is the facade: lookup, load, store, remove, pin/unpin, touch, wants, stats,
 health, close. The parts behind it, one file per concept beside this one:
