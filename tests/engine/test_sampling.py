@@ -129,3 +129,23 @@ def test_eos_ends_generation_without_text(model):
     assert result.finish_reason == "stop"
     assert result.token_ids[-1] in model.eos_token_ids
     assert "<|im_end|>" not in result.text
+
+
+def test_a_batch_of_greedy_rows_is_picked_at_once_and_others_are_left_to_the_sampler():
+    from kvcellar.engine.sampling import greedy_tokens, plain_greedy
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    logits[2, 7] = logits[2, 11] = logits[2].max() + 1  # a tie: the first index, as one row's argmax
+    plain = [True, False, True, True, False]
+    picked = greedy_tokens(logits, plain)
+    assert picked == [int(torch.argmax(logits[i])) if p else None for i, p in enumerate(plain)]
+    assert picked[2] == 7
+    assert greedy_tokens(logits, [True] * 5) == [sample_row(r, SamplingParams(temperature=0.0), [], None).token_id
+                                                  for r in logits]
+    greedy = SamplingParams(temperature=0.0)
+    assert plain_greedy(greedy, None) and plain_greedy(SamplingParams(top_k=1), None)
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=True),
+                  SamplingParams(temperature=0.0, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, frequency_penalty=0.5)):
+        assert not plain_greedy(other, None)
+    assert not plain_greedy(greedy, object())  # any grammar constraint

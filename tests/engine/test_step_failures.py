@@ -11,7 +11,7 @@ import pytest
 
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.model_runner import ModelRunner
-from kvcellar.engine.scheduler import StepPlan
+from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from tests._models import assert_no_leaks, chat_ids, make_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -72,6 +72,36 @@ def test_the_failed_request_joining_mid_decode_does_not_change_the_others(model,
     for _ in range(4):
         engine.step()
     bad = engine.submit(chat_ids(model, POISONED), GREEDY)
+    engine.run_until_idle()
+    assert [engine.collect(h).token_ids for h in handles] == clean
+    assert engine.collect(bad).finish_reason == "error"
+    assert_no_leaks(engine)
+
+
+class PoisonedScheduler(Scheduler):
+    """The real scheduler, whose commit raises for a sequence holding the ``poison`` run once
+    it has generated a few tokens (as post-processing failing for one request would)."""
+
+    poison: tuple[int, ...] = ()
+
+    def commit(self, item: Scheduled) -> None:
+        seq = item.seq
+        ids = seq.token_ids[:seq.num_prompt_tokens]
+        n = len(self.poison)
+        if seq.num_tokens > seq.num_prompt_tokens + 2 and \
+                any(tuple(ids[i:i + n]) == self.poison for i in range(len(ids) - n + 1)):
+            raise RuntimeError("post-processing failed")
+        super().commit(item)
+
+
+def test_a_request_failing_after_the_forward_leaves_the_others_their_own_logits(model, clean):
+    """The failing request decodes first in the batch: the rows of the logits after its own
+    still go to their own requests."""
+    engine = make_engine(model)
+    engine.scheduler.__class__ = PoisonedScheduler
+    engine.scheduler.poison = tuple(model.tokenizer.encode(" zebra backwards", add_special_tokens=False))
+    bad = engine.submit(chat_ids(model, POISONED), GREEDY)
+    handles = [engine.submit(chat_ids(model, p), GREEDY) for p in PROMPTS]
     engine.run_until_idle()
     assert [engine.collect(h).token_ids for h in handles] == clean
     assert engine.collect(bad).finish_reason == "error"

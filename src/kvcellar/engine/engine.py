@@ -35,7 +35,7 @@ from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.output import final_event, token_event
-from kvcellar.engine.sampling import SampleResult, SamplingParams, sample_row
+from kvcellar.engine.sampling import SampleResult, SamplingParams, greedy_tokens, plain_greedy, sample_row
 from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
@@ -377,16 +377,23 @@ class Engine:
                 return True
         self.stats["engine_steps"] += 1
         self.stats["engine_computed_tokens"] += plan.num_tokens
+        sampled = [item.seq for item in plan.items if item.sample]
+        try:
+            greedy = greedy_tokens(logits, [plain_greedy(s.params, s.constraint) for s in sampled])
+        except Exception:  # then each row alone, where a failure is that sequence's
+            log.exception("picking the greedy tokens of a batch failed")
+            greedy = [None] * len(sampled)
         row = 0
         failed: list[tuple[Sequence, Exception]] = []
         for item in plan.items:
-            seq = item.seq
+            seq, r = item.seq, row
+            row += item.sample
             try:
                 self.scheduler.commit(item)
                 if item.sample:
-                    row += 1
-                    self._append(seq, sample_row(logits[row - 1], seq.params, seq.output_ids, seq.generator,
-                                                 seq.constraint))
+                    token = greedy[r]
+                    self._append(seq, SampleResult(token, None, None) if token is not None else
+                                 sample_row(logits[r], seq.params, seq.output_ids, seq.generator, seq.constraint))
             except Exception as exc:  # one sequence's failure must not strand the others
                 log.exception("post-processing sequence %d failed", seq.seq_id)
                 failed.append((seq, exc))

@@ -87,6 +87,25 @@ def apply_penalties(logits: torch.Tensor, output_ids: list[int], params: Samplin
     return logits - params.presence_penalty * (counts > 0).to(logits.dtype) - params.frequency_penalty * counts
 
 
+def plain_greedy(params: SamplingParams, constraint: TokenConstraint | None) -> bool:
+    """Whether the next token is the argmax of the raw logits and nothing else is asked of
+    them (no grammar, no penalty, no logprobs): ``greedy_tokens`` picks those a batch at once."""
+    return (params.greedy and constraint is None and not params.logprobs
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+
+
+def greedy_tokens(logits: torch.Tensor, plain: list[bool]) -> list[int | None]:
+    """Per row of ``logits`` ``[rows, vocab]``: its argmax where ``plain`` says so (one call,
+    so one device sync on an accelerator instead of one per row), else None."""
+    rows = [i for i, p in enumerate(plain) if p]
+    out: list[int | None] = [None] * len(plain)
+    if rows:
+        picked = logits if len(rows) == len(plain) else logits[rows]
+        for i, token in zip(rows, picked.argmax(dim=-1).tolist(), strict=True):
+            out[i] = int(token)
+    return out
+
+
 def sample_row(
     logits: torch.Tensor, params: SamplingParams, output_ids: list[int], generator: torch.Generator | None,
     constraint: TokenConstraint | None = None,
