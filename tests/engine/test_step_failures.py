@@ -19,6 +19,17 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Gi
 POISONED = "Spell the word zebra backwards."
 
 
+def poison_of(model: Any) -> tuple[int, ...]:
+    """The token run only ``POISONED`` holds."""
+    return tuple(model.tokenizer.encode(" zebra backwards", add_special_tokens=False))
+
+
+def holds(seq: Any, poison: tuple[int, ...]) -> bool:
+    """Whether ``seq``'s prompt holds the ``poison`` token run."""
+    ids, n = seq.token_ids[:seq.num_prompt_tokens], len(poison)
+    return any(tuple(ids[i:i + n]) == poison for i in range(len(ids) - n + 1))
+
+
 class PoisonedRunner(ModelRunner):
     """The real runner, whose forward raises for any batch holding a prompt with the
     ``poison`` token run (as a kernel failing for one request's shape would)."""
@@ -26,18 +37,15 @@ class PoisonedRunner(ModelRunner):
     poison: tuple[int, ...] = ()
 
     def run(self, plan: StepPlan) -> Any:
-        for item in plan.items:
-            ids = item.seq.token_ids[:item.seq.num_prompt_tokens]
-            n = len(self.poison)
-            if any(tuple(ids[i:i + n]) == self.poison for i in range(len(ids) - n + 1)):
-                raise RuntimeError("kernel failed for this shape")
+        if any(holds(item.seq, self.poison) for item in plan.items):
+            raise RuntimeError("kernel failed for this shape")
         return super().run(plan)
 
 
 def poisoned_engine(model: Any, **overrides: Any) -> Any:
     engine = make_engine(model, **overrides)
     engine.runner.__class__ = PoisonedRunner
-    engine.runner.poison = tuple(model.tokenizer.encode(" zebra backwards", add_special_tokens=False))
+    engine.runner.poison = poison_of(model)
     return engine
 
 
@@ -86,10 +94,7 @@ class PoisonedScheduler(Scheduler):
 
     def commit(self, item: Scheduled) -> None:
         seq = item.seq
-        ids = seq.token_ids[:seq.num_prompt_tokens]
-        n = len(self.poison)
-        if seq.num_tokens > seq.num_prompt_tokens + 2 and \
-                any(tuple(ids[i:i + n]) == self.poison for i in range(len(ids) - n + 1)):
+        if seq.num_tokens > seq.num_prompt_tokens + 2 and holds(seq, self.poison):
             raise RuntimeError("post-processing failed")
         super().commit(item)
 
@@ -99,7 +104,7 @@ def test_a_request_failing_after_the_forward_leaves_the_others_their_own_logits(
     still go to their own requests."""
     engine = make_engine(model)
     engine.scheduler.__class__ = PoisonedScheduler
-    engine.scheduler.poison = tuple(model.tokenizer.encode(" zebra backwards", add_special_tokens=False))
+    engine.scheduler.poison = poison_of(model)
     bad = engine.submit(chat_ids(model, POISONED), GREEDY)
     handles = [engine.submit(chat_ids(model, p), GREEDY) for p in PROMPTS]
     engine.run_until_idle()
