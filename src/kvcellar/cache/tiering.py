@@ -195,10 +195,11 @@ class LowerTierLink:
             requests.append(LoadRequest(self.key_of(digest), digest, tokens, dest))
         futures = []
         pos = 0
+        wake = self._wake
         for index, n in plan.runs:
             future = self.tiers[index].calls.load(requests[pos: pos + n])
-            if self._wake is not None:
-                future.add_done_callback(lambda _f: self._wake())  # type: ignore[misc]  # not None: checked above
+            if wake is not None:
+                future.add_done_callback(lambda _f: wake())
             futures.append(future)
             pos += n
         timeout = max((self.tiers[index].tier.load_timeout_s for index, _ in plan.runs), default=0.0)
