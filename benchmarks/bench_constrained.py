@@ -26,7 +26,7 @@ from typing import Any
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.engine.loader import load_model
 from kvcellar.engine.tokenization import encode_chat

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.runtime import prepare_and_load
 from kvcellar.engine.warmup import warm_up

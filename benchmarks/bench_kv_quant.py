@@ -51,7 +51,7 @@ from kvcellar.bench.launch import ServerLauncher
 from kvcellar.bench.pagecache import drop_page_cache
 from kvcellar.bench.report import format_table, machine_info, table
 from kvcellar.cache.kv_pool import KVLayout
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat

@@ -22,7 +22,7 @@ import kvcellar  # noqa: F401  (OMP wait policy before torch)
 import torch
 
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import Engine, SamplingParams, assemble_engine
 from kvcellar.runtime import prepare_and_load
 

@@ -24,7 +24,7 @@ import torch
 
 from bench_engine import engine_decode_ms, engine_prefill, kvcellar_cache, profile_decode_step, prompt_of, stats
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import assemble_engine
 from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.engine.tokenization import encode_chat

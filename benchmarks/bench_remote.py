@@ -30,8 +30,8 @@ from pathlib import Path
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent, assemble_engine, observability
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import prepare_and_load
 from kvcellar.storage.disk.config import DiskTierConfig

@@ -51,8 +51,8 @@ def child(args: argparse.Namespace) -> None:
     import transformers  # noqa: F401
 
     from kvcellar.artifacts import ArtifactCache, ArtifactConfig
-    from kvcellar.config import EngineConfig
     from kvcellar.engine import SamplingParams, assemble_engine
+    from kvcellar.engine.config import EngineConfig
     from kvcellar.engine.loader import load_model
     from kvcellar.engine.tokenization import encode_chat
     from kvcellar.runtime import prepare_and_load

@@ -29,7 +29,7 @@ from torch import nn
 
 from bench_engine import engine_decode_ms, hf_decode_ms, stats
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine import assemble_engine
 from kvcellar.engine.loader import wrap_model
 from kvcellar.quantization import quantize_model

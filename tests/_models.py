@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
-from kvcellar.config import EngineConfig
 from kvcellar.engine import Engine, assemble_engine
 from kvcellar.engine.attention import ATTENTION_NAME
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.runtime import prepare_and_load

@@ -21,6 +21,7 @@ from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.prefix_cache import PrefixCache
 from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.engine.scheduler import Scheduler, StepPlan
 from kvcellar.engine.sequence import Sequence
@@ -93,9 +94,11 @@ class Driver:
         self.wake = threading.Event()
         self.lower = LowerTierLink(self.pool, self.bm.key, wake=self.wake.set, guard_backoff_s=guard_backoff_s)
         self.bm.on_evict = self.lower.evicted
-        self.sched = Scheduler(self.bm, self.lower, max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
-                               prefix_caching=prefix_caching, copy_block=self.pool.copy_block,
-                               prefetch_pool_fraction=prefetch_pool_fraction)
+        # max_prefill_step_tokens=0: every step under the one budget, decoding or not.
+        config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
+                              max_prefill_step_tokens=0, prefix_caching=prefix_caching,
+                              prefetch_pool_fraction=prefetch_pool_fraction)
+        self.sched = Scheduler(self.bm, self.lower, config, copy_block=self.pool.copy_block)
         self.runner = FakeRunner(self.pool)
         self.done: dict[int, list[int]] = {}
         self._ids = 0

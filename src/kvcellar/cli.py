@@ -11,9 +11,9 @@ from typing import Any
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
-from kvcellar.config import Settings, load_settings
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
+from kvcellar.settings import Settings, load_settings
 from kvcellar.storage.disk.cli import add_cache_commands
 from kvcellar.storage.remote.cli import add_remote_args, remote_cli_values
 

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvcellar.config import WEIGHT_MODES
-
 INT4_GROUP = 32
 LM_HEAD = "lm_head"
 # What each mode stores, as the artifact cache keys it: change the string when the rules of
@@ -193,7 +191,7 @@ def quantize_model(model: nn.Module, mode: str, given: dict[str, QuantizedWeight
     ``materialize=False`` leaves the weights as loaded: for an engine whose quantized kernels
     run, whose linears (``engine/linears.py``) compute from the quantized weights alone, so
     a dequantized copy of the whole model is never made."""
-    if mode not in WEIGHT_MODES or mode == "auto":
+    if mode not in ("full", "int8", "int4"):  # "auto" is the loader's to resolve first
         raise ValueError(f"unknown weights mode {mode!r}; use one of full, int8, int4")
     if mode == "full":
         return {}

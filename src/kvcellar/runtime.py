@@ -13,13 +13,13 @@ import time
 
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
-from kvcellar.config import Settings
 from kvcellar.engine import Engine, assemble_engine
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
+from kvcellar.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -86,8 +86,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, *, hidden: int = 64, layers: int 
 
 def greedy(loaded: Any, user: str = "hello there", max_tokens: int = 8) -> list[int]:
     """Greedy completion of a one-turn chat through the kvcellar engine."""
-    from kvcellar.config import EngineConfig
     from kvcellar.engine import SamplingParams, assemble_engine
+    from kvcellar.engine.config import EngineConfig
     from kvcellar.engine.tokenization import encode_chat
 
     ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": user}])

@@ -14,10 +14,10 @@ import pytest
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.artifacts.locks import FileLock
-from kvcellar.config import Settings
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.identity import file_sha256
 from kvcellar.runtime import open_artifacts, prepare_and_load
+from kvcellar.settings import Settings
 from tests.artifacts.helpers import greedy
 
 
@@ -246,7 +246,7 @@ def test_disk_full_while_preparing_falls_back_and_leaves_nothing(tiny_ggufs: lis
 
 def test_config_precedence_and_disabling(tiny_ggufs: list[Path], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcellar.config import load_settings
+    from kvcellar.settings import load_settings
 
     assert load_settings().artifacts.max_gb == 50.0
     config = tmp_path / "kvcellar.toml"

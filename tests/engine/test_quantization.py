@@ -341,7 +341,7 @@ def test_a_float32_model_with_bf16_kernels_is_lean_and_every_prefix_path_agrees(
 
 
 def test_an_unknown_weights_mode_in_the_settings_is_a_clear_error(tmp_path):
-    from kvcellar.config import load_settings
+    from kvcellar.settings import load_settings
 
     bad = tmp_path / "kvcellar.toml"
     bad.write_text('[engine]\nweights = "int3"\n')

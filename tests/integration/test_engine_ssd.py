@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcellar.config import Settings
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.runtime import attach_disk_tier
+from kvcellar.settings import Settings
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.config import DiskSettings, DiskTierConfig
 from kvcellar.storage.disk.tier import DiskTier

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kvcellar.artifacts import ArtifactCache
-from kvcellar.config import load_settings
+from kvcellar.settings import load_settings
 from kvcellar.units import format_bytes
 
 

@@ -1,4 +1,4 @@
-"""Knobs of the model artifact cache: the ``[artifacts]`` section (``kvcellar.config``).
+"""Knobs of the model artifact cache: the ``[artifacts]`` section (``kvcellar.settings``).
 
 Precedence as everywhere else: defaults < config file < environment
 (``KVCELLAR_ARTIFACT_<FIELD>``, e.g. ``KVCELLAR_ARTIFACT_MAX_GB=20``) < CLI flags.

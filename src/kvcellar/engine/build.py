@@ -16,7 +16,7 @@ from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
-from kvcellar.config import EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.engine import Engine, EngineParts
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
@@ -47,17 +47,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     lower = LowerTierLink(pool, blocks.key, wake=wake.set)
     # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
     blocks.on_evict = lower.evicted
-    scheduler = Scheduler(
-        blocks,
-        lower,
-        max_num_seqs=cfg.max_num_seqs,
-        max_step_tokens=cfg.max_step_tokens,
-        max_prefill_step_tokens=cfg.max_prefill_step_tokens,
-        prefix_caching=cfg.prefix_caching,
-        copy_block=pool.copy_block,
-        prefetch_pool_fraction=cfg.prefetch_pool_fraction,
-        prefetch_max_reads=cfg.prefetch_max_reads,
-    )
+    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block)
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
                          kernel_dtype=loaded.kernel_dtype)
     if cfg.decode_threads > 0:

@@ -28,8 +28,8 @@ from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.tiering import LowerTierLink
-from kvcellar.config import EngineConfig
 from kvcellar.engine.blocking import GenerationResult, collect, run_to_end
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.loader import LoadedModel

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvcellar.engine.config import WEIGHT_MODES
 from kvcellar.errors import ModelLoadError
 from kvcellar.gguf_info import GGUFInfo, read_gguf_info
 from kvcellar.identity import tokenizer_identity, weights_identity
@@ -241,8 +242,6 @@ def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, devic
 def requested_mode(weights: str, source: ModelSource) -> str:
     """``weights`` checked, ``auto`` read as the mode a GGUF's decoder linears ship in
     (``gguf_weights_mode``; ``full`` for other sources), before any kernel is measured."""
-    from kvcellar.config import WEIGHT_MODES
-
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; use one of {', '.join(WEIGHT_MODES)}")
     if weights != "auto":

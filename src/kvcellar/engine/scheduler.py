@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.prefix_cache import Admission, PrefixCache
 from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
 
 
@@ -60,22 +61,18 @@ class StepPlan:
 
 
 class Scheduler:
+    """``config``: the engine's; its batch bounds, budgets and prefetch limits are read here."""
+
     def __init__(
         self,
         blocks: BlockManager,
         lower: LowerTierLink,
-        *,
-        max_num_seqs: int,
-        max_step_tokens: int,
-        max_prefill_step_tokens: int = 0,
-        prefix_caching: bool = True,
+        config: EngineConfig,
         copy_block: Callable[[int, int], None] | None = None,
-        prefetch_pool_fraction: float = 0.25,
-        prefetch_max_reads: int = 4,
     ) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.max_step_tokens = max_step_tokens
-        self.max_prefill_step_tokens = max(max_step_tokens, max_prefill_step_tokens)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_step_tokens = config.max_step_tokens
+        self.max_prefill_step_tokens = max(config.max_step_tokens, config.max_prefill_step_tokens)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = {"sched_preemptions": 0, "sched_admitted": 0}
@@ -83,8 +80,8 @@ class Scheduler:
         # if an exception escapes; None between sequences.
         self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
-            blocks, lower, stats=self.stats, enabled=prefix_caching, copy_block=copy_block,
-            prefetch_pool_fraction=prefetch_pool_fraction, prefetch_max_reads=prefetch_max_reads)
+            blocks, lower, stats=self.stats, enabled=config.prefix_caching, copy_block=copy_block,
+            prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads)
 
     @property
     def loading(self) -> list[Sequence]:

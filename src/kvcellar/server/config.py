@@ -1,6 +1,6 @@
 """The ``[server]`` section of the configuration: knobs of the HTTP layer.
 
-Filled like every section (``kvcellar.config.load_settings``): defaults < config file
+Filled like every section (``kvcellar.settings.load_settings``): defaults < config file
 ``[server]`` table < ``KVCELLAR_<FIELD>`` environment variables < ``kvcellar serve`` flags.
 """
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import uvicorn
 
-from kvcellar.config import Settings
 from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import build_engine
 from kvcellar.server import logs
 from kvcellar.server.app import ServerState, create_app
+from kvcellar.settings import Settings
 
 log = logging.getLogger(__name__)
 

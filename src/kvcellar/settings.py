@@ -19,96 +19,13 @@ from typing import Any
 
 from kvcellar.artifacts.config import ENV_PREFIX as ARTIFACT_ENV_PREFIX
 from kvcellar.artifacts.config import ArtifactConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.paths import resolve_cache_dir
 from kvcellar.server.config import ServerConfig
 from kvcellar.storage.disk.config import DiskSettings
 from kvcellar.storage.remote.config import RemoteSettings
 
 ENV_PREFIX = "KVCELLAR_"
-
-
-# ``weights`` values (kvcellar/quantization.py quantizes; engine/loader.py resolves ``auto``).
-WEIGHT_MODES = ("auto", "full", "int8", "int4")
-
-
-@dataclass
-class EngineConfig:
-    """Knobs of the paged-KV engine and its RAM prefix cache."""
-
-    # Tokens per KV block. Chosen by the block-size sweep in benchmarks/bench_prefix_cache.py.
-    block_size: int = 16
-    # Memory for the RAM tier's KV block pool, in GiB. The pool is allocated up front.
-    kv_cache_gb: float = 2.0
-    # Exact pool size in blocks; overrides kv_cache_gb when > 0.
-    kv_cache_blocks: int = 0
-    # KV stored at 16 bits (the model's dtype), or quantized to 8 or 4 bits in groups of
-    # kv_group_size along the head dimension (cache/kv_pool.py): about 2x / 3.5x the tokens
-    # in the same memory, SSD space and Redis, at a small cost in accuracy (README). A
-    # different setting is a different cache (namespace), never a wrong one.
-    kv_bits: int = 16
-    kv_group_size: int = 64
-    # Upper bound on sequences in the running batch.
-    max_num_seqs: int = 32
-    # Per-step token budget: decodes first, then prefill chunks fill what is left, so a long
-    # prompt never stalls running decodes for more than one budget's worth of compute.
-    max_step_tokens: int = 512
-    # Budget of a step in which no sequence is decoding: nobody waits between tokens, so a
-    # long prompt goes in fewer, larger chunks (faster prefill; docs/performance.md). The
-    # price: a request arriving meanwhile waits for that larger step before its own first
-    # one. 0: max_step_tokens.
-    max_prefill_step_tokens: int = 2048
-    # Largest prompt + completion accepted; 0 means the model's own context length.
-    max_model_len: int = 0
-    # Most tokens one completion may generate (larger max_tokens are clamped to it, as are
-    # requests that set none); 0: whatever room the context leaves.
-    max_completion_tokens: int = 0
-    # Reuse of cached prefix blocks; off only for comparisons and tests.
-    prefix_caching: bool = True
-    # Bytes of the chained digest used as the hash-table key. Tests shrink it to force
-    # collisions; a hit always compares the full digest and the token ids.
-    key_bytes: int = 32
-    # Prefetch (cache/prefetch.py): a queued request's next blocks in a lower tier are read
-    # while it waits, into free or least recently used cached blocks: at most this fraction
-    # of the pool read into or held for waiting requests (0 turns prefetch off), by at most
-    # prefetch_max_reads reads in flight.
-    prefetch_pool_fraction: float = 0.25
-    prefetch_max_reads: int = 4
-    dtype: str = "auto"
-    device: str = "auto"
-    # The server runs every code path once before /health turns 200 (engine/warmup.py), so
-    # the first request after a start pays no one-off costs.
-    warmup: bool = True
-    # Supported architectures (Llama, Qwen2) run through kvcellar's own walk over the model's
-    # layers (engine/lean_forward.py): bitwise the same logits as transformers' modules, with
-    # less Python per step (docs/performance.md). Off: the modules.
-    lean_forward: bool = True
-    # torch threads for steps of at most 8 tokens (decodes; engine/model_runner.py): 0 = the
-    # faster of one and all, measured at warm-up (all without warm-up); N = N.
-    decode_threads: int = 0
-    # full: weights in ``dtype``; int8 / int4: weight-only quantized linears
-    # (kvcellar/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
-    # step reads; prefill runs their dequantized weights. auto: int4 for a GGUF whose linears
-    # are 4-bit where torch's int4 kernel runs (bf16 on a CPU with native bf16), else full.
-    weights: str = "auto"
-    # Steps failing in a row (a broken model or kernel, not one bad request) before /health
-    # turns 503 so a load balancer takes the replica out; a step that succeeds resets it.
-    unhealthy_after_failed_steps: int = 3
-    # Refuse to load a model whose planned memory (engine/memory.py: weights + KV pool +
-    # overhead) is above this many GiB; 0: only the memory available is checked.
-    max_memory_gb: float = 0.0
-
-    def validate(self) -> None:
-        if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps) < 1:
-            raise ValueError("block_size, max_num_seqs, max_step_tokens and unhealthy_after_failed_steps "
-                             "must be >= 1")
-        if not 0 <= self.prefetch_pool_fraction <= 1:
-            raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
-        if self.kv_bits not in (16, 8, 4):
-            raise ValueError(f"kv_bits must be 16, 8 or 4, not {self.kv_bits}")
-        if not 2 <= self.kv_group_size < 4096:
-            raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
 
 
 @dataclass
