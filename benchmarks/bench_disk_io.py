@@ -323,7 +323,7 @@ def bench_index(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- writer
 def bench_writer(args: argparse.Namespace) -> None:
-    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.config import DiskConfig
     from kvcellar.storage.disk.tier import DiskTier
 
     spec = BlockSpec(torch.bfloat16, (30, 2, 16, 3, 64), 16)
@@ -332,7 +332,7 @@ def bench_writer(args: argparse.Namespace) -> None:
     for durability in ("best_effort", "persistent"):
         root = Path(tempfile.mkdtemp(prefix="writer-", dir=args.dir))
         try:
-            tier = DiskTier(root, "bench", spec, DiskTierConfig(durability=durability, async_writes=False))
+            tier = DiskTier(root, "bench", spec, DiskConfig(durability=durability, async_writes=False))
             reqs = _requests(spec, nblocks, seed=1)
             t0 = time.perf_counter()
             tier.store(reqs)
@@ -358,7 +358,7 @@ def _requests(spec: BlockSpec, n: int, seed: int) -> list[StoreRequest]:
 
 # --------------------------------------------------------------------------- tier
 def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
-    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.config import DiskConfig
     from kvcellar.storage.disk.tier import DiskTier
 
     spec = BlockSpec(torch.bfloat16, (30, 2, 16, 3, 64), 16)
@@ -372,7 +372,7 @@ def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
         for budget in (0.0, 0.002, 0.010):
             root = Path(tempfile.mkdtemp(prefix="bp-", dir=args.dir))
             try:
-                cfg = DiskTierConfig(queue_blocks=64, enqueue_timeout_s=budget)
+                cfg = DiskConfig(queue_blocks=64, enqueue_timeout_s=budget)
                 tier = DiskTier(root, "bench", spec, cfg)
                 proto = _requests(spec, per_call, seed=2)
                 lat = []
@@ -403,12 +403,12 @@ def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
     rows = []
     try:
         reqs = _requests(spec, n, seed=3)
-        tier = DiskTier(root, "bench", spec, DiskTierConfig(async_writes=False))
+        tier = DiskTier(root, "bench", spec, DiskConfig(async_writes=False))
         tier.store(reqs)
         tier.close(60)
         pool = torch.empty((n, *spec.shape), dtype=spec.dtype)
         for io_threads in (1, 2, 4, 8):
-            tier = DiskTier(root, "bench", spec, DiskTierConfig(io_threads=io_threads))
+            tier = DiskTier(root, "bench", spec, DiskConfig(io_threads=io_threads))
             files = [p for p in root.rglob("*.kvb")]
             colds = []
             for _ in range(1 if args.quick else 3):
@@ -437,7 +437,7 @@ def bench_tier(args: argparse.Namespace, floor: float | None) -> None:
 # --------------------------------------------------------------------------- startup
 def bench_startup(args: argparse.Namespace) -> None:
     from kvcellar.storage.block_format import file_size_for
-    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.config import DiskConfig
     from kvcellar.storage.disk.layout import NamespaceLayout
     from kvcellar.storage.disk.tier import DiskTier
 
@@ -457,7 +457,7 @@ def bench_startup(args: argparse.Namespace) -> None:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
             os.ftruncate(fd, size)
             os.close(fd)
-        cfg = DiskTierConfig(capacity_bytes=1 << 50, min_free_bytes=0)
+        cfg = DiskConfig(capacity_bytes=1 << 50, min_free_bytes=0)
         for label in ("cold", "warm"):
             if label == "cold":
                 drop_caches([])

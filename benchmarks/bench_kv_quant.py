@@ -56,9 +56,9 @@ from kvcellar.engine import Engine, assemble_engine, SamplingParams
 from kvcellar.engine.loader import LoadedModel, wrap_model
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.runtime import prepare_and_load
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
-from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from kvcellar.engine.warmup import warm_up
 
@@ -79,11 +79,11 @@ def engine_for(model: LoadedModel, bits: int, kv_gb: float, *, ssd: Path | None 
                max_model_len: int = 0) -> Engine:
     engine = assemble_engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len))
     if ssd is not None:
-        engine.attach_tier(DiskTier(ssd, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+        engine.attach_tier(DiskTier(ssd, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
     if url is not None:
         engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec,
-                                      RemoteTierConfig(load_timeout_s=120.0, queue_blocks=4096)))
+                                      RemoteConfig(load_timeout_s=120.0, queue_blocks=4096)))
     return engine
 
 

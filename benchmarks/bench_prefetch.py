@@ -32,14 +32,14 @@ from tests._models import chat_ids, embedded, make_engine
 
 from kvcellar.bench.pagecache import drop_page_cache
 from kvcellar.engine import SamplingParams, observability
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 
 
 def engine_with_disk(loaded: Any, root: Path, dtype_gb: float, fraction: float) -> Any:
     engine = make_engine(loaded, kv_cache_gb=dtype_gb, max_num_seqs=1, max_step_tokens=512,
                          max_prefill_step_tokens=2048, prefetch_pool_fraction=fraction)
-    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                                 descriptor=engine.descriptor))
     return engine
 

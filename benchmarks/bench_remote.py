@@ -34,9 +34,9 @@ from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent, ass
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import prepare_and_load
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
-from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,11 +51,11 @@ REMOTE_TIMEOUT_S = 0.25
 def engine_with(model, cfg: EngineConfig, url: str | None, ssd_dir: Path | None) -> Engine:
     engine = assemble_engine(model, cfg)
     if ssd_dir is not None:
-        engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+        engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
     if url is not None:
         engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec,
-                                      RemoteTierConfig(timeout_s=REMOTE_TIMEOUT_S, load_timeout_s=60.0,
+                                      RemoteConfig(timeout_s=REMOTE_TIMEOUT_S, load_timeout_s=60.0,
                                                        queue_blocks=1024)))
     return engine
 

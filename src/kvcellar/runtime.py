@@ -29,14 +29,12 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
     ``<cache_dir>/kv/<fingerprint>-v<format>/``: another model, dtype or block size is
     another directory, never a wrong hit."""
     disk = settings.disk
-    disk.validate()
-    if disk.ssd_policy == "off":
+    if disk.policy == "off":
         return
     from kvcellar.storage.disk.tier import DiskTier
 
-    tier = DiskTier(settings.kv_root, engine.fingerprint, engine.block_spec, disk.to_tier_config(),
-                    descriptor=engine.descriptor)
-    engine.attach_tier(tier, disk.ssd_policy)
+    tier = DiskTier(settings.kv_root, engine.fingerprint, engine.block_spec, disk, descriptor=engine.descriptor)
+    engine.attach_tier(tier, disk.policy)
 
 
 def attach_remote_tier(engine: Engine, settings: Settings) -> None:
@@ -45,14 +43,13 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
     model, dtype and block size share blocks. A server that is down is not an error here:
     the tier starts degraded and connects when it can."""
     remote = settings.remote
-    remote.validate()
-    if not remote.remote_url:
+    if not remote.url:
         return
     from kvcellar.storage.remote.tier import RemoteTier
 
-    tier = RemoteTier(remote.remote_url, engine.fingerprint, engine.block_spec, remote.to_tier_config())
-    engine.attach_tier(tier, remote.remote_policy)
-    log.info("remote tier %r attached (%s)", tier, remote.remote_policy)
+    tier = RemoteTier(remote.url, engine.fingerprint, engine.block_spec, remote)
+    engine.attach_tier(tier, remote.policy)
+    log.info("remote tier %r attached (%s)", tier, remote.policy)
 
 
 def open_artifacts(settings: Settings) -> ArtifactCache | None:

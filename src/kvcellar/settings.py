@@ -2,9 +2,13 @@
 file, the environment and command-line flags.
 
 Precedence, lowest to highest: dataclass defaults < config file (``--config`` or
-``KVCELLAR_CONFIG``) < environment (``KVCELLAR_<FIELD>``, upper-case; ``KVCELLAR_ARTIFACT_<FIELD>``
-for ``[artifacts]``) < CLI flags. Each section is a dataclass owned by the module that uses
-it (this file holds the engine's); none of them imports this module.
+``KVCELLAR_CONFIG``) < environment (``KVCELLAR_<KEY>``, upper-case; ``KVCELLAR_ARTIFACT_<KEY>``
+for ``[artifacts]``) < CLI flags. Each section is one dataclass, owned by the package that
+reads it (``engine/config.py``, ``storage/disk/config.py``, ``storage/remote/config.py``,
+``server/config.py``, ``artifacts/config.py``) and handed to it whole; none of them imports
+this module, which sits above them all. A field's key is its name unless its ``key``
+metadata names another (``ssd_policy`` for ``DiskConfig.policy``), given in ``unit``s of the
+field; ``key=None`` is a knob users do not set. Each section is validated once, here.
 """
 
 from __future__ import annotations
@@ -12,18 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from kvcellar.artifacts.config import ENV_PREFIX as ARTIFACT_ENV_PREFIX
 from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.engine.config import EngineConfig
 from kvcellar.paths import resolve_cache_dir
 from kvcellar.server.config import ServerConfig
-from kvcellar.storage.disk.config import DiskSettings
-from kvcellar.storage.remote.config import RemoteSettings
+from kvcellar.storage.disk.config import DiskConfig
+from kvcellar.storage.remote.config import RemoteConfig
 
 ENV_PREFIX = "KVCELLAR_"
 
@@ -35,8 +40,8 @@ class Settings:
     model: str | None = None
     cache_dir: Path = field(default_factory=resolve_cache_dir)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    disk: DiskSettings = field(default_factory=DiskSettings)
-    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     artifacts: ArtifactConfig = field(default_factory=ArtifactConfig)
 
@@ -82,10 +87,17 @@ def load_settings(
         _apply(section, _from_environment(section, env_prefix), source="environment")
         _apply(section, {k: v for k, v in (flags or {}).get(name, {}).items() if v is not None}, source="command line")
         section.validate()
-    if not settings.engine.prefix_caching:  # nothing to store or look up below the RAM tier
-        settings.disk.ssd_policy = "off"
-        settings.remote.remote_url = ""
+    _tiers_follow_prefix_caching(settings)
     return settings
+
+
+def _tiers_follow_prefix_caching(settings: Settings) -> None:
+    """Prefix caching off (``--no-prefix-caching``) turns the SSD and remote tiers off,
+    whatever their own settings say: with no prefix reused there is nothing to store below
+    the RAM tier or to look up there. The flag's help and the README say so."""
+    if not settings.engine.prefix_caching:
+        settings.disk.policy = "off"
+        settings.remote.url = ""
 
 
 def _read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -99,43 +111,76 @@ def _read_config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         raise ValueError(f"config file {path}: {exc}") from exc
 
 
-def _coerce(value: Any, to: type | str) -> Any:
-    kind = to if isinstance(to, str) else getattr(to, "__name__", str(to))
-    if isinstance(value, str):
-        if kind.startswith("bool"):
-            low = value.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"not a boolean: {value!r}")
-        if kind.startswith("int"):
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
+@dataclass(frozen=True)
+class _Key:
+    """One key users set: the ``field`` of a section it fills, that field's type, and the
+    ``unit`` the field counts the given value in (GiB given, bytes kept)."""
+
+    field: str
+    type: Any
+    unit: float
+
+
+def _keys(section: Any) -> dict[str, _Key]:
+    """The keys of ``section`` (a section dataclass), by the name users give them."""
+    hints = get_type_hints(type(section))
+    keys = {}
+    for f in dataclasses.fields(section):
+        key = f.metadata.get("key", f.name)
+        if key is not None:
+            keys[key] = _Key(f.name, hints[f.name], f.metadata.get("unit", 1))
+    return keys
+
+
+def _coerce(value: Any, key: _Key) -> Any:
+    """``value`` as given (a TOML value, an environment string, a parsed flag) in the type of
+    ``key``'s field. A string is parsed by that type; a ``Literal``'s by its choices' type, so
+    ``"8"`` is the 8 of ``Literal[16, 8, 4]`` (whether it is a choice is ``validate``'s to say)."""
+    to = key.type
+    if get_origin(to) in (Union, types.UnionType):  # X | None: no string means None
+        to = next(arm for arm in get_args(to) if arm is not type(None))
+    if get_origin(to) is Literal:
+        to = type(get_args(to)[0])
+    if key.unit != 1:  # given in units (GiB, days), kept in the field's (bytes, seconds)
+        return to(_parse(value, float) * key.unit)
+    return _parse(value, to)
+
+
+def _parse(value: Any, to: type) -> Any:
+    if not isinstance(value, str):
+        return value
+    if to is bool:
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    if to in (int, float):
+        return to(value)
     return value
 
 
 def _apply(section: Any, values: Mapping[str, Any], *, source: str) -> None:
-    """Set dataclass fields of ``section`` from ``values``; unknown keys are an error."""
-    known = {f.name: f for f in dataclasses.fields(section)}
-    for key, value in values.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise ValueError(f"{source}: unknown setting {key!r}")
+    """Set fields of ``section`` from ``values`` by key; unknown keys are an error."""
+    keys = _keys(section)
+    for given, value in values.items():
+        name = given.replace("-", "_")
+        if name not in keys:
+            raise ValueError(f"{source}: unknown setting {given!r}")
         if value is None:
             continue
         try:
-            setattr(section, name, _coerce(value, known[name].type))
+            setattr(section, keys[name].field, _coerce(value, keys[name]))
         except ValueError as exc:
-            raise ValueError(f"{source}: bad value for {key!r}: {exc}") from exc
+            raise ValueError(f"{source}: bad value for {given!r}: {exc}") from exc
 
 
 def _from_environment(section: Any, prefix: str) -> dict[str, str]:
-    """Environment values for the fields of ``section``: ``KVCELLAR_BLOCK_SIZE=32``."""
+    """Environment values for the keys of ``section``: ``KVCELLAR_BLOCK_SIZE=32``."""
     out = {}
-    for f in dataclasses.fields(section):
-        raw = os.environ.get(prefix + f.name.upper())
+    for key in _keys(section):
+        raw = os.environ.get(prefix + key.upper())
         if raw is not None:
-            out[f.name] = raw
+            out[key] = raw
     return out

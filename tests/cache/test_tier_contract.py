@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvcellar.cache.tiering import LowerTierLink
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.guard import GuardedTier
 from tests.fake_runner import VOCAB, Driver, reference
@@ -105,7 +105,7 @@ def faulty(tmp_path: Path) -> Iterator[Callable[[Driver], FaultyDisk]]:
 
     def make(driver: Driver) -> FaultyDisk:
         spec = LowerTierLink.block_spec(driver.pool)
-        tier = FaultyDisk(tmp_path / "kv", "fake", spec, DiskTierConfig(min_free_bytes=0))
+        tier = FaultyDisk(tmp_path / "kv", "fake", spec, DiskConfig(min_free_bytes=0))
         tiers.append(tier)
         assert tier.wait_scanned(10)
         driver.attach(tier)
@@ -179,7 +179,7 @@ def test_a_faulty_verb_costs_the_tier_not_the_requests(faulty, verb: str, mode: 
 @pytest.mark.parametrize("verb", ("pin", "unpin", "remove", "lookup", "wants", "touch", "store", "load"))
 def test_every_verb_of_a_guarded_tier_answers_safely(tmp_path: Path, verb: str, mode: str) -> None:
     blocks = chain(3)
-    spec_tier = FaultyDisk(tmp_path / "kv", "ns", SPEC, DiskTierConfig(min_free_bytes=0))
+    spec_tier = FaultyDisk(tmp_path / "kv", "ns", SPEC, DiskConfig(min_free_bytes=0))
     try:
         assert spec_tier.wait_scanned(10)
         guard = GuardedTier(spec_tier, backoff_initial_s=1.0, backoff_max_s=1.0)

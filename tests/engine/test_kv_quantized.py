@@ -22,7 +22,7 @@ import torch
 from kvcellar.cache.kv_pool import KVLayout, KVPool, dequantize_kv, quantize_kv
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.engine import SamplingParams, observability
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     assert_equivalent_output,
@@ -144,7 +144,7 @@ def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) ->
 def test_ssd_restart_serves_8bit_blocks_and_another_setting_starts_empty(model, tmp_path: Path) -> None:
     def tiered(bits: int):
         engine = make_engine(model, kv_bits=bits)
-        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor), "write_through")
         return engine
 

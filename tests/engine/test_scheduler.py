@@ -14,7 +14,7 @@ import pytest
 from kvcellar.cache.prefix_cache import Admission
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.sequence import SeqState
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests.fake_runner import VOCAB, Driver, reference
 
@@ -153,7 +153,7 @@ def disk(tmp_path: Path) -> Iterator[Callable[..., DiskTier]]:
 
     def make(driver: Driver, **cfg: object) -> DiskTier:
         spec = LowerTierLink.block_spec(driver.pool)
-        tier = DiskTier(tmp_path / "kv", "fake", spec, DiskTierConfig(min_free_bytes=0, **cfg))  # type: ignore[arg-type]
+        tier = DiskTier(tmp_path / "kv", "fake", spec, DiskConfig(min_free_bytes=0, **cfg))  # type: ignore[arg-type]
         tiers.append(tier)
         assert tier.wait_scanned(10)
         driver.attach(tier)

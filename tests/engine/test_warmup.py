@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.warmup import warm_up
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import assert_same_output, chat_ids, make_engine
 
@@ -39,7 +39,7 @@ def test_without_warmup_first_requests_run_cold_paths(model):
 
 def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
     engine = make_engine(model)
-    tier = DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+    tier = DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                     descriptor=engine.descriptor)
     engine.attach_tier(tier, "write_through")
     before = observability.snapshot(engine)

@@ -20,7 +20,7 @@ from kvcellar.cache.hashing import block_digests, root_digest
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.sequence import SeqState
 from kvcellar.storage.base import KVTier, LoadRequest
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     assert_no_leaks,
@@ -100,7 +100,7 @@ class GatedTier(KVTier):
 
 
 def disk(engine, root: Path) -> DiskTier:
-    return DiskTier(root, engine.fingerprint, engine.block_spec, DiskTierConfig(min_free_bytes=0),
+    return DiskTier(root, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                     descriptor=engine.descriptor)
 
 

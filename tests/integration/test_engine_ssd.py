@@ -16,7 +16,7 @@ from kvcellar.engine import SamplingParams, observability
 from kvcellar.runtime import attach_disk_tier
 from kvcellar.settings import Settings
 from kvcellar.storage.disk import maintenance
-from kvcellar.storage.disk.config import DiskSettings, DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     assert_no_leaks,
@@ -35,9 +35,9 @@ SYSTEM = ("You review pull requests for a payments company. Flag anything that t
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
 
 
-def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskTierConfig | None = None, **kw):
+def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskConfig | None = None, **kw):
     engine = make_engine(model, **kw)
-    cfg = tier_config or DiskTierConfig(min_free_bytes=0)
+    cfg = tier_config or DiskConfig(min_free_bytes=0)
     engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, cfg, descriptor=engine.descriptor),
                        policy)
     return engine
@@ -128,7 +128,7 @@ def test_write_through_drops_are_written_later(model, uncached, tmp_path):
     from kvcellar.cache.hashing import block_digests, root_digest
 
     prompts = [ask(model, f"Review change {i}: " + "ledger.post(amount, fee); " * (4 + 2 * i)) for i in range(6)]
-    overloaded = DiskTierConfig(min_free_bytes=0, queue_blocks=1, enqueue_timeout_s=0.0)
+    overloaded = DiskConfig(min_free_bytes=0, queue_blocks=1, enqueue_timeout_s=0.0)
     first = tiered(model, tmp_path, tier_config=overloaded)
     results = first.generate(prompts, GREEDY)  # one burst: every prompt is prefilled in the same steps
     burst = observability.snapshot(first)
@@ -172,7 +172,7 @@ def test_ttl_expired_prefix_is_a_miss_and_is_recomputed(model, uncached, tmp_pat
     two_hours_ago = time.time_ns() - 2 * 3600 * 10**9
     for path in expired:
         os.utime(path, ns=(two_hours_ago, two_hours_ago))
-    second = tiered(model, tmp_path, tier_config=DiskTierConfig(min_free_bytes=0, ttl_s=3600))
+    second = tiered(model, tmp_path, tier_config=DiskConfig(min_free_bytes=0, ttl_s=3600))
     assert second.lower.tiers[0].tier.wait_scanned(30)  # the start-up scan applies the TTL
     result = second.generate([prompt], GREEDY)[0]
     stats = observability.snapshot(second)
@@ -188,7 +188,7 @@ def test_ram_hits_keep_the_disk_copy_from_expiring(model, tmp_path):
     """A prefix served from RAM never touches the disk; the link refreshes the disk copy's
     access time, so the TTL prunes the cold prefix written at the same moment, not the hot one."""
     hot, cold = list(range(1000, 1000 + 3 * BS + 1)), list(range(5000, 5000 + 3 * BS + 1))
-    cfg = DiskTierConfig(min_free_bytes=0, ttl_s=3.0, prune_interval_s=0.05)
+    cfg = DiskConfig(min_free_bytes=0, ttl_s=3.0, prune_interval_s=0.05)
     engine = tiered(model, tmp_path, tier_config=cfg)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine.generate([hot, cold], one)
@@ -354,13 +354,13 @@ def test_several_damaged_blocks_of_a_prompt_are_all_rewritten(model, uncached, t
 
 def test_settings_attach_the_tier_with_its_policy(model, tmp_path):
     engine = make_engine(model)
-    settings = Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="evict_only", disk_min_free_gb=0))
+    settings = Settings(cache_dir=tmp_path, disk=DiskConfig(policy="evict_only", min_free_bytes=0))
     attach_disk_tier(engine, settings)
     assert [a.policy for a in engine.lower.tiers] == ["evict_only"]
     assert engine.lower.health()["ssd"]["ssd"]["path"].startswith(str(tmp_path / "kv"))
     engine.shutdown(10)
     off = make_engine(model)
-    attach_disk_tier(off, Settings(cache_dir=tmp_path, disk=DiskSettings(ssd_policy="off")))
+    attach_disk_tier(off, Settings(cache_dir=tmp_path, disk=DiskConfig(policy="off")))
     assert off.lower.tiers == []
 
 
@@ -384,7 +384,7 @@ def small_fs(tmp_path):
 
 
 def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, small_fs):
-    cfg = DiskTierConfig(min_free_bytes=0, capacity_bytes=64 << 20, async_writes=False)
+    cfg = DiskConfig(min_free_bytes=0, capacity_bytes=64 << 20, async_writes=False)
     engine = tiered(model, small_fs, tier_config=cfg)
     prompts = [ask(model, f"Review change {i}: " + "amount += fee; " * (5 + i)) for i in range(6)]
     for prompt in prompts:
@@ -406,7 +406,7 @@ def test_full_disk_keeps_serving_and_leaves_no_partial_files(model, uncached, sm
 
 
 def test_read_only_filesystem_then_recovery(model, uncached, small_fs):
-    cfg = DiskTierConfig(min_free_bytes=0, async_writes=False, fault_backoff_initial_s=0.05,
+    cfg = DiskConfig(min_free_bytes=0, async_writes=False, fault_backoff_initial_s=0.05,
                          fault_backoff_max_s=0.2, probe_interval_s=0.05)
     engine = tiered(model, small_fs, tier_config=cfg)
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvcellar.storage import BlockSpec
-from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from tests.helpers import wait_until
 from tests.remote.redis_server import RedisServer, TLSFiles, cluster_port
@@ -58,7 +58,7 @@ def open_remote() -> Iterator[Callable[..., RemoteTier]]:
     def make(url: str, fingerprint: str = "fp", spec: BlockSpec = SPEC, **cfg: Any) -> RemoteTier:
         cfg.setdefault("backoff_initial_s", 0.05)
         cfg.setdefault("backoff_max_s", 0.2)
-        tier = RemoteTier(url, fingerprint, spec, RemoteTierConfig(**cfg))
+        tier = RemoteTier(url, fingerprint, spec, RemoteConfig(**cfg))
         opened.append(tier)
         return tier
 

@@ -12,9 +12,9 @@ import pytest
 
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.storage.block_format import FORMAT_VERSION
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
-from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from tests._models import (
     assert_no_leaks,
@@ -50,10 +50,10 @@ def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "
     _engines.append(engine)
     if ssd_dir is not None:
         engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec,
-                                    DiskTierConfig(min_free_bytes=0), descriptor=engine.descriptor))
+                                    DiskConfig(min_free_bytes=0), descriptor=engine.descriptor))
     if url is not None:
         cfg.setdefault("backoff_initial_s", 0.05)
-        engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec, RemoteTierConfig(**cfg)),
+        engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec, RemoteConfig(**cfg)),
                            remote_policy)
     return engine
 

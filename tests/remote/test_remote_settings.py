@@ -17,20 +17,19 @@ def test_flags_over_environment_over_file(tmp_path, monkeypatch):
     conf.write_text('[remote]\nremote_url = "redis://file:6379/0"\nremote_policy = "read_only"\nremote_ttl_s = 60\n')
     monkeypatch.setenv("KVCELLAR_CONFIG", str(conf))
     s = settings_for()
-    assert (s.remote.remote_url, s.remote.remote_policy, s.remote.remote_ttl_s) == \
+    assert (s.remote.url, s.remote.policy, s.remote.ttl_s) == \
         ("redis://file:6379/0", "read_only", 60)
     monkeypatch.setenv("KVCELLAR_REMOTE_URL", "rediss://env:6380/1")
-    assert settings_for().remote.remote_url == "rediss://env:6380/1"
+    assert settings_for().remote.url == "rediss://env:6380/1"
     s = settings_for("--remote-url", "redis+cluster://flag:7000", "--remote-policy", "evict_only",
                      "--remote-timeout", "0.1")
-    assert (s.remote.remote_url, s.remote.remote_policy, s.remote.remote_timeout_s) == \
+    assert (s.remote.url, s.remote.policy, s.remote.timeout_s) == \
         ("redis+cluster://flag:7000", "evict_only", 0.1)
-    assert s.remote.to_tier_config().timeout_s == 0.1
-    assert settings_for("--remote-url", "redis://x:1/0", "--no-prefix-caching").remote.remote_url == ""
+    assert settings_for("--remote-url", "redis://x:1/0", "--no-prefix-caching").remote.url == ""
 
 
 def test_no_url_means_no_remote_tier():
-    assert settings_for().remote.remote_url == ""
+    assert settings_for().remote.url == ""
 
 
 @pytest.mark.parametrize("argv", [["--remote-url", "http://host:6379"],

@@ -110,15 +110,14 @@ def test_settings_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         ("127.0.0.1", 9100, "from-env", 5.0)
     assert settings.engine.max_num_seqs == 4
     assert settings.engine.block_size == 32
-    assert (settings.disk.ssd_policy, settings.disk.disk_cache_gb, settings.disk.ssd_ttl_days) == \
-        ("evict_only", 3.0, 2.0)
-    assert settings.disk.to_tier_config().capacity_bytes == 3 << 30
+    assert (settings.disk.policy, settings.disk.capacity_bytes, settings.disk.ttl_s) == \
+        ("evict_only", 3 << 30, 2 * 86400.0)
     assert settings.cache_dir == (tmp_path / "c").resolve()
     flags = _serve_settings("--ssd-policy", "write_through", "--port", "1234", "--no-ssd-async",
                             "--disk-cache-gb", "1.5")
-    assert flags.disk.ssd_policy == "write_through"
-    assert flags.disk.ssd_async is False
-    assert flags.disk.to_tier_config().capacity_bytes == int(1.5 * (1 << 30))
+    assert flags.disk.policy == "write_through"
+    assert flags.disk.async_writes is False
+    assert flags.disk.capacity_bytes == int(1.5 * (1 << 30))
     assert flags.server.port == 1234
     with pytest.raises(ValueError):
         _serve_settings("--first-token-timeout", "0")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvcellar.storage import BlockSpec
-from kvcellar.storage.disk import DiskTier, DiskTierConfig
+from kvcellar.storage.disk import DiskConfig, DiskTier
 from tests.mounts import Mount, mount_tmpfs, run, unmount
 from tests.storage.helpers import SPEC
 
@@ -26,7 +26,7 @@ def open_tier() -> Iterator[Callable[..., DiskTier]]:
 
     def make(root: Path, ns: str = "ns", spec: BlockSpec = SPEC, descriptor: dict | None = None,
              **cfg: Any) -> DiskTier:
-        tier = DiskTier(root, ns, spec, DiskTierConfig(**cfg), descriptor=descriptor)
+        tier = DiskTier(root, ns, spec, DiskConfig(**cfg), descriptor=descriptor)
         opened.append(tier)
         return tier
 

@@ -18,12 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-from kvcellar.storage.disk import DiskTier, DiskTierConfig
+from kvcellar.storage.disk import DiskConfig, DiskTier
 from tests.storage.helpers import SPEC, bits_equal, block, load_request
 
 
 def write(root: str, ns: str, durability: str, async_writes: str, start: str) -> None:
-    cfg = DiskTierConfig(durability=durability, async_writes=async_writes == "1")  # type: ignore[arg-type]
+    cfg = DiskConfig(durability=durability, async_writes=async_writes == "1")  # type: ignore[arg-type]
     tier = DiskTier(Path(root), ns, SPEC, cfg)
     i = int(start)
     while True:
@@ -33,7 +33,7 @@ def write(root: str, ns: str, durability: str, async_writes: str, start: str) ->
 
 
 def batch(root: str, ns: str, start: str, n: str, close: str) -> None:
-    tier = DiskTier(Path(root), ns, SPEC, DiskTierConfig(queue_blocks=1024, enqueue_timeout_s=10.0))
+    tier = DiskTier(Path(root), ns, SPEC, DiskConfig(queue_blocks=1024, enqueue_timeout_s=10.0))
     first = int(start)
     for i in range(first, first + int(n), 8):
         tier.store([block(j) for j in range(i, min(i + 8, first + int(n)))])
@@ -43,7 +43,7 @@ def batch(root: str, ns: str, start: str, n: str, close: str) -> None:
 
 
 def check(root: str, ns: str, n: str) -> None:
-    tier = DiskTier(Path(root), ns, SPEC, DiskTierConfig())
+    tier = DiskTier(Path(root), ns, SPEC, DiskConfig())
     blocks = [block(i) for i in range(int(n))]
     present = tier.lookup([b.key for b in blocks])
     reqs = [load_request(b) for b in blocks[:present]]

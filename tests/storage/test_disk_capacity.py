@@ -11,7 +11,7 @@ import threading
 from kvcellar.server.metrics import TIER_STATES
 from kvcellar.storage.block_format import file_size_for
 from kvcellar.storage.disk import maintenance
-from kvcellar.storage.disk.config import DiskSettings
+from kvcellar.storage.disk.config import DiskConfig
 from tests.helpers import wait_until
 from tests.storage.helpers import SPEC, SPEC_BIG, bits_equal, block, chain, files, load_request
 
@@ -253,6 +253,10 @@ def test_floor_larger_than_the_filesystem_is_reported(tmpfs, open_tier, caplog) 
     assert "no_space" in TIER_STATES  # /metrics exports it as kvcellar_tier_state
 
 
-def test_settings_default_to_the_relative_floor() -> None:
-    assert DiskSettings().to_tier_config().min_free_bytes is None
-    assert DiskSettings(disk_min_free_gb=0.5).to_tier_config().min_free_bytes == 1 << 29
+def test_settings_default_to_the_relative_floor(monkeypatch) -> None:
+    from kvcellar.settings import load_settings
+
+    monkeypatch.delenv("KVCELLAR_CONFIG", raising=False)
+    monkeypatch.delenv("KVCELLAR_DISK_MIN_FREE_GB", raising=False)
+    assert DiskConfig().min_free_bytes is None
+    assert load_settings(flags={"disk": {"disk_min_free_gb": 0.5}}).disk.min_free_bytes == 1 << 29

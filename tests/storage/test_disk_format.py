@@ -124,7 +124,7 @@ def test_quantized_kv_is_recorded_in_the_flags_and_checked() -> None:
 
 @pytest.mark.parametrize("which", ["q8", "q4"])
 def test_quantized_blocks_round_trip_bit_exact_on_disk(tmp_path, which: str) -> None:
-    from kvcellar.storage.disk.config import DiskTierConfig
+    from kvcellar.storage.disk.config import DiskConfig
     from kvcellar.storage.disk.tier import DiskTier
     from tests.storage.helpers import SPEC_Q4, SPEC_Q8, bits_equal, chain, load_request
 
@@ -133,7 +133,7 @@ def test_quantized_blocks_round_trip_bit_exact_on_disk(tmp_path, which: str) -> 
     for b in blocks:  # any byte may occur in packed values and float16 parameters
         b.data.copy_(torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(
             int.from_bytes(b.key[:4], "little"))))
-    tier = DiskTier(tmp_path, "fp", spec, DiskTierConfig(min_free_bytes=0, async_writes=False))
+    tier = DiskTier(tmp_path, "fp", spec, DiskConfig(min_free_bytes=0, async_writes=False))
     tier.store(blocks)
     assert tier.lookup([b.key for b in blocks]) == 4
     loads = [load_request(b, torch.zeros(spec.shape, dtype=torch.uint8)) for b in blocks]
@@ -145,7 +145,7 @@ def test_quantized_blocks_round_trip_bit_exact_on_disk(tmp_path, which: str) -> 
     tier.close(10)
     # The same directory opened with another group size (a misconfigured namespace): every block a miss.
     other = BlockSpec(torch.uint8, spec.shape, 16, kv_bits=spec.kv_bits, kv_group_size=16)
-    foreign = DiskTier(tmp_path, "fp", other, DiskTierConfig(min_free_bytes=0, async_writes=False))
+    foreign = DiskTier(tmp_path, "fp", other, DiskConfig(min_free_bytes=0, async_writes=False))
     dest = torch.zeros(spec.shape, dtype=torch.uint8)
     assert foreign.load([load_request(blocks[0], dest)]).result(30) == 0
     assert torch.count_nonzero(dest) == 0

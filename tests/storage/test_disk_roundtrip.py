@@ -13,7 +13,7 @@ import torch
 
 from kvcellar.storage import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION
-from kvcellar.storage.disk import DiskTier, DiskTierConfig
+from kvcellar.storage.disk import DiskConfig, DiskTier
 from tests.helpers import wait_until
 from tests.storage.helpers import (
     SPEC,
@@ -198,13 +198,13 @@ def test_contract_violations_raise_value_error(tmp_path, open_tier) -> None:
     with pytest.raises(ValueError):
         tier.load([load_request(b, torch.zeros(SPEC.shape, dtype=torch.float32))])
     with pytest.raises(ValueError):
-        DiskTier(tmp_path, "../escape", SPEC, DiskTierConfig())
+        DiskTier(tmp_path, "../escape", SPEC, DiskConfig())
 
 
 def test_unusable_root_is_degraded_not_an_exception(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")  # the KV root would have to be a directory below a regular file
-    tier = DiskTier(blocker / "kv", "ns", SPEC, DiskTierConfig(async_writes=False))
+    tier = DiskTier(blocker / "kv", "ns", SPEC, DiskConfig(async_writes=False))
     try:
         h = tier.health()
         assert h["state"] == "degraded" and "ENOTDIR" in str(h["last_error"])

@@ -1,12 +1,12 @@
 """The disk tier's settings as users give them: ``[disk]`` in the TOML file, ``KVCELLAR_SSD_*``
-in the environment, ``kvcellar serve`` flags; each reaches the tier's ``DiskTierConfig``."""
+in the environment, ``kvcellar serve`` flags; each reaches the ``DiskConfig`` the tier reads."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvcellar.cli import build_parser, main, settings_from_args
-from kvcellar.storage.disk import DiskTierConfig
+from kvcellar.storage.disk import DiskConfig
 
 
 def settings_for(*argv: str):
@@ -16,16 +16,16 @@ def settings_for(*argv: str):
 def test_persistent_retries_from_file_environment_and_flag(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("KVCELLAR_SSD_PERSISTENT_RETRIES", raising=False)
     monkeypatch.delenv("KVCELLAR_CONFIG", raising=False)
-    assert settings_for().disk.to_tier_config().persistent_retries == DiskTierConfig().persistent_retries == 3
+    assert settings_for().disk.persistent_retries == DiskConfig().persistent_retries == 3
     conf = tmp_path / "kvcellar.toml"
     conf.write_text('[disk]\nssd_durability = "persistent"\nssd_persistent_retries = 7\n')
     monkeypatch.setenv("KVCELLAR_CONFIG", str(conf))
-    tier_cfg = settings_for().disk.to_tier_config()
-    assert (tier_cfg.durability, tier_cfg.persistent_retries) == ("persistent", 7)
+    disk = settings_for().disk
+    assert (disk.durability, disk.persistent_retries) == ("persistent", 7)
     monkeypatch.setenv("KVCELLAR_SSD_PERSISTENT_RETRIES", "5")  # the environment over the file
-    assert settings_for().disk.to_tier_config().persistent_retries == 5
+    assert settings_for().disk.persistent_retries == 5
     flagged = settings_for("--ssd-persistent-retries", "0")  # a flag over both; 0: one attempt
-    assert flagged.disk.ssd_persistent_retries == 0 and flagged.disk.to_tier_config().persistent_retries == 0
+    assert flagged.disk.persistent_retries == 0
 
 
 def test_bad_persistent_retries_is_a_clear_error(capsys, tmp_path, monkeypatch) -> None:
@@ -37,4 +37,4 @@ def test_bad_persistent_retries_is_a_clear_error(capsys, tmp_path, monkeypatch) 
     with pytest.raises(ValueError, match="ssd_persistent_retries"):
         settings_for()
     with pytest.raises(ValueError, match="persistent_retries"):
-        DiskTierConfig(persistent_retries=-1)
+        DiskConfig(persistent_retries=-1).validate()

@@ -167,7 +167,6 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     engine does not report itself), merged into /health and /metrics; ``stats_gauges``: which
     of their keys are levels (gauges), the rest being counts."""
     config = settings or ServerConfig()
-    config.validate()
     state = ServerState(engine, config, stats_sources, stats_gauges)
 
     @contextlib.asynccontextmanager

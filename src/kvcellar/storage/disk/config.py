@@ -1,129 +1,97 @@
-"""Knobs of the disk tier: ``DiskSettings`` as users set them (flags, ``[disk]`` in
-the TOML file, ``KVCELLAR_SSD_*``), ``DiskTierConfig`` as the tier takes them; defaults are the
-production ones."""
+"""The ``[disk]`` section: the disk tier's knobs, as users set them and as the tier reads them.
+
+A field's ``key`` metadata is the name users give it (the ``[disk]`` key in the TOML file,
+``KVCELLAR_<KEY>`` in the environment, ``--<key>`` on the command line), in ``unit``s of the
+field (``disk_cache_gb`` is GiB, ``capacity_bytes`` bytes). ``key=None``: tuned here, not a
+setting. Defaults are the production ones; ``validate`` runs once, where the settings are
+assembled (``kvcellar.settings``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal, get_args
 
 GIB = 1 << 30
+DAY_S = 86400.0
 
+# write_through: every new full block goes to disk; evict_only: blocks go to disk when the
+# RAM tier drops them; off: RAM only.
+SsdPolicy = Literal["write_through", "evict_only", "off"]
+SSD_POLICIES: tuple[SsdPolicy, ...] = get_args(SsdPolicy)
+# best_effort: one attempt, no fsync (a crash may lose recent blocks, never serve a torn one:
+# the checksum catches it). persistent: fsync the file and its directory before the block
+# counts as stored; bounded retries.
 Durability = Literal["best_effort", "persistent"]
+DURABILITIES: tuple[Durability, ...] = get_args(Durability)
+
+# Metadata of the knobs that are no setting (no flag, file key or environment variable).
+TUNED = {"key": None}
 
 
-@dataclass(frozen=True)
-class DiskTierConfig:
-    # best_effort: one attempt, no fsync (a crash may lose recent blocks, never
-    # serve a torn one: the checksum catches it). persistent: fsync the file
-    # and its directory before the block counts as stored; bounded retries.
-    durability: Durability = "best_effort"
-    persistent_retries: int = 3
+@dataclass
+class DiskConfig:
+    """The ``[disk]`` section. Environment: ``KVCELLAR_SSD_POLICY=evict_only``."""
+
+    policy: SsdPolicy = field(default="write_through", metadata={"key": "ssd_policy"})
+    durability: Durability = field(default="best_effort", metadata={"key": "ssd_durability"})
+    # With persistent durability: how often a failed write is tried again before the block is dropped.
+    persistent_retries: int = field(default=3, metadata={"key": "ssd_persistent_retries"})
     # False: store() writes in the caller's thread (tests, tools, debugging).
-    async_writes: bool = True
+    async_writes: bool = field(default=True, metadata={"key": "ssd_async"})
     # Writer queue bound, in blocks (each holds its tensor until written:
     # 256 x 368 KiB = 92 MiB for the default model at block size 16).
-    queue_blocks: int = 256
-    # Total time one store() call may wait for queue space before dropping the
-    # rest of its blocks. Waiting only buys what the writer frees meanwhile
-    # (~1 block per ms here): benchmarks/bench_disk_io.py, section "tier".
-    enqueue_timeout_s: float = 0.001
-    # How long the writer defers a write while reads are in flight (reads first).
-    write_defer_max_s: float = 0.05
+    queue_blocks: int = field(default=256, metadata={"key": "ssd_queue_blocks"})
     # There is no index to flush; last-access times (file atimes, for LRU and
     # TTL across restarts) are written back in batches at this interval and
     # at close, keeping utime() off the read path.
-    flush_interval_s: float = 1.0
-    capacity_bytes: int = 20 * GIB
+    flush_interval_s: float = field(default=1.0, metadata={"key": "ssd_flush_interval_s"})
+    capacity_bytes: int = field(default=20 * GIB, metadata={"key": "disk_cache_gb", "unit": GIB})
     # Free space always left on the filesystem. None: min(1 GiB, 5 % of the
     # filesystem's size), so a small cache filesystem is not switched off by a
     # floor larger than itself. An explicit value is kept as given;
     # if it leaves no room, start-up warns and health says "no_space".
-    min_free_bytes: int | None = None
-    ttl_s: float = 7 * 24 * 3600.0
+    min_free_bytes: int | None = field(default=None, metadata={"key": "disk_min_free_gb", "unit": GIB})
+    ttl_s: float = field(default=7 * DAY_S, metadata={"key": "ssd_ttl_days", "unit": DAY_S})
     # TTL pruning and the rescan that adopts other processes' files run on
     # this timer, independent of writes.
-    prune_interval_s: float = 600.0
+    prune_interval_s: float = field(default=600.0, metadata={"key": "ssd_prune_interval_s"})
     # Reader threads; several requests in flight are what per-block files need
     # to approach the device's bandwidth (4-8 measured best here).
-    io_threads: int = 8
+    io_threads: int = field(default=8, metadata={"key": "ssd_io_threads"})
+
+    # Total time one store() call may wait for queue space before dropping the
+    # rest of its blocks. Waiting only buys what the writer frees meanwhile:
+    # benchmarks/bench_disk_io.py, section "tier".
+    enqueue_timeout_s: float = field(default=0.001, metadata=TUNED)
+    # How long the writer defers a write while reads are in flight (reads first).
+    write_defer_max_s: float = field(default=0.05, metadata=TUNED)
     # After lookup() reports a key present, this process will not evict it for
     # this long (or until it is loaded), so lookup -> load does not race eviction.
-    lookup_lease_s: float = 10.0
+    lookup_lease_s: float = field(default=10.0, metadata=TUNED)
     # Fault back-off: writes are dropped while backing off; it doubles per failed real
     # write up to the cap. Probes (a 4 KiB write) run every probe_interval_s during an
     # episode whatever the back-off, and a successful one ends it: recovery after the
     # fault clears takes at most about one probe interval (failed probes do not double
     # the back-off).
-    fault_backoff_initial_s: float = 1.0
-    fault_backoff_max_s: float = 2.0
-    probe_interval_s: float = 1.0
+    fault_backoff_initial_s: float = field(default=1.0, metadata=TUNED)
+    fault_backoff_max_s: float = field(default=2.0, metadata=TUNED)
+    probe_interval_s: float = field(default=1.0, metadata=TUNED)
     # If close() was never called, how long the writer keeps draining after the
     # main thread has exited before giving up (the process then exits).
-    exit_drain_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.durability not in ("best_effort", "persistent"):
-            raise ValueError(f"durability must be best_effort or persistent, got {self.durability!r}")
-        if self.queue_blocks < 1 or self.io_threads < 1:
-            raise ValueError("queue_blocks and io_threads must be >= 1")
-        if self.persistent_retries < 0:
-            raise ValueError(f"persistent_retries must be >= 0, got {self.persistent_retries}")
-        for name in ("enqueue_timeout_s", "write_defer_max_s", "flush_interval_s", "prune_interval_s",
-                     "lookup_lease_s",
-                     "fault_backoff_initial_s", "fault_backoff_max_s", "probe_interval_s", "exit_drain_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.capacity_bytes < 0 or (self.min_free_bytes or 0) < 0 or self.ttl_s <= 0:
-            raise ValueError("capacity_bytes and min_free_bytes must be >= 0, ttl_s > 0")
-
-
-SSD_POLICIES = ("write_through", "evict_only", "off")
-
-
-@dataclass
-class DiskSettings:
-    """The ``[disk]`` section. Environment: ``KVCELLAR_SSD_POLICY=evict_only``."""
-
-    # write_through: every new full block goes to disk; evict_only: blocks go to disk when
-    # the RAM tier drops them; off: RAM only.
-    ssd_policy: str = "write_through"
-    # best_effort: one try, no fsync; persistent: fsync before a block counts, bounded retries.
-    ssd_durability: str = "best_effort"
-    # With persistent durability: how often a failed write is tried again before the block is dropped.
-    ssd_persistent_retries: int = 3
-    ssd_async: bool = True
-    ssd_queue_blocks: int = 256
-    ssd_flush_interval_s: float = 1.0
-    disk_cache_gb: float = 20.0
-    # Free space the tier always leaves on the filesystem. None (default): min(1 GiB, 5 % of
-    # the filesystem), so a small cache filesystem still gets a cache.
-    disk_min_free_gb: float | None = None
-    ssd_ttl_days: float = 7.0
-    ssd_prune_interval_s: float = 600.0
-    ssd_io_threads: int = 8
+    exit_drain_s: float = field(default=5.0, metadata=TUNED)
 
     def validate(self) -> None:
-        if self.ssd_policy not in SSD_POLICIES:
-            raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.ssd_policy!r}")
-        if self.ssd_durability not in ("best_effort", "persistent"):
-            raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.ssd_durability!r}")
-        if self.disk_cache_gb < 0 or (self.disk_min_free_gb or 0) < 0 or self.ssd_ttl_days <= 0:
+        if self.policy not in SSD_POLICIES:
+            raise ValueError(f"ssd_policy must be one of {', '.join(SSD_POLICIES)}, not {self.policy!r}")
+        if self.durability not in DURABILITIES:
+            raise ValueError(f"ssd_durability must be best_effort or persistent, not {self.durability!r}")
+        if self.capacity_bytes < 0 or (self.min_free_bytes or 0) < 0 or self.ttl_s <= 0:
             raise ValueError("disk_cache_gb and disk_min_free_gb must be >= 0, ssd_ttl_days > 0")
-        if self.ssd_persistent_retries < 0:
-            raise ValueError(f"ssd_persistent_retries must be >= 0, not {self.ssd_persistent_retries}")
-
-    def to_tier_config(self) -> DiskTierConfig:
-        self.validate()
-        return DiskTierConfig(
-            durability=self.ssd_durability,  # type: ignore[arg-type]  # a Durability: validate() checked it
-            persistent_retries=self.ssd_persistent_retries,
-            async_writes=self.ssd_async,
-            queue_blocks=self.ssd_queue_blocks,
-            flush_interval_s=self.ssd_flush_interval_s,
-            capacity_bytes=int(self.disk_cache_gb * GIB),
-            min_free_bytes=None if self.disk_min_free_gb is None else int(self.disk_min_free_gb * GIB),
-            ttl_s=self.ssd_ttl_days * 86400.0,
-            prune_interval_s=self.ssd_prune_interval_s,
-            io_threads=self.ssd_io_threads,
-        )
+        if self.persistent_retries < 0:
+            raise ValueError(f"ssd_persistent_retries must be >= 0, not {self.persistent_retries}")
+        if self.queue_blocks < 1 or self.io_threads < 1:
+            raise ValueError("ssd_queue_blocks and ssd_io_threads must be >= 1")
+        for f in fields(self):
+            if f.name.endswith("_s") and getattr(self, f.name) < 0:
+                raise ValueError(f"{f.metadata['key'] or f.name} must be >= 0")

@@ -27,7 +27,7 @@ from kvcellar.storage.base import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION, header_size_for
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.capacity import CapacityGuard
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.sessions import Session, StaleSession, open_session, scan_sessions, unclean_summary
@@ -69,7 +69,7 @@ class OpenNamespace:
     """``<root>/<namespace>-v<FORMAT_VERSION>/`` opened by this process. The constructor
     does no I/O; call ``open``."""
 
-    def __init__(self, root: Path, namespace: str, spec: BlockSpec, config: DiskTierConfig,
+    def __init__(self, root: Path, namespace: str, spec: BlockSpec, config: DiskConfig,
                  descriptor: dict[str, Any] | None) -> None:
         self.spec = spec
         self.config = config

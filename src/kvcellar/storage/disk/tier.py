@@ -53,7 +53,7 @@ from typing import Any
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
 from kvcellar.storage.block_format import MAX_KEY_LEN, check_identity
 from kvcellar.storage.disk.admission import WriteAdmission
-from kvcellar.storage.disk.config import DiskTierConfig
+from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.namespace import OpenNamespace
 from kvcellar.storage.disk.reader import Outcome, ReaderPool, read_block_into
 from kvcellar.storage.disk.sessions import close_session
@@ -85,11 +85,11 @@ class DiskTier(KVTier):
         root: Path | str,
         namespace: str,
         spec: BlockSpec,
-        config: DiskTierConfig | None = None,
+        config: DiskConfig | None = None,
         descriptor: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
-        self.config = config = config or DiskTierConfig()
+        self.config = config = config or DiskConfig()
         self._ns = ns = OpenNamespace(Path(root), namespace, spec, config, descriptor)
         self.layout = ns.layout
         self.file_size = ns.file_size

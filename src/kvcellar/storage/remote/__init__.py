@@ -6,6 +6,6 @@ are the block format of ``storage/block_format.py`` under ``kvc:<namespace>:<key
 ``connection.py`` how a URL becomes a client; ``config.py`` its knobs.
 """
 
-from kvcellar.storage.remote.config import REMOTE_POLICIES, RemoteSettings, RemoteTierConfig
+from kvcellar.storage.remote.config import REMOTE_POLICIES, RemoteConfig
 
-__all__ = ["REMOTE_POLICIES", "RemoteSettings", "RemoteTierConfig"]
+__all__ = ["REMOTE_POLICIES", "RemoteConfig"]

@@ -41,7 +41,7 @@ from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, 
 from kvcellar.storage.block_format import check_identity, decode_block_into, encode_block
 from kvcellar.storage.counters import Counters
 from kvcellar.storage.faults import FaultTracker
-from kvcellar.storage.remote.config import RemoteTierConfig
+from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
 from kvcellar.storage.remote.layout import RemoteLayout
 from kvcellar.storage.remote.writer import RemoteWriter
@@ -71,9 +71,9 @@ class RemoteTier(KVTier):
     name = "remote"
     gauges = frozenset({"remote_writer_queue_depth", "remote_ok_state"})
 
-    def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteTierConfig | None = None) -> None:
+    def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteConfig | None = None) -> None:
         self.spec = spec
-        self.config = config = config or RemoteTierConfig()
+        self.config = config = config or RemoteConfig()
         self.url = url
         self.layout = RemoteLayout(fingerprint)
         self._c = Counters("remote_", _COUNTERS)
