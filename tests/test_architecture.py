@@ -1,5 +1,6 @@
-"""The package layout is the architecture: no import cycles between kvcellar's modules, and
-package ``__init__`` files that stay light where callers depend on it.
+"""The package layout is the architecture: no import cycles between kvcellar's modules, no
+import that points up a floor, and package ``__init__`` files that stay light where callers
+depend on it.
 
 Every import statement counts, including the ones inside functions and ``TYPE_CHECKING``
 blocks: a cycle hidden behind a deferred import is still a cycle.
@@ -17,6 +18,33 @@ from pathlib import Path
 import kvcellar
 
 SRC = Path(kvcellar.__file__).parent
+
+
+# The floors of the import picture, lowest first: a module imports from its own floor and
+# those below, never above. A module is on the floor of the longest name here it starts with.
+FLOORS = {
+    # leaves
+    "kvcellar": 1, "kvcellar.paths": 1, "kvcellar.units": 1, "kvcellar.errors": 1,
+    # the storage tiers; model files and their identities
+    "kvcellar.storage": 2, "kvcellar.gguf_info": 2, "kvcellar.model_source": 2, "kvcellar.identity": 2,
+    "kvcellar.quantization": 2,
+    # the RAM prefix cache over the tiers; the prepared-model cache
+    "kvcellar.cache": 3, "kvcellar.artifacts": 3,
+    "kvcellar.engine": 4,
+    "kvcellar.server": 5,
+    # the assembly: settings from every section, parts built from them, and the commands that
+    # load or take the assembled settings
+    "kvcellar.settings": 6, "kvcellar.runtime": 6, "kvcellar.cli": 6, "kvcellar.bench": 6,
+    "kvcellar.server.runner": 6, "kvcellar.artifacts.cli": 6,
+}
+
+
+def floor_of(name: str) -> int:
+    prefix = name
+    while prefix not in FLOORS or (prefix == "kvcellar" and name != "kvcellar"):
+        assert "." in prefix, f"{name} is on no floor: add it to FLOORS"
+        prefix = prefix.rpartition(".")[0]
+    return FLOORS[prefix]
 
 
 def module_names() -> dict[str, Path]:
@@ -92,6 +120,23 @@ def test_no_import_cycles_between_modules() -> None:
     assert "kvcellar.settings" in graph["kvcellar.runtime"]  # the scan sees imports at all
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_points_up_a_floor() -> None:
+    modules = module_names()
+    up = [f"{name} (floor {floor_of(name)}) -> {target} (floor {floor_of(target)})"
+          for name, path in sorted(modules.items()) for target in sorted(imports_of(name, path, modules))
+          if floor_of(target) > floor_of(name)]
+    assert not up, "imports pointing up a floor:\n" + "\n".join(up)
+
+
+def test_reading_settings_does_not_load_the_engine() -> None:
+    code = "import json, sys, kvcellar.settings; print(json.dumps(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       env=env).stdout)
+    assert [m for m in loaded if m.startswith("kvcellar.engine")] == ["kvcellar.engine", "kvcellar.engine.config"]
+    assert "transformers" not in loaded
 
 
 def test_importing_storage_does_not_import_the_disk_tier() -> None:

@@ -11,10 +11,12 @@ from typing import Any
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
+from kvcellar.engine.config import WEIGHT_MODES
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.settings import Settings, load_settings
 from kvcellar.storage.disk.cli import add_cache_commands
+from kvcellar.storage.disk.config import DURABILITIES, SSD_POLICIES
 from kvcellar.storage.remote.cli import add_remote_args, remote_cli_values
 
 
@@ -49,8 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens one completion may generate: larger max_tokens are clamped to it, and it is "
                    "the default where a request sets none (0, the default: the room the context leaves)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
-                   help="compute every prompt from scratch (comparisons only)")
-    p.add_argument("--weights", default=None, choices=["auto", "full", "int8", "int4"],
+                   help="compute every prompt from scratch (comparisons only); this also turns the SSD and "
+                        "remote tiers off, whatever --ssd-policy and --remote-url say")
+    p.add_argument("--weights", default=None, choices=list(WEIGHT_MODES),
                    help="full: weights in --dtype; int8 / int4: weight-only quantized linears (faster decode where "
                         "the CPU runs torch's kernels: bf16), used for steps up to a size measured at warm-up; "
                         "auto (default): int4 for a 4-bit GGUF where the kernel runs, else full")
@@ -62,9 +65,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="cache root for KV blocks and prepared models (default: KVCELLAR_CACHE_DIR, "
                         "else ~/.cache/kvcellar)")
-    p.add_argument("--ssd-policy", default=None, choices=["write_through", "evict_only", "off"],
+    p.add_argument("--ssd-policy", default=None, choices=list(SSD_POLICIES),
                    help="SSD tier: write every new block through (default), write blocks RAM evicts, or off")
-    p.add_argument("--ssd-durability", default=None, choices=["best_effort", "persistent"],
+    p.add_argument("--ssd-durability", default=None, choices=list(DURABILITIES),
                    help="persistent: fsync before a block counts as stored (default best_effort)")
     p.add_argument("--ssd-persistent-retries", type=int, default=None,
                    help="with --ssd-durability persistent: retries of a failed write before the block is dropped "

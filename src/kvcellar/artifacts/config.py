@@ -7,9 +7,11 @@ Precedence as everywhere else: defaults < config file < environment
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 ENV_PREFIX = "KVCELLAR_ARTIFACT_"
-VERIFY_LEVELS = ("fast", "full")
+VerifyLevel = Literal["fast", "full"]
+VERIFY_LEVELS: tuple[VerifyLevel, ...] = get_args(VerifyLevel)
 
 
 @dataclass
@@ -23,7 +25,7 @@ class ArtifactConfig:
     # Check of an entry before each use. "fast": sizes, sampled hashes, and a full sha256 of
     # any file whose size/mtime/ctime/inode changed since its last full check (~5 ms for the
     # embedded model). "full": sha256 of every file every time (~0.2-0.3 s per 270 MB here).
-    verify: str = "fast"
+    verify: VerifyLevel = "fast"
 
     @property
     def max_bytes(self) -> int:

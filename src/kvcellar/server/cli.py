@@ -5,7 +5,9 @@ imports this module to build its parser; the server itself loads only when it ru
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
+
+from kvcellar.server.config import LogFormat
 
 _FIELDS = ("host", "port", "api_key", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
            "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
@@ -37,7 +39,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-requests", type=int, default=None,
                    help="API requests in flight before 503 (default 1024)")
     p.add_argument("--access-log", action="store_true", default=None, help="log every HTTP request")
-    p.add_argument("--log-format", default=None, choices=["text", "json"], help="log line format")
+    p.add_argument("--log-format", default=None, choices=list(get_args(LogFormat)), help="log line format")
 
 
 def server_cli_values(args: argparse.Namespace) -> dict[str, Any]:

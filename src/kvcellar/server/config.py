@@ -7,6 +7,9 @@ Filled like every section (``kvcellar.settings.load_settings``): defaults < conf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+LogFormat = Literal["text", "json"]
 
 
 @dataclass
@@ -40,7 +43,7 @@ class ServerConfig:
     # Responses API: replies kept in memory for previous_response_id (store: true), newest first.
     max_stored_responses: int = 1024
     access_log: bool = False
-    log_format: str = "text"  # text | json
+    log_format: LogFormat = "text"
 
     def default_stops(self) -> tuple[str, ...]:
         if not self.stop:
@@ -60,5 +63,5 @@ class ServerConfig:
             raise ValueError("shutdown_timeout must be >= 0")
         if self.max_choices < 1 or self.max_inflight_requests < 1 or self.max_body_bytes < 1:
             raise ValueError("max_choices, max_inflight_requests and max_body_bytes must be >= 1")
-        if self.log_format not in ("text", "json"):
+        if self.log_format not in get_args(LogFormat):
             raise ValueError("log_format must be text or json")
