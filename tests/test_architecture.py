@@ -24,7 +24,7 @@ SRC = Path(kvcellar.__file__).parent
 # those below, never above. A module is on the floor of the longest name here it starts with.
 FLOORS = {
     # leaves
-    "kvcellar": 1, "kvcellar.paths": 1, "kvcellar.units": 1, "kvcellar.errors": 1,
+    "kvcellar": 1, "kvcellar.paths": 1, "kvcellar.units": 1, "kvcellar.errors": 1, "kvcellar.stats": 1,
     # the storage tiers; model files and their identities
     "kvcellar.storage": 2, "kvcellar.gguf_info": 2, "kvcellar.model_source": 2, "kvcellar.identity": 2,
     "kvcellar.quantization": 2,

@@ -81,6 +81,22 @@ def _blocks(x: np.ndarray, gguf_type: str) -> np.ndarray:
     return encode(x)
 
 
+def test_the_tensor_table_is_what_ggufs_own_reader_gives(ggufs: dict[str, Path]) -> None:
+    """``GgufFile`` reads the tensor table from the header alone (``read_gguf_info``):
+    for files of every type, each tensor where and as gguf's reader has it."""
+    import gguf
+
+    from kvcellar.model_source import find_embedded_gguf
+
+    for path in [*ggufs.values(), find_embedded_gguf()]:
+        reader = gguf.GGUFReader(str(path))
+        want = [(t.name, t.tensor_type, tuple(t.data.shape), t.data.dtype, int(t.data_offset), int(t.shape[0]))
+                for t in reader.tensors]
+        with GgufFile(path) as source:
+            got = [(t.name, t.type, t.shape, t.dtype, t.offset, t.cols) for t in source.stored]
+        assert got == want, path.name
+
+
 @pytest.mark.parametrize("gguf_type", FOUR_BIT)
 def test_4bit_blocks_are_int4_groups_value_for_value(gguf_type: str) -> None:
     import gguf

@@ -83,7 +83,7 @@ def test_eviction_is_lru_and_tail_first():
     bm.acquire(old[:2])
     bm.release(old[:2])
     assert bm.allocate(1)[0] is new[2]
-    assert bm.stats["kv_evictions"] == 2
+    assert bm.stats.evictions == 2
 
 
 def test_allocate_beyond_capacity_raises():
@@ -108,7 +108,7 @@ def test_tiny_key_space_collisions_never_serve_wrong_blocks():
             if b.registered:
                 registered[b.digest] = b.token_ids
         bm.release(blocks)
-    assert bm.stats["kv_collisions"] > 0
+    assert bm.stats.collisions > 0
     for _ in range(2000):
         tokens = [rng.randrange(50) for _ in range(8)]
         ds = digests_of(tokens)

@@ -53,11 +53,11 @@ def test_block_aligned_prompt_still_computes_last_token(model, uncached):
     prompt = chat_ids(model, "Say hello.", SYSTEM)
     prompt = prompt[: (len(prompt) // BS) * BS]  # exactly whole blocks
     first = engine.generate([prompt], GREEDY)[0]
-    computed_before = engine.stats["engine_computed_tokens"]
+    computed_before = engine.stats.computed_tokens
     again = engine.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == len(prompt) - 1
     # one prompt token plus one per generated token after the first
-    assert engine.stats["engine_computed_tokens"] - computed_before == 1 + len(again.token_ids) - 1
+    assert engine.stats.computed_tokens - computed_before == 1 + len(again.token_ids) - 1
     third = engine.generate([prompt], GREEDY)[0]  # the shared block still holds the original KV
     assert third.num_cached_tokens == len(prompt) - 1
     for r in (first, again, third):
@@ -108,7 +108,7 @@ def test_concurrent_requests_sharing_a_prefix(model, uncached):
     shared = expected_hit(min(map(len, prompts)), shared_prefix_len(prompts[0], prompts[1]))
     # the first computes the shared blocks; the others wait for them and reuse them
     assert sorted(r.num_cached_tokens for r in results) == [0, shared, shared, shared]
-    assert engine.scheduler.stats["sched_deferred_for_shared_prefix"] >= 3
+    assert engine.scheduler.cache.stats.deferred_for_shared_prefix >= 3
     assert_no_leaks(engine)
 
 
@@ -119,7 +119,7 @@ def test_after_eviction_recompute_is_identical(model, uncached):
     for i in range(4):  # other traffic pushes the target's blocks out
         filler = " ".join(f"moon fact {i}.{j}" for j in range(30))
         engine.generate([chat_ids(model, f"{i}: summarise these notes: {filler}")], GREEDY)
-    assert engine.blocks.stats["kv_evictions"] > 0
+    assert engine.blocks.stats.evictions > 0
     again = engine.generate([target], GREEDY)[0]
     assert again.num_cached_tokens < expected_hit(len(target), len(target))
     assert_same_output(first, uncached(target))
@@ -154,8 +154,8 @@ def test_forced_collisions_change_nothing(model):
     for _ in range(2):
         for result, ref in zip(engine.generate(prompts, params), reference, strict=True):
             assert_same_output(result, ref)
-    assert engine.blocks.stats["kv_collisions"] > 0
-    assert engine.blocks.stats["kv_lookup_hits"] > 0, "the second round must still hit where keys are intact"
+    assert engine.blocks.stats.collisions > 0
+    assert engine.blocks.stats.lookup_hits > 0, "the second round must still hit where keys are intact"
     assert_no_leaks(engine)
 
 
@@ -189,7 +189,7 @@ def test_two_hundred_mixed_requests_leak_nothing(model):
     assert set(finishes) <= {"stop", "length", "abort"}
     assert {r.seq_id for r in results if r.finish_reason == "abort"} <= cancelled
     assert finishes.count("abort") >= 10
-    assert engine.stats["engine_requests_total"] == 200
+    assert engine.stats.requests_total == 200
     assert_no_leaks(engine)
 
 
@@ -202,7 +202,7 @@ def test_preempted_sequences_resume_with_identical_output(model):
     roomy = make_engine(tiny).generate(prompts, params)
     tight = make_engine(tiny, kv_cache_blocks=22, block_size=8)
     results = tight.generate(prompts, params)
-    assert tight.scheduler.stats["sched_preemptions"] > 0
+    assert tight.scheduler.stats.preemptions > 0
     for a, b in zip(roomy, results, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOL)

@@ -75,12 +75,12 @@ def test_schema_errors_name_the_field(engine: Any) -> None:
 
 
 def test_grammars_are_compiled_once(engine: Any) -> None:
-    before = engine.grammars.stats["grammar_compiled"]
+    before = engine.grammars.stats.compiled
     schema = {"type": "object", "properties": {"only_here": {"type": "boolean"}}}
     first = engine.grammars.json_schema(schema, param="p")
     again = engine.grammars.json_schema(dict(schema), param="p")
     assert first is again
-    assert engine.grammars.stats["grammar_compiled"] == before + 1
+    assert engine.grammars.stats.compiled == before + 1
 
 
 # ---- ending within max_tokens: the plan, min_tokens, adversarial choices ---------------------------

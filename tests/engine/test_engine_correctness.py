@@ -74,7 +74,7 @@ def test_chunked_prefill_equals_unchunked(model):
     whole = make_engine(model, max_step_tokens=4096).generate([prompt], GREEDY)[0]
     chunked_engine = make_engine(model, max_step_tokens=64)
     chunked = chunked_engine.generate([prompt], GREEDY)[0]
-    assert chunked_engine.stats["engine_steps"] >= len(prompt) // 64
+    assert chunked_engine.stats.steps >= len(prompt) // 64
     assert whole.token_ids == chunked.token_ids
     assert torch.allclose(torch.tensor(whole.logprobs), torch.tensor(chunked.logprobs), atol=LOGPROB_TOL)
     ref_tokens, ref_logprobs = reference_greedy(model.model, prompt, GREEDY.max_tokens)
@@ -97,14 +97,14 @@ def test_larger_prefill_chunks_only_while_nothing_decodes(model):
     result = alone.generate([long_prompt], params)[0]
     assert result.token_ids == reference[n]
     prefill_steps = -(-n // 128)
-    assert alone.stats["engine_steps"] == prefill_steps + params.max_tokens - 1
+    assert alone.stats.steps == prefill_steps + params.max_tokens - 1
 
     # The short prompt decodes from step 2 on: the long one continues 32 tokens at a time.
     mixed = make_engine(tiny, max_step_tokens=32, max_prefill_step_tokens=128)
     both = mixed.generate([short_prompt, long_prompt], params)
     assert [r.token_ids for r in both] == [reference[len(short_prompt)], reference[n]]
     first_step = 128 - len(short_prompt)
-    assert mixed.stats["engine_steps"] >= 1 + (n - first_step) // 32
+    assert mixed.stats.steps >= 1 + (n - first_step) // 32
 
 
 def test_unaligned_chunks_and_odd_block_size(model):

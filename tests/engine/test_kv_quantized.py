@@ -137,7 +137,7 @@ def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) ->
     tight = make_engine(model, kv_bits=8, kv_cache_blocks=22, block_size=8)
     for got, want in zip(tight.generate(prompts, params), roomy, strict=True):
         assert_equivalent_output(got, want, *TOLERANCE[8])
-    assert tight.scheduler.stats["sched_preemptions"] > 0
+    assert tight.scheduler.stats.preemptions > 0
     assert_no_leaks(tight)
 
 

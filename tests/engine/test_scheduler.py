@@ -47,7 +47,7 @@ def test_random_workloads_generate_what_the_uncached_model_does(seed: int) -> No
     driver.run()
     assert [driver.done[s.seq_id] for s in seqs] == [reference(p, m) for p, m in work]
     assert driver.runner.wrong_kv == 0
-    assert driver.bm.stats["kv_lookup_hits"] > 0
+    assert driver.bm.stats.lookup_hits > 0
     driver.assert_no_leaks()
 
 
@@ -56,7 +56,7 @@ def test_preemption_under_a_full_pool_resumes_exactly() -> None:
     work = [([i + 1] * 6, 14) for i in range(4)]  # each grows to 5 blocks: they cannot all fit
     seqs = [driver.submit(p, m) for p, m in work]
     driver.run()
-    assert driver.sched.stats["sched_preemptions"] > 0
+    assert driver.sched.stats.preemptions > 0
     assert [driver.done[s.seq_id] for s in seqs] == [reference(p, m) for p, m in work]
     # a resumption reuses the sequence's own blocks: not reported as a cache hit
     assert [s.num_cached_tokens for s in seqs] == [0, 0, 0, 0]
@@ -70,7 +70,7 @@ def test_a_block_being_computed_is_waited_for_not_computed_twice() -> None:
     first, second = driver.submit(prompt, 2), driver.submit(prompt, 2)
     driver.step()
     assert first.state == SeqState.RUNNING and second.state == SeqState.WAITING
-    assert driver.sched.stats["sched_deferred_for_shared_prefix"] == 1
+    assert driver.sched.cache.stats.deferred_for_shared_prefix == 1
     driver.run()
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 12
     assert driver.done[second.seq_id] == driver.done[first.seq_id] == reference(prompt, 2)
@@ -123,7 +123,7 @@ def test_cache_salt_and_disabled_caching_reuse_nothing() -> None:
     off.run()
     again = off.submit(prompt, 2)
     off.run()
-    assert again.num_cached_tokens == 0 and off.bm.stats["kv_registered"] == 0
+    assert again.num_cached_tokens == 0 and off.bm.stats.registered == 0
     assert off.done[again.seq_id] == reference(prompt, 2)
 
 
@@ -179,7 +179,7 @@ def test_blocks_evicted_from_ram_come_back_from_the_disk(disk: Callable[..., Dis
     assert [driver.done[s.seq_id] for s in again] == expected
     from_disk = sum(s.cached_tokens_by_tier.get("ssd", 0) for s in again)
     assert from_disk > 0
-    assert driver.lower.stats["ssd_link_loaded_blocks"] > 0
+    assert driver.lower.tiers[0].stats.loaded_blocks > 0
     assert driver.runner.wrong_kv == 0
     driver.assert_no_leaks()
 
@@ -197,9 +197,9 @@ def test_a_waiting_request_prefetches_its_disk_blocks(disk: Callable[..., DiskTi
     driver.step()
     assert waiting.state == SeqState.WAITING and len(driver.cache.prefetch.reads) == 1
     driver.run()
-    assert driver.sched.stats["sched_prefetch_reads"] == 1
-    assert driver.sched.stats["sched_prefetched_blocks"] == 9
-    assert driver.sched.stats["sched_admitted"] == 3 and driver.cache.loading == []
+    assert driver.sched.cache.prefetch.stats.prefetch_reads == 1
+    assert driver.sched.cache.prefetch.stats.prefetched_blocks == 9
+    assert driver.sched.stats.admitted == 3 and driver.cache.loading == []
     # found in RAM at admission, credited to the tier that served it
     assert waiting.cached_tokens_by_tier == {"ram": 0, "ssd": 36}
     assert driver.done[waiting.seq_id] == reference(prompt, 2)
@@ -215,7 +215,7 @@ def test_a_tier_that_would_drop_a_block_is_asked_before_it_is_copied(disk: Calla
     prompt = list(range(1, 30))
     driver.submit(prompt, 3)
     driver.run()
-    link = driver.lower.stats
-    assert link["ssd_link_declined_blocks"] == len(prompt) // BS and link["ssd_link_stored_blocks"] == 0
+    (attached,) = driver.lower.tiers
+    assert attached.stats.declined_blocks == len(prompt) // BS and attached.stats.stored_blocks == 0
     assert tier.stats()["ssd_dropped_no_space"] == 0 and tier.stats()["ssd_stored_blocks"] == 0
     driver.assert_no_leaks()

@@ -66,11 +66,11 @@ def test_a_forward_failing_for_one_request_fails_only_that_request(model, clean)
     failed = engine.collect(bad)
     assert failed.finish_reason == "error"
     assert "RuntimeError: kernel failed for this shape" in (failed.error or "")
-    assert engine.stats["engine_step_failures"] == 1
-    assert engine.stats["engine_requests_failed"] == 1
+    assert engine.stats.step_failures == 1
+    assert engine.stats.requests_failed == 1
     assert engine.last_step_error == "RuntimeError: kernel failed for this shape"
     assert engine.healthy  # the steps after it succeeded
-    assert engine.stats["engine_step_failures_in_a_row"] == 0
+    assert engine.stats.step_failures_in_a_row == 0
     assert_no_leaks(engine)
 
 
@@ -117,13 +117,13 @@ def test_steps_failing_in_a_row_make_the_engine_unhealthy_until_one_succeeds(mod
     engine = poisoned_engine(model, unhealthy_after_failed_steps=3)
     for n in range(1, 4):
         assert engine.collect(engine.submit(chat_ids(model, POISONED), GREEDY)).finish_reason == "error"
-        assert engine.stats["engine_step_failures_in_a_row"] == n
+        assert engine.stats.step_failures_in_a_row == n
         assert engine.healthy == (n < 3)
     health = observability.step_health(engine)
     assert health["healthy"] is False and health["step_failures"] == 3
     assert "kernel failed" in str(health["last_step_error"])
     assert engine.generate([chat_ids(model, PROMPTS[0])], GREEDY)[0].token_ids == clean[0]
-    assert engine.healthy and engine.stats["engine_step_failures"] == 3
+    assert engine.healthy and engine.stats.step_failures == 3
     assert_no_leaks(engine)
 
 
@@ -146,7 +146,7 @@ def test_a_failure_while_admitting_one_request_fails_that_request_alone(model, c
     assert [engine.collect(h).token_ids for h in [first, *rest]] == clean
     failed = engine.collect(bad)
     assert failed.finish_reason == "error" and "KeyError" in (failed.error or "")
-    assert engine.stats["engine_step_failures"] == 1
+    assert engine.stats.step_failures == 1
     assert_no_leaks(engine)
 
 

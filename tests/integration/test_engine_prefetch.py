@@ -199,7 +199,7 @@ def test_sequence_admitted_while_its_read_is_in_flight_waits_for_it(model, uncac
     engine.step()  # a free slot, but the read of its prefix is not over: it waits for it
     seq = only_seq(engine, handle)
     assert seq.state == SeqState.WAITING and not engine.scheduler.loading
-    assert engine.scheduler.stats["sched_deferred_for_prefetch"] >= 1
+    assert engine.scheduler.cache.stats.deferred_for_prefetch >= 1
     assert engine.scheduler.cache.prefetch.reads == [read]
     assert observability.snapshot(engine)["ssd_load_calls"] <= 1
 
@@ -237,7 +237,7 @@ def test_cancel_while_prefetching_keeps_blocks_until_the_read_ends(model, uncach
     engine.run_until_idle()
     assert_no_leaks(engine)
     # the verified blocks were published all the same: the next request hits them in RAM
-    assert engine.scheduler.stats["sched_prefetched_blocks"] == len(prompt) // BS
+    assert engine.scheduler.cache.prefetch.stats.prefetched_blocks == len(prompt) // BS
     result = engine.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert result.cached_tokens_by_tier["ram"] == result.num_cached_tokens
@@ -266,7 +266,7 @@ def test_block_that_fails_to_load_is_not_published(model, uncached, tmp_path):
     (read,) = engine.scheduler.cache.prefetch.reads
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()
-    assert engine.scheduler.stats["sched_prefetched_blocks"] == victim
+    assert engine.scheduler.cache.prefetch.stats.prefetched_blocks == victim
     cached = {b.digest for b in engine.blocks.cached_blocks()}
     assert set(chain[:victim]) <= cached and not set(chain[victim:]) & cached
     engine.run_until_idle()
@@ -312,7 +312,7 @@ def test_prefetch_off_loads_at_admission(model, uncached, tmp_path):
     engine.run_until_idle()
     result = engine.collect(handle)
     assert result.cached_tokens_by_tier == {"ram": 0, "ssd": expected_cached(len(prompt), len(prompt))}
-    assert engine.scheduler.stats["sched_prefetch_reads"] == 0
+    assert engine.scheduler.cache.prefetch.stats.prefetch_reads == 0
     assert_same_output(result, uncached(prompt))
     assert_no_leaks(engine)
     engine.shutdown(30)

@@ -63,8 +63,8 @@ def test_restart_serves_prefix_from_disk(model, uncached, tmp_path):
     second = tiered(model, tmp_path)  # a new engine: empty RAM, same directory
     b = second.generate([prompt], GREEDY)[0]
     assert b.num_cached_tokens == expected_cached(len(prompt), len(prompt)) >= len(prompt) - BS
-    assert second.scheduler.stats["sched_lower_tier_hit_tokens"] == b.num_cached_tokens
-    assert second.blocks.stats["kv_lookup_hits"] == 0
+    assert second.scheduler.cache.stats.lower_tier_hit_tokens == b.num_cached_tokens
+    assert second.blocks.stats.lookup_hits == 0
     assert_same_output(a, uncached(prompt))
     assert_same_output(b, uncached(prompt))
 
@@ -207,7 +207,7 @@ def test_ram_hits_keep_the_disk_copy_from_expiring(model, tmp_path):
 
     assert wait_until(cold_expired, timeout=120, what="the cold prefix to expire")
     assert all(p.exists() for p in hot_paths)
-    assert engine.blocks.stats["kv_lookup_hits"] > 0 and observability.snapshot(engine)["ssd_load_hits"] == 0
+    assert engine.blocks.stats.lookup_hits > 0 and observability.snapshot(engine)["ssd_load_hits"] == 0
     engine.shutdown(30)
 
 

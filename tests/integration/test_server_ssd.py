@@ -174,9 +174,9 @@ def test_cache_clear_under_a_running_server_does_not_block_rewrites(tmp_path, mo
 
 
 def test_restart_with_8bit_kv_serves_its_blocks_and_another_setting_starts_empty(tmp_path, models_dir, model):
-    """``kvcellar serve --kv-bits 8``: /health shows the setting and what a token costs, a
-    restart serves the 8-bit blocks from disk with the uncached 8-bit reply, and a start
-    with ``--kv-bits 4`` is another cache (empty) that leaves the 8-bit one intact."""
+    """``kvcellar serve --kv-bits 8``: /health shows the setting and what a token costs; a
+    start with ``--kv-bits 4`` in between is another cache (empty) that leaves the 8-bit one
+    intact: the next 8-bit start serves the 8-bit blocks from disk with the uncached 8-bit reply."""
     question = "The disk is 95% full. What do I check first?"
     reference = uncached_runner(model, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), kv_bits=8)
     want = reference(chat_ids(model, question, SYSTEM)).text
@@ -200,15 +200,11 @@ def test_restart_with_8bit_kv_serves_its_blocks_and_another_setting_starts_empty
     eight = sorted((cache / "kv").rglob("*.kvb"))
     assert eight
 
-    _, second = served(8)
-    assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - BS
-    assert second.choices[0].message.content == want
-
     engine, other = served(4)
     assert engine["engine_kv_bits"] == 4
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert set(eight) <= set((cache / "kv").rglob("*.kvb"))
 
     _, back = served(8)
-    assert back.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+    assert back.usage.prompt_tokens_details.cached_tokens >= back.usage.prompt_tokens - BS
     assert back.choices[0].message.content == want

@@ -42,7 +42,7 @@ def chat(server: InProcessServer, prompt: str, **kw: Any) -> str:
 def test_failed_request_gets_a_500_and_the_others_finish_as_in_a_clean_run(served):
     server, engine = served
     clean = [chat(server, p) for p in PROMPTS]
-    failures = engine.stats["engine_step_failures"]
+    failures = engine.stats.step_failures
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         good = [pool.submit(chat, server, p) for p in PROMPTS]
         bad = pool.submit(chat, server, POISONED)
@@ -53,7 +53,7 @@ def test_failed_request_gets_a_500_and_the_others_finish_as_in_a_clean_run(serve
     body = err.value.body
     assert isinstance(body, dict) and "kernel failed for this shape" in body["message"]
     assert body["type"] == "server_error"
-    assert engine.stats["engine_step_failures"] == failures + 1
+    assert engine.stats.step_failures == failures + 1
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvcellar_engine_step_failures_total" in metrics
 

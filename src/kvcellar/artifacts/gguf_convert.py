@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kvcellar.errors import ModelLoadError
+from kvcellar.gguf_info import GGUFInfo, GGUFTensor, read_gguf_info
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, kind_for, quantize
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ INDEX_FILE = "model.safetensors.index.json"
 INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+# The ggml types gguf's reader gives as values (numpy types); the others are bytes of blocks.
+_VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
 
 class NotStreamable(ModelLoadError):
@@ -75,10 +79,23 @@ class StoredTensor:
     cols: int  # values per row
 
     @classmethod
-    def of(cls, t: Any) -> StoredTensor:
-        # The reader's own ``shape`` is in ggml order: the row length first.
-        return cls(t.name, t.tensor_type, tuple(int(n) for n in t.data.shape), t.data.dtype, int(t.data_offset),
-                   int(t.shape[0]))
+    def of(cls, t: GGUFTensor, info: GGUFInfo) -> StoredTensor:
+        """What ``gguf.GGUFReader`` makes of the tensor (its ``data``'s shape and dtype):
+        values for plain types, rows of bytes for block types."""
+        import gguf
+
+        try:
+            qtype = gguf.GGMLQuantizationType[t.type]
+        except KeyError:
+            raise ModelLoadError(f"tensor {t.name} has a ggml type gguf does not know ({t.type})") from None
+        shape = tuple(reversed(t.dims))  # ggml order is the row length first
+        item = _VALUE_TYPES.get(t.type)
+        dtype: np.dtype[Any]
+        if item is None:
+            dtype, shape = np.dtype(np.uint8), tuple(gguf.quant_shape_to_byte_shape(shape, qtype))
+        else:
+            dtype = np.dtype(item).newbyteorder(">") if info.big_endian else np.dtype(item)
+        return cls(t.name, qtype, shape, dtype, info.data_start + t.offset, t.dims[0])
 
 
 @dataclass
@@ -143,6 +160,24 @@ class TensorSource:
         return out
 
 
+def gguf_config_dict(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``PreTrainedConfig.get_config_dict(gguf_file=...)`` gives for ``path`` (fresh
+    copies). It parses the whole metadata with gguf's reader, seconds for a large vocabulary,
+    and preparing a model reads it for each entry it writes, so it is kept per file version."""
+    stat = path.stat()
+    parsed, unused = _config_dict(str(path), stat.st_mtime_ns, stat.st_size)
+    return copy.deepcopy(parsed), copy.deepcopy(unused)
+
+
+@functools.lru_cache(maxsize=4)
+def _config_dict(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    from transformers import PreTrainedConfig
+
+    p = Path(path)
+    parsed, unused = PreTrainedConfig.get_config_dict(str(p.parent), gguf_file=p.name)
+    return parsed, unused
+
+
 class GgufFile:
     """A GGUF file opened for conversion: transformers' config for it, its model on the meta
     device (no memory; ``dtype`` is what its config records), the name map and tensor
@@ -150,26 +185,21 @@ class GgufFile:
     releases the file."""
 
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
-        import gguf
-        from transformers import AutoModelForCausalLM, PreTrainedConfig
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         self.path = path
-        try:
-            reader = gguf.GGUFReader(str(path))
-            self.architecture = str(read_field(reader, "general.architecture")[0])
-            self.stored = [StoredTensor.of(t) for t in reader.tensors]
-            del reader
-        except Exception as exc:
-            raise ModelLoadError(f"Could not read {path} as a GGUF file: {exc}") from exc
+        info = read_gguf_info(path)
+        self.architecture = info.architecture
+        self.stored = [StoredTensor.of(t, info) for t in info.tensors]
         if _converted_by_mapping(self.architecture):
             raise NotStreamable(f"transformers converts GGUF architecture {self.architecture!r} with its weight "
                                 f"conversion mappings")
         try:
             # What ``AutoConfig.from_pretrained(gguf_file=...)`` does, keeping the metadata dict
             # on the way: transformers hands that to the processor, not the config object.
-            parsed, unused = PreTrainedConfig.get_config_dict(str(path.parent), gguf_file=path.name)
+            parsed, unused = gguf_config_dict(path)
             processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)
             self.processor = processor_class(config=copy.deepcopy(parsed))
             config = CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed, **unused)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,14 @@ from kvcellar.bench import report
 from kvcellar.bench.client import ChatClient
 from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, resolve_tokenizer, sentences, words
 from kvcellar.bench.stats import percentile, ratio, summarize
-from kvcellar.bench.targets import Target, add_target_arguments, cleanup_cache, default_models_dir, targets_from_args
+from kvcellar.bench.targets import (
+    Target,
+    TierSplit,
+    add_target_arguments,
+    cleanup_cache,
+    default_models_dir,
+    targets_from_args,
+)
 
 NAME = "agent"
 
@@ -157,14 +165,10 @@ def pass_figures(p: dict[str, Any], before: dict[str, float], after: dict[str, f
     turns = sorted({r["turn"] for r in ok})
     fig["ttft_p50_by_turn_s"] = {str(t): percentile([r["ttft_s"] for r in ok if r["turn"] == t], 50) for t in turns}
     if before and after:
-        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in
-             ("kv_hit_tokens", "sched_lower_tier_hit_tokens", "engine_prompt_tokens", "engine_cached_prompt_tokens",
-              "ssd_load_bytes", "ssd_stored_blocks")}
-        fig["tiers"] = {"ram_tokens": d["kv_hit_tokens"], "ssd_tokens": d["sched_lower_tier_hit_tokens"],
-                        "engine_prompt_tokens": d["engine_prompt_tokens"],
-                        "ssd_bytes_loaded": d["ssd_load_bytes"], "ssd_blocks_stored": d["ssd_stored_blocks"]}
-        fig["ram_ratio"] = ratio(d["kv_hit_tokens"], fig["prompt_tokens"])
-        fig["ssd_ratio"] = ratio(d["sched_lower_tier_hit_tokens"], fig["prompt_tokens"])
+        split = TierSplit.between(before, after)
+        fig["tiers"] = dataclasses.asdict(split)
+        fig["ram_ratio"] = ratio(split.ram_tokens, fig["prompt_tokens"])
+        fig["ssd_ratio"] = ratio(split.ssd_tokens, fig["prompt_tokens"])
     else:
         fig["tiers"] = fig["ram_ratio"] = fig["ssd_ratio"] = None
     return fig

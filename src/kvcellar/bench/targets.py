@@ -15,13 +15,20 @@ import argparse
 import shlex
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from kvcellar.bench.launch import ServerLauncher, answers, link_models, serve_command, wait_until
 from kvcellar.bench.pagecache import drop_page_cache
+from kvcellar.cache.block_manager import BlockStats
+from kvcellar.cache.tiering import LinkStats
+from kvcellar.engine.engine import EngineStats
+from kvcellar.stats import Stats
+
+S = TypeVar("S", bound=Stats)
 
 READY_TIMEOUT_S = 600.0
 # kvcellar answers /health; a peer may only have the OpenAI routes.
@@ -51,6 +58,31 @@ def flat_counters(health: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(health.get(group), Mapping):
             walk(health[group])
     return out
+
+
+@dataclass(frozen=True)
+class TierSplit:
+    """Where the prompt tokens of what ran between two /health answers came from, by
+    tier (each tier's own count: the RAM block table's hits, the link's per lower tier),
+    and what the SSD read for them."""
+
+    ram_tokens: float
+    ssd_tokens: float
+    remote_tokens: float
+    computed_tokens: float
+    ssd_blocks_loaded: float
+    ssd_bytes_loaded: float
+
+    @classmethod
+    def between(cls, before: Mapping[str, float], after: Mapping[str, float]) -> TierSplit:
+        def change(stats: type[S], prefix: str | None = None) -> S:
+            return stats.from_dict(after, prefix).since(stats.from_dict(before, prefix))
+
+        ssd, remote = change(LinkStats, "ssd_link_"), change(LinkStats, "remote_link_")
+        return cls(ram_tokens=change(BlockStats).hit_tokens, ssd_tokens=ssd.hit_tokens,
+                   remote_tokens=remote.hit_tokens, computed_tokens=change(EngineStats).computed_tokens,
+                   ssd_blocks_loaded=ssd.loaded_blocks,
+                   ssd_bytes_loaded=after.get("ssd_load_bytes", 0.0) - before.get("ssd_load_bytes", 0.0))
 
 
 class Target:
@@ -108,7 +140,7 @@ class Target:
     def kv_spec(self) -> dict[str, Any] | None:
         """The SSD tier's block spec (``block_nbytes``, ``block_size``, ...) from its namespace.json."""
         h = self.health()
-        path = (h or {}).get("ssd", {}) or {}
+        path = (((h or {}).get("tiers") or {}).get("ssd") or {}).get("ssd") or {}
         ns = Path(path["path"]) / "namespace.json" if path.get("path") else None
         if ns is None or not ns.exists():
             return None

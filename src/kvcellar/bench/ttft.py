@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from kvcellar.bench.stats import ratio, summarize
 from kvcellar.bench.targets import (
     ProcessTarget,
     Target,
+    TierSplit,
     add_target_arguments,
     cleanup_cache,
     default_models_dir,
@@ -202,13 +204,7 @@ async def _timed(client: ChatClient, target: Target, prompt: ChatPrompt, max_tok
     row = r.as_dict()
     row.pop("text", None)
     if kvcellar:
-        after = target.counters()
-        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in
-                 ("kv_hit_tokens", "sched_lower_tier_hit_tokens", "ssd_load_hits", "ssd_load_bytes",
-                  "engine_computed_tokens")}
-        row["tiers"] = {"ram_tokens": delta["kv_hit_tokens"], "ssd_tokens": delta["sched_lower_tier_hit_tokens"],
-                        "ssd_blocks_loaded": delta["ssd_load_hits"], "ssd_bytes_loaded": delta["ssd_load_bytes"],
-                        "computed_tokens": delta["engine_computed_tokens"]}
+        row["tiers"] = dataclasses.asdict(TierSplit.between(before, target.counters()))
     return row
 
 

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from kvcellar.stats import Stats, counter, gauge
 
 NULL_BLOCK = 0
 
@@ -47,11 +50,28 @@ class OutOfBlocksError(RuntimeError):
     """``allocate`` was asked for more blocks than free + evictable (a caller bug)."""
 
 
-class BlockManager:
-    # Levels among the snapshot's keys (exported as gauges); the others are counts.
-    GAUGES = frozenset({"kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_evictable",
-                        "kv_blocks_used"})
+@dataclass
+class BlockStats(Stats):
+    PREFIX: ClassVar[str] = "kv_"
+    lookup_hits: int = counter()
+    lookup_misses: int = counter()
+    hit_tokens: int = counter()
+    evictions: int = counter()
+    collisions: int = counter()
+    registered: int = counter()
 
+
+@dataclass
+class BlockLevels(Stats):
+    PREFIX: ClassVar[str] = "kv_"
+    blocks_total: int = gauge()
+    blocks_free: int = gauge()
+    blocks_cached: int = gauge()  # registered, reusable by prefix
+    blocks_evictable: int = gauge()  # of those, referenced by no sequence
+    blocks_used: int = gauge()
+
+
+class BlockManager:
     def __init__(
         self,
         num_blocks: int,
@@ -72,14 +92,7 @@ class BlockManager:
         self._free: deque[Block] = deque(self.blocks[1:])
         self._evictable: OrderedDict[int, Block] = OrderedDict()  # first = least recently used
         self._table: dict[bytes, Block] = {}
-        self.stats = {
-            "kv_lookup_hits": 0,
-            "kv_lookup_misses": 0,
-            "kv_hit_tokens": 0,
-            "kv_evictions": 0,
-            "kv_collisions": 0,
-            "kv_registered": 0,
-        }
+        self.stats = BlockStats()
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -113,15 +126,15 @@ class BlockManager:
             if block is None:
                 break
             if block.digest != digest or block.token_ids != tuple(tokens):
-                self.stats["kv_collisions"] += 1
+                self.stats.collisions += 1
                 break
             out.append(block)
         return out
 
     def record_lookup(self, hit_blocks: int, total_blocks: int) -> None:
-        self.stats["kv_lookup_hits"] += hit_blocks
-        self.stats["kv_lookup_misses"] += total_blocks - hit_blocks
-        self.stats["kv_hit_tokens"] += hit_blocks * self.block_size
+        self.stats.lookup_hits += hit_blocks
+        self.stats.lookup_misses += total_blocks - hit_blocks
+        self.stats.hit_tokens += hit_blocks * self.block_size
 
     # ---- ownership ------------------------------------------------------------------------
 
@@ -142,7 +155,7 @@ class BlockManager:
             else:
                 _, block = self._evictable.popitem(last=False)
                 self._drop(block)
-                self.stats["kv_evictions"] += 1
+                self.stats.evictions += 1
             block.ref_count = 1
             out.append(block)
         return out
@@ -171,13 +184,13 @@ class BlockManager:
         key = self.key(digest)
         if key in self._table:
             if self._table[key].digest != digest:
-                self.stats["kv_collisions"] += 1
+                self.stats.collisions += 1
             return False
         block.digest = digest
         block.token_ids = tuple(token_ids)
         block.parent = parent
         self._table[key] = block
-        self.stats["kv_registered"] += 1
+        self.stats.registered += 1
         return True
 
     def cached_blocks(self) -> list[Block]:
@@ -192,7 +205,7 @@ class BlockManager:
             self._drop(block)
             self._free.append(block)
             n += 1
-        self.stats["kv_evictions"] += n
+        self.stats.evictions += n
         return n
 
     def _drop(self, block: Block) -> None:
@@ -207,12 +220,9 @@ class BlockManager:
 
     # ---- reporting ------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, int]:
-        return {
-            **self.stats,
-            "kv_blocks_total": self.num_blocks - 1,
-            "kv_blocks_free": self.num_free,
-            "kv_blocks_cached": len(self._table),  # registered, reusable by prefix
-            "kv_blocks_evictable": self.num_evictable,  # of those, referenced by no sequence
-            "kv_blocks_used": self.num_used,
-        }
+    def levels(self) -> BlockLevels:
+        return BlockLevels(blocks_total=self.num_blocks - 1, blocks_free=self.num_free, blocks_cached=len(self._table),
+                           blocks_evictable=self.num_evictable, blocks_used=self.num_used)
+
+    def snapshot(self) -> dict[str, float]:
+        return {**self.stats.as_dict(), **self.levels().as_dict()}

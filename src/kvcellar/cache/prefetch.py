@@ -37,9 +37,7 @@ keys is not admitted (``reading``; admission defers it a step, as it does for a 
 another sequence is computing): it waits for the read instead of reading the same keys
 again into other blocks.
 
-Counters (in the scheduler's ``stats``): ``sched_prefetch_reads`` (reads started),
-``sched_prefetched_blocks`` (blocks verified by a prefetch read),
-``sched_deferred_for_prefetch`` (admissions that waited for one).
+Counters: ``PrefetchStats`` (exported as ``sched_prefetch_reads``, ``sched_prefetched_blocks``).
 
 Threading: not thread-safe; only the engine thread calls in (through the prefix cache).
 """
@@ -48,10 +46,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.cache.cached_sequence import CachedSequence
+from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
@@ -70,8 +69,15 @@ class PrefetchRead:
     pending: PendingLoad
 
 
+@dataclass
+class PrefetchStats(Stats):
+    PREFIX: ClassVar[str] = "sched_"  # the names dashboards know, from when the scheduler counted them
+    prefetch_reads: int = counter()  # reads started
+    prefetched_blocks: int = counter()  # blocks verified by a prefetch read
+
+
 class Prefetcher:
-    def __init__(self, blocks: BlockManager, *, max_blocks: int, max_reads: int, stats: dict[str, int]) -> None:
+    def __init__(self, blocks: BlockManager, *, max_blocks: int, max_reads: int) -> None:
         self.bm = blocks
         self.block_size = blocks.block_size
         self.max_blocks = max(0, max_blocks)
@@ -83,8 +89,7 @@ class Prefetcher:
         # Blocks published for a sequence that has not been admitted yet (with the digest
         # they were published under: the pool may have reused a block since).
         self._published: dict[CachedSequence, list[tuple[Block, bytes]]] = {}
-        self.stats = stats
-        stats.update({"sched_prefetch_reads": 0, "sched_prefetched_blocks": 0, "sched_deferred_for_prefetch": 0})
+        self.stats = PrefetchStats()
 
     @property
     def num_blocks(self) -> int:
@@ -146,7 +151,7 @@ class Prefetcher:
             self.reads.append(read)
             self._by_seq[seq] = read
             self._by_digest.update((d, read) for d in read.digests)
-            self.stats["sched_prefetch_reads"] += 1
+            self.stats.prefetch_reads += 1
 
     def poll(self, lower: LowerTierLink) -> None:
         """Publish the verified blocks of every read that is over; release all its blocks."""
@@ -172,7 +177,7 @@ class Prefetcher:
                         self._published.setdefault(read.seq, []).append((block, read.digests[i]))
                 # else: the same block was computed meanwhile; this copy stays private and is freed
             self.bm.release(read.blocks)
-            self.stats["sched_prefetched_blocks"] += n
+            self.stats.prefetched_blocks += n
             self._end(read)
 
     def _end(self, read: PrefetchRead) -> None:

@@ -33,8 +33,8 @@ What it keeps of each sequence is the counters documented on ``engine.sequence.S
 the only writer of; ``CachedSequence`` (``cache/cached_sequence.py``) names the part it
 uses, so this package does not import the engine.
 
-Counters share the scheduler's ``stats`` dict (``sched_*``: they predate this layer and
-dashboards use them).
+Counters: ``PrefixCacheStats``, exported under the scheduler's prefix (``sched_*``: they
+predate this layer and dashboards use them).
 
 Threading: not thread-safe; only the engine thread calls in.
 """
@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.cache.cached_sequence import CachedSequence
 from kvcellar.cache.prefetch import Prefetcher
+from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
@@ -67,6 +69,14 @@ def _no_copy(src: int, dst: int) -> None:
     raise RuntimeError("this prefix cache was built without a copy_block function")
 
 
+@dataclass
+class PrefixCacheStats(Stats):
+    PREFIX: ClassVar[str] = "sched_"
+    deferred_for_shared_prefix: int = counter()  # admissions that waited for a block another sequence computes
+    deferred_for_prefetch: int = counter()  # admissions that waited for a prefetch read
+    lower_tier_hit_tokens: int = counter()  # prompt tokens read from any tier below RAM
+
+
 class PrefixCache(Generic[S]):
     """Over sequences of type ``S`` (the engine's ``Sequence``)."""
 
@@ -75,7 +85,6 @@ class PrefixCache(Generic[S]):
         blocks: BlockManager,
         lower: LowerTierLink,
         *,
-        stats: dict[str, int],
         enabled: bool = True,
         copy_block: Callable[[int, int], None] | None = None,
         prefetch_pool_fraction: float = 0.25,
@@ -93,10 +102,9 @@ class PrefixCache(Generic[S]):
         self._abandoned: list[PendingLoad] = []
         # digest -> the sequence computing that block right now (reserved, not yet published)
         self._computing: dict[bytes, S] = {}
-        self.stats = stats
-        stats.update({"sched_deferred_for_shared_prefix": 0, "sched_lower_tier_hit_tokens": 0})
+        self.stats = PrefixCacheStats()
         self.prefetch = Prefetcher(blocks, max_blocks=int(prefetch_pool_fraction * (blocks.num_blocks - 1)),
-                                   max_reads=prefetch_max_reads, stats=stats)
+                                   max_reads=prefetch_max_reads)
 
     def busy(self) -> bool:
         """Reads in flight (loads, prefetches, or cancelled loads still writing into the pool)."""
@@ -126,10 +134,10 @@ class PrefixCache(Generic[S]):
             digests = seq.digests(n_full, bs)
             hits = self.bm.match(digests, [seq.block_tokens(i, bs) for i in range(n_full)])
             if len(hits) < n_full and digests[len(hits)] in self._computing:
-                self.stats["sched_deferred_for_shared_prefix"] += 1
+                self.stats.deferred_for_shared_prefix += 1
                 return Admission.DEFERRED
             if len(hits) < n_full and self.prefetch.reading(digests[len(hits):]):
-                self.stats["sched_deferred_for_prefetch"] += 1
+                self.stats.deferred_for_prefetch += 1
                 return Admission.DEFERRED
             if hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
@@ -179,7 +187,8 @@ class PrefixCache(Generic[S]):
             seq.cached_tokens_by_tier = _split_by_tier([*seq.hit_tiers, *loaded_tiers], seq.num_computed, bs)
             ram = seq.cached_tokens_by_tier["ram"]
             self.bm.record_lookup(-(-ram // bs), seq.num_tokens // bs)
-            self.stats["sched_lower_tier_hit_tokens"] += seq.num_computed - ram
+            self.stats.lower_tier_hit_tokens += seq.num_computed - ram
+            self.lower.credit_hits(seq.cached_tokens_by_tier)
         seq.prefetched.clear()
 
     # ---- reads in flight ------------------------------------------------------------------

@@ -50,10 +50,25 @@ import torch
 
 from kvcellar.cache.block_manager import Block
 from kvcellar.cache.kv_pool import KVPool
+from kvcellar.stats import Stats, counter
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 from kvcellar.storage.guard import GuardedTier
 
 POLICIES = ("write_through", "evict_only", "read_only")
+
+
+@dataclass
+class LinkStats(Stats):
+    """What the link asked of one tier and got, exported as ``<tier>_link_*``."""
+
+    lookups: int = counter()
+    queried_blocks: int = counter()  # blocks asked of the tier
+    lookup_blocks: int = counter()  # of those, the tier said it holds
+    loaded_blocks: int = counter()
+    load_failed_blocks: int = counter()
+    stored_blocks: int = counter()
+    declined_blocks: int = counter()
+    hit_tokens: int = counter()  # prompt tokens of requests served from this tier (once per request)
 
 
 @dataclass
@@ -63,6 +78,7 @@ class AttachedTier:
     # Every call the link makes goes through here: the tier's faults stay the tier's.
     calls: GuardedTier
     batch: list[StoreRequest] = field(default_factory=list)  # this step's write-through copies
+    stats: LinkStats = field(default_factory=LinkStats)
 
 
 @dataclass(frozen=True)
@@ -121,7 +137,6 @@ class LowerTierLink:
         self.tiers: list[AttachedTier] = []
         self._wake = wake
         self._on_cpu = pool.device.type == "cpu"
-        self.stats: dict[str, int] = {}
         # Loaded blocks published this step, with the digest they were published under:
         # promoted at ``flush``, after the step's forward, so a lower-tier hit's first token
         # does not wait for its copies off the pool.
@@ -134,10 +149,6 @@ class LowerTierLink:
         if any(t.tier.name == tier.name for t in self.tiers):
             raise ValueError(f"a tier named {tier.name!r} is already attached")
         self.tiers.append(AttachedTier(tier, policy, GuardedTier(tier, **self._guard)))
-        # Counters carry the tier's name (ssd_link_*, remote_link_*): reported with that tier.
-        p = f"{tier.name}_link_"
-        self.stats.update({p + k: 0 for k in ("lookups", "queried_blocks", "lookup_blocks", "loaded_blocks",
-                                              "load_failed_blocks", "stored_blocks", "declined_blocks")})
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -155,9 +166,6 @@ class LowerTierLink:
         return BlockSpec(dtype=layout.storage_dtype, shape=layout.storage_shape, block_size=layout.block_size,
                          kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0)
 
-    def _count(self, index: int, what: str, n: int = 1) -> None:
-        self.stats[f"{self.tiers[index].tier.name}_link_{what}"] += n
-
     # ---- reads ----------------------------------------------------------------------------
 
     def lookup(self, digests: Sequence[bytes]) -> LoadPlan:
@@ -171,11 +179,11 @@ class LowerTierLink:
         for i, attached in enumerate(self.tiers):
             if pos == len(keys):
                 break
-            self._count(i, "lookups")
-            self._count(i, "queried_blocks", len(keys) - pos)
+            self.tiers[i].stats.lookups += 1
+            self.tiers[i].stats.queried_blocks += len(keys) - pos
             n = max(0, min(int(attached.calls.lookup(keys[pos:])), len(keys) - pos))
             if n:
-                self._count(i, "lookup_blocks", n)
+                self.tiers[i].stats.lookup_blocks += n
                 runs.append((i, n))
                 pos += n
         return LoadPlan(tuple(runs))
@@ -237,10 +245,10 @@ class LowerTierLink:
                     self.pool.block(block.block_id).copy_(pending.staging[valid], non_blocking=True)
                 block.loaded_from = index + 1
                 valid += 1
-            self._count(index, "loaded_blocks", got)
+            self.tiers[index].stats.loaded_blocks += got
             if got:
                 pending.loaded_by_tier[self.tiers[index].tier.name] = got
-            self._count(index, "load_failed_blocks", n - got)
+            self.tiers[index].stats.load_failed_blocks += n - got
             broken = broken or got < n
             pos += n
         return valid
@@ -300,11 +308,11 @@ class LowerTierLink:
                 continue
             if not attached.calls.wants(key):
                 if batch:  # on eviction, "already stored" is the normal answer: not a decline
-                    self._count(i, "declined_blocks")
+                    self.tiers[i].stats.declined_blocks += 1
                 continue
             if request is None:
                 request = self._store_request(block, key)
-            self._count(i, "stored_blocks")
+            self.tiers[i].stats.stored_blocks += 1
             if batch:
                 attached.batch.append(request)
             else:
@@ -319,14 +327,14 @@ class LowerTierLink:
 
     # ---- reporting and shutdown -------------------------------------------------------------
 
+    def credit_hits(self, tokens_by_tier: dict[str, int]) -> None:
+        """A request's prompt tokens read from each tier (``Sequence.cached_tokens_by_tier``)."""
+        for attached in self.tiers:
+            attached.stats.hit_tokens += tokens_by_tier.get(attached.tier.name, 0)
+
     def stats_by_tier(self) -> dict[str, dict[str, float]]:
         """Each tier's own counters and this link's for it (``<name>_link_*``), by tier name."""
-        out: dict[str, dict[str, float]] = {}
-        for attached in self.tiers:
-            prefix = attached.tier.name + "_link_"
-            out[attached.tier.name] = {**{k: v for k, v in self.stats.items() if k.startswith(prefix)},
-                                       **attached.calls.stats()}
-        return out
+        return {a.tier.name: {**a.stats.as_dict(a.tier.name + "_link_"), **a.calls.stats()} for a in self.tiers}
 
     def health(self) -> dict[str, dict[str, object]]:
         """Each tier's ``health()`` with its policy, by tier name."""
@@ -356,7 +364,7 @@ class LowerTierLink:
             if not tier.wants(key):
                 continue
             request = self._store_request(block, key)
-            self._count(index, "stored_blocks")
+            self.tiers[index].stats.stored_blocks += 1
             tier.store([request])
             if tier.wants(key) and tier.wait_idle(max(0.0, deadline - time.monotonic())):
                 tier.store([request])  # dropped again (queue full): once more, now that it drained

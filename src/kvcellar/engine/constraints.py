@@ -27,12 +27,13 @@ import json
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import torch
 
 from kvcellar.errors import InvalidRequestError
+from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in llguidance's stub only
@@ -61,6 +62,14 @@ class Grammar:
     steer_to_end: bool = True
 
 
+@dataclass
+class GrammarStats(Stats):
+    PREFIX: ClassVar[str] = "grammar_"
+    compiled: int = counter()
+    cache_hits: int = counter()
+    compile_seconds: float = counter(0.0)
+
+
 class GrammarCompiler:
     """Compiles JSON schemas and Lark grammars for one tokenizer; caches by source text."""
 
@@ -73,7 +82,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
         self._plans: collections.OrderedDict[str, tuple[int, ...] | None] = collections.OrderedDict()
-        self.stats = {"grammar_compiled": 0, "grammar_cache_hits": 0, "grammar_compile_seconds": 0.0}
+        self.stats = GrammarStats()
 
     def prepare(self) -> None:
         """Build llguidance's view of the tokenizer (~0.5 s): done once, ideally before the
@@ -116,7 +125,7 @@ class GrammarCompiler:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                self.stats["grammar_cache_hits"] += 1
+                self.stats.cache_hits += 1
                 return hit
         lltok = self._tokenizer()
         t0 = time.perf_counter()
@@ -127,8 +136,8 @@ class GrammarCompiler:
                                       f"({detail.strip()}).", param=param, code="invalid_schema")
         grammar = Grammar(source, description, steer_to_end)
         with self._lock:
-            self.stats["grammar_compiled"] += 1
-            self.stats["grammar_compile_seconds"] += time.perf_counter() - t0
+            self.stats.compiled += 1
+            self.stats.compile_seconds += time.perf_counter() - t0
             self._cache[key] = grammar
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
@@ -39,12 +39,37 @@ from kvcellar.engine.sampling import SampleResult, SamplingParams, greedy_tokens
 from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
+from kvcellar.stats import Stats, counter, gauge
 from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
 
 
 # What other threads put in the engine's inbox; the step loop drains it.
+@dataclasses.dataclass
+class EngineStats(Stats):
+    PREFIX: ClassVar[str] = "engine_"
+    requests_total: int = counter()
+    requests_finished: int = counter()
+    requests_aborted: int = counter()
+    requests_failed: int = counter()
+    prompt_tokens: int = counter()
+    cached_prompt_tokens: int = counter()
+    computed_tokens: int = counter()
+    generated_tokens: int = counter()
+    steps: int = counter()
+    step_seconds: float = counter(0.0)
+    warmup_steps: int = counter()  # steps ``warm_up`` ran before serving
+    warmup_seconds: float = counter(0.0)
+    step_failures: int = counter()  # steps an exception ended (their sequences failed)
+    step_failures_in_a_row: int = gauge()
+    # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.
+    kv_bits: int = gauge()
+    kv_group_size: int = gauge()
+    kv_bytes_per_token: int = gauge()
+    kv_pool_tokens: int = gauge()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Add:
     seq: Sequence
@@ -119,27 +144,8 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
         layout = self.layout
-        self.stats: dict[str, float] = {
-            "engine_requests_total": 0,
-            "engine_requests_finished": 0,
-            "engine_requests_aborted": 0,
-            "engine_requests_failed": 0,
-            "engine_prompt_tokens": 0,
-            "engine_cached_prompt_tokens": 0,
-            "engine_computed_tokens": 0,
-            "engine_generated_tokens": 0,
-            "engine_steps": 0,
-            "engine_step_seconds": 0.0,
-            "engine_warmup_steps": 0,  # steps ``warm_up`` ran before serving
-            "engine_warmup_seconds": 0.0,
-            "engine_step_failures": 0,  # steps an exception ended (their sequences failed)
-            "engine_step_failures_in_a_row": 0,
-            # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.
-            "engine_kv_bits": layout.kv_bits,
-            "engine_kv_group_size": layout.kv_group_size if layout.quantized else 0,
-            "engine_kv_bytes_per_token": layout.bytes_per_token,
-            "engine_kv_pool_tokens": self.pool_tokens,
-        }
+        self.stats = EngineStats(kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0,
+                                 kv_bytes_per_token=layout.bytes_per_token, kv_pool_tokens=self.pool_tokens)
         # The last step failure, for /health: "<ExceptionType>: message" and its unix time.
         self.last_step_error: str | None = None
         self.last_step_error_time: float | None = None
@@ -309,7 +315,7 @@ class Engine:
     @property
     def healthy(self) -> bool:
         """False once ``unhealthy_after_failed_steps`` steps failed in a row (until one succeeds)."""
-        return self.stats["engine_step_failures_in_a_row"] < self.config.unhealthy_after_failed_steps
+        return self.stats.step_failures_in_a_row < self.config.unhealthy_after_failed_steps
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -329,8 +335,8 @@ class Engine:
                 case _Add(seq):
                     self._seqs[seq.seq_id] = seq
                     self.scheduler.add(seq)
-                    self.stats["engine_requests_total"] += 1
-                    self.stats["engine_prompt_tokens"] += seq.num_prompt_tokens
+                    self.stats.requests_total += 1
+                    self.stats.prompt_tokens += seq.num_prompt_tokens
                 case _Cancel(seq_id):
                     if (cancelled := self._seqs.get(seq_id)) is not None:
                         self._finish(cancelled, TokenEvent(seq_id, None, "", finish_reason="abort"))
@@ -375,8 +381,8 @@ class Engine:
             except Exception as again:
                 self._step_failed(again, [item.seq for item in plan.items])
                 return True
-        self.stats["engine_steps"] += 1
-        self.stats["engine_computed_tokens"] += plan.num_tokens
+        self.stats.steps += 1
+        self.stats.computed_tokens += plan.num_tokens
         sampled = [item.seq for item in plan.items if item.sample]
         try:
             greedy = greedy_tokens(logits, [plain_greedy(s.params, s.constraint) for s in sampled])
@@ -398,12 +404,12 @@ class Engine:
                 log.exception("post-processing sequence %d failed", seq.seq_id)
                 failed.append((seq, exc))
         self.lower.flush()
-        self.stats["engine_step_seconds"] += time.perf_counter() - t0
+        self.stats.step_seconds += time.perf_counter() - t0
         if failed:
             for seq, error in failed:
                 self._step_failed(error, [seq])
         else:
-            self.stats["engine_step_failures_in_a_row"] = 0
+            self.stats.step_failures_in_a_row = 0
         return True
 
     def _run_apart(self, plan: StepPlan, exc: Exception) -> StepPlan:
@@ -439,16 +445,16 @@ class Engine:
         found = [s for s in self._seqs.values() if id(s) not in queued]
         if sched.in_hand is not None and sched.in_hand.state != SeqState.FINISHED and sched.in_hand not in found:
             found.append(sched.in_hand)
-        if not found and self.stats["engine_step_failures_in_a_row"] + 1 >= self.config.unhealthy_after_failed_steps:
+        if not found and self.stats.step_failures_in_a_row + 1 >= self.config.unhealthy_after_failed_steps:
             found = list(self._seqs.values())
         return found
 
     def _step_failed(self, exc: Exception, seqs: Seq[Sequence]) -> None:
-        self.stats["engine_step_failures"] += 1
-        self.stats["engine_step_failures_in_a_row"] += 1
+        self.stats.step_failures += 1
+        self.stats.step_failures_in_a_row += 1
         self.last_step_error = f"{type(exc).__name__}: {exc}"
         self.last_step_error_time = time.time()
-        if not self.healthy and self.stats["engine_step_failures_in_a_row"] == self.config.unhealthy_after_failed_steps:
+        if not self.healthy and self.stats.step_failures_in_a_row == self.config.unhealthy_after_failed_steps:
             log.error("%d engine steps failed in a row; /health answers 503 until one succeeds",
                       self.config.unhealthy_after_failed_steps)
         for seq in seqs:
@@ -472,7 +478,7 @@ class Engine:
 
     def _append(self, seq: Sequence, res: SampleResult) -> None:
         seq.token_ids.append(res.token_id)
-        self.stats["engine_generated_tokens"] += 1
+        self.stats.generated_tokens += 1
         event = token_event(seq, res, self.max_model_len)
         if event.finish_reason is None:
             seq.emit(event)
@@ -495,12 +501,12 @@ class Engine:
         except Exception:
             log.exception("the totals of sequence %d's last event failed", seq.seq_id)
         if event.finish_reason == "abort":
-            self.stats["engine_requests_aborted"] += 1
+            self.stats.requests_aborted += 1
         elif event.finish_reason == "error":
-            self.stats["engine_requests_failed"] += 1
+            self.stats.requests_failed += 1
         else:
-            self.stats["engine_requests_finished"] += 1
-        self.stats["engine_cached_prompt_tokens"] += seq.num_cached_tokens or 0
+            self.stats.requests_finished += 1
+        self.stats.cached_prompt_tokens += seq.num_cached_tokens or 0
         seq.emit(event)
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,15 +26,21 @@ from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module
 from kvcellar.engine.linears import calibrate, prepare_model
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.quantization import QuantizedWeight
+from kvcellar.stats import Stats, counter, gauge
 
 # Steps of at most this many tokens (decodes of up to 8 sequences) use ``decode_threads``.
 SMALL_STEP_TOKENS = 8
 
 
-class ModelRunner:
-    # Levels among ``stats`` (exported as gauges).
-    GAUGES = frozenset({"runner_decode_threads", "runner_quant_max_rows"})
+@dataclass
+class RunnerStats(Stats):
+    PREFIX: ClassVar[str] = "runner_"
+    cold_paths: int = counter()  # attention paths first run by a request (see ``paths_seen``)
+    decode_threads: int = gauge()
+    quant_max_rows: int = gauge()
 
+
+class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
                  quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None
                  ) -> None:
@@ -51,17 +58,16 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.layout.block_size
         # Attention paths run so far (see ``StepMeta.paths``). The first run of a path pays
-        # one-off costs (kernel selection, lazy imports, allocator growth); ``runner_cold_paths``
+        # one-off costs (kernel selection, lazy imports, allocator growth); ``stats.cold_paths``
         # counts paths first run by a request, i.e. after warm-up (``engine/warmup.py``).
         self.paths_seen: set[str] = set()
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads
-        self.stats: dict[str, float] = {"runner_cold_paths": 0, "runner_decode_threads": self.threads,
-                                        "runner_quant_max_rows": self.linears.table.quant_max_rows}
+        self.stats = RunnerStats(decode_threads=self.threads, quant_max_rows=self.linears.table.quant_max_rows)
 
     def set_decode_threads(self, n: int) -> None:
         self.decode_threads = max(1, min(n, self.threads))
-        self.stats["runner_decode_threads"] = self.decode_threads
+        self.stats.decode_threads = self.decode_threads
 
     def calibrate_decode_threads(self, decode_step: Callable[[], object], steps: int = 4) -> int:
         """Time ``decode_step`` (one batch-1 decode step of the engine) with one thread and
@@ -88,7 +94,7 @@ class ModelRunner:
             return {}
         table = calibrate(self.linears,
                           lambda rows: self.decode_threads if rows <= SMALL_STEP_TOKENS else self.threads)
-        self.stats["runner_quant_max_rows"] = table.quant_max_rows
+        self.stats.quant_max_rows = table.quant_max_rows
         return {"quant_max_rows": table.quant_max_rows, "ms_per_pass": table.measured}
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
@@ -172,5 +178,5 @@ class ModelRunner:
         if not meta.paths <= self.paths_seen:
             new = meta.paths - self.paths_seen
             self.paths_seen |= new
-            self.stats["runner_cold_paths"] += len(new)
+            self.stats.cold_paths += len(new)
         return logits[0].float()

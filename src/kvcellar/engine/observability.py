@@ -8,18 +8,33 @@ one flat dict keeps them apart.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import ClassVar
 
-from kvcellar.cache.block_manager import BlockManager
-from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.cache.block_manager import BlockLevels, BlockStats
+from kvcellar.cache.prefetch import PrefetchStats
+from kvcellar.cache.prefix_cache import PrefixCacheStats
+from kvcellar.engine.engine import Engine, EngineStats
+from kvcellar.engine.model_runner import RunnerStats
+from kvcellar.engine.scheduler import SchedulerStats
+from kvcellar.stats import Stats, gauge
 
-if TYPE_CHECKING:
-    from kvcellar.engine.engine import Engine
 
-# Levels among the engine's own keys (exported as gauges); the others are counts.
-GAUGES = frozenset({"engine_running", "engine_waiting", "engine_loading", "engine_prefetching",
-                    "engine_step_failures_in_a_row", "engine_kv_bits", "engine_kv_group_size",
-                    "engine_kv_bytes_per_token", "engine_kv_pool_tokens"})
+@dataclass
+class EngineLevels(Stats):
+    """The engine's queues, read when reported."""
+
+    PREFIX: ClassVar[str] = "engine_"
+    running: int = gauge()
+    waiting: int = gauge()
+    loading: int = gauge()  # admitted, blocks being read from a lower tier
+    prefetching: int = gauge()  # prefetch reads in flight
+
+
+def levels(engine: Engine) -> EngineLevels:
+    sched = engine.scheduler
+    return EngineLevels(running=len(sched.running), waiting=len(sched.waiting), loading=len(sched.loading),
+                        prefetching=len(sched.cache.prefetch.reads))
 
 
 def snapshot(engine: Engine) -> dict[str, float]:
@@ -27,13 +42,12 @@ def snapshot(engine: Engine) -> dict[str, float]:
     dict; ``tier_stats`` has the tiers' part by tier."""
     sched = engine.scheduler
     return {
-        **engine.stats,
-        "engine_running": len(sched.running),
-        "engine_waiting": len(sched.waiting),
-        "engine_loading": len(sched.loading),
-        "engine_prefetching": len(sched.cache.prefetch.reads),
-        **sched.stats,
-        **engine.runner.stats,
+        **engine.stats.as_dict(),
+        **levels(engine).as_dict(),
+        **sched.stats.as_dict(),
+        **sched.cache.stats.as_dict(),
+        **sched.cache.prefetch.stats.as_dict(),
+        **engine.runner.stats.as_dict(),
         **{k: v for counters in tier_stats(engine).values() for k, v in counters.items()},
     }
 
@@ -46,16 +60,17 @@ def tier_stats(engine: Engine) -> dict[str, dict[str, float]]:
 
 def gauge_keys(engine: Engine) -> frozenset[str]:
     """The keys of ``snapshot`` that are levels, as their owners declare them."""
-    return (GAUGES | BlockManager.GAUGES | ModelRunner.GAUGES
-            | frozenset().union(*(a.tier.gauges for a in engine.lower.tiers)))
+    owned: tuple[type[Stats], ...] = (EngineStats, EngineLevels, SchedulerStats, PrefixCacheStats, PrefetchStats,
+                                      RunnerStats, BlockStats, BlockLevels)
+    return frozenset().union(*(s.gauge_names() for s in owned), *(a.tier.gauges for a in engine.lower.tiers))
 
 
 def step_health(engine: Engine) -> dict[str, object]:
     """The step loop's state for /health."""
     return {
         "healthy": engine.healthy,
-        "step_failures": int(engine.stats["engine_step_failures"]),
-        "step_failures_in_a_row": int(engine.stats["engine_step_failures_in_a_row"]),
+        "step_failures": engine.stats.step_failures,
+        "step_failures_in_a_row": engine.stats.step_failures_in_a_row,
         "unhealthy_after_failed_steps": engine.config.unhealthy_after_failed_steps,
         "last_step_error": engine.last_step_error,
         "last_step_error_time": engine.last_step_error_time,
@@ -68,7 +83,7 @@ def tier_reports(engine: Engine) -> list[dict[str, object]]:
     kv = engine.blocks.stats
     reports: list[dict[str, object]] = [{
         "tier": "ram", "state": "ok", "last_shutdown_clean": None,
-        "queried_blocks": kv["kv_lookup_hits"] + kv["kv_lookup_misses"], "hit_blocks": kv["kv_lookup_hits"],
+        "queried_blocks": kv.lookup_hits + kv.lookup_misses, "hit_blocks": kv.lookup_hits,
     }]
     lower = engine.lower
     for attached in lower.tiers:
@@ -77,8 +92,8 @@ def tier_reports(engine: Engine) -> list[dict[str, object]]:
         reports.append({
             "tier": name, "state": health.get("state"),
             "last_shutdown_clean": health.get("last_shutdown_clean"),
-            "queried_blocks": lower.stats[name + "_link_queried_blocks"],
-            "hit_blocks": lower.stats[name + "_link_loaded_blocks"],
+            "queried_blocks": attached.stats.queried_blocks,
+            "hit_blocks": attached.stats.loaded_blocks,
         })
     return reports
 

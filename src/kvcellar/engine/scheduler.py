@@ -30,12 +30,14 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.prefix_cache import Admission, PrefixCache
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
+from kvcellar.stats import Stats, counter
 
 
 @dataclass
@@ -60,6 +62,13 @@ class StepPlan:
         return len(self.decodes) + sum(s.length for s in self.prefills)
 
 
+@dataclass
+class SchedulerStats(Stats):
+    PREFIX: ClassVar[str] = "sched_"
+    preemptions: int = counter()
+    admitted: int = counter()
+
+
 class Scheduler:
     """``config``: the engine's; its batch bounds, budgets and prefetch limits are read here."""
 
@@ -75,12 +84,12 @@ class Scheduler:
         self.max_prefill_step_tokens = max(config.max_step_tokens, config.max_prefill_step_tokens)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.stats = {"sched_preemptions": 0, "sched_admitted": 0}
+        self.stats = SchedulerStats()
         # The sequence ``schedule`` is acting on (admitting, growing), for the engine to fail
         # if an exception escapes; None between sequences.
         self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
-            blocks, lower, stats=self.stats, enabled=config.prefix_caching, copy_block=copy_block,
+            blocks, lower, enabled=config.prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads)
 
     @property
@@ -115,7 +124,7 @@ class Scheduler:
         seq.state = SeqState.WAITING
         seq.prefetch_checked = False
         self.waiting.appendleft(seq)
-        self.stats["sched_preemptions"] += 1
+        self.stats.preemptions += 1
 
     def _run(self, seq: Sequence) -> None:
         seq.state = SeqState.RUNNING
@@ -167,7 +176,7 @@ class Scheduler:
                 if admission is Admission.DEFERRED:
                     deferred.append(seq)
                     continue
-                self.stats["sched_admitted"] += 1
+                self.stats.admitted += 1
                 if admission is Admission.LOADING:
                     seq.state = SeqState.LOADING
                     continue

@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST
 from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.engine.tokenization import encode_chat
+from kvcellar.stats import Stats
 
 if TYPE_CHECKING:
     from kvcellar.engine.engine import Engine
@@ -78,8 +79,10 @@ def warm_up(engine: Engine) -> float:
     if engine.threaded or engine.num_active():
         raise RuntimeError("warm up an idle engine before starting it")
     t0 = time.perf_counter()
-    counters: tuple[dict[str, Any], ...] = (engine.stats, engine.scheduler.stats, engine.blocks.stats)
-    saved = [dict(c) for c in counters]
+    cache = engine.scheduler.cache
+    counters: tuple[Stats, ...] = (engine.stats, engine.scheduler.stats, cache.stats, cache.prefetch.stats,
+                                   engine.blocks.stats)
+    saved = [c.copy() for c in counters]
     steps = 0
     with engine.lower.suspended():  # until its blocks are dropped too
         try:
@@ -94,21 +97,20 @@ def warm_up(engine: Engine) -> float:
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(engine.max_model_len, engine.pool_tokens // 4)
             for wave in warmup_waves(filler, engine.block_size, limit):
-                before = engine.stats["engine_steps"]
+                before = engine.stats.steps
                 engine.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
-                steps += int(engine.stats["engine_steps"] - before)
+                steps += int(engine.stats.steps - before)
             if engine.config.decode_threads == 0:
                 steps += _calibrate_decode_threads(engine, filler)
         finally:
             release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
             engine.blocks.evict_all()
             for live, old in zip(counters, saved, strict=True):
-                live.clear()
-                live.update(old)
-    engine.runner.stats["runner_cold_paths"] = 0
+                live.restore(old)
+    engine.runner.stats.cold_paths = 0
     seconds = time.perf_counter() - t0
-    engine.stats["engine_warmup_steps"] = steps
-    engine.stats["engine_warmup_seconds"] = seconds
+    engine.stats.warmup_steps = steps
+    engine.stats.warmup_seconds = seconds
     return seconds
 
 
@@ -121,9 +123,9 @@ def _calibrate_decode_threads(engine: Engine, prompt: list[int]) -> int:
     engine.step()
     while engine.in_prefill(handle.seq_id):  # prefill, then it decodes
         engine.step()
-    before = engine.stats["engine_steps"]
+    before = engine.stats.steps
     chosen = engine.runner.calibrate_decode_threads(engine.step)
     engine.cancel(handle.seq_id)
     engine.run_until_idle()
     log.info("decode steps use %d of %d torch threads (measured)", chosen, engine.runner.threads)
-    return int(engine.stats["engine_steps"] - before)
+    return int(engine.stats.steps - before)

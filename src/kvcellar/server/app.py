@@ -28,7 +28,7 @@ from kvcellar.server import errors
 from kvcellar.server.anthropic import adapter as anthropic
 from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvcellar.server.config import ServerConfig
-from kvcellar.server.metrics import ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
+from kvcellar.server.metrics import InflightLevels, ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
 from kvcellar.server.middleware import ApiGate, DrainState, RequestMetrics
 from kvcellar.server.protocol import (
     ChatCompletion,
@@ -94,8 +94,9 @@ class ServerState:
         self.drain.draining = True
 
     def stats(self) -> dict[str, float]:
-        server = {**self.metrics.stats, "server_inflight_requests": len(self.serving.inflight),
-                  "server_inflight_sequences": self.serving.inflight.num_sequences()}
+        inflight = InflightLevels(inflight_requests=len(self.serving.inflight),
+                                  inflight_sequences=self.serving.inflight.num_sequences())
+        server = {**self.metrics.stats.as_dict(), **inflight.as_dict()}
         parts = []
         for source in self.sources:
             try:
@@ -107,13 +108,14 @@ class ServerState:
     def gauge_keys(self) -> frozenset[str]:
         """The keys of ``stats`` that are levels, as each source's owner declares them."""
         artifact_cache = getattr(getattr(self.engine.loaded, "artifact", None), "cache", None)
-        return (observability.gauge_keys(self.engine) | ServerMetrics.GAUGES
+        return (observability.gauge_keys(self.engine) | InflightLevels.gauge_names()
                 | getattr(artifact_cache, "GAUGES", frozenset()) | self.extra_gauges)
 
     def health(self) -> dict[str, Any]:
         stats = self.stats()
         tiers = self.tiers()
-        in_tiers = {k for counters in tiers.values() for k in counters}
+        # A tier's counters are listed under ``tiers`` only, not again in the groups by prefix.
+        shown = {k for tier in tiers.values() for k in tier["counters"]}
         ssd = tiers.get("ssd")
         return {
             "status": "draining" if self.draining else "ok" if self.engine.healthy else "unhealthy",
@@ -138,7 +140,7 @@ class ServerState:
             "engine_steps": observability.step_health(self.engine),
             "tiers": tiers,
             **self._artifact_health(),
-            **group_by_prefix({k: v for k, v in stats.items() if k not in in_tiers}),
+            **group_by_prefix({k: v for k, v in stats.items() if k not in shown}),
         }
 
     def _artifact_health(self) -> dict[str, Any]:

@@ -9,8 +9,8 @@ exports to Prometheus as ``kvcellar_<key>``; /health lists each tier once under 
 (``group_by_prefix``).
 
 Kinds are declared where the numbers are made, never guessed from names: each owner lists
-which of its keys are levels (``observability.gauge_keys``, ``BlockManager.GAUGES``,
-``KVTier.gauges``, ``ArtifactStore.GAUGES``, ``ServerMetrics.GAUGES``); those are gauges,
+which of its keys are levels (the ``gauge()`` fields of its ``kvcellar.stats.Stats``;
+``KVTier.gauges``, ``ArtifactStore.GAUGES``); those are gauges,
 every other key is a monotonic count and a counter. Per tier (``observability.tier_reports``) the
 collector also exports the state as ``kvcellar_tier_state{tier,state}`` (1 for the current
 state), ``kvcellar_tier_last_shutdown_clean{tier}``, and the hit-rate pair
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvcellar.stats import Stats, counter, gauge
 
 # Every state a tier can report; the current one is exported as 1, the others as 0.
 TIER_STATES = ("ok", "degraded", "no_space")
@@ -95,26 +98,34 @@ class SnapshotCollector(Collector):
         return []  # dynamic: the set of keys grows as tiers attach
 
 
+@dataclass
+class ServerStats(Stats):
+    PREFIX: ClassVar[str] = "server_"
+    requests_total: int = counter()
+    requests_failed: int = counter()  # any 5xx (timeouts and shutdown included)
+    internal_errors: int = counter()  # 500 only: a bug or an engine failure
+    first_token_timeouts: int = counter()
+    inter_token_timeouts: int = counter()
+    client_disconnects: int = counter()
+    # x-anthropic-* pseudo-header lines dropped from Messages system prompts
+    anthropic_pseudo_headers_dropped: int = counter()
+    # requests naming another model, served with the loaded one (--serve-any-model)
+    other_model_names: int = counter()
+
+
+@dataclass
+class InflightLevels(Stats):
+    PREFIX: ClassVar[str] = "server_"
+    inflight_requests: int = gauge()
+    inflight_sequences: int = gauge()
+
+
 class ServerMetrics:
     """Counters and histograms of the HTTP layer. Touched from the event loop thread."""
 
-    # Levels among the server_ keys (ServerState adds them to the counters).
-    GAUGES = frozenset({"server_inflight_requests", "server_inflight_sequences"})
-
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.stats: dict[str, float] = {
-            "server_requests_total": 0,
-            "server_requests_failed": 0,  # any 5xx (timeouts and shutdown included)
-            "server_internal_errors": 0,  # 500 only: a bug or an engine failure
-            "server_first_token_timeouts": 0,
-            "server_inter_token_timeouts": 0,
-            "server_client_disconnects": 0,
-            # x-anthropic-* pseudo-header lines dropped from Messages system prompts
-            "server_anthropic_pseudo_headers_dropped": 0,
-            # requests naming another model, served with the loaded one (--serve-any-model)
-            "server_other_model_names": 0,
-        }
+        self.stats = ServerStats()
         self.http_seconds = Histogram(
             "kvcellar_http_request_duration_seconds", "Time from request to the end of the response",
             ["route", "status"], registry=self.registry,
@@ -128,14 +139,11 @@ class ServerMetrics:
         route = path if path in ROUTES else "other"
         self.http_seconds.labels(route=route, status=str(status)).observe(seconds)
         if path.startswith("/v1/") and route != "/v1/models":
-            self.stats["server_requests_total"] += 1
+            self.stats.requests_total += 1
             if status >= 500:
-                self.stats["server_requests_failed"] += 1
+                self.stats.requests_failed += 1
             if status == 500:
-                self.stats["server_internal_errors"] += 1
-
-    def count(self, key: str, n: float = 1) -> None:
-        self.stats[key] = self.stats.get(key, 0) + n
+                self.stats.internal_errors += 1
 
 
 def merged_stats(*sources: Mapping[str, float]) -> dict[str, float]:

@@ -111,7 +111,7 @@ class Serving:
             if name not in self._unknown_models_logged and len(self._unknown_models_logged) < 1024:
                 self._unknown_models_logged.add(name)
                 log.info("serving model name %r with %s (serve_any_model is on)", name, self.model_name)
-            self.metrics.count("server_other_model_names")
+            self.metrics.stats.other_model_names += 1
             return
         raise errors.APIError(404, f"The model '{name}' does not exist. This server serves: "
                               f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
@@ -347,7 +347,7 @@ class Serving:
             streaming = await self._start_stream(gen, renderer, receive)
             return streaming
         except ClientDisconnected:
-            self.metrics.count("server_client_disconnects")
+            self.metrics.stats.client_disconnects += 1
             return Response(status_code=499)  # nobody is listening; keeps the access log honest
         except GenerationTimeout as exc:
             raise self._timed_out(exc) from None
@@ -365,13 +365,16 @@ class Serving:
         def on_close(disconnected: bool) -> None:
             gen.close()
             if disconnected:
-                self.metrics.count("server_client_disconnects")
+                self.metrics.stats.client_disconnects += 1
             self._log_done(None, renderer, gen, "stream-disconnected" if disconnected else "stream")
 
         return SSEResponse(self._stream(renderer, first, events), on_close)
 
     def _timed_out(self, exc: GenerationTimeout) -> errors.APIError:
-        self.metrics.count(f"server_{exc.kind}_timeouts")
+        if exc.kind == "first_token":
+            self.metrics.stats.first_token_timeouts += 1
+        else:
+            self.metrics.stats.inter_token_timeouts += 1
         return errors.timed_out(exc.kind, exc.seconds)
 
     @staticmethod
@@ -410,7 +413,7 @@ class Serving:
                 yield chunk
         except Exception as exc:  # the 200 is sent: the client still gets an error in the stream
             log.error("stream of %s failed", renderer.id, exc_info=exc)
-            self.metrics.count("server_internal_errors")
+            self.metrics.stats.internal_errors += 1
             for chunk in renderer.fail_stream(errors.from_exception(exc)):
                 yield chunk
 

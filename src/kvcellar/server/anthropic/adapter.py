@@ -187,7 +187,7 @@ async def messages(serving: Serving, req: MessagesRequest, receive: Receive) -> 
     serving.check_model(req.model)
     ireq, dropped = to_internal(req)
     if dropped:
-        serving.metrics.count("server_anthropic_pseudo_headers_dropped", dropped)
+        serving.metrics.stats.anthropic_pseudo_headers_dropped += dropped
     prepared = await serving.prepare_chat(ireq)
     tracker = prepared.tracker()
     renderer = MessagesRenderer(req.model, tracker, tuple(req.stop_sequences or ()))
