@@ -28,6 +28,7 @@ from kvcellar.storage.block_format import FILE_SUFFIX, FORMAT_VERSION, HEADER_AL
 from kvcellar.storage.disk.layout import (
     BLOCKS_DIR,
     DESCRIPTOR_FILE,
+    SESSIONS_DIR,
     key_from_block_name,
     parse_namespace_dir,
     tmp_owner,
@@ -158,7 +159,7 @@ def cache_stats(kv_root: Path, *, progress: bool = False) -> list[NamespaceStats
             st.newest_write_ns = max(f.mtime_ns for f in blocks)
             st.unreachable_blocks = len(unreachable_blocks(ns, blocks, progress))
         with contextlib.suppress(OSError):
-            sessions = scan_sessions(ns.path / "sessions", remove_stale=False)
+            sessions = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False)
             st.live_sessions, st.unclean_sessions = len(sessions.live_tokens), len(sessions.stale)
         out.append(st)
     return out
@@ -291,7 +292,7 @@ def prune_cache(
     namespaces = list_namespaces(kv_root)
     for ns in namespaces:
         try:
-            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+            live = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False).live_tokens
         except OSError:
             live = None
         blocks, tmps = _files(ns, progress, f"scan {ns.namespace[:12]}")
@@ -331,7 +332,7 @@ def prune_cache(
             continue
         blocks, tmps = _files(ns, False, "")
         try:
-            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+            live = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False).live_tokens
         except OSError:
             continue
         if not blocks and not tmps and not live:
