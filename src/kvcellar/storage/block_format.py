@@ -69,6 +69,10 @@ DTYPES_BY_CODE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 _FIXED = struct.Struct("<8sHHIQIBBBBIIQ8Q64s32s64s")
 FIXED_SIZE = _FIXED.size  # 272
 _CRC = struct.Struct("<I")
+_PREFIX = struct.Struct("<8sHHI")  # magic, version, flags, header_size: how _FIXED starts
+# Bigger than any header a sane block size needs: a damaged size field must not make a
+# reader allocate gigabytes before decode_header rejects it.
+MAX_HEADER_SIZE = 1 << 20
 
 
 class HeaderError(ValueError):
@@ -109,6 +113,16 @@ def header_size_for(block_size: int) -> int:
     """Bytes before the payload for blocks of ``block_size`` tokens."""
     used = FIXED_SIZE + 4 * block_size + _CRC.size
     return -(-used // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def declared_header_size(head: bytes | bytearray | memoryview) -> int | None:
+    """The header size that a block's first bytes declare, so a reader that does not know
+    the block size knows how much to read; None unless ``head`` starts with the magic and
+    declares at most ``MAX_HEADER_SIZE``. Unchecked otherwise: ``decode_header`` checks."""
+    if len(head) < _PREFIX.size:
+        return None
+    magic, _, _, size = _PREFIX.unpack_from(head, 0)
+    return size if magic == MAGIC and size <= MAX_HEADER_SIZE else None
 
 
 def file_size_for(spec: BlockSpec) -> int:

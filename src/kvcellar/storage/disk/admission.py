@@ -72,12 +72,9 @@ class WriteAdmission:
                 self.write(r)
             finally:
                 self.release(r)
-        elif writer.enqueue(r, deadline):
-            self.counters.inc("enqueued")
-        else:
+        elif not writer.offer(r, deadline):  # the writer counts the drop
             self.release(r)
             self.dropped.add([r.key])
-            self.counters.inc("dropped_queue_full")
 
     def admit(self, r: StoreRequest) -> bool:
         """Cheap checks in the caller's thread; claims the key if admitted."""

@@ -14,9 +14,8 @@ import contextlib
 import json
 import os
 import shutil
-import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,17 @@ import torch
 from tqdm import tqdm
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.block_format import (
-    FILE_SUFFIX,
-    FORMAT_VERSION,
-    HEADER_ALIGN,
-    MAGIC,
-    HeaderError,
-    check_geometry,
-    decode_header,
-    header_size_for,
-    payload_checksum,
+from kvcellar.storage.block_format import FILE_SUFFIX, FORMAT_VERSION, HEADER_ALIGN, HeaderError, header_size_for
+from kvcellar.storage.disk.layout import (
+    BLOCKS_DIR,
+    DESCRIPTOR_FILE,
+    SESSIONS_DIR,
+    key_from_block_name,
+    parse_namespace_dir,
+    tmp_owner,
 )
-from kvcellar.storage.disk.layout import DESCRIPTOR_FILE, key_from_block_name, parse_namespace_dir, tmp_owner
-from kvcellar.storage.disk.recovery import open_noatime
+from kvcellar.storage.disk.reader import open_noatime, read_header, verify_block_file
+from kvcellar.storage.disk.recovery import remove_file, walk_block_files
 from kvcellar.storage.disk.sessions import scan_sessions
 
 
@@ -90,39 +87,26 @@ def list_namespaces(kv_root: Path) -> list[NamespaceInfo]:
     return out
 
 
-def _walk(ns: NamespaceInfo, progress: bool, desc: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
-    """(kind, entry) for every file under blocks/: kind is "block", "tmp" or "other"."""
-    blocks = ns.path / "blocks"
-    try:
-        shards = sorted((e for e in os.scandir(blocks) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
-    except OSError:
-        shards = []
-    for shard in tqdm(shards, desc=desc, unit="dir", disable=not progress, leave=False):
-        try:
-            entries = list(os.scandir(shard.path))
-        except OSError:
-            continue
-        for e in entries:
-            if tmp_owner(e.name) is not None:
-                yield "tmp", e
-            elif e.name.endswith(FILE_SUFFIX):
-                yield "block", e
-            else:
-                yield "other", e
-
-
 def _files(ns: NamespaceInfo, progress: bool, desc: str) -> tuple[list[_File], list[_File]]:
+    """The namespace's block files and temp files, by the walk the tier's scan uses. Block
+    files are judged by their suffix alone: ``verify`` reports a misnamed one."""
     blocks: list[_File] = []
     tmps: list[_File] = []
-    for kind, e in _walk(ns, progress, desc):
-        if kind == "other":
+
+    def bar(shards: list[os.DirEntry[str]]) -> Iterable[os.DirEntry[str]]:
+        wrapped: Iterable[os.DirEntry[str]] = tqdm(shards, desc=desc, unit="dir", disable=not progress, leave=False)
+        return wrapped
+
+    for _, e in walk_block_files(ns.path / BLOCKS_DIR, each_shard=bar):
+        is_tmp = tmp_owner(e.name) is not None
+        if not is_tmp and not e.name.endswith(FILE_SUFFIX):
             continue
         try:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
         f = _File(e.path, st.st_size, st.st_atime_ns, st.st_mtime_ns)
-        (blocks if kind == "block" else tmps).append(f)
+        (tmps if is_tmp else blocks).append(f)
     return blocks, tmps
 
 
@@ -175,7 +159,7 @@ def cache_stats(kv_root: Path, *, progress: bool = False) -> list[NamespaceStats
             st.newest_write_ns = max(f.mtime_ns for f in blocks)
             st.unreachable_blocks = len(unreachable_blocks(ns, blocks, progress))
         with contextlib.suppress(OSError):
-            sessions = scan_sessions(ns.path / "sessions", remove_stale=False)
+            sessions = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False)
             st.live_sessions, st.unclean_sessions = len(sessions.live_tokens), len(sessions.stale)
         out.append(st)
     return out
@@ -198,10 +182,9 @@ def unreachable_blocks(ns: NamespaceInfo, blocks: list[_File], progress: bool = 
         try:
             fd = open_noatime(f.path)
             try:
-                head = os.pread(fd, size, 0)
+                parent = read_header(fd, size).parent
             finally:
                 os.close(fd)
-            parent = decode_header(head).parent
         except (OSError, HeaderError):
             continue  # unreadable or damaged: verify's business, not a chain question
         by_key[key] = f
@@ -238,42 +221,6 @@ class NamespaceVerify:
                 "skipped": self.skipped}
 
 
-def verify_file(path: str, spec: BlockSpec | None, buf: bytearray | None = None) -> str | None:
-    """Read and check one block file completely. None if good, else the
-    reason (as in the tier's ``ssd_corrupt_*`` counters). Raises OSError if
-    it cannot be read."""
-    fd = open_noatime(path)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, HEADER_ALIGN, 0)
-        if len(head) >= 16 and head[:8] == MAGIC:
-            (hsize,) = struct.unpack_from("<I", head, 12)
-            if HEADER_ALIGN < hsize <= 1 << 20:  # blocks of more than ~1k tokens
-                head = os.pread(fd, hsize, 0)
-        try:
-            h = decode_header(head)
-            if spec is not None:
-                check_geometry(h, spec)
-        except HeaderError as e:
-            return e.reason
-        if size != h.header_size + h.payload_nbytes:
-            return "size"
-        if key_from_block_name(os.path.basename(path)) != h.key:
-            return "key"
-        if buf is None or len(buf) != h.payload_nbytes:
-            buf = bytearray(h.payload_nbytes)
-        mv = memoryview(buf)
-        got = 0
-        while got < len(mv):
-            n = os.preadv(fd, [mv[got:]], h.header_size + got)
-            if n <= 0:
-                return "size"
-            got += n
-        return None if payload_checksum(mv) == h.payload_crc32 else "checksum"
-    finally:
-        os.close(fd)
-
-
 def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) -> list[NamespaceVerify]:
     out = []
     for ns in list_namespaces(kv_root):
@@ -288,7 +235,7 @@ def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) 
         for f in tqdm(blocks, desc=f"verify {ns.namespace[:12]}", unit="block", disable=not progress):
             rep.checked += 1
             try:
-                reason = verify_file(f.path, spec, buf)
+                reason = verify_block_file(f.path, spec, buf)
             except FileNotFoundError:
                 rep.checked -= 1
                 continue
@@ -300,9 +247,7 @@ def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) 
                 continue
             rep.bad[reason] = rep.bad.get(reason, 0) + 1
             if delete:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f.path)
-                    rep.deleted += 1
+                rep.deleted += remove_file(f.path)
     return out
 
 
@@ -347,24 +292,24 @@ def prune_cache(
     namespaces = list_namespaces(kv_root)
     for ns in namespaces:
         try:
-            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+            live = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False).live_tokens
         except OSError:
             live = None
         blocks, tmps = _files(ns, progress, f"scan {ns.namespace[:12]}")
         for f in tmps:
             owner = tmp_owner(os.path.basename(f.path))
             if live is not None and owner not in live and now - f.mtime_ns > _ORPHAN_TMP_AGE_NS:
-                rep.orphan_tmp_removed += _unlink(f.path)
+                rep.orphan_tmp_removed += remove_file(f.path)
         ns_keep = []
         for f in blocks:
             if f.atime_ns < cutoff:
-                if _unlink(f.path):
+                if remove_file(f.path):
                     rep.ttl_removed += 1
                     rep.ttl_bytes += f.size
             else:
                 ns_keep.append(f)
         for f in unreachable_blocks(ns, ns_keep, progress):
-            if _unlink(f.path):
+            if remove_file(f.path):
                 rep.unreachable_removed += 1
                 rep.unreachable_bytes += f.size
                 ns_keep.remove(f)
@@ -376,7 +321,7 @@ def prune_cache(
         while total > capacity_bytes and i < len(keep):
             f = keep[i]
             i += 1
-            if _unlink(f.path):
+            if remove_file(f.path):
                 rep.capacity_removed += 1
                 rep.capacity_bytes += f.size
                 total -= f.size
@@ -387,21 +332,13 @@ def prune_cache(
             continue
         blocks, tmps = _files(ns, False, "")
         try:
-            live = scan_sessions(ns.path / "sessions", remove_stale=False).live_tokens
+            live = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False).live_tokens
         except OSError:
             continue
         if not blocks and not tmps and not live:
             shutil.rmtree(ns.path, ignore_errors=True)
             rep.namespaces_removed.append(ns.dir_name)
     return rep
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------- clear

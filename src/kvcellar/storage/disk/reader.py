@@ -7,6 +7,8 @@ ids, and only then reads the payload straight into the destination tensor's
 bytes (no intermediate copy) and checks its CRC-32. A block of another prefix
 therefore never reaches ``dest``; a damaged payload may, but is reported as a
 miss. It never raises for I/O: the outcome says what happened.
+``verify_block_file`` runs the same checks on a file alone (``kvcellar cache
+verify``), with the header's own identity and the key of the file's name.
 
 Reader threads: ``io_threads`` threads named ``kvcellar-disk-reader-<ns>-<i>``
 take (batch, index) tasks from one FIFO queue, so the blocks of a batch are
@@ -33,7 +35,18 @@ from typing import TypedDict
 import torch
 
 from kvcellar.storage.base import BlockSpec, LoadRequest
-from kvcellar.storage.block_format import HeaderError, check_geometry, decode_header, payload_checksum
+from kvcellar.storage.block_format import (
+    HEADER_ALIGN,
+    BlockHeader,
+    HeaderError,
+    check_geometry,
+    declared_header_size,
+    decode_header,
+    payload_checksum,
+)
+from kvcellar.storage.disk.layout import key_from_block_name
+
+O_NOATIME = getattr(os, "O_NOATIME", 0)
 
 
 class Outcome(enum.Enum):
@@ -66,6 +79,61 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
+def open_noatime(path: str | os.PathLike[str]) -> int:
+    """Open for reading without touching atime (our LRU clock) where allowed."""
+    if O_NOATIME:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | O_NOATIME)
+        except PermissionError:
+            pass
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def read_header(fd: int, first: int = HEADER_ALIGN) -> BlockHeader:
+    """The decoded header of an open block file: ``first`` bytes (the namespace's header
+    size, when known), and more if the file declares a longer header. Not compared with a
+    spec or a key. Raises HeaderError, or OSError if the file cannot be read."""
+    head = os.pread(fd, first, 0)
+    size = declared_header_size(head)
+    if size is not None and size > len(head):
+        head = os.pread(fd, size, 0)
+    return decode_header(head)
+
+
+def verify_block_file(path: str, spec: BlockSpec | None, buf: bytearray | None = None) -> str | None:
+    """Read and check one block file completely, without a request to compare it with:
+    header, geometry (when ``spec`` is known), size, key against the file name, payload
+    checksum. None if good, else the reason (as in the tier's ``ssd_corrupt_*`` counters).
+    ``buf``: reused for the payload when it has the right size. Leaves atime alone. Raises
+    OSError if the file cannot be read."""
+    fd = open_noatime(path)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            h = read_header(fd)
+            if spec is not None:
+                check_geometry(h, spec)
+        except HeaderError as e:
+            return e.reason
+        if size != h.header_size + h.payload_nbytes:
+            return "size"
+        if key_from_block_name(os.path.basename(path)) != h.key:
+            return "key"
+        if buf is None or len(buf) != h.payload_nbytes:
+            buf = bytearray(h.payload_nbytes)
+        return _payload_fault(fd, h, memoryview(buf))
+    finally:
+        os.close(fd)
+
+
+def _payload_fault(fd: int, h: BlockHeader, payload: memoryview) -> str | None:
+    """Read the payload into ``payload``: None if whole and its checksum matches, else
+    ``size`` or ``checksum``."""
+    if preadv_full(fd, [payload], h.header_size) != len(payload):
+        return "size"
+    return None if payload_checksum(payload) == h.payload_crc32 else "checksum"
+
+
 def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest) -> ReadResult:
     expected = header_size + spec.nbytes
     try:
@@ -80,7 +148,7 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         if st.st_size != expected:
             return ReadResult(Outcome.CORRUPT, "size", **ident)
         hdr = bytearray(header_size)
-        if _preadv_full(fd, [memoryview(hdr)], 0) != header_size:
+        if preadv_full(fd, [memoryview(hdr)], 0) != header_size:
             return ReadResult(Outcome.CORRUPT, "size", **ident)
         try:
             h = decode_header(hdr)
@@ -94,11 +162,9 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
             return ReadResult(Outcome.CORRUPT, "digest", **ident)
         if h.token_ids != tuple(req.token_ids):
             return ReadResult(Outcome.CORRUPT, "tokens", **ident)
-        payload = tensor_bytes(req.dest)
-        if _preadv_full(fd, [payload], header_size) != spec.nbytes:
-            return ReadResult(Outcome.CORRUPT, "size", **ident)
-        if payload_checksum(payload) != h.payload_crc32:
-            return ReadResult(Outcome.CORRUPT, "checksum", **ident)
+        fault = _payload_fault(fd, h, tensor_bytes(req.dest))
+        if fault is not None:
+            return ReadResult(Outcome.CORRUPT, fault, **ident)
         return ReadResult(Outcome.OK, **ident)
     except OSError as e:
         return ReadResult(Outcome.IO_ERROR, error=e)
@@ -106,7 +172,7 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         os.close(fd)
 
 
-def _preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+def preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
     """preadv from ``offset`` until every buffer is full or EOF; returns bytes read."""
     total = 0
     while bufs:

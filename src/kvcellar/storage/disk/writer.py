@@ -1,4 +1,4 @@
-"""Writing blocks: the atomic file write, and the writer thread with its
+"""Writing blocks: the atomic file write, and the disk tier's writer thread with its
 bounded queue.
 
 Atomic write: a temporary file in the block's own shard directory (created
@@ -8,7 +8,7 @@ fsync of the directory (persistent). A reader therefore sees either no file
 or a complete one; a crash leaves at worst a ``.tmp`` orphan, which start-up
 removes. A failed write removes its temporary file before reporting.
 
-Back-pressure (``BlockWriter.enqueue``): try to put without waiting; if the
+Back-pressure (``BlockWriter.offer``): try to put without waiting; if the
 queue is full, wait until the caller's deadline (one budget for the whole
 ``store()`` call, ``enqueue_timeout_s``, default 1 ms), then drop the block
 and count it (``writer_dropped_queue_full``). Measured with
@@ -25,27 +25,26 @@ still in RAM). It is not lost: the tier records the key (keys.py) and
 ``DiskTier.wants`` asks for it again when the RAM tier evicts the block or
 shuts down, when no step waits on the queue (cache/tiering.py).
 
-Thread and shutdown protocol: one non-daemon thread,
-``kvcellar-disk-writer-<ns>``. DiskTier.close: (1) refuses new ``store``
-calls; (2) waits for ``store`` calls already admitted (each is bounded by its
-deadline); then ``BlockWriter.close`` (3) enqueues the sentinel, which is
-therefore the last item, and (4) joins until the deadline. On timeout the thread is told to drop what is
-left (counted) and exits after its current write.
+The queue and its thread are the shared bounded writer (storage/writer.py):
+one non-daemon thread, ``kvcellar-disk-writer-<ns>``, one block at a time,
+each write deferred while loads are in flight (reads first). Shutdown:
+DiskTier.close (1) refuses new ``store`` calls; (2) waits for ``store`` calls
+already admitted (each is bounded by its deadline); then ``BlockWriter.close``
+(3) lets the thread drain the queue until the deadline, and (4) past it drops
+what is left, counted as ``writer_dropped_abort``; a write under way then
+finishes on its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvcellar.storage.base import StoreRequest
 from kvcellar.storage.counters import Counters
+from kvcellar.storage.writer import BoundedWriter
 
 _log = logging.getLogger("kvcellar.storage.disk")
 
@@ -103,17 +102,14 @@ def _writev_all(fd: int, parts: list[memoryview | bytes | bytearray]) -> None:
             bufs = [bufs[0][n:], *bufs[1:]]
 
 
-_SENTINEL = object()
-
-
-class BlockWriter:
-    """The writer thread and its queue.
+class BlockWriter(BoundedWriter[StoreRequest]):
+    """The disk tier's writer thread and its queue.
 
     ``write_one(req)`` writes one block (the tier's policy: dedup, capacity,
     faults); ``done(req)`` runs after it, whatever happened (release the
     in-flight claim). ``defer_to_reads(max_s)`` waits while loads are in
     flight. The caller (DiskTier) stops admitting ``store`` calls before
-    ``close``. ``_life`` protects ``_unfinished``; ``_idle`` signals it is 0.
+    ``close``.
     """
 
     def __init__(
@@ -126,104 +122,17 @@ class BlockWriter:
         defer_max_s: float,
         counters: Counters,
     ) -> None:
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_blocks)
-        self._write_one = write_one
-        self._done = done
-        self._defer_to_reads = defer_to_reads
-        self._defer_max_s = defer_max_s
-        self._c = counters
-        self._life = threading.Lock()
-        self._idle = threading.Condition(self._life)
-        self._unfinished = 0
-        self._in_flight = 0
-        self._abort = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=False)
-        self._thread.start()
+        def write(batch: list[StoreRequest]) -> None:
+            for r in batch:
+                write_one(r)
 
-    # -- producer side (store) -------------------------------------------------
-    def enqueue(self, req: StoreRequest, deadline: float) -> bool:
-        """Queue ``req``, waiting for space at most until ``deadline``
-        (time.monotonic()). False: not queued (the caller counts the drop)."""
-        with self._life:
-            self._unfinished += 1
-        try:
-            self._queue.put_nowait(req)
-            return True
-        except queue.Full:
-            pass
-        t0 = time.monotonic()
-        remaining = deadline - t0
-        ok = False
-        if remaining > 0:
-            try:
-                self._queue.put(req, timeout=remaining)
-                ok = True
-            except queue.Full:
-                pass
-            self._c.inc("enqueue_wait_s_total", time.monotonic() - t0)
-        if not ok:
-            with self._life:
-                self._unfinished -= 1
-                if self._unfinished == 0:
-                    self._idle.notify_all()
-        return ok
+        def release(batch: list[StoreRequest]) -> None:
+            for r in batch:
+                done(r)
 
-    # -- consumer side -----------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _SENTINEL:
-                return
-            assert isinstance(item, StoreRequest)
-            try:
-                if self._abort:
-                    self._c.inc("dropped_abort")
-                else:
-                    if self._defer_to_reads(self._defer_max_s) is False:
-                        self._c.inc("deferred_timeouts")
-                    self._in_flight = 1
-                    self._write_one(item)
-            except Exception:
-                self._c.inc("failed")
-                _log.exception("disk tier writer failed on one block")
-            finally:
-                self._in_flight = 0
-                self._done(item)
-                with self._life:
-                    self._unfinished -= 1
-                    if self._unfinished == 0:
-                        self._idle.notify_all()
+        def defer() -> None:
+            if defer_to_reads(defer_max_s) is False:
+                counters.inc("deferred_timeouts")
 
-    # -- gauges and control ------------------------------------------------------------
-    @property
-    def queue_depth(self) -> int:
-        return self._queue.qsize()
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until every queued block has been written or dropped."""
-        with self._life:
-            return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
-
-    def close(self, timeout: float) -> bool:
-        """See the module docstring. True if the queue was fully drained."""
-        deadline = time.monotonic() + timeout
-        if not self._thread.is_alive():
-            return not self._abort
-        try:
-            self._queue.put(_SENTINEL, timeout=max(0.001, deadline - time.monotonic()))
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            pass
-        if self._thread.is_alive():
-            left = self._queue.qsize()
-            self._abort = True
-            _log.warning("disk tier writer not drained within %.1fs; dropping %d queued block(s)", timeout, left)
-            with contextlib.suppress(queue.Full):
-                self._queue.put(_SENTINEL, timeout=1.0)
-            self._thread.join(1.0)
-            return False
-        return not self._abort
+        super().__init__(name, queue_blocks, write, counters, log=_log, label="disk tier writer",
+                         before_batch=defer, done=release, error_counter="failed", abort_counter="dropped_abort")
