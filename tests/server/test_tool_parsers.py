@@ -18,9 +18,9 @@ from kvcellar.server.tools.parsers import (
     HermesParser,
     Llama3Parser,
     MistralParser,
+    ParsedCall,
     ParsedOutput,
     StreamDelta,
-    ToolCall,
     ToolParser,
     new_call_id,
     parser_for_template,
@@ -52,7 +52,7 @@ def stream(parser_cls: type[ToolParser], pieces: list[str], tool_names: list[str
                 assert t.id is None and t.name is None
             rebuilt[t.index][1] += t.arguments
     assert parser.called == bool(rebuilt)
-    return ParsedOutput(content=content, tool_calls=[ToolCall(name=n, arguments=a, id="") for n, a in rebuilt])
+    return ParsedOutput(content=content, tool_calls=[ParsedCall(name=n, arguments=a, id="") for n, a in rebuilt])
 
 
 def assert_stream_matches(parser_cls: type[ToolParser], pieces: list[str], tool_names: list[str] | None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
 from kvcellar.server.streaming import DONE, sse
-from kvcellar.server.tools.parsers import StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from kvcellar.server.tools.parsers import CallFragment, ParsedCall, StreamDelta, ToolParser
 
 RawLogprob = tuple[int, float, list[tuple[int, float]] | None]
 
@@ -117,11 +117,11 @@ class RequestShape:
     tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: reads calls out of the text
 
 
-def tool_call_json(call: ToolCall) -> dict[str, Any]:
+def tool_call_json(call: ParsedCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+def tool_call_delta_json(delta: CallFragment) -> dict[str, Any]:
     out: dict[str, Any] = {"index": delta.index}
     fn: dict[str, Any] = {"arguments": delta.arguments}
     if delta.id is not None:
@@ -315,12 +315,12 @@ class ResponseBuilder:
         if final:
             end = c.parser.finish()
             delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls)
-        merged: list[ToolCallDelta] = []
+        merged: list[CallFragment] = []
         for d in delta.tool_calls:  # one entry per call and chunk, as OpenAI sends them
             if merged and merged[-1].index == d.index:
                 merged[-1].arguments += d.arguments
             else:
-                merged.append(ToolCallDelta(d.index, d.id, d.name, d.arguments))
+                merged.append(CallFragment(d.index, d.id, d.name, d.arguments))
         return StreamDelta(delta.content, merged)
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from kvcellar.engine import SamplingParams, TokenEvent
 from kvcellar.server.errors import APIError
-from kvcellar.server.tools.parsers import ToolCallDelta, ToolParser
+from kvcellar.server.tools.parsers import CallFragment, ToolParser
 from kvcellar.server.tools.request import ToolPlan
 
 
@@ -121,14 +121,14 @@ class OutputTracker:
             if ev.text:
                 yield Text(ev.text)
             return
-        items: list[str | ToolCallDelta] = []
+        items: list[str | CallFragment] = []
         if ev.text:
             items += self.parser.feed(ev.text).items
         if final:
             items += self.parser.finish().items
         yield from self._pieces(items)
 
-    def _pieces(self, items: list[str | ToolCallDelta]) -> Iterator[Piece]:
+    def _pieces(self, items: list[str | CallFragment]) -> Iterator[Piece]:
         for d in items:
             if isinstance(d, str):
                 yield Text(d)

@@ -6,10 +6,10 @@ whose docstring states the invariants every family keeps. ``parser_for_template`
 from __future__ import annotations
 
 from kvcellar.server.tools.parsers.base import (
+    CallFragment,
+    ParsedCall,
     ParsedOutput,
     StreamDelta,
-    ToolCall,
-    ToolCallDelta,
     ToolParser,
     collect,
     new_call_id,
@@ -21,13 +21,13 @@ from kvcellar.server.tools.parsers.mistral import MistralParser
 
 __all__ = [
     "PARSERS",
+    "CallFragment",
     "HermesParser",
     "Llama3Parser",
     "MistralParser",
+    "ParsedCall",
     "ParsedOutput",
     "StreamDelta",
-    "ToolCall",
-    "ToolCallDelta",
     "ToolParser",
     "collect",
     "new_call_id",

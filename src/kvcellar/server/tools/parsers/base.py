@@ -23,7 +23,7 @@ Invariants, for every family:
 - Once emitted, a call stays a call: its arguments are streamed raw as they arrive (the JSON value is
   delimited by tracking strings, escapes and nesting, so no closing tag is awaited), and if the output
   ends inside them (``max_tokens``) or the markup goes wrong after them, the call keeps what was
-  streamed. ``ToolCall.arguments`` is the model's arguments text as written, ``"{}"`` when it gave none.
+  streamed. ``ParsedCall.arguments`` is the model's arguments text as written, ``"{}"`` when it gave none.
 - Whitespace that only separates calls from each other, from the end of the output, or from the content
   before them is not content: the whitespace run right before a call is dropped, and so is a
   whitespace-only stretch after the last call. ``content`` is None when there are calls and nothing else;
@@ -51,7 +51,10 @@ _IGNORED_KEYS = frozenset({"id", "type"})  # string-valued keys some models add 
 
 
 @dataclass
-class ToolCall:
+class ParsedCall:
+    """A tool call read out of the model's text, in no API's shape (server/protocol.py's
+    ``ToolCall`` is OpenAI's wire shape; the Anthropic and Responses renderers have their own)."""
+
     name: str
     arguments: str  # the arguments JSON text as the model wrote it; "{}" when it gave none
     id: str  # "call_" + 24 random [A-Za-z0-9], see new_call_id()
@@ -60,13 +63,13 @@ class ToolCall:
 @dataclass
 class ParsedOutput:
     content: str | None  # text outside the markup; None when there are calls and nothing else
-    tool_calls: list[ToolCall]
+    tool_calls: list[ParsedCall]
 
 
 @dataclass
-class ToolCallDelta:
+class CallFragment:
     """One entry of a streamed ``delta.tool_calls``. A call's first entry carries ``id`` and ``name``;
-    the ``arguments`` fragments of one index concatenate to its ``ToolCall.arguments``."""
+    the ``arguments`` fragments of one index concatenate to its ``ParsedCall.arguments``."""
 
     index: int
     id: str | None = None
@@ -77,10 +80,10 @@ class ToolCallDelta:
 @dataclass
 class StreamDelta:
     content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tool_calls: list[CallFragment] = field(default_factory=list)
     # The same content and call fragments in the order they were written (text after a call
     # stays after it), for APIs whose output is a list of blocks.
-    items: list[str | ToolCallDelta] = field(default_factory=list)
+    items: list[str | CallFragment] = field(default_factory=list)
 
     def text(self, piece: str) -> None:
         if piece:
@@ -216,7 +219,7 @@ class ToolParser(ABC):
         self._ws_pending = ""
         self._after_call = True
         self._args_sent = False
-        delta = ToolCallDelta(index=self._calls, id=new_call_id(), name=name)
+        delta = CallFragment(index=self._calls, id=new_call_id(), name=name)
         self._out.tool_calls.append(delta)
         self._out.items.append(delta)
         self._calls += 1
@@ -226,10 +229,10 @@ class ToolParser(ABC):
             return
         self._args_sent = True
         last = self._out.items[-1] if self._out.items else None
-        if isinstance(last, ToolCallDelta) and last.index == self._calls - 1:
+        if isinstance(last, CallFragment) and last.index == self._calls - 1:
             last.arguments += fragment
         else:
-            delta = ToolCallDelta(index=self._calls - 1, arguments=fragment)
+            delta = CallFragment(index=self._calls - 1, arguments=fragment)
             self._out.tool_calls.append(delta)
             self._out.items.append(delta)
 
@@ -277,11 +280,11 @@ class ToolParser(ABC):
 def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
     """Rebuild a whole output from its stream: content concatenated, calls joined by index."""
     content = "".join(d.content for d in deltas)
-    calls: list[ToolCall] = []
+    calls: list[ParsedCall] = []
     for d in deltas:
         for t in d.tool_calls:
             if t.index == len(calls):
-                calls.append(ToolCall(name=t.name or "", arguments="", id=t.id or ""))
+                calls.append(ParsedCall(name=t.name or "", arguments="", id=t.id or ""))
             calls[t.index].arguments += t.arguments
     return ParsedOutput(content=None if calls and not content.strip() else content, tool_calls=calls)
 
