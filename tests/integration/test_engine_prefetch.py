@@ -156,8 +156,8 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     busy, handle = submit_behind_busy(model, engine, prompt)  # the request waits, and its read starts
     seq = only_seq(engine, handle)
     assert seq.state == SeqState.WAITING
-    stats = engine.scheduler.stats
-    assert stats["sched_prefetch_reads"] == 1
+    stats = engine.scheduler.cache.prefetch.stats
+    assert stats.prefetch_reads == 1
     (read,) = engine.scheduler.cache.prefetch.reads
     wanted = expected_cached(len(prompt), len(prompt)) // BS  # whole blocks on disk
     assert len(read.blocks) == len(prompt) // BS >= wanted
@@ -165,7 +165,7 @@ def test_queued_disk_hit_is_loaded_while_waiting(model, uncached, uncached_busy,
     wait_until(lambda: all(f.done() for f in read.pending.futures), what="the disk read")
     engine.step()  # publishes the blocks; the busy request still holds the slot
     assert seq.state == SeqState.WAITING and len(engine.scheduler.running) == 1
-    assert stats["sched_prefetched_blocks"] == len(prompt) // BS
+    assert stats.prefetched_blocks == len(prompt) // BS
     assert not engine.scheduler.cache.prefetch.reads
     assert engine.blocks.match(seq.digests(len(prompt) // BS, BS),
                                [seq.block_tokens(i, BS) for i in range(len(prompt) // BS)])
