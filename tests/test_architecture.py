@@ -149,11 +149,10 @@ def test_importing_storage_does_not_import_the_disk_tier() -> None:
 
 
 def test_shared_storage_modules_import_no_tier() -> None:
-    """What both tiers build on (the block format, the bounded writer, counters, faults) sits
+    """What both tiers build on (the block format, the bounded writer, faults) sits
     below them: it imports neither ``storage.disk`` nor ``storage.remote``."""
     modules = module_names()
-    for name in ("kvcellar.storage.block_format", "kvcellar.storage.writer", "kvcellar.storage.counters",
-                 "kvcellar.storage.faults"):
+    for name in ("kvcellar.storage.block_format", "kvcellar.storage.writer", "kvcellar.storage.faults"):
         tiers = [m for m in imports_of(name, modules[name], modules)
                  if m.startswith(("kvcellar.storage.disk", "kvcellar.storage.remote"))]
         assert not tiers, f"{name} imports {tiers}"

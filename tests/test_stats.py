@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
 
-from kvcellar.stats import Stats, counter, gauge
+from kvcellar.stats import Count, SharedStats, Stats, counter, gauge
 
 
 @dataclass
@@ -48,3 +49,32 @@ def test_a_field_without_a_kind_is_refused() -> None:
         @dataclass
         class Bad(Stats):
             plain: int = 0
+
+
+@dataclass
+class Shared(SharedStats):
+    PREFIX: ClassVar[str] = "sh_"
+    writes: Count = counter()
+    write_errors: Count = counter()
+    peak: Count = gauge()
+
+
+def test_shared_counts_lose_no_update_across_threads() -> None:
+    s = Shared()
+    threads = [threading.Thread(target=lambda: [s.writes.add() for _ in range(20_000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s.peak.set_max(3)
+    s.peak.set_max(2)
+    assert s.writes.value == 80_000 and s.peak.value == 3
+    assert Shared.gauge_names() == {"sh_peak"}
+
+
+def test_a_name_picked_by_reason_is_the_field_or_a_count_beside_the_fields() -> None:
+    s = Shared()
+    s.add_named("write_errors")
+    s.add_named("write_errors_enospc", 2)
+    assert s.write_errors.value == 1
+    assert s.as_dict() == {"sh_writes": 0, "sh_write_errors": 1, "sh_peak": 0, "sh_write_errors_enospc": 2}

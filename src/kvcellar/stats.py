@@ -4,12 +4,15 @@ updates them by attribute. ``as_dict`` exports them under the owner's prefix, th
 /metrics and /health show (``kvcellar_<prefix><field>``), so nothing outside the owner spells
 a counter's name as a string.
 
-Only the owner's thread writes them; other threads read them (an attribute read is atomic).
+Only the owner's thread writes a ``Stats``; other threads read it (an attribute read is
+atomic). Numbers that several threads change are a ``SharedStats``, whose fields are ``Count``s
+changed under the owner's lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
@@ -71,3 +74,55 @@ class Stats:
             if "ClassVar" not in str(annotation) and not (isinstance(value, dataclasses.Field)
                                                           and _KIND in value.metadata):
                 raise TypeError(f"{cls.__name__}.{name}: declare it with counter() or gauge()")
+
+
+class Count:
+    """One number of a ``SharedStats``, changed under its owner's lock."""
+
+    __slots__ = ("_lock", "value")
+
+    def __init__(self, lock: threading.Lock, value: float = 0) -> None:
+        self._lock = lock
+        self.value = value
+
+    def add(self, n: float = 1) -> None:
+        with self._lock:
+            self.value += n
+
+    def set_max(self, value: float) -> None:
+        with self._lock:
+            if value > self.value:
+                self.value = value
+
+
+@dataclasses.dataclass
+class SharedStats(Stats):
+    """``Stats`` that several threads change: every field becomes a ``Count`` (declare it
+    ``name: Count = counter()``), all sharing one lock."""
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, Count(self._lock, getattr(self, f.name)))
+        self._labeled: dict[str, float] = {}
+
+    def add_named(self, name: str, n: float = 1) -> None:
+        """Add to the field ``name`` (a caller that picks it by a reason), or to a count kept
+        beside the fields where none has that name (one per errno name, say; a reason a newer
+        check added), exported as ``PREFIX + name`` too."""
+        if name in self._names():
+            getattr(self, name).add(n)
+            return
+        with self._lock:
+            self._labeled[name] = self._labeled.get(name, 0) + n
+
+    @classmethod
+    def _names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    def as_dict(self, prefix: str | None = None) -> dict[str, float]:
+        p = self.PREFIX if prefix is None else prefix
+        out = {p + f.name: getattr(self, f.name).value for f in dataclasses.fields(self)}
+        with self._lock:
+            out.update({p + k: v for k, v in self._labeled.items()})
+        return out

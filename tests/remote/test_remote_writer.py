@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvcellar.storage.base import StoreRequest
-from kvcellar.storage.counters import Counters
+from kvcellar.storage.remote.stats import RemoteStats
 from kvcellar.storage.remote.writer import RemoteWriter
 from tests.helpers import wait_until
 from tests.storage.helpers import chain
@@ -44,13 +44,13 @@ class Written:
 
 
 @pytest.fixture
-def make_writer() -> Iterator[Callable[..., tuple[RemoteWriter, Counters]]]:
+def make_writer() -> Iterator[Callable[..., tuple[RemoteWriter, RemoteStats]]]:
     """``make_writer(write_batch, idle=None, capacity=16, batch=4)``; closed at teardown."""
     made: list[RemoteWriter] = []
 
     def make(write_batch: Callable[[list[StoreRequest]], None], idle: Callable[[], None] | None = None,
-             capacity: int = 16, batch: int = 4, idle_s: float = 0.02) -> tuple[RemoteWriter, Counters]:
-        counters = Counters("remote_")
+             capacity: int = 16, batch: int = 4, idle_s: float = 0.02) -> tuple[RemoteWriter, RemoteStats]:
+        counters = RemoteStats()
         writer = RemoteWriter("kvcellar-remote-writer-test", capacity, batch, write_batch, idle or (lambda: None),
                               counters, idle_s=idle_s)
         made.append(writer)
@@ -72,12 +72,12 @@ def test_a_batch_that_raises_is_counted_and_the_thread_goes_on(make_writer, capl
     with caplog.at_level(logging.ERROR, logger="kvcellar.storage.remote"):
         assert writer.offer(blocks[0])
         assert writer.wait_idle(30)
-    assert c.get("dropped_error") == 1 and written.count == 0
+    assert c.dropped_error.value == 1 and written.count == 0
     assert any("a bug in write_batch" in r.exc_text for r in caplog.records if r.exc_text)
     for b in blocks[1:]:
         assert writer.offer(b)
     assert writer.wait_idle(30)
-    assert written.blocks == blocks[1:] and c.get("enqueued") == 4 and c.get("dropped_error") == 1
+    assert written.blocks == blocks[1:] and c.enqueued.value == 4 and c.dropped_error.value == 1
     assert writer.close(10) is True
 
 
@@ -116,19 +116,19 @@ def test_close_returns_in_time_with_a_stuck_write_and_a_full_queue(make_writer):
         assert writer.offer(blocks[0])
         assert entered.wait(30)
         accepted = 1 + sum(writer.offer(b) for b in blocks[1:])  # never waits on the full queue
-        assert accepted == 9 and writer.full and c.get("dropped_queue_full") == 11
+        assert accepted == 9 and writer.full and c.dropped_queue_full.value == 11
         t0 = time.monotonic()
         assert writer.close(0.5) is False
         assert time.monotonic() - t0 < 5
-        assert c.get("dropped_closed") == 8  # the queued ones; the stuck one is still in write_batch
+        assert c.dropped_closed.value == 8  # the queued ones; the stuck one is still in write_batch
         assert writer.in_flight == 1 and not writer.wait_idle(0.1)
-        assert writer.offer(blocks[0]) is False and c.get("dropped_closed") == 9
+        assert writer.offer(blocks[0]) is False and c.dropped_closed.value == 9
     finally:
         release.set()
     assert writer.wait_idle(30)  # the stuck write returned: nothing outstanding
     assert written.count == 1
     refused_after_close = 1
-    assert c.get("enqueued") == 9 == written.count + c.get("dropped_closed") - refused_after_close
+    assert c.enqueued.value == 9 == written.count + c.dropped_closed.value - refused_after_close
 
 
 class Fatal(BaseException):
@@ -143,14 +143,14 @@ def test_a_dead_thread_does_not_hang_wait_idle_or_close(make_writer):
     writer, c = make_writer(Written(die), capacity=8, batch=1)
     blocks = chain(5)
     assert writer.offer(blocks[0])
-    wait_until(lambda: c.get("dropped_error") == 1, timeout=30, what="the thread to die on its first batch")
+    wait_until(lambda: c.dropped_error.value == 1, timeout=30, what="the thread to die on its first batch")
     for b in blocks[1:]:
         assert writer.offer(b)
     t0 = time.monotonic()
     assert writer.wait_idle(30) is False  # at once: nobody will ever take these
     assert writer.close(30) is False
     assert time.monotonic() - t0 < 5
-    assert c.get("enqueued") == 5 and c.get("dropped_error") + c.get("dropped_closed") == 5
+    assert c.enqueued.value == 5 and c.dropped_error.value + c.dropped_closed.value == 5
 
 
 @pytest.mark.parametrize("round_", range(10))
@@ -182,6 +182,6 @@ def test_offers_racing_close_are_written_or_counted(make_writer, round_):
         assert not p.is_alive()
     offered = sum(len(r) for r in results)
     accepted = sum(sum(r) for r in results)
-    assert c.get("enqueued") == accepted == written.count  # all accepted ones written: close drained
-    assert offered == written.count + sum(c.get(d) for d in DROPS)
-    assert c.get("dropped_error") == 0 and writer.wait_idle(1)
+    assert c.enqueued.value == accepted == written.count  # all accepted ones written: close drained
+    assert offered == written.count + sum(getattr(c, d).value for d in DROPS)
+    assert c.dropped_error.value == 0 and writer.wait_idle(1)

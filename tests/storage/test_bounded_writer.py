@@ -9,11 +9,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 
-from kvcellar.storage.counters import Counters
+from kvcellar.stats import Count, SharedStats, counter
 from kvcellar.storage.writer import BoundedWriter
 from tests.helpers import wait_until
 
@@ -43,6 +44,18 @@ class Gate:
             return [x for b in self.batches for x in b]
 
 
+@dataclass
+class WriterStats(SharedStats):
+    PREFIX: ClassVar[str] = "w_"
+    enqueued: Count = counter()
+    dropped_queue_full: Count = counter()
+    dropped_closed: Count = counter()
+    enqueue_wait_s_total: Count = counter(0.0)
+    dropped_error: Count = counter()
+    dropped_abort: Count = counter()
+    failed: Count = counter()
+
+
 class Done:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -54,14 +67,17 @@ class Done:
 
 
 @pytest.fixture
-def make_writer() -> Iterator[Callable[..., tuple[BoundedWriter[int], Counters, Done]]]:
+def make_writer() -> Iterator[Callable[..., tuple[BoundedWriter[int], WriterStats, Done]]]:
     made: list[BoundedWriter[int]] = []
 
     def make(write_batch: Callable[[list[int]], None], *, capacity: int = 4, batch: int = 1,
-             **kwargs: Any) -> tuple[BoundedWriter[int], Counters, Done]:
-        counters, done = Counters("w_"), Done()
+             **kwargs: Any) -> tuple[BoundedWriter[int], WriterStats, Done]:
+        counters, done = WriterStats(), Done()
+        error = getattr(counters, kwargs.pop("error_counter", "dropped_error"))
+        abort = getattr(counters, kwargs.pop("abort_counter", "dropped_closed"))
         writer: BoundedWriter[int] = BoundedWriter("kvcellar-test-writer", capacity, write_batch, counters, log=_log,
-                                                   label="test writer", batch=batch, done=done, **kwargs)
+                                                   label="test writer", batch=batch, done=done, error_count=error,
+                                                   abort_count=abort, **kwargs)
         made.append(writer)
         return writer, counters, done
 
@@ -76,12 +92,12 @@ def test_a_full_queue_refuses_and_counts_without_waiting(make_writer) -> None:
     assert writer.offer(0) and gate.entered.wait(30)  # taken by the thread: the queue is empty again
     assert writer.offer(1) and writer.offer(2)
     assert writer.full and writer.queue_depth == 2 and writer.in_flight == 1
-    assert writer.offer(3) is False and c.get("dropped_queue_full") == 1
-    assert c.get("enqueue_wait_s_total") == 0  # no deadline: no wait
+    assert writer.offer(3) is False and c.dropped_queue_full.value == 1
+    assert c.enqueue_wait_s_total.value == 0  # no deadline: no wait
     gate.released.set()
     assert writer.wait_idle(30)
     assert gate.written == [0, 1, 2] and sorted(done.items) == [0, 1, 2]
-    assert c.get("enqueued") == 3 and writer.in_flight == 0 and not writer.full
+    assert c.enqueued.value == 3 and writer.in_flight == 0 and not writer.full
     assert writer.close(30) is True
 
 
@@ -99,7 +115,7 @@ def test_offer_with_a_deadline_waits_for_room(make_writer) -> None:
     producer.join(60)
     assert not producer.is_alive() and results == [True]
     assert writer.wait_idle(30) and gate.written == [0, 1, 3]
-    assert c.get("dropped_queue_full") == 1 and c.get("enqueue_wait_s_total") > 0
+    assert c.dropped_queue_full.value == 1 and c.enqueue_wait_s_total.value > 0
 
 
 def test_batches_take_up_to_batch_items_in_order(make_writer) -> None:
@@ -123,7 +139,7 @@ def test_close_drains_the_queue_then_refuses(make_writer) -> None:
     gate.released.set()
     assert writer.close(60) is True
     assert gate.written == list(range(6)) and sorted(done.items) == list(range(6))
-    assert writer.offer(6) is False and c.get("dropped_closed") == 1
+    assert writer.offer(6) is False and c.dropped_closed.value == 1
     assert writer.wait_idle(1) and writer.close(1) is True
 
 
@@ -134,13 +150,13 @@ def test_close_past_its_deadline_drops_the_queue_and_the_stuck_write_finishes(ma
     for i in range(1, 6):
         assert writer.offer(i)
     assert writer.close(0.1) is False
-    assert c.get("dropped_abort") == 5 and sorted(done.items) == [1, 2, 3, 4, 5]  # dropped ones: done at once
+    assert c.dropped_abort.value == 5 and sorted(done.items) == [1, 2, 3, 4, 5]  # dropped ones: done at once
     assert writer.queue_depth == 0 and writer.in_flight == 1 and not writer.wait_idle(0)
-    assert writer.offer(9) is False and c.get("dropped_closed") == 1
+    assert writer.offer(9) is False and c.dropped_closed.value == 1
     gate.released.set()
     assert writer.wait_idle(30)  # the stuck write returned: nothing outstanding
     assert gate.written == [0] and sorted(done.items) == list(range(6))
-    assert c.get("enqueued") == 6 == len(gate.written) + c.get("dropped_abort")
+    assert c.enqueued.value == 6 == len(gate.written) + c.dropped_abort.value
     assert writer.close(1) is False  # it did drop blocks
 
 
@@ -163,7 +179,7 @@ def test_a_failing_write_or_hook_is_counted_and_the_thread_goes_on(make_writer, 
         for i in range(4):
             assert writer.offer(i)
         assert writer.wait_idle(30)
-    assert c.get("failed") == 2 and gate.written == [2, 3] and sorted(done.items) == [0, 1, 2, 3]
+    assert c.failed.value == 2 and gate.written == [2, 3] and sorted(done.items) == [0, 1, 2, 3]
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("test writer failed writing 1 block(s)") for m in messages)
     assert writer.close(10) is True

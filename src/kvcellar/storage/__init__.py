@@ -2,7 +2,8 @@
 
 ``disk`` is the persistent SSD tier; ``remote`` the shared tier on Redis/Valkey. Neither is
 imported here: callers import the tier they use (``kvcellar.storage.disk``). Both store the
-block format of ``block_format.py``; shared helpers: ``counters.py``, ``faults.py``.
+block format of ``block_format.py``; shared helpers: ``faults.py``, ``writer.py``; their
+counters are ``kvcellar.stats.SharedStats`` (disk/stats.py, remote/stats.py).
 """
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest

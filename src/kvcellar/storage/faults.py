@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 
-from kvcellar.storage.counters import Counters
+from kvcellar.stats import SharedStats
 
 # Episodes flapping faster than this (a probe succeeds, the next write fails
 # again) are counted but not logged again.
@@ -39,7 +39,7 @@ class FaultTracker:
     def __init__(
         self,
         op: str,
-        counters: Counters,
+        counters: SharedStats,
         logger: logging.Logger,
         where: str,
         backoff_initial_s: float = 0.0,
@@ -71,8 +71,8 @@ class FaultTracker:
         name = error_name(exc)
         if not probe:
             prefix = counter or self.op
-            self._counters.inc(f"{prefix}_errors")
-            self._counters.inc(f"{prefix}_errors_{name.lower()}")
+            self._counters.add_named(f"{prefix}_errors")
+            self._counters.add_named(f"{prefix}_errors_{name.lower()}")
         now = time.monotonic()
         with self._lock:
             first = not self._in_episode

@@ -21,10 +21,11 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvcellar.stats import Count, SharedStats, counter
 from kvcellar.storage.base import KVTier, LoadRequest, StoreRequest
-from kvcellar.storage.counters import Counters
 from kvcellar.storage.faults import FaultTracker
 
 _log = logging.getLogger("kvcellar.storage.guard")
@@ -39,6 +40,15 @@ class TierTimeout(Exception):
     """A tier verb that took longer than the tier's own timeout allows."""
 
 
+@dataclass
+class GuardStats(SharedStats):
+    """Exported as ``<tier>_guard_*``."""
+
+    call_errors: Count = counter()
+    slow_calls: Count = counter()
+    skipped_calls: Count = counter()
+
+
 class GuardedTier(KVTier):
     """``tier`` behind the contract. Thread-safe as the tier is."""
 
@@ -46,7 +56,7 @@ class GuardedTier(KVTier):
         self.tier = tier
         self.name = tier.name
         self.gauges = tier.gauges
-        self._c = Counters(f"{tier.name}_guard_", ("call_errors", "slow_calls", "skipped_calls"))
+        self._c = GuardStats()
         # One fault state per verb: a broken store backs off stores while lookups go on, and
         # a lookup that succeeds does not end the stores' episode.
         self._faults = {verb: FaultTracker("call", self._c, _log, verb, backoff_initial_s, backoff_max_s,
@@ -55,7 +65,7 @@ class GuardedTier(KVTier):
     def _call(self, verb: str, default: T, fn: Callable[[], T]) -> T:
         faults = self._faults[verb]
         if faults.backing_off():
-            self._c.inc("skipped_calls")
+            self._c.skipped_calls.add()
             return default
         t0 = time.monotonic()
         try:
@@ -69,7 +79,7 @@ class GuardedTier(KVTier):
     def _timed(self, verb: str, seconds: float, limit: float) -> None:
         faults = self._faults[verb]
         if seconds > limit:
-            self._c.inc("slow_calls")
+            self._c.slow_calls.add()
             faults.failure(TierTimeout(f"{verb} took {seconds:.2f} s, more than {limit:g} s"), verb)
         elif faults.in_episode:
             faults.success()
@@ -81,7 +91,7 @@ class GuardedTier(KVTier):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         if self._faults["load"].backing_off():  # what it cannot load it must not offer
-            self._c.inc("skipped_calls")
+            self._c.skipped_calls.add()
             return 0
         n = self._call("lookup", 0, lambda: self.tier.lookup(keys))
         try:
@@ -94,7 +104,7 @@ class GuardedTier(KVTier):
         faults = self._faults["load"]
         out: concurrent.futures.Future[int] = concurrent.futures.Future()
         if faults.backing_off():
-            self._c.inc("skipped_calls")
+            self._c.skipped_calls.add()
             out.set_result(0)
             return out
         started = time.monotonic()
@@ -120,7 +130,7 @@ class GuardedTier(KVTier):
 
     def overdue(self, deadline: float) -> None:
         """A load of this tier is still running past ``load_timeout_s`` (its caller gave up)."""
-        self._c.inc("slow_calls")
+        self._c.slow_calls.add()
         waited = time.monotonic() - deadline + self.tier.load_timeout_s
         self._faults["load"].failure(
             TierTimeout(f"load still running after {waited:.2f} s, more than {self.tier.load_timeout_s:g} s"), "load")
@@ -160,7 +170,7 @@ class GuardedTier(KVTier):
         except Exception as exc:
             self._faults["stats"].failure(exc, "stats")
             own = {}
-        return {**own, **self._c.snapshot()}
+        return {**own, **self._c.as_dict(f"{self.name}_guard_")}
 
     def health(self) -> dict[str, object]:
         try:

@@ -12,8 +12,8 @@ Admission (``offer``, any thread): an item is queued, or refused and counted
 ``enqueue_wait_s_total``; without one ``offer`` never waits.
 
 Accounting: every accepted item (``enqueued``) is passed to ``write_batch``, which counts
-what it wrote, or is counted here: ``error_counter`` for a batch whose ``write_batch`` (or
-``before_batch``) raised, ``abort_counter`` for one dropped by a ``close`` that ran out of
+what it wrote, or is counted here: ``error_count`` for a batch whose ``write_batch`` (or
+``before_batch``) raised, ``abort_count`` for one dropped by a ``close`` that ran out of
 time. ``done(items)``, if given, runs for every accepted item exactly once, whatever
 became of it (tiers release their in-flight claims there). Nothing is lost silently.
 
@@ -31,11 +31,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from kvcellar.storage.counters import Counters
+from kvcellar.stats import Count
 
 T = TypeVar("T")
+
+
+class WriterCounts(Protocol):
+    """The counts a writer keeps in its tier's stats."""
+
+    enqueued: Count
+    dropped_queue_full: Count
+    dropped_closed: Count
+    enqueue_wait_s_total: Count
 
 
 class BoundedWriter(Generic[T]):
@@ -53,7 +62,7 @@ class BoundedWriter(Generic[T]):
         name: str,
         capacity: int,
         write_batch: Callable[[list[T]], None],
-        counters: Counters,
+        counters: WriterCounts,
         *,
         log: logging.Logger,
         label: str,
@@ -62,8 +71,8 @@ class BoundedWriter(Generic[T]):
         done: Callable[[list[T]], None] | None = None,
         idle: Callable[[], None] | None = None,
         idle_s: float = 0.25,
-        error_counter: str = "dropped_error",
-        abort_counter: str = "dropped_closed",
+        error_count: Count,
+        abort_count: Count,
     ) -> None:
         """``name``: the thread's; ``label``: the writer in log lines. ``before_batch``: runs in
         the thread before each write (the disk tier defers to reads there). ``idle``: runs
@@ -82,8 +91,8 @@ class BoundedWriter(Generic[T]):
         self._idle_s = idle_s if idle is not None else None
         self._c = counters
         self._log = log
-        self._error_counter = error_counter
-        self._abort_counter = abort_counter
+        self._error_count = error_count
+        self._abort_count = abort_count
         self._queue: collections.deque[T] = collections.deque()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -121,16 +130,16 @@ class BoundedWriter(Generic[T]):
                 if deadline > t0:
                     self._space.wait_for(lambda: self._closing or len(self._queue) < self._capacity,
                                          deadline - t0)
-                    self._c.inc("enqueue_wait_s_total", time.monotonic() - t0)
+                    self._c.enqueue_wait_s_total.add(time.monotonic() - t0)
             if self._closing:
-                self._c.inc("dropped_closed")
+                self._c.dropped_closed.add()
                 return False
             if len(self._queue) >= self._capacity:
-                self._c.inc("dropped_queue_full")
+                self._c.dropped_queue_full.add()
                 return False
             self._queue.append(item)
             self._unfinished += 1
-            self._c.inc("enqueued")
+            self._c.enqueued.add()
             self._work.notify()
         return True
 
@@ -165,7 +174,7 @@ class BoundedWriter(Generic[T]):
         n = len(items)
         try:
             if self._abort:
-                self._c.inc(self._abort_counter, n)
+                self._abort_count.add(n)
             else:
                 if self._before_batch is not None:
                     self._before_batch()
@@ -173,10 +182,10 @@ class BoundedWriter(Generic[T]):
                     self._in_flight = n
                 self._write_batch(items)
         except Exception:
-            self._c.inc(self._error_counter, n)
+            self._error_count.add(n)
             self._log_failure(f"writing {n} block(s)")
         except BaseException:  # the thread ends here; its items are still accounted for
-            self._c.inc(self._error_counter, n)
+            self._error_count.add(n)
             raise
         finally:
             self._finished(items)
@@ -224,7 +233,7 @@ class BoundedWriter(Generic[T]):
             self._queue.clear()
             in_flight = self._in_flight
         if left:
-            self._c.inc(self._abort_counter, len(left))
+            self._abort_count.add(len(left))
             self._finished(left, from_thread=False)
         if first:
             self._log.warning("%s not drained within %.1fs (thread %s): dropped %d queued block(s), "

@@ -32,17 +32,12 @@ import torch
 
 from kvcellar.storage.base import LoadRequest, StoreRequest
 from kvcellar.storage.block_format import encode_header, payload_checksum
-from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.namespace import OpenNamespace
 from kvcellar.storage.disk.reader import Outcome, read_block_into, tensor_bytes
+from kvcellar.storage.disk.stats import DiskWriterStats
 from kvcellar.storage.disk.writer import BlockWriter, write_block_file
 
-WRITER_COUNTERS = (
-    "enqueued", "dedup_inflight", "dropped_queue_full", "dropped_backoff", "dropped_closed",
-    "dropped_abort", "retries", "retry_final_fail", "failed", "deferred_timeouts", "enqueue_wait_s_total",
-    "written_after_drop", "dropped_no_parent", "deferred_for_reads",
-)
 _PROBE_BYTES = 4096
 
 
@@ -51,7 +46,7 @@ class WriteAdmission:
 
     def __init__(self, ns: OpenNamespace) -> None:
         self._ns = ns
-        self.counters = Counters("writer_", WRITER_COUNTERS)
+        self.counters = DiskWriterStats()
         # _claims_lock protects _claims: keys queued or being written (in-flight dedup).
         self._claims_lock = threading.Lock()
         self._claims: set[bytes] = set()
@@ -80,16 +75,16 @@ class WriteAdmission:
         """Cheap checks in the caller's thread; claims the key if admitted."""
         ns = self._ns
         if r.key not in ns.suspects and self._on_disk(r.key):
-            ns.counters.inc("store_skipped_existing")
+            ns.counters.store_skipped_existing.add()
             ns.table.touch([r.key], persist=True)
             return False
         if ns.wfault.backing_off():
             self.dropped.add([r.key])
-            self.counters.inc("dropped_backoff")
+            self.counters.dropped_backoff.add()
             return False
         with self._claims_lock:
             if r.key in self._claims:
-                self.counters.inc("dedup_inflight")
+                self.counters.dedup_inflight.add()
                 return False
             self._claims.add(r.key)
         return True
@@ -137,7 +132,7 @@ class WriteAdmission:
         ns, c = self._ns, self._ns.counters
         if ns.session is None or ns.wfault.backing_off():
             self.dropped.add([r.key])
-            self.counters.inc("dropped_backoff")
+            self.counters.dropped_backoff.add()
             return
         final = ns.layout.block_path(r.key)
         repairing = False
@@ -146,7 +141,7 @@ class WriteAdmission:
             if st.st_size == ns.file_size:
                 if r.key not in ns.suspects:
                     ns.table.add(r.key, ns.file_size, st.st_atime_ns, parent=r.parent)
-                    c.inc("store_skipped_existing")
+                    c.store_skipped_existing.add()
                     return
                 kept = self._check_existing(final, r)
                 if kept is not False:
@@ -163,7 +158,7 @@ class WriteAdmission:
         if not ns.capacity.make_room(ns.file_size, r.parent, may_evict=not orphan):
             self.dropped.add([r.key])
             if orphan:
-                self.counters.inc("dropped_no_parent")
+                self.counters.dropped_no_parent.add()
             return
         payload = tensor_bytes(r.data)
         header = encode_header(ns.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
@@ -189,22 +184,22 @@ class WriteAdmission:
             except OSError as e:
                 if attempt < retries:
                     attempt += 1
-                    self.counters.inc("retries")
+                    self.counters.retries.add()
                     time.sleep(min(0.05 * 2 ** (attempt - 1), 0.5))
                     continue
                 if retries:
-                    self.counters.inc("retry_final_fail")
+                    self.counters.retry_final_fail.add()
                 self.dropped.add([r.key])
                 ns.wfault.failure(e, f"writing {final.name}")
                 return
         ns.table.add(r.key, ns.file_size, parent=r.parent)
         ns.suspects.pop(r.key)
         if self.dropped.pop(r.key):
-            self.counters.inc("written_after_drop")
+            self.counters.written_after_drop.add()
         if repairing:
-            c.inc("store_repaired")
-        c.inc("stored_blocks")
-        c.inc("stored_bytes", ns.file_size)
+            c.store_repaired.add()
+        c.stored_blocks.add()
+        c.stored_bytes.add(ns.file_size)
         ns.wfault.success()
 
     def _check_existing(self, path: Path, r: StoreRequest) -> bool | None:
@@ -215,11 +210,11 @@ class WriteAdmission:
         scratch = torch.empty(ns.spec.shape, dtype=ns.spec.dtype)
         res = read_block_into(str(path), ns.spec, ns.header_size,
                               LoadRequest(r.key, r.digest, r.token_ids, scratch))
-        ns.counters.inc("store_verified_existing")
+        ns.counters.store_verified_existing.add()
         if res.outcome is Outcome.OK:
             ns.suspects.pop(r.key)
             ns.table.add(r.key, ns.file_size, parent=r.parent)
-            ns.counters.inc("store_skipped_existing")
+            ns.counters.store_skipped_existing.add()
             return True
         if res.outcome is Outcome.IO_ERROR:
             assert res.error is not None
@@ -247,7 +242,7 @@ class WriteAdmission:
             if not ns.layout.descriptor_path.exists():
                 ns.write_descriptor()
         except OSError as e:
-            ns.counters.inc("probe_failures")
+            ns.counters.probe_failures.add()
             ns.wfault.failure(e, "probe write", probe=True)
             return
         ns.wfault.success(probe=True)

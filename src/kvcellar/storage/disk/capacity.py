@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvcellar.storage.counters import Counters
+from kvcellar.stats import Count
+from kvcellar.storage.disk.stats import DiskStats
 from kvcellar.storage.disk.table import BlockTable
 
 AUTO_FLOOR_MAX_BYTES = 1 << 30
@@ -51,7 +52,7 @@ class CapacityGuard:
         min_free_bytes: int | None,
         ttl_s: float,
         unlink: Callable[[bytes], bool],
-        counters: Counters,
+        counters: DiskStats,
     ) -> None:
         self._table = table
         self._fs_path = fs_path
@@ -121,8 +122,8 @@ class CapacityGuard:
     def _evict(self, need: int, keep_chain_of: bytes | None = None) -> None:
         n, freed = self._table.evict(need, self._unlink, keep_chain_of=keep_chain_of)
         if n:
-            self._c.inc("evicted_blocks", n)
-            self._c.inc("evicted_bytes", freed)
+            self._c.evicted_blocks.add(n)
+            self._c.evicted_bytes.add(freed)
 
     def make_room(self, nbytes: int, parent: bytes | None = None, *, may_evict: bool = True,
                   count: bool = True) -> bool:
@@ -134,12 +135,12 @@ class CapacityGuard:
         only free space will do."""
         over = self._table.total_bytes + nbytes - self.capacity_bytes
         if over > 0 and not may_evict:
-            self._count("dropped_capacity", count)
+            self._count(self._c.dropped_capacity, count)
             return False
         if over > 0:
             self._evict(over, parent)
             if self._table.total_bytes + nbytes > self.capacity_bytes:
-                self._count("dropped_capacity", count)
+                self._count(self._c.dropped_capacity, count)
                 return False
         ff = self._free_and_floor()
         if ff is None:
@@ -147,19 +148,20 @@ class CapacityGuard:
         free, floor = ff
         deficit = floor + nbytes - free
         if deficit > 0 and not may_evict:
-            self._count("dropped_no_space", count)
+            self._count(self._c.dropped_no_space, count)
             return False
         if deficit > 0:
             self._evict(deficit, parent)
             ff = self._free_and_floor()
             if ff is not None and ff[1] + nbytes > ff[0]:
-                self._count("dropped_no_space", count)
+                self._count(self._c.dropped_no_space, count)
                 return False
         return True
 
-    def _count(self, name: str, count: bool) -> None:
+    @staticmethod
+    def _count(counter: Count, count: bool) -> None:
         if count:
-            self._c.inc(name)
+            counter.add()
 
     def enforce(self) -> None:
         """Bring the namespace back under both limits (limits may have been
@@ -174,6 +176,6 @@ class CapacityGuard:
     def prune_ttl(self, now_ns: int) -> int:
         n, freed = self._table.expire(now_ns - int(self.ttl_s * 1e9), self._unlink)
         if n:
-            self._c.inc("ttl_pruned_blocks", n)
-            self._c.inc("ttl_pruned_bytes", freed)
+            self._c.ttl_pruned_blocks.add(n)
+            self._c.ttl_pruned_bytes.add(freed)
         return n

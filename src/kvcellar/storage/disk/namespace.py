@@ -25,33 +25,17 @@ from typing import Any
 
 from kvcellar.storage.base import BlockSpec
 from kvcellar.storage.block_format import FORMAT_VERSION, header_size_for
-from kvcellar.storage.counters import Counters
 from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.layout import NamespaceLayout
 from kvcellar.storage.disk.sessions import Session, StaleSession, open_session, scan_sessions, unclean_summary
+from kvcellar.storage.disk.stats import DiskStats
 from kvcellar.storage.disk.table import BlockTable
 from kvcellar.storage.disk.writer import fsync_dir, write_block_file
 from kvcellar.storage.faults import FaultTracker
 
 _log = logging.getLogger("kvcellar.storage.disk")
-
-SSD_COUNTERS = (
-    "lookup_calls", "lookup_hit_blocks", "stale_dropped", "removed_blocks",
-    "load_calls", "load_hits", "load_misses", "load_bytes", "load_missing",
-    "stored_blocks", "stored_bytes", "store_skipped_existing", "store_verified_existing", "store_repaired",
-    "evicted_blocks", "evicted_bytes", "ttl_pruned_blocks", "ttl_pruned_bytes",
-    "dropped_capacity", "dropped_no_space",
-    "write_errors", "read_errors", "probe_failures", "atime_errors", "delete_errors",
-    "corrupt_total", "corrupt_deleted", "corrupt_size", "corrupt_magic", "corrupt_version",
-    "corrupt_header_checksum", "corrupt_padding", "corrupt_geometry", "corrupt_key", "corrupt_digest", "corrupt_tokens",
-    "corrupt_checksum",
-    "recovered_orphan_tmp", "recovered_bad_size", "recovered_bad_header", "recovered_misplaced",
-    "recovered_adopted", "recovered_unclean_sessions", "rescan_adopted", "rescan_dropped",
-    "scans", "scan_seconds",
-)
-
 
 def mkdir_private(path: Path) -> bool:
     """Create ``path`` and missing parents with mode 0700. True if created."""
@@ -77,7 +61,7 @@ class OpenNamespace:
         self._descriptor = descriptor
         self.header_size = header_size_for(spec.block_size)
         self.file_size = self.header_size + spec.nbytes
-        self.counters = Counters("ssd_", SSD_COUNTERS)
+        self.counters = DiskStats()
         self.table = BlockTable()
         where = str(self.layout.dir)
         self.wfault = FaultTracker("write", self.counters, _log, where,
@@ -110,7 +94,7 @@ class OpenNamespace:
             self.last_shutdown_clean = not scan.stale
             self.last_shutdown_reason = unclean_summary(scan.stale)
             if scan.stale:
-                self.counters.inc("recovered_unclean_sessions", len(scan.stale))
+                self.counters.recovered_unclean_sessions.add(len(scan.stale))
                 _log.warning("disk tier %s: %d previous session(s) ended without a clean shutdown (%s)",
                              self.layout.dir, len(scan.stale), self.last_shutdown_reason)
             self.write_descriptor()
@@ -187,7 +171,7 @@ class OpenNamespace:
         """A known block's file was found gone (``cache clear``, another process's eviction):
         drop the stale entry now rather than at the next rescan, and count it."""
         if self.table.discard_if_known(key):
-            self.counters.inc("stale_dropped")
+            self.counters.stale_dropped.add()
 
     def unlink_block(self, key: bytes) -> bool:
         """Delete a block's file (eviction, TTL, remove). A failure (EROFS, EIO, EACCES)
@@ -207,8 +191,8 @@ class OpenNamespace:
         """Count, forget and delete a block that failed a check. Its chain's later
         blocks become suspects (see keys.py) where the caller knows them."""
         c = self.counters
-        c.inc("corrupt_total")
-        c.inc(f"corrupt_{reason}")
+        c.corrupt_total.add()
+        c.add_named(f"corrupt_{reason}")
         self.table.discard(key)
         self.suspects.add([key])  # marks the load batch's failure as a corruption (DiskTier._batch_done)
         try:
@@ -216,12 +200,12 @@ class OpenNamespace:
             # A writer may have renamed a good copy over it since we opened it.
             if (st.st_ino, st.st_dev) == (ino, dev):
                 os.unlink(path)
-                c.inc("corrupt_deleted")
+                c.corrupt_deleted.add()
         except FileNotFoundError:
             pass
         except OSError as e:
             self.wfault.failure(e, f"deleting corrupt {path.name}", counter="delete")
-        total = int(c.get("corrupt_total"))
+        total = int(c.corrupt_total.value)
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("disk tier %s: deleted a block that failed its %s check (%d so far)",
                          self.layout.dir, reason, total)

@@ -143,8 +143,8 @@ class DiskTier(KVTier):
         self._table.link_chain(keys[:n])
         self._table.release_leases(keys[n:])
         self._table.touch(keys[:n], persist=False)
-        self._ns.counters.inc("lookup_calls")
-        self._ns.counters.inc("lookup_hit_blocks", n)
+        self._ns.counters.lookup_calls.add()
+        self._ns.counters.lookup_hit_blocks.add(n)
         return n
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -166,7 +166,7 @@ class DiskTier(KVTier):
             self._table.discard(k)
             if self._ns.unlink_block(k) and existed:
                 n += 1
-        self._ns.counters.inc("removed_blocks", n)
+        self._ns.counters.removed_blocks.add(n)
         return n
 
     # ------------------------------------------------------------------ load
@@ -188,11 +188,11 @@ class DiskTier(KVTier):
         res = read_block_into(str(path), self.spec, ns.header_size, req)
         if res.outcome is Outcome.OK:
             self._table.add(req.key, self.file_size, persist=True)
-            ns.counters.inc("load_bytes", self.spec.nbytes)
+            ns.counters.load_bytes.add(self.spec.nbytes)
             ns.rfault.success()
             return True
         if res.outcome is Outcome.MISSING:
-            ns.counters.inc("load_missing")
+            ns.counters.load_missing.add()
             self._table.discard(req.key)
         elif res.outcome is Outcome.IO_ERROR:
             assert res.error is not None
@@ -208,9 +208,9 @@ class DiskTier(KVTier):
         self._table.link_chain([r.key for r in requests[:leading]])
         self._table.unpin([r.key for r in requests])
         c = self._ns.counters
-        c.inc("load_calls")
-        c.inc("load_hits", leading)
-        c.inc("load_misses", len(requests) - leading)
+        c.load_calls.add()
+        c.load_hits.add(leading)
+        c.load_misses.add(len(requests) - leading)
 
     # ------------------------------------------------------------------ store
     def store(self, requests: Sequence[StoreRequest]) -> None:
@@ -221,7 +221,7 @@ class DiskTier(KVTier):
                 raise ValueError(f"StoreRequest.parent must be 1..{MAX_KEY_LEN} bytes, got {len(r.parent)}")
         with self._life:
             if self._closing:
-                self._admission.counters.inc("dropped_closed", len(requests))
+                self._admission.counters.dropped_closed.add(len(requests))
                 return
             self._entering += 1
         try:
@@ -245,13 +245,13 @@ class DiskTier(KVTier):
     def _defer_to_reads(self, max_s: float) -> bool:
         """Reads before writes: the writer waits (up to ``max_s``) while loads are in flight."""
         if self._reader.active:
-            self._admission.counters.inc("deferred_for_reads")
+            self._admission.counters.deferred_for_reads.add()
         return self._reader.wait_idle(max_s)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int | float]:
-        out = self._ns.counters.snapshot()
-        out.update(self._admission.counters.snapshot())
+        out = self._ns.counters.as_dict()
+        out.update(self._admission.counters.as_dict())
         free = self._ns.capacity.free_bytes()
         out.update({
             "ssd_blocks": len(self._table),
@@ -317,7 +317,7 @@ class DiskTier(KVTier):
             reasons = [] if admitted_done else [f"store() calls still admitting blocks after {timeout:.1f}s"]
             if self._writer is not None and not self._writer.close(max(0.0, deadline - time.monotonic())):
                 # The writer drops queued blocks only once a close has aborted it: the count is this close's.
-                dropped = int(self._admission.counters.get("dropped_abort"))
+                dropped = int(self._admission.counters.dropped_abort.value)
                 reasons.append(f"writer did not drain within {timeout:.1f}s: {dropped} queued block(s) dropped")
             drained = not reasons
             self._upkeep.signal_stop()

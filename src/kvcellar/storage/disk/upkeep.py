@@ -97,7 +97,7 @@ class Upkeep:
         ns = self._ns
         if ns.session is None:
             if not ns.open(probe=True):
-                ns.counters.inc("probe_failures")
+                ns.counters.probe_failures.add()
                 return
             self.reconcile(startup=True)
         self._admission.probe()
@@ -132,14 +132,14 @@ class Upkeep:
             return  # partial: must not drop entries it did not reach
         adopted, dropped = ns.table.merge_scan(rep.found, started, rep.parents)
         c = ns.counters
-        c.inc("scans")
-        c.inc("scan_seconds", rep.seconds)
-        c.inc("recovered_orphan_tmp", rep.orphan_tmp_removed)
-        c.inc("recovered_bad_size", rep.bad_size_removed)
-        c.inc("recovered_bad_header", rep.bad_header_removed)
-        c.inc("recovered_misplaced", rep.misplaced_removed)
-        c.inc("recovered_adopted" if startup else "rescan_adopted", adopted)
-        c.inc("rescan_dropped", dropped)
+        c.scans.add()
+        c.scan_seconds.add(rep.seconds)
+        c.recovered_orphan_tmp.add(rep.orphan_tmp_removed)
+        c.recovered_bad_size.add(rep.bad_size_removed)
+        c.recovered_bad_header.add(rep.bad_header_removed)
+        c.recovered_misplaced.add(rep.misplaced_removed)
+        (c.recovered_adopted if startup else c.rescan_adopted).add(adopted)
+        c.rescan_dropped.add(dropped)
         removed = rep.orphan_tmp_removed + rep.bad_size_removed + rep.bad_header_removed + rep.misplaced_removed
         if startup:
             _log.info("disk tier %s: %d blocks (%.1f MiB) found in %.2fs; removed %d orphan temp file(s), "
@@ -161,4 +161,4 @@ class Upkeep:
             except FileNotFoundError:
                 pass
             except OSError:
-                ns.counters.inc("atime_errors")
+                ns.counters.atime_errors.add()

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcellar.storage.base import StoreRequest
-from kvcellar.storage.counters import Counters
+from kvcellar.storage.disk.stats import DiskWriterStats
 from kvcellar.storage.writer import BoundedWriter
 
 _log = logging.getLogger("kvcellar.storage.disk")
@@ -120,7 +120,7 @@ class BlockWriter(BoundedWriter[StoreRequest]):
         done: Callable[[StoreRequest], None],
         defer_to_reads: Callable[[float], bool],
         defer_max_s: float,
-        counters: Counters,
+        counters: DiskWriterStats,
     ) -> None:
         def write(batch: list[StoreRequest]) -> None:
             for r in batch:
@@ -132,7 +132,8 @@ class BlockWriter(BoundedWriter[StoreRequest]):
 
         def defer() -> None:
             if defer_to_reads(defer_max_s) is False:
-                counters.inc("deferred_timeouts")
+                counters.deferred_timeouts.add()
 
         super().__init__(name, queue_blocks, write, counters, log=_log, label="disk tier writer",
-                         before_batch=defer, done=release, error_counter="failed", abort_counter="dropped_abort")
+                         before_batch=defer, done=release, error_count=counters.failed,
+                         abort_count=counters.dropped_abort)

@@ -39,24 +39,14 @@ import redis
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
 from kvcellar.storage.block_format import check_identity, decode_block_into, encode_block
-from kvcellar.storage.counters import Counters
 from kvcellar.storage.faults import FaultTracker
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
 from kvcellar.storage.remote.layout import RemoteLayout
+from kvcellar.storage.remote.stats import RemoteStats
 from kvcellar.storage.remote.writer import RemoteWriter
 
 _log = logging.getLogger("kvcellar.storage.remote")
-
-_COUNTERS = (
-    "lookup_calls", "lookup_hit_blocks", "lookup_seconds",
-    "load_calls", "load_hits", "load_misses", "load_missing", "load_bytes", "load_seconds", "load_timeouts",
-    "stored_blocks", "stored_bytes", "store_seconds", "store_skipped_existing",
-    "enqueued", "dropped_queue_full", "dropped_backoff", "dropped_closed", "dropped_oom", "dropped_error",
-    "conn_errors", "write_errors", "probes", "probe_failures",
-    "corrupt_total", "corrupt_deleted", "removed_blocks",
-)
-
 
 def _is_oom(exc: BaseException) -> bool:
     """A ``noeviction`` server at ``maxmemory`` refusing a write (the server is up)."""
@@ -76,7 +66,7 @@ class RemoteTier(KVTier):
         self.config = config = config or RemoteConfig()
         self.url = url
         self.layout = RemoteLayout(fingerprint)
-        self._c = Counters("remote_", _COUNTERS)
+        self._c = RemoteStats()
         where = redacted(url)
         self._conn = FaultTracker("conn", self._c, _log, where, config.backoff_initial_s, config.backoff_max_s,
                                   tier="remote")
@@ -132,7 +122,7 @@ class RemoteTier(KVTier):
         if now - self._last_probe < self.config.probe_interval_s:
             return
         self._last_probe = now
-        self._c.inc("probes")
+        self._c.probes.add()
         try:
             client = self._redis()
             client.ping()
@@ -142,7 +132,7 @@ class RemoteTier(KVTier):
                 client.delete(probe_key)
                 self._wfault.success(probe=True)
         except FAULTS as e:
-            self._c.inc("probe_failures")
+            self._c.probe_failures.add()
             self._fault(e, "probe", probe=True)
             return
         self._conn.success(probe=True)
@@ -174,7 +164,7 @@ class RemoteTier(KVTier):
             self._fault(e, "lookup")
             return 0
         finally:
-            self._c.inc("lookup_seconds", time.monotonic() - t0)
+            self._c.lookup_seconds.add(time.monotonic() - t0)
         n = 0
         for hit in present:
             if not hit:
@@ -184,8 +174,8 @@ class RemoteTier(KVTier):
         self._remember(keys[:n])
         if n < len(keys):  # evicted by Redis, or never there: let ``wants`` say yes again
             self._forget(keys[n])
-        self._c.inc("lookup_calls")
-        self._c.inc("lookup_hit_blocks", n)
+        self._c.lookup_calls.add()
+        self._c.lookup_hit_blocks.add(n)
         return n
 
     # ------------------------------------------------------------------ load
@@ -211,11 +201,11 @@ class RemoteTier(KVTier):
         except Exception:  # the future must not carry an exception: a miss is the safe answer
             _log.exception("remote tier: load failed")
         finally:
-            self._c.inc("load_calls")
-            self._c.inc("load_hits", n)
-            self._c.inc("load_misses", len(requests) - n)
-            self._c.inc("load_bytes", n * self.spec.nbytes)
-            self._c.inc("load_seconds", time.monotonic() - t0)
+            self._c.load_calls.add()
+            self._c.load_hits.add(n)
+            self._c.load_misses.add(len(requests) - n)
+            self._c.load_bytes.add(n * self.spec.nbytes)
+            self._c.load_seconds.add(time.monotonic() - t0)
         return n
 
     def _load_chunks(self, requests: list[LoadRequest], deadline: float) -> int:
@@ -225,7 +215,7 @@ class RemoteTier(KVTier):
             if not self._usable():
                 return n
             if time.monotonic() > deadline:
-                self._c.inc("load_timeouts")
+                self._c.load_timeouts.add()
                 return n
             chunk = requests[start: start + step]
             try:
@@ -242,7 +232,7 @@ class RemoteTier(KVTier):
             self._conn.success()
             for r, value in zip(chunk, values, strict=True):
                 if value is None:
-                    self._c.inc("load_missing")
+                    self._c.load_missing.add()
                     self._forget(r.key)
                     return n
                 reason = decode_block_into(value, self.spec, r.key, r.digest, tuple(r.token_ids), r.dest)
@@ -253,15 +243,15 @@ class RemoteTier(KVTier):
         return n
 
     def _corrupt(self, key: bytes, reason: str) -> None:
-        self._c.inc("corrupt_total")
-        self._c.inc(f"corrupt_{reason}")
+        self._c.corrupt_total.add()
+        self._c.add_named(f"corrupt_{reason}")
         self._forget(key)
         try:
             if self._redis().delete(self.layout.key(key)):
-                self._c.inc("corrupt_deleted")
+                self._c.corrupt_deleted.add()
         except FAULTS as e:
             self._fault(e, "deleting a corrupt block")
-        total = int(self._c.get("corrupt_total"))
+        total = int(self._c.corrupt_total.value)
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("remote tier %s: deleted a value that failed its %s check (%d so far)",
                          redacted(self.url), reason, total)
@@ -279,11 +269,11 @@ class RemoteTier(KVTier):
             check_identity(self.spec, r.key, r.digest, tuple(r.token_ids))
         for r in requests:
             if not self._usable() or self._wfault.backing_off():
-                self._c.inc("dropped_closed" if self._closed else "dropped_backoff")
+                (self._c.dropped_closed if self._closed else self._c.dropped_backoff).add()
                 continue
             with self._known_lock:
                 if r.key in self._known or r.key in self._claims:
-                    self._c.inc("store_skipped_existing")
+                    self._c.store_skipped_existing.add()
                     continue
                 self._claims.add(r.key)
             if not self._writer.offer(r):
@@ -297,7 +287,7 @@ class RemoteTier(KVTier):
         written: list[StoreRequest] = []
         try:
             if not self._usable() or self._wfault.backing_off():
-                self._c.inc("dropped_backoff", len(requests))
+                self._c.dropped_backoff.add(len(requests))
                 return
             names = [self.layout.key(r.key) for r in requests]
             try:
@@ -315,17 +305,17 @@ class RemoteTier(KVTier):
                 results = pipe.execute(raise_on_error=False) if todo else []
             except FAULTS as e:
                 self._fault(e, "store")
-                self._c.inc("dropped_error", len(requests))
+                self._c.dropped_error.add(len(requests))
                 return
             self._conn.success()
             # Counted only now: a batch that raises is counted once, whole, by the writer.
-            self._c.inc("store_skipped_existing", len(requests) - len(todo))
+            self._c.store_skipped_existing.add(len(requests) - len(todo))
             self._remember([r.key for r, _, there in zip(requests, names, present, strict=True) if there])
             failed: Exception | None = None
             for (r, _), res in zip(todo, results, strict=True):
                 if isinstance(res, Exception):
                     failed = res
-                    self._c.inc("dropped_oom" if _is_oom(res) else "dropped_error")
+                    (self._c.dropped_oom if _is_oom(res) else self._c.dropped_error).add()
                     continue
                 written.append(r)
             if failed is not None:
@@ -333,13 +323,13 @@ class RemoteTier(KVTier):
             elif written:
                 self._wfault.success()
             self._remember([r.key for r in written])
-            self._c.inc("stored_blocks", len(written))
-            self._c.inc("stored_bytes", len(written) * self.spec.nbytes)
+            self._c.stored_blocks.add(len(written))
+            self._c.stored_bytes.add(len(written) * self.spec.nbytes)
         finally:
             with self._known_lock:
                 for r in requests:
                     self._claims.discard(r.key)
-            self._c.inc("store_seconds", time.monotonic() - t0)
+            self._c.store_seconds.add(time.monotonic() - t0)
 
     # ------------------------------------------------------------------ removal
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -356,12 +346,12 @@ class RemoteTier(KVTier):
         except FAULTS as e:
             self._fault(e, "remove")
             return 0
-        self._c.inc("removed_blocks", n)
+        self._c.removed_blocks.add(n)
         return n
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int | float]:
-        out = self._c.snapshot()
+        out = self._c.as_dict()
         degraded = self._conn.in_episode or self._wfault.in_episode
         out.update({
             "remote_writer_queue_depth": self._writer.queue_depth,

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from kvcellar.storage.base import StoreRequest
-from kvcellar.storage.counters import Counters
+from kvcellar.storage.remote.stats import RemoteStats
 from kvcellar.storage.writer import BoundedWriter
 
 _log = logging.getLogger("kvcellar.storage.remote")
@@ -24,6 +24,7 @@ _log = logging.getLogger("kvcellar.storage.remote")
 
 class RemoteWriter(BoundedWriter[StoreRequest]):
     def __init__(self, name: str, capacity: int, batch: int, write_batch: Callable[[list[StoreRequest]], None],
-                 idle: Callable[[], None], counters: Counters, idle_s: float = 0.25) -> None:
+                 idle: Callable[[], None], counters: RemoteStats, idle_s: float = 0.25) -> None:
         super().__init__(name, capacity, write_batch, counters, log=_log, label="remote tier writer", batch=batch,
-                         idle=idle, idle_s=idle_s, error_counter="dropped_error", abort_counter="dropped_closed")
+                         idle=idle, idle_s=idle_s, error_count=counters.dropped_error,
+                         abort_count=counters.dropped_closed)
