@@ -144,7 +144,7 @@ def test_usage_counts_tokens_of_a_stream_that_never_finished() -> None:
     for i in range(3):
         builder.chunks_for(0, TokenEvent(1, 100 + i, "x", num_prompt_tokens=20, num_cached_tokens=16,
                                          num_output_tokens=i + 1))
-    assert builder.usage() == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23,
+    assert builder.usage().model_dump() == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23,
                                "prompt_tokens_details": {"cached_tokens": 16}}
 
 

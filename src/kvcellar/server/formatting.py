@@ -1,5 +1,9 @@
 """Engine events -> OpenAI response bodies and stream chunks, chat and legacy completions.
 
+Bodies and chunks are built as server/protocol.py's response models (the shapes the
+OpenAPI page shows), dumped with only the keys set: a key OpenAI leaves out (a chunk's
+``usage`` without ``include_usage``, a tool-call delta's ``content``) stays out.
+
 A ``ResponseBuilder`` is made per request. Non-streaming, it accumulates every event and
 builds the final body once; streaming, ``chunks_for(index, event)`` turns each event into
 the chunk dicts to send right away. Both paths count the same way:
@@ -18,10 +22,30 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
+from kvcellar.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
+    PromptTokensDetails,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from kvcellar.server.streaming import DONE, sse
 from kvcellar.server.tools.parsers import CallFragment, ParsedCall, StreamDelta, ToolParser
 
@@ -117,25 +141,38 @@ class RequestShape:
     tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: reads calls out of the text
 
 
-def tool_call_json(call: ParsedCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def tool_call_delta_json(delta: CallFragment) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": delta.index}
-    fn: dict[str, Any] = {"arguments": delta.arguments}
-    if delta.id is not None:
-        out["id"] = delta.id
-        out["type"] = "function"
-    if delta.name is not None:
-        fn["name"] = delta.name
-    out["function"] = fn
+def tool_call_delta(delta: CallFragment) -> ToolCallDelta:
+    """A call's first fragment carries its id, type and name; the others their arguments only."""
+    fn = FunctionCallDelta(arguments=delta.arguments) if delta.name is None else \
+        FunctionCallDelta(name=delta.name, arguments=delta.arguments)
+    if delta.id is None:
+        return ToolCallDelta(index=delta.index, function=fn)
+    return ToolCallDelta(index=delta.index, id=delta.id, type="function", function=fn)
+
+
+def dump(model: Any) -> dict[str, Any]:
+    """A response model as JSON, with the keys that were set (``None`` ones too)."""
+    out: dict[str, Any] = model.model_dump(exclude_unset=True)
     return out
 
 
-def final_reason(reason: str | None, called: bool) -> str | None:
-    """A choice that ended normally after calling tools finishes with ``tool_calls``."""
-    return "tool_calls" if called and reason == "stop" else reason
+def final_reason(reason: str | None, called: bool = False) -> Literal["stop", "length", "tool_calls"]:
+    """The ``finish_reason`` of a choice that ended normally (on stop or length: the others end
+    a request with an error); one that called tools and stopped finishes with ``tool_calls``."""
+    if reason == "length":
+        return "length"
+    if reason != "stop":
+        raise ValueError(f"not a normal finish: {reason!r}")
+    return "tool_calls" if called else "stop"
+
+
+def legacy_reason(reason: str | None) -> Literal["stop", "length"]:
+    """The same for a legacy completion, which has no tools."""
+    return "length" if final_reason(reason) == "length" else "stop"
 
 
 class ResponseBuilder:
@@ -144,8 +181,6 @@ class ResponseBuilder:
         self.tokens = tokens
         self.id = new_id("chatcmpl" if shape.kind == "chat" else "cmpl")
         self.created = int(time.time())
-        self.object = "chat.completion" if shape.kind == "chat" else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if shape.kind == "chat" else "text_completion"
         self.choices = [ChoiceState(i, i // shape.n) for i in range(shape.n * shape.num_prompts)]
         if shape.tool_parser is not None:
             for c in self.choices:
@@ -168,28 +203,28 @@ class ResponseBuilder:
             return (ev.token_id, ev.logprob, ev.top_logprobs)
         return None
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> Usage:
         prompt = cached = completion = 0
         for c in self.choices:
             completion += c.num_output_tokens
             if c.index % self.shape.n == 0:
                 prompt += c.num_prompt_tokens
                 cached += c.num_cached_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    def _chat_logprobs(self, raws: Sequence[RawLogprob]) -> dict[str, Any]:
+    def _chat_logprobs(self, raws: Sequence[RawLogprob]) -> ChatLogprobs:
         content = []
         for token_id, lp, top in raws:
             text, raw = self.tokens.get(token_id)
             tops = []
             for tid, tlp in (top or [])[: self.shape.top_logprobs]:
                 ttext, traw = self.tokens.get(tid)
-                tops.append({"token": ttext, "logprob": finite(tlp), "bytes": traw})
-            content.append({"token": text, "logprob": finite(lp), "bytes": raw, "top_logprobs": tops})
-        return {"content": content, "refusal": None}
+                tops.append(TopLogprob(token=ttext, logprob=finite(tlp), bytes=traw))
+            content.append(TokenLogprob(token=text, logprob=finite(lp), bytes=raw, top_logprobs=tops))
+        return ChatLogprobs(content=content, refusal=None)
 
-    def _legacy_logprobs(self, choice: ChoiceState, raws: Sequence[RawLogprob]) -> dict[str, Any]:
+    def _legacy_logprobs(self, choice: ChoiceState, raws: Sequence[RawLogprob]) -> CompletionLogprobs:
         tokens, token_lps, offsets = [], [], []
         tops: list[dict[str, float] | None] = []
         for token_id, lp, top in raws:
@@ -202,8 +237,8 @@ class ResponseBuilder:
                 tops.append({self.tokens.get(tid)[0]: finite(tlp) for tid, tlp in (top or [])})
             else:
                 tops.append(None)
-        return {"tokens": tokens, "token_logprobs": token_lps,
-                "top_logprobs": tops if self.shape.top_logprobs else None, "text_offset": offsets}
+        return CompletionLogprobs(tokens=tokens, token_logprobs=list(token_lps),
+                                  top_logprobs=tops if self.shape.top_logprobs else None, text_offset=offsets)
 
     # ---- non-streaming ------------------------------------------------------------------
 
@@ -216,45 +251,55 @@ class ResponseBuilder:
             choice.text.append(ev.text)
 
     def response(self) -> dict[str, Any]:
-        out = []
+        """The body of a request that finished (every choice on stop, length or its tools)."""
+        if self.shape.kind != "chat":
+            return dump(Completion(id=self.id, object="text_completion", created=self.created, model=self.shape.model,
+                                   system_fingerprint=self.shape.fingerprint, choices=self._completion_choices(),
+                                   usage=self.usage()))
+        choices = []
         for c in self.choices:
             text = "".join(c.text)
-            if self.shape.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-                finish = c.finish_reason
-                if c.parser is not None:
-                    parsed = c.parser.parse(text)
-                    if parsed.tool_calls:
-                        message["content"] = parsed.content
-                        message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
-                        finish = final_reason(finish, True)
-                out.append({
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": self._chat_logprobs(c.logprobs) if self.shape.logprobs else None,
-                    "finish_reason": finish,
-                })
-            else:
-                echo = self.shape.echo_texts[c.prompt_index] if self.shape.echo_texts is not None else ""
-                c.text_offset = len(echo)
-                out.append({
-                    "index": c.index,
-                    "text": echo + text,
-                    "logprobs": self._legacy_logprobs(c, c.logprobs) if self.shape.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                })
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.shape.model,
-                "system_fingerprint": self.shape.fingerprint, "choices": out, "usage": self.usage()}
+            message = AssistantMessage(role="assistant", content=text, refusal=None)
+            finish = c.finish_reason
+            if c.parser is not None:
+                parsed = c.parser.parse(text)
+                if parsed.tool_calls:
+                    message = AssistantMessage(role="assistant", content=parsed.content, refusal=None,
+                                               tool_calls=[tool_call(call) for call in parsed.tool_calls])
+                    finish = final_reason(finish, True)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=final_reason(finish),
+                                      logprobs=self._chat_logprobs(c.logprobs) if self.shape.logprobs else None))
+        return dump(ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.shape.model,
+                                   system_fingerprint=self.shape.fingerprint, choices=choices, usage=self.usage()))
+
+    def _completion_choices(self) -> list[CompletionChoice]:
+        out = []
+        for c in self.choices:
+            echo = self.shape.echo_texts[c.prompt_index] if self.shape.echo_texts is not None else ""
+            c.text_offset = len(echo)
+            out.append(CompletionChoice(
+                index=c.index, text=echo + "".join(c.text), finish_reason=legacy_reason(c.finish_reason),
+                logprobs=self._legacy_logprobs(c, c.logprobs) if self.shape.logprobs else None))
+        return out
 
     # ---- streaming ----------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                                 "model": self.shape.model, "system_fingerprint": self.shape.fingerprint,
-                                 "choices": choices}
+    def _chunk(self, choices: Sequence[ChatChunkChoice | CompletionChoice], usage: Usage | None = None
+               ) -> dict[str, Any]:
+        """A chunk; ``usage`` is there (null but in the last one) only with ``include_usage``."""
+        chunk: ChatCompletionChunk | Completion
+        fp = self.shape.fingerprint
+        if self.shape.kind == "chat":
+            chat = [c for c in choices if isinstance(c, ChatChunkChoice)]
+            chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                        model=self.shape.model, system_fingerprint=fp, choices=chat)
+        else:
+            legacy = [c for c in choices if isinstance(c, CompletionChoice)]
+            chunk = Completion(id=self.id, object="text_completion", created=self.created, model=self.shape.model,
+                               system_fingerprint=fp, choices=legacy)
         if self.shape.include_usage:
-            chunk["usage"] = None
-        return chunk
+            chunk.usage = usage  # set, so dumped (null but in the last chunk)
+        return dump(chunk)
 
     def stream_start(self) -> list[dict[str, Any]]:
         """Chunks sent before any token: the assistant role (chat), the echoed prompt
@@ -262,13 +307,13 @@ class ResponseBuilder:
         out = []
         for c in self.choices:
             if self.shape.kind == "chat":
-                out.append(self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]))
+                out.append(self._chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""),
+                                                        logprobs=None, finish_reason=None)]))
             elif self.shape.echo_texts is not None:
                 echo = self.shape.echo_texts[c.prompt_index]
                 c.text_offset = len(echo)
-                out.append(self._chunk([{"index": c.index, "text": echo, "logprobs": None,
-                                         "finish_reason": None}]))
+                out.append(self._chunk([CompletionChoice(index=c.index, text=echo, logprobs=None,
+                                                         finish_reason=None)]))
         return out
 
     def chunks_for(self, index: int, ev: TokenEvent) -> list[dict[str, Any]]:
@@ -287,22 +332,22 @@ class ResponseBuilder:
             if delta.content or delta.tool_calls or (final and c.pending):
                 logprobs = self._chat_logprobs(c.pending) if self.shape.logprobs else None
                 c.pending = []
-                body: dict[str, Any] = {}
-                if delta.content or not delta.tool_calls:
-                    body["content"] = delta.content
-                if delta.tool_calls:
-                    body["tool_calls"] = [tool_call_delta_json(d) for d in delta.tool_calls]
-                out.append(self._chunk([{"index": index, "delta": body, "logprobs": logprobs,
-                                         "finish_reason": None}]))
+                calls = [tool_call_delta(d) for d in delta.tool_calls]
+                # A delta of tool calls only carries no content key, as OpenAI sends it.
+                body = ChatDelta(content=delta.content, tool_calls=calls) if delta.content and calls else \
+                    ChatDelta(tool_calls=calls) if calls else ChatDelta(content=delta.content)
+                out.append(self._chunk([ChatChunkChoice(index=index, delta=body, logprobs=logprobs,
+                                                        finish_reason=None)]))
             if final:
                 called = c.parser is not None and c.parser.called
-                out.append(self._chunk([{"index": index, "delta": {}, "logprobs": None,
-                                         "finish_reason": final_reason(ev.finish_reason, called)}]))
+                out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=None,
+                                                        finish_reason=final_reason(ev.finish_reason, called))]))
         elif ev.text or final:
-            logprobs = self._legacy_logprobs(c, c.pending) if self.shape.logprobs else None
+            legacy = self._legacy_logprobs(c, c.pending) if self.shape.logprobs else None
             c.pending = []
-            out.append(self._chunk([{"index": index, "text": ev.text, "logprobs": logprobs,
-                                     "finish_reason": ev.finish_reason if final else None}]))
+            reason = legacy_reason(ev.finish_reason) if final else None
+            out.append(self._chunk([CompletionChoice(index=index, text=ev.text, logprobs=legacy,
+                                                     finish_reason=reason)]))
         return out
 
     @staticmethod
@@ -324,8 +369,7 @@ class ResponseBuilder:
         return StreamDelta(delta.content, merged)
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.shape.model,
-                "system_fingerprint": self.shape.fingerprint, "choices": [], "usage": self.usage()}
+        return self._chunk([], self.usage())
 
     # ---- as a Renderer (server/internal.py) ------------------------------------------------
 
@@ -344,8 +388,8 @@ class ResponseBuilder:
     def log_fields(self) -> dict[str, Any]:
         usage = self.usage()
         return {"choices": len(self.choices), "finish": ",".join(str(c.finish_reason) for c in self.choices),
-                "prompt_tokens": usage["prompt_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "completion_tokens": usage["completion_tokens"],
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
                 # where the cached tokens came from (first choice): {"ram": n, "ssd": n, "remote": n}
                 "cached_by_tier": self.choices[0].cached_tokens_by_tier if self.choices else None}
