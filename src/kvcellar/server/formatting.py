@@ -260,14 +260,15 @@ class ResponseBuilder:
         for c in self.choices:
             text = "".join(c.text)
             message = AssistantMessage(role="assistant", content=text, refusal=None)
-            finish = c.finish_reason
+            called = False
             if c.parser is not None:
                 parsed = c.parser.parse(text)
                 if parsed.tool_calls:
                     message = AssistantMessage(role="assistant", content=parsed.content, refusal=None,
                                                tool_calls=[tool_call(call) for call in parsed.tool_calls])
-                    finish = final_reason(finish, True)
-            choices.append(ChatChoice(index=c.index, message=message, finish_reason=final_reason(finish),
+                    called = True
+            finish = final_reason(c.finish_reason, called)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
                                       logprobs=self._chat_logprobs(c.logprobs) if self.shape.logprobs else None))
         return dump(ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.shape.model,
                                    system_fingerprint=self.shape.fingerprint, choices=choices, usage=self.usage()))
