@@ -1,8 +1,8 @@
 """Typed statistics: each owner declares its numbers as the fields of one dataclass, with the
 metric kind on the field (``counter()`` for monotonic counts, ``gauge()`` for levels), and
 updates them by attribute. ``as_dict`` exports them under the owner's prefix, the flat names
-/metrics and /health show (``kvcellar_<prefix><field>``), so nothing outside the owner spells
-a counter's name as a string.
+/metrics and /health show (``kvcellar_<prefix><field>``); a name is spelled as a string only
+where a reason picks the count (``SharedStats.add_named``).
 
 Only the owner's thread writes a ``Stats``; other threads read it (an attribute read is
 atomic). Numbers that several threads change are a ``SharedStats``, whose fields are ``Count``s

@@ -27,6 +27,7 @@ from kvcellar.cache.block_manager import BlockStats
 from kvcellar.cache.tiering import LinkStats
 from kvcellar.engine.engine import EngineStats
 from kvcellar.stats import Stats
+from kvcellar.storage.disk.stats import DiskStats
 
 S = TypeVar("S", bound=Stats)
 
@@ -82,7 +83,8 @@ class TierSplit:
         return cls(ram_tokens=change(BlockStats).hit_tokens, ssd_tokens=ssd.hit_tokens,
                    remote_tokens=remote.hit_tokens, computed_tokens=change(EngineStats).computed_tokens,
                    ssd_blocks_loaded=ssd.loaded_blocks,
-                   ssd_bytes_loaded=after.get("ssd_load_bytes", 0.0) - before.get("ssd_load_bytes", 0.0))
+                   ssd_bytes_loaded=DiskStats.from_dict(after).load_bytes.value
+                   - DiskStats.from_dict(before).load_bytes.value)
 
 
 class Target:
