@@ -85,9 +85,11 @@ class Count:
         self._lock = lock
         self.value = value
 
-    def add(self, n: float = 1) -> None:
+    def add(self, n: float = 1) -> float:
+        """Add ``n``; the value it made (read under the same lock)."""
         with self._lock:
             self.value += n
+            return self.value
 
     def set_max(self, value: float) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcellar.stats import Count, SharedStats, counter
 from kvcellar.storage.base import BlockSpec
 
 FORMAT_VERSION = 2
@@ -73,6 +74,32 @@ _PREFIX = struct.Struct("<8sHHI")  # magic, version, flags, header_size: how _FI
 # Bigger than any header a sane block size needs: a damaged size field must not make a
 # reader allocate gigabytes before decode_header rejects it.
 MAX_HEADER_SIZE = 1 << 20
+
+
+@dataclass
+class CheckStats(SharedStats):
+    """Blocks that failed a check of this format, by the check (a ``HeaderError`` reason or
+    what ``identity_mismatch``/the payload check report). Each tier's stats extend it and
+    count what they deleted themselves (``corrupt_deleted``)."""
+
+    corrupt_total: Count = counter()
+    corrupt_deleted: Count = counter()
+    corrupt_size: Count = counter()
+    corrupt_truncated: Count = counter()
+    corrupt_magic: Count = counter()
+    corrupt_version: Count = counter()
+    corrupt_header_checksum: Count = counter()
+    corrupt_padding: Count = counter()
+    corrupt_geometry: Count = counter()
+    corrupt_key: Count = counter()
+    corrupt_digest: Count = counter()
+    corrupt_tokens: Count = counter()
+    corrupt_checksum: Count = counter()
+
+    def failed(self, reason: str) -> int:
+        """Count a block that failed its ``reason`` check; the total so far."""
+        self.add_named(f"corrupt_{reason}")
+        return int(self.corrupt_total.add())
 
 
 class HeaderError(ValueError):

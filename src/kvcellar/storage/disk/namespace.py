@@ -191,8 +191,7 @@ class OpenNamespace:
         """Count, forget and delete a block that failed a check. Its chain's later
         blocks become suspects (see keys.py) where the caller knows them."""
         c = self.counters
-        c.corrupt_total.add()
-        c.add_named(f"corrupt_{reason}")
+        total = c.failed(reason)
         self.table.discard(key)
         self.suspects.add([key])  # marks the load batch's failure as a corruption (DiskTier._batch_done)
         try:
@@ -205,7 +204,6 @@ class OpenNamespace:
             pass
         except OSError as e:
             self.wfault.failure(e, f"deleting corrupt {path.name}", counter="delete")
-        total = int(c.corrupt_total.value)
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("disk tier %s: deleted a block that failed its %s check (%d so far)",
                          self.layout.dir, reason, total)

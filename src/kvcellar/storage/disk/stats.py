@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvcellar.stats import Count, SharedStats, counter
+from kvcellar.storage.block_format import CheckStats
 
 
 @dataclass
-class DiskStats(SharedStats):
+class DiskStats(CheckStats):
     PREFIX: ClassVar[str] = "ssd_"
     lookup_calls: Count = counter()
     lookup_hit_blocks: Count = counter()
@@ -38,20 +39,6 @@ class DiskStats(SharedStats):
     probe_failures: Count = counter()
     atime_errors: Count = counter()
     delete_errors: Count = counter()
-    # Blocks that failed a check, by the check (``reader.Outcome``).
-    corrupt_total: Count = counter()
-    corrupt_deleted: Count = counter()
-    corrupt_size: Count = counter()
-    corrupt_truncated: Count = counter()
-    corrupt_magic: Count = counter()
-    corrupt_version: Count = counter()
-    corrupt_header_checksum: Count = counter()
-    corrupt_padding: Count = counter()
-    corrupt_geometry: Count = counter()
-    corrupt_key: Count = counter()
-    corrupt_digest: Count = counter()
-    corrupt_tokens: Count = counter()
-    corrupt_checksum: Count = counter()
     recovered_orphan_tmp: Count = counter()
     recovered_bad_size: Count = counter()
     recovered_bad_header: Count = counter()

@@ -1,15 +1,17 @@
-"""The remote tier's counters (``remote_*``), changed from the request path and its writer thread."""
+"""The remote tier's counters (``remote_*``; the block checks' from ``block_format.CheckStats``), changed
+from the request path and its writer thread."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvcellar.stats import Count, SharedStats, counter
+from kvcellar.stats import Count, counter
+from kvcellar.storage.block_format import CheckStats
 
 
 @dataclass
-class RemoteStats(SharedStats):
+class RemoteStats(CheckStats):
     PREFIX: ClassVar[str] = "remote_"
     lookup_calls: Count = counter()
     lookup_hit_blocks: Count = counter()
@@ -37,18 +39,4 @@ class RemoteStats(SharedStats):
     write_errors: Count = counter()
     probes: Count = counter()
     probe_failures: Count = counter()
-    corrupt_total: Count = counter()
-    corrupt_deleted: Count = counter()
-    # Values that failed a check, by the check.
-    corrupt_size: Count = counter()
-    corrupt_truncated: Count = counter()
-    corrupt_magic: Count = counter()
-    corrupt_version: Count = counter()
-    corrupt_header_checksum: Count = counter()
-    corrupt_padding: Count = counter()
-    corrupt_geometry: Count = counter()
-    corrupt_key: Count = counter()
-    corrupt_digest: Count = counter()
-    corrupt_tokens: Count = counter()
-    corrupt_checksum: Count = counter()
     removed_blocks: Count = counter()

@@ -243,15 +243,13 @@ class RemoteTier(KVTier):
         return n
 
     def _corrupt(self, key: bytes, reason: str) -> None:
-        self._c.corrupt_total.add()
-        self._c.add_named(f"corrupt_{reason}")
+        total = self._c.failed(reason)
         self._forget(key)
         try:
             if self._redis().delete(self.layout.key(key)):
                 self._c.corrupt_deleted.add()
         except FAULTS as e:
             self._fault(e, "deleting a corrupt block")
-        total = int(self._c.corrupt_total.value)
         if total & (total - 1) == 0:  # 1, 2, 4, 8, ...: bounded logging
             _log.warning("remote tier %s: deleted a value that failed its %s check (%d so far)",
                          redacted(self.url), reason, total)
