@@ -41,11 +41,16 @@ def shared_models_dir() -> Path:
     return path
 
 
+# The engine tests' device: ``KVCELLAR_TEST_DEVICE=cuda`` runs them on a GPU (server tests
+# follow ``--device auto``).
+TEST_DEVICE = os.environ.get("KVCELLAR_TEST_DEVICE", "cpu")
+
+
 @functools.cache
 def embedded(dtype: str = "float32", weights: str = "full") -> LoadedModel:
     from kvcellar.artifacts.store import ArtifactCache
 
-    return prepare_and_load(None, dtype=dtype, device="cpu", weights=weights,
+    return prepare_and_load(None, dtype=dtype, device=TEST_DEVICE, weights=weights,
                             artifacts=ArtifactCache(shared_models_dir()))
 
 
