@@ -40,13 +40,14 @@ def test_digests_are_stable_chained_and_salted():
 
 
 def test_digest_is_process_independent():
+    import os
     import subprocess
     import sys
 
     code = "from kvcellar.cache.hashing import block_digests, root_digest;" \
            "print(block_digests(root_digest('m','s'), list(range(8)), 4)[-1].hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
     assert outs == {block_digests(root_digest("m", "s"), list(range(8)), 4)[-1].hex() + "\n"}
 
 

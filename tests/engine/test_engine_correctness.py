@@ -132,3 +132,24 @@ def test_other_architectures_match_transformers(model, arch, extra):
     for prompt, result in zip(prompts, results, strict=True):
         ref_tokens, ref_logprobs = reference_greedy(tiny.model, prompt, params.max_tokens)
         assert_matches_reference(result, ref_tokens, ref_logprobs)
+
+
+def test_attention_outputs_in_another_memory_layout_give_the_same_tokens(model, monkeypatch):
+    """CUDA's attention kernels may return their output [B, H, T, D] stored as [B, T, H, D]
+    (not contiguous), which the CPU kernels never do: every attention path (short prompts
+    fold GQA heads into query rows) must read it by shape, not by memory order."""
+    engine = make_engine(model)
+    prompt = chat_ids(model, PROMPTS[0])
+    (expected,) = engine.generate([prompt], GREEDY)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
+    fresh = make_engine(model)
+    (result,) = fresh.generate([prompt], GREEDY)
+    (hit,) = fresh.generate([prompt], GREEDY)  # the tail after a prefix hit: the folded path again
+    assert result.finish_reason == expected.finish_reason and result.token_ids == expected.token_ids
+    assert hit.num_cached_tokens > 0 and hit.token_ids == expected.token_ids

@@ -160,7 +160,7 @@ def paged_attention(
             if mask is not None:
                 mask = mask.repeat(groups, 1)
             o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
-            o = o.view(1, n_q_heads, n, head_dim)
+            o = o.reshape(1, n_q_heads, n, head_dim)  # CUDA kernels may return another layout
         elif mask is not None and window is None and q.device.type == "cpu" and \
                 span.context - n >= SPLIT_MIN_PAST:
             record("prefill_split")
