@@ -15,6 +15,7 @@ from kvcellar.storage import BlockSpec
 from kvcellar.storage.block_format import header_size_for
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.cli import add_cache_commands, kv_root
+from kvcellar.storage.disk.layout import key_from_block_name
 from tests.storage.helpers import REPO, SPEC, chain, child_env, files
 
 LONG_AGO = 1_000_000_000 * 10**9  # 2001
@@ -94,6 +95,36 @@ def test_prune_ttl_capacity_and_orphans(populated) -> None:
     file_size = header_size_for(16) + SPEC.nbytes
     rep = maintenance.prune_cache(root, ttl_s=86400, capacity_bytes=5 * file_size)
     assert rep.capacity_removed >= 2 and rep.remaining_bytes <= 5 * file_size
+
+
+def test_prune_takes_the_least_recently_used_leaves_across_namespaces(tmp_path, open_tier) -> None:
+    """The tier's own eviction order over the whole root: a chain is cut at its tail, never
+    orphaned, even where its root was accessed longest ago."""
+    root = kv_root(tmp_path)
+    alpha = open_tier(root, ns="alpha", async_writes=False)
+    beta = open_tier(root, ns="beta", async_writes=False)
+    linked = chain(4, linked=True)
+    alpha.store(linked)
+    alone = chain(2, seed=1)
+    beta.store(alone)
+    alpha.close(10)
+    beta.close(10)
+    by_key = {key_from_block_name(p.name): p for p in files(root, ".kvb")}
+    second = 10**9
+    # the chain accessed root first (root oldest); beta's blocks one older than its leaf, one newer
+    for i, r in enumerate(linked):
+        os.utime(by_key[r.key], ns=(LONG_AGO + i * second, LONG_AGO + i * second))
+    os.utime(by_key[alone[0].key], ns=(LONG_AGO + 2 * second, LONG_AGO + 2 * second))
+    os.utime(by_key[alone[1].key], ns=(LONG_AGO + 9 * second, LONG_AGO + 9 * second))
+    file_size = header_size_for(16) + SPEC.nbytes
+    rep = maintenance.prune_cache(root, ttl_s=10**10, capacity_bytes=4 * file_size)
+    assert (rep.ttl_removed, rep.capacity_removed, rep.remaining_blocks) == (0, 2, 4)
+    left = {key_from_block_name(p.name) for p in files(root, ".kvb")}
+    assert left == {*(r.key for r in linked[:3]), alone[1].key}  # beta's older block, then alpha's leaf
+    stats = {s.info.namespace: s for s in maintenance.cache_stats(root)}
+    assert stats["alpha"].unreachable_blocks == 0
+    rep = maintenance.prune_cache(root, ttl_s=0.0)  # everything expired: leaves, then their parents
+    assert rep.ttl_removed == 4 and rep.remaining_blocks == 0 and not files(root, ".kvb")
 
 
 def test_clear_lists_and_deletes(populated) -> None:

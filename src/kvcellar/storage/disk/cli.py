@@ -41,9 +41,11 @@ def add_cache_commands(subparsers: Any) -> argparse.ArgumentParser:
     sub.add_parser("stats", parents=[common], help="blocks, bytes and ages per namespace")
     v = sub.add_parser("verify", parents=[common], help="read and check every block; delete bad ones")
     v.add_argument("--keep", action="store_true", help="report bad blocks without deleting them")
-    p = sub.add_parser("prune", parents=[common], help="delete expired blocks, then LRU blocks over a size")
+    p = sub.add_parser("prune", parents=[common],
+                       help="delete expired blocks, then LRU blocks over a size (the tier's order: leaves first)")
     p.add_argument("--ttl-days", type=float, default=7.0, help="delete blocks not used for this long (default 7)")
-    p.add_argument("--max-gb", type=float, default=None, help="then keep at most this many GiB, LRU first")
+    p.add_argument("--max-gb", type=float, default=None,
+                   help="then keep at most this many GiB over all namespaces, least recently used leaves first")
     c = sub.add_parser("clear", parents=[common], help="delete every cached block (lists what it deletes)")
     c.add_argument("--namespace", action="append", default=None,
                    help="only this namespace (repeatable); default: all")

@@ -36,6 +36,7 @@ from kvcellar.storage.disk.layout import (
 from kvcellar.storage.disk.reader import open_noatime, read_header, verify_block_file
 from kvcellar.storage.disk.recovery import remove_file, walk_block_files
 from kvcellar.storage.disk.sessions import scan_sessions
+from kvcellar.storage.disk.table import BlockTable
 
 
 @dataclass(frozen=True)
@@ -165,16 +166,16 @@ def cache_stats(kv_root: Path, *, progress: bool = False) -> list[NamespaceStats
     return out
 
 
-def unreachable_blocks(ns: NamespaceInfo, blocks: list[_File], progress: bool = False) -> list[_File]:
-    """The blocks no lookup can reach any more: their chain parent (from the header) is
-    not on disk, or is itself unreachable. Reads every header; only the current format
-    records parents, so older namespaces report none."""
+def chain_parents(ns: NamespaceInfo, blocks: list[_File], progress: bool = False
+                  ) -> dict[bytes, tuple[_File, bytes | None]]:
+    """Each block's key -> (its file, its chain parent from the header). Reads every
+    header; only the current format records parents, so older namespaces give none.
+    Unreadable or damaged files are left out (verify's business, not a chain question)."""
     if not ns.current or not blocks:
-        return []
+        return {}
     spec = ns.spec
     size = HEADER_ALIGN if spec is None else header_size_for(spec.block_size)
-    by_key: dict[bytes, _File] = {}
-    parent_of: dict[bytes, bytes | None] = {}
+    out: dict[bytes, tuple[_File, bytes | None]] = {}
     for f in tqdm(blocks, desc=f"chains {ns.namespace[:12]}", unit="block", disable=not progress, leave=False):
         key = key_from_block_name(os.path.basename(f.path))
         if key is None:
@@ -182,26 +183,35 @@ def unreachable_blocks(ns: NamespaceInfo, blocks: list[_File], progress: bool = 
         try:
             fd = open_noatime(f.path)
             try:
-                parent = read_header(fd, size).parent
+                out[key] = (f, read_header(fd, size).parent)
             finally:
                 os.close(fd)
         except (OSError, HeaderError):
-            continue  # unreadable or damaged: verify's business, not a chain question
-        by_key[key] = f
-        parent_of[key] = parent
+            continue
+    return out
+
+
+def _unreachable(parents: dict[bytes, tuple[_File, bytes | None]]) -> list[bytes]:
+    """The keys no lookup can reach: their chain parent is not on disk, or is itself unreachable."""
     reachable: dict[bytes, bool] = {}
-    for key in parent_of:
+    for key in parents:
         path: list[bytes] = []
         k: bytes | None = key
         while k is not None and k not in reachable:
-            if k not in parent_of:  # the parent is gone
+            if k not in parents:  # the parent is gone
                 break
             path.append(k)
-            k = parent_of[k]
+            k = parents[k][1]
         ok = k is None or reachable.get(k, False)
         for p in path:
             reachable[p] = ok
-    return [by_key[k] for k, ok in reachable.items() if not ok]
+    return [k for k, ok in reachable.items() if not ok]
+
+
+def unreachable_blocks(ns: NamespaceInfo, blocks: list[_File], progress: bool = False) -> list[_File]:
+    """The blocks no lookup can reach any more (``_unreachable``)."""
+    parents = chain_parents(ns, blocks, progress)
+    return [parents[k][0] for k in _unreachable(parents)]
 
 
 # ---------------------------------------------------------------------------- verify
@@ -280,17 +290,18 @@ def prune_cache(
     progress: bool = False,
     now_ns: int | None = None,
 ) -> PruneReport:
-    """Delete blocks not accessed for ``ttl_s``; then, if ``capacity_bytes``
-    is given, the least recently accessed blocks across all namespaces until
-    the total fits; orphan temp files of dead sessions (older than 10
-    minutes); blocks left unreachable (their chain parent is gone); and old-format
-    namespace directories left empty."""
+    """The tier's own policy (``BlockTable``: least recently accessed leaves first, so a
+    chain is cut at its tail, never orphaned), over every namespace at once: blocks not
+    accessed for ``ttl_s``; blocks left unreachable (their chain parent is gone); then, if
+    ``capacity_bytes`` is given, until the whole root fits. Also orphan temp files of dead
+    sessions (older than 10 minutes) and old-format namespace directories left empty."""
     now = time.time_ns() if now_ns is None else now_ns
-    cutoff = now - int(ttl_s * 1e9)
     rep = PruneReport()
-    keep: list[_File] = []
+    table = BlockTable()
+    files: dict[bytes, _File] = {}  # the table's key (namespace number + block key) -> file
     namespaces = list_namespaces(kv_root)
-    for ns in namespaces:
+    unreachable: list[bytes] = []
+    for i, ns in enumerate(namespaces):
         try:
             live = scan_sessions(ns.path / SESSIONS_DIR, remove_stale=False).live_tokens
         except OSError:
@@ -300,33 +311,28 @@ def prune_cache(
             owner = tmp_owner(os.path.basename(f.path))
             if live is not None and owner not in live and now - f.mtime_ns > _ORPHAN_TMP_AGE_NS:
                 rep.orphan_tmp_removed += remove_file(f.path)
-        ns_keep = []
-        for f in blocks:
-            if f.atime_ns < cutoff:
-                if remove_file(f.path):
-                    rep.ttl_removed += 1
-                    rep.ttl_bytes += f.size
-            else:
-                ns_keep.append(f)
-        for f in unreachable_blocks(ns, ns_keep, progress):
-            if remove_file(f.path):
-                rep.unreachable_removed += 1
-                rep.unreachable_bytes += f.size
-                ns_keep.remove(f)
-        keep.extend(ns_keep)
-    total = sum(f.size for f in keep)
-    if capacity_bytes is not None and total > capacity_bytes:
-        keep.sort(key=lambda f: f.atime_ns)
-        i = 0
-        while total > capacity_bytes and i < len(keep):
-            f = keep[i]
-            i += 1
-            if remove_file(f.path):
-                rep.capacity_removed += 1
-                rep.capacity_bytes += f.size
-                total -= f.size
-        keep = keep[i:]
-    rep.remaining_blocks, rep.remaining_bytes = len(keep), total
+        prefix = i.to_bytes(4, "big")
+        parents = chain_parents(ns, blocks, progress)
+        for f in blocks:  # a block without a readable name or header is a leaf of its own
+            key = key_from_block_name(os.path.basename(f.path)) or f.path.encode()
+            parent = parents.get(key, (f, None))[1]
+            files[prefix + key] = f
+            table.add(prefix + key, f.size, f.atime_ns, parent=None if parent is None else prefix + parent)
+        unreachable += [prefix + k for k in _unreachable(parents)]
+
+    def unlink(key: bytes) -> bool:  # gone is gone, whoever removed it (a server may, meanwhile)
+        path = files[key].path
+        return remove_file(path) or not os.path.lexists(path)
+
+    rep.ttl_removed, rep.ttl_bytes = table.expire(now - int(ttl_s * 1e9), unlink)
+    for key in unreachable:
+        if table.contains(key) and unlink(key):
+            table.discard(key)
+            rep.unreachable_removed += 1
+            rep.unreachable_bytes += files[key].size
+    if capacity_bytes is not None and table.total_bytes > capacity_bytes:
+        rep.capacity_removed, rep.capacity_bytes = table.evict(table.total_bytes - capacity_bytes, unlink)
+    rep.remaining_blocks, rep.remaining_bytes = len(table), table.total_bytes
     for ns in namespaces:
         if ns.current:
             continue
