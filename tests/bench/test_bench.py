@@ -148,4 +148,4 @@ def test_decode_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: 
         row = t["concurrency"][c]
         assert median(row["aggregate_tok_s"]) > 0 and not row["errors"]
         assert row["tokens_per_stream"] == [16]  # ignore_eos: exactly max_tokens
-    assert t["ssd"] is not None
+    assert t["ssd"] is not None and t["ssd"]["generated_tokens"] >= 2 * 16 and t["ssd"]["stored_blocks"] >= 0

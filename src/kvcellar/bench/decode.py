@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvcellar.bench.client import ChatClient
 from kvcellar.bench.prompts import sentences
 from kvcellar.bench.stats import ratio, summarize
 from kvcellar.bench.targets import (
+    SsdWrites,
     Target,
     add_target_arguments,
     cleanup_cache,
@@ -134,9 +136,8 @@ def _figures(target: Target, raw: dict[int, list[dict[str, Any]]], counters: dic
             "errors": [e for r in runs for e in r["errors"]],
             "runs": runs,
         }
-    keys = ("ssd_stored_blocks", "ssd_stored_bytes", "writer_enqueued", "writer_dropped_queue_full",
-            "writer_dropped_backoff", "writer_enqueue_wait_s_total", "engine_generated_tokens")
-    out["ssd"] = {k: counters[k] for k in keys if k in counters} or None
+    writes = SsdWrites.of(counters)
+    out["ssd"] = None if writes is None else dataclasses.asdict(writes)
     return out
 
 
@@ -150,14 +151,12 @@ def _tables(result: dict[str, Any]) -> list[dict[str, Any]]:
                          "/".join(str(t) for t in row["tokens_per_stream"]), str(len(row["errors"]))])
     ssd_rows = []
     for name, res in result["targets"].items():
-        s = res["ssd"]
-        if s is None:
+        if res["ssd"] is None:
             ssd_rows.append([name, "n/a (not kvcellar)", "", "", ""])
             continue
-        ssd_rows.append([name, str(int(s.get("ssd_stored_blocks", 0))),
-                         f"{s.get('ssd_stored_bytes', 0) / (1 << 20):.1f}",
-                         str(int(s.get("writer_dropped_queue_full", 0) + s.get("writer_dropped_backoff", 0))),
-                         f"{1000 * s.get('writer_enqueue_wait_s_total', 0):.1f}"])
+        w = SsdWrites(**res["ssd"])
+        ssd_rows.append([name, str(int(w.stored_blocks)), f"{w.stored_bytes / (1 << 20):.1f}", str(int(w.dropped)),
+                         f"{1000 * w.enqueue_wait_s:.1f}"])
     notes = [f"{cfg['max_tokens']} tokens per stream (ignore_eos), prompts of ~{cfg['prompt_words']} words, "
              f"fresh per measurement; median (min–max) of {cfg['repeats']} repeat(s), variants interleaved",
              "vs off: aggregate tok/s over kvcellar with --ssd-policy off at the same concurrency "

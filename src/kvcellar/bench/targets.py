@@ -27,7 +27,7 @@ from kvcellar.cache.block_manager import BlockStats
 from kvcellar.cache.tiering import LinkStats
 from kvcellar.engine.engine import EngineStats
 from kvcellar.stats import Stats
-from kvcellar.storage.disk.stats import DiskStats
+from kvcellar.storage.disk.stats import DiskStats, DiskWriterStats
 
 S = TypeVar("S", bound=Stats)
 
@@ -85,6 +85,30 @@ class TierSplit:
                    ssd_blocks_loaded=ssd.loaded_blocks,
                    ssd_bytes_loaded=DiskStats.from_dict(after).load_bytes.value
                    - DiskStats.from_dict(before).load_bytes.value)
+
+
+@dataclass(frozen=True)
+class SsdWrites:
+    """What the SSD tier stored and its writer dropped over a run (one /health answer)."""
+
+    stored_blocks: float
+    stored_bytes: float
+    enqueued: float
+    dropped: float  # queue full or backing off
+    enqueue_wait_s: float
+    generated_tokens: float
+
+    @classmethod
+    def of(cls, counters: Mapping[str, float]) -> SsdWrites | None:
+        """None for a server that reports no SSD tier (a peer, or a URL)."""
+        if not any(k.startswith(DiskStats.PREFIX) for k in counters):
+            return None
+        disk, writer = DiskStats.from_dict(counters), DiskWriterStats.from_dict(counters)
+        return cls(stored_blocks=disk.stored_blocks.value, stored_bytes=disk.stored_bytes.value,
+                   enqueued=writer.enqueued.value,
+                   dropped=writer.dropped_queue_full.value + writer.dropped_backoff.value,
+                   enqueue_wait_s=writer.enqueue_wait_s_total.value,
+                   generated_tokens=EngineStats.from_dict(counters).generated_tokens)
 
 
 class Target:
