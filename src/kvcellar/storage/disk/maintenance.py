@@ -315,7 +315,7 @@ def prune_cache(
         parents = chain_parents(ns, blocks, progress)
         for f in blocks:  # a block without a readable name or header is a leaf of its own
             key = key_from_block_name(os.path.basename(f.path)) or f.path.encode()
-            parent = parents.get(key, (f, None))[1]
+            parent = parents[key][1] if key in parents else None
             files[prefix + key] = f
             table.add(prefix + key, f.size, f.atime_ns, parent=None if parent is None else prefix + parent)
         unreachable += [prefix + k for k in _unreachable(parents)]
