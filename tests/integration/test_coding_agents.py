@@ -3,16 +3,22 @@ API) and opencode (chat completions), pinned and installed by ``make agents`` (t
 runs them offline, each in a folder of its own).
 
 Each agent runs with its full default request (Claude Code's is ~12.4k tokens, Codex's ~9.3k), so
-the server is started with a context above the embedded model's 8192 tokens. A 135M model at
-temperature 1 over such a prompt sometimes writes thousands of tokens before its end token, and
-Claude Code (on ``max_tokens``) and Codex (on ``incomplete``) treat a cut reply as a failure, so
-the server ends every reply at its first newline or sentence end (``--stop``, as an Ollama
-Modelfile's stop; reported as a normal end) with ``--max-completion-tokens`` as a backstop, and a
-turn whose reply the cap still cut is run once more (the agent says so; any other failure fails
-the test). What is checked is what a user sees: the agent exits 0 after its turn, and a later
-turn finds the conversation so far in the cache. The cache share of a turn is its first
-request's (prompt tokens served from the cache / prompt tokens), read from the server's JSON
-request log. The answers themselves are a 135M model's and are not judged.
+the server is started with a context of 32k tokens. What is checked is what a user sees: the
+agent exits 0 after its turn, and a later turn finds the conversation so far in the cache. The
+cache share of a turn is its first request's (prompt tokens served from the cache / prompt
+tokens), read from the server's JSON request log.
+
+The answers are not judged, so the server runs a small random-weight Llama with the embedded
+model's tokenizer and chat template, served under the embedded model's name (``agent_model``):
+the embedded model spent ~215 s of the suite on the three agents' cold prefills alone on two
+cores, while what is under test (the three APIs as the agents speak them, and the prefix cache
+across sessions and turns) is the same for any model. Its replies are random tokens that end
+the way a chat model's do: the end token gets a fixed share of every step (~15 tokens on
+average at temperature 1; an empty reply under greedy decoding). The server also ends a reply
+at its first newline or sentence end (``--stop``, as an Ollama Modelfile's stop) with
+``--max-completion-tokens`` as a backstop: Claude Code (on ``max_tokens``) and Codex (on
+``incomplete``) treat a cut reply as a failure, and a turn whose reply the cap still cut is run
+once more (the agent says so; any other failure fails the test).
 """
 
 from __future__ import annotations
@@ -24,22 +30,48 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests import coding_agents as agents
+from tests._models import embedded, tiny_model
 from tests.helpers import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
 
 # What Claude Code and Codex print when a reply was cut by max_tokens (they fail the turn).
 CUT_BY_THE_CAP = ("reason: max_output_tokens", "output token maximum")
-TIMEOUT = 540.0  # one agent turn: a cold ~12k-token prefill and whatever the model writes
+TIMEOUT = 300.0  # one agent turn
+END_WEIGHT = 1.1  # the end token's logit per unit of the constant feature: ~15 tokens a reply
+
+
+def agent_model(out: Path) -> Path:
+    """A 2-layer random-weight Llama with the embedded model's tokenizer, saved as a HF folder,
+    whose replies end after a few tokens. Feature 0 of the residual stream is a constant no
+    layer writes to, so after the final norm it is large at every position, and only the end
+    token's row of ``lm_head`` reads it: the end token gets the same share at every step."""
+    tokenizer = embedded("float32").tokenizer
+    model = tiny_model("llama", tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768).model
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eos, 0] = END_WEIGHT
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[ServerProcess]:
-    # bf16 where the CPU has it (prefill of the agents' prompts is the slow part); a context that
-    # holds them; the pool grows to one such request.
-    proc = ServerProcess(tmp_path_factory.mktemp("agents-server"), "--dtype", "auto", "--max-model-len", "32768",
+    # a context that holds the agents' prompts; the pool grows to one such request
+    model = agent_model(tmp_path_factory.mktemp("agent-model"))
+    proc = ServerProcess(tmp_path_factory.mktemp("agents-server"), "--model", str(model),
+                         "--served-model-name", MODEL, "--dtype", "auto", "--max-model-len", "32768",
                          "--stop", "\\n,. ,! ,? ", "--max-completion-tokens", "512",
                          "--log-level", "INFO", "--log-format", "json", models_dir=models_dir).start()
     yield proc
