@@ -96,7 +96,7 @@ def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> 
     return tokens, logprobs
 
 
-def tiny_model(arch: str, tokenizer: Any, **config: Any) -> LoadedModel:
+def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any) -> LoadedModel:
     """A small random-weight model of a transformers architecture, with ``tokenizer``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -119,7 +119,18 @@ def tiny_model(arch: str, tokenizer: Any, **config: Any) -> LoadedModel:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.generation_config.eos_token_id = None
-    return wrap_model(model, tokenizer, name=f"tiny-{arch}")
+    return wrap_model(model, tokenizer, name=name or f"tiny-{arch}")
+
+
+@functools.cache
+def stand_in() -> LoadedModel:
+    """A small random-weight Llama with the embedded model's tokenizer, for the tests of what
+    the cache does with KV (tiers, prefetch, quantized KV): a step costs about a tenth of the
+    embedded model's, and a cached run still has to equal an uncached one to the last logprob.
+    Head dim 64 as the embedded model's (KV quantization groups of 64)."""
+    return tiny_model("llama", embedded("float32").tokenizer, name="stand-in", hidden_size=256,
+                      intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=8192)
 
 
 def expected_cached(prompt_len: int, common: int, computed: int | None = None, block_size: int = 16) -> int:

@@ -5,7 +5,8 @@ that fails to load; a prefix longer than the prefetch cap.
 
 The engine is driven by hand (``step``) with ``max_num_seqs=1`` and a long request in the
 only slot, so "while it waits" is a fact of the schedule, not of timing. Every output is
-compared with a cache-disabled run of the same prompt."""
+compared with a cache-disabled run of the same prompt, on the stand-in model (a small
+random-weight Llama with the real tokenizer: what is read, when, is the same for any model)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests._models import (
     chat_ids,
     expected_cached,
     make_engine,
+    stand_in,
     uncached_runner,
 )
 from tests.helpers import wait_until
@@ -37,6 +39,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 BUSY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # holds the only slot
 SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return stand_in()
 
 
 @pytest.fixture(scope="module")

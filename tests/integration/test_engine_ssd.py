@@ -1,7 +1,9 @@
 """The engine over the real SSD tier, in process: restart and promote hits, corruption,
 namespaces, policies, cancellation during loads, and faults of a real filesystem.
 
-Every output is compared with a cache-disabled run of the same prompt."""
+Every output is compared with a cache-disabled run of the same prompt, on the stand-in model
+(a small random-weight Llama with the real tokenizer: what the tier stores, checks and
+serves is the same for any model, and a wrong block moves the logprobs as surely)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests._models import (
     embedded,
     expected_cached,
     make_engine,
+    stand_in,
     tiny_model,
 )
 from tests.helpers import wait_until
@@ -33,6 +36,11 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 SYSTEM = ("You review pull requests for a payments company. Flag anything that touches money movement, "
           "idempotency keys, retries or currency rounding, and say why in one line each. " * 3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return stand_in()
 
 
 def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskConfig | None = None, **kw):
@@ -367,12 +375,19 @@ def test_settings_attach_the_tier_with_its_policy(model, tmp_path):
 # ---- real filesystem faults ---------------------------------------------------------------
 
 
+def block_file_bytes(model) -> int:
+    """About one fp32 block file of ``model``: the KV of ``BS`` tokens and a header page."""
+    c = model.model.config
+    return c.num_hidden_layers * 2 * BS * c.num_key_value_heads * c.head_dim * 4 + 4096
+
+
 @pytest.fixture
-def small_fs(tmp_path):
-    """A 3 MiB tmpfs (about 8 fp32 blocks of the embedded model), unmounted afterwards."""
+def small_fs(tmp_path, model):
+    """A tmpfs of about 4 fp32 blocks of ``model``, unmounted afterwards."""
     mnt = tmp_path / "fs"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
+    size = f"size={-(-4 * block_file_bytes(model) // 1024)}k"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(mnt)], capture_output=True,
                           text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root): {proc.stderr.strip()}")

@@ -1,6 +1,8 @@
 """The engine over SSD + a real Redis, in process: replica B reuses what replica A
 computed, promotion into B's SSD, a prefix split across SSD and Redis, planted values,
-and a Redis that is down. Every output is compared with a cache-disabled run."""
+and a Redis that is down. Every output is compared with a cache-disabled run, on the
+stand-in model (a small random-weight Llama with the real tokenizer: what the tiers move is
+the same for any model, and a wrong block moves the logprobs as surely)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests._models import (
     chat_ids,
     expected_cached,
     make_engine,
+    stand_in,
 )
 from tests.helpers import free_port
 
@@ -32,6 +35,11 @@ DOC = ("Section 4.2. A payment intent moves from created to authorized to captur
        "24 hours. Retries after a network timeout must reuse the key. " * 6)
 
 _engines: list[Any] = []
+
+
+@pytest.fixture(scope="module")
+def model():
+    return stand_in()
 
 
 @pytest.fixture(autouse=True)
