@@ -73,9 +73,12 @@ serve: setup
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The suite starts many Python processes (servers, CLI commands); compiled once here, the
+# package is not compiled again in each of them where PYTHONDONTWRITEBYTECODE is set.
 test: setup redis-server agents
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/python -m compileall -q src tests
 	$(PYTEST) $(ARGS)
 
 test-fast: setup redis-server
