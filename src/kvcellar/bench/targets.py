@@ -25,7 +25,7 @@ from kvcellar.bench.launch import ServerLauncher, answers, link_models, serve_co
 from kvcellar.bench.pagecache import drop_page_cache
 from kvcellar.cache.block_manager import BlockStats
 from kvcellar.cache.tiering import LinkStats
-from kvcellar.engine.engine import EngineStats
+from kvcellar.engine.stats import EngineStats
 from kvcellar.stats import Stats
 from kvcellar.storage.disk.stats import DiskStats, DiskWriterStats
 

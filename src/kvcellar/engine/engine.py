@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence as Seq
-from typing import Any, ClassVar
+from typing import Any
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
@@ -38,38 +38,14 @@ from kvcellar.engine.output import final_event, token_event
 from kvcellar.engine.sampling import SampleResult, SamplingParams, greedy_tokens, plain_greedy, sample_row
 from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
+from kvcellar.engine.stats import EngineStats
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
-from kvcellar.stats import Stats, counter, gauge
 from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
 
 
 # What other threads put in the engine's inbox; the step loop drains it.
-@dataclasses.dataclass
-class EngineStats(Stats):
-    PREFIX: ClassVar[str] = "engine_"
-    requests_total: int = counter()
-    requests_finished: int = counter()
-    requests_aborted: int = counter()
-    requests_failed: int = counter()
-    prompt_tokens: int = counter()
-    cached_prompt_tokens: int = counter()
-    computed_tokens: int = counter()
-    generated_tokens: int = counter()
-    steps: int = counter()
-    step_seconds: float = counter(0.0)
-    warmup_steps: int = counter()  # steps ``warm_up`` ran before serving
-    warmup_seconds: float = counter(0.0)
-    step_failures: int = counter()  # steps an exception ended (their sequences failed)
-    step_failures_in_a_row: int = gauge()
-    # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.
-    kv_bits: int = gauge()
-    kv_group_size: int = gauge()
-    kv_bytes_per_token: int = gauge()
-    kv_pool_tokens: int = gauge()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Add:
     seq: Sequence

@@ -14,9 +14,10 @@ from typing import ClassVar
 from kvcellar.cache.block_manager import BlockLevels, BlockStats
 from kvcellar.cache.prefetch import PrefetchStats
 from kvcellar.cache.prefix_cache import PrefixCacheStats
-from kvcellar.engine.engine import Engine, EngineStats
+from kvcellar.engine.engine import Engine
 from kvcellar.engine.model_runner import RunnerStats
 from kvcellar.engine.scheduler import SchedulerStats
+from kvcellar.engine.stats import EngineStats
 from kvcellar.stats import Stats, gauge
 
 
