@@ -139,6 +139,17 @@ def test_reading_settings_does_not_load_the_engine() -> None:
     assert "transformers" not in loaded
 
 
+def test_the_command_line_loads_the_engine_only_for_commands_that_run_it() -> None:
+    """``kvcellar cache ...`` and ``--help`` build the whole parser (the bench scenarios
+    included) and must not pay for transformers."""
+    code = ("import json, sys, kvcellar.cli; kvcellar.cli.build_parser(); "
+            "print(json.dumps(sorted(sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       env=env).stdout)
+    assert "kvcellar.engine.engine" not in loaded and "transformers" not in loaded
+
+
 def test_importing_storage_does_not_import_the_disk_tier() -> None:
     code = "import json, sys, kvcellar.storage; print(json.dumps([m for m in sys.modules if 'kvcellar.' in m]))"
     env = {**os.environ, "PYTHONPATH": str(SRC.parent)}  # the kvcellar under test, in a fresh interpreter
