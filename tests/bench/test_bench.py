@@ -56,9 +56,9 @@ def test_stats() -> None:
     assert stats.percentile([1, 2, 3, 4], 50) == 2.5
     assert stats.percentile([5.0], 95) == 5.0
     s = stats.summarize([3.0, 1.0, None, 2.0, float("nan")])
-    assert s is not None and (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert s is not None and (s.median, s.min, s.max, s.n) == (2.0, 1.0, 3.0, 3)
     assert stats.summarize([]) is None
-    assert stats.ratio(s, {"median": 4.0}) == 0.5 and stats.ratio(1.0, 0.0) is None
+    assert stats.ratio(s, stats.summarize([4.0])) == 0.5 and stats.ratio(1.0, 0.0) is None
 
 
 def test_prompts_are_tokenizer_exact(server: ServerProcess, models_dir: Path) -> None:

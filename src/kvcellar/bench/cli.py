@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from kvcellar.bench.registry import discover
-from kvcellar.bench.report import default_out_dir, format_tables, machine_info, save_json
+from kvcellar.bench.report import default_out_dir, format_tables, machine_info, save_json, to_json
 
 
 def add_bench_commands(subparsers: Any) -> None:
@@ -42,11 +41,10 @@ def cmd_bench(module: ModuleType, args: argparse.Namespace) -> int:
     args.out = out
     meta = {"scenario": module.NAME, "argv": sys.argv[1:], "machine": machine_info()}
     t0 = time.perf_counter()
-    result: dict[str, Any] = module.run(args)
+    result = module.run(args)  # a dataclass whose fields are result.json's keys (see registry.py)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    result = {"scenario": module.NAME, "meta": meta, **result}
-    json_path = save_json(_jsonable(result), out)
-    print(format_tables(result))
+    json_path = save_json(to_json({"scenario": module.NAME, "meta": meta, **to_json(result)}), out)
+    print(format_tables(result.tables))
     pngs: list[Path] = []
     try:
         pngs = list(module.plot(result, out))
@@ -56,16 +54,3 @@ def cmd_bench(module: ModuleType, args: argparse.Namespace) -> int:
     for png in pngs:
         print(f"plot:   {png}")
     return 0
-
-
-def _jsonable(value: Any) -> Any:
-    """Strict JSON: NaN/inf become null, paths and other objects their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    return str(value)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Self
 
 import httpx
 
@@ -47,12 +47,32 @@ class StreamResult:
             return None
         return (self.last_token_s - self.ttft_s) / (n - 1)
 
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("started")
-        d["decode_step_s"] = self.decode_step_s
-        d["output_tokens"] = self.output_tokens
-        return d
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as result.json records it: a ``StreamResult`` without its text and start
+    time, with its derived figures; scenarios subclass it to add their own fields."""
+
+    ok: bool
+    error: str | None
+    ttft_s: float | None
+    e2e_s: float
+    last_token_s: float | None
+    text_chunks: int
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    decode_step_s: float | None
+    output_tokens: int
+
+    @classmethod
+    def of(cls, r: StreamResult, **extra: Any) -> Self:
+        """``extra``: a subclass's own fields."""
+        return cls(ok=r.ok, error=r.error, ttft_s=r.ttft_s, e2e_s=r.e2e_s, last_token_s=r.last_token_s,
+                   text_chunks=r.text_chunks, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
+                   completion_tokens=r.completion_tokens, cached_tokens=r.cached_tokens,
+                   decode_step_s=r.decode_step_s, output_tokens=r.output_tokens, **extra)
 
 
 class ChatClient:

@@ -5,9 +5,10 @@ A scenario is any module of ``kvcellar.bench`` that defines
 - ``NAME: str`` — the sub-command (``kvcellar bench NAME``);
 - ``add_arguments(parser)`` — its own options (``--out``, ``--fast``, ``--seed`` and
   ``--repeats`` are added for every scenario by ``cli.py``);
-- ``run(args) -> dict`` — measures and returns a JSON-able result with ``tables`` (see
-  ``report.py``); ``args.out`` is the output folder, already created;
-- ``plot(result, out_dir) -> list[Path]`` — writes PNGs with matplotlib.
+- ``run(args)`` — measures and returns its result: a dataclass with ``tables`` (see
+  ``report.py``) whose fields are result.json's keys, written by ``report.to_json``;
+  ``args.out`` is the output folder, already created;
+- ``plot(result, out_dir) -> list[Path]`` — writes PNGs with matplotlib from that result.
 
 Adding a scenario is adding a sibling module with those four names; nothing here changes.
 Modules without them (the shared helpers) are ignored. Scenario modules import heavy

@@ -1,13 +1,15 @@
 """Output of a bench run: the folder, plain-text tables, the JSON file, machine facts.
 
-A scenario's result is a JSON-able dict with at least ``tables``: a list of
+A scenario's result is a dataclass with at least ``tables``: a list of
 ``{"title", "columns", "rows", "notes"}`` whose cells are already formatted strings. The
-figures themselves (numbers, with ``median``/``min``/``max``/``values`` for repeated
-measurements) live beside them under the scenario's own keys.
+figures themselves are dataclasses too (``stats.Summary`` for repeated measurements), read
+by attribute; their field names are result.json's keys, and ``to_json`` turns them into
+JSON once, when the file is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,14 +48,43 @@ def format_table(t: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def format_tables(result: dict[str, Any]) -> str:
-    return "\n\n".join(format_table(t) for t in result.get("tables", ()))
+def format_tables(tables: Sequence[dict[str, Any]]) -> str:
+    return "\n\n".join(format_table(t) for t in tables)
 
 
 def save_json(result: dict[str, Any], out_dir: Path, name: str = "result.json") -> Path:
     path = out_dir / name
     path.write_text(json.dumps(result, indent=1, sort_keys=False, default=str, allow_nan=False))
     return path
+
+
+# ---- result.json ------------------------------------------------------------------------------
+
+# Keys of a result field's metadata that ``to_json`` honours, e.g.
+# ``field(default=None, metadata={OMIT_IF_NONE: True})``.
+OMIT_IF_NONE = "omit_if_none"  # result.json leaves the key out while the value is None, as it always has
+JSON_KEY = "json_key"  # the key in result.json where it is not a Python name (``pass``)
+
+
+def to_json(value: Any) -> Any:
+    """Strict JSON of a result: dataclasses as objects of their fields (see ``OMIT_IF_NONE`` and
+    ``JSON_KEY``), dict keys as strings, NaN/inf as null, paths and other objects as their ``str``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if not (v is None and f.metadata.get(OMIT_IF_NONE)):
+                out[f.metadata.get(JSON_KEY, f.name)] = to_json(v)
+        return out
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return str(value)
 
 
 def pyplot() -> Any:
@@ -90,9 +121,9 @@ def num(summary: Summary | float | None, digits: int = 1) -> str:
 def _fmt(summary: Summary | float | None, scale: float, digits: int) -> str:
     if summary is None:
         return "-"
-    if isinstance(summary, dict):
-        med, lo, hi = (summary[k] * scale for k in ("median", "min", "max"))
-        if summary.get("n", 1) <= 1 or math.isclose(lo, hi):
+    if isinstance(summary, Summary):
+        med, lo, hi = (v * scale for v in (summary.median, summary.min, summary.max))
+        if summary.n <= 1 or math.isclose(lo, hi):
             return f"{med:.{digits}f}"
         return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
     return f"{summary * scale:.{digits}f}"
