@@ -23,8 +23,8 @@ class ArtifactConfig:
     # 7-8B models in bf16 (~15 GB each) or dozens of small ones.
     max_gb: float = 50.0
     # Check of an entry before each use. "fast": sizes, sampled hashes, and a full sha256 of
-    # any file whose size/mtime/ctime/inode changed since its last full check (~5 ms for the
-    # embedded model). "full": sha256 of every file every time (~0.2-0.3 s per 270 MB here).
+    # any file whose size/mtime/ctime/inode changed since its last full check (milliseconds).
+    # "full": sha256 of every file every time (a read of the whole entry).
     verify: VerifyLevel = "fast"
 
     @property

@@ -92,7 +92,7 @@ def warm_up(engine: Engine) -> float:
             if kernels:
                 log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
                          kernels["ms_per_pass"])
-            # a chat prompt: rendering it compiles the chat template (~30-60 ms the first time)
+            # a chat prompt: rendering it compiles the chat template, slow the first time
             filler = encode_chat(engine.tokenizer,
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(engine.max_model_len, engine.pool_tokens // 4)

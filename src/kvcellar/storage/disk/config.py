@@ -57,7 +57,7 @@ class DiskConfig:
     # this timer, independent of writes.
     prune_interval_s: float = field(default=600.0, metadata={"key": "ssd_prune_interval_s"})
     # Reader threads; several requests in flight are what per-block files need
-    # to approach the device's bandwidth (4-8 measured best here).
+    # to approach the device's bandwidth (docs/performance.md, "Measurements behind defaults").
     io_threads: int = field(default=8, metadata={"key": "ssd_io_threads"})
 
     # Total time one store() call may wait for queue space before dropping the
