@@ -46,7 +46,7 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
     try:
         seconds = warm_up(engine)
         after = observability.snapshot(engine)
-        assert seconds > 0 and after["engine_warmup_steps"] >= 4
+        assert seconds > 0 and after["engine_warmup_steps"] >= 4 and after["engine_warmup_left_out"] == 0
         # every attention path the engine has was run
         assert engine.runner.paths_seen >= {"prefill_causal", "prefill_split", "prefill_folded", "prefill_masked",
                                             "decode", "decode_masked"}
@@ -63,5 +63,25 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
         for got, ref in zip(warmed, cold, strict=True):
             assert_same_output(got, ref)
         assert warmed[1].num_cached_tokens > 0
+    finally:
+        engine.shutdown(timeout=10)
+
+
+def test_a_warmup_out_of_time_leaves_out_the_costly_waves_and_changes_no_output(model):
+    """With no time to spare only the cheapest wave runs (it prices the others): the long
+    prefix's waves and the decode-thread measurement are left out and counted, their paths
+    stay cold, and the first requests give what an engine that was not warmed gives."""
+    engine = make_engine(model)
+    try:
+        warm_up(engine, budget_s=0.0)
+        stats = observability.snapshot(engine)
+        assert stats["engine_warmup_steps"] >= 2
+        assert stats["engine_warmup_left_out"] == 3 + (engine.config.decode_threads == 0)
+        assert "prefill_split" not in engine.runner.paths_seen
+        assert stats["runner_decode_threads"] == engine.runner.threads  # not measured: all of them
+        warmed = serve_first_requests(engine, model)
+        cold = serve_first_requests(make_engine(model, prefix_caching=False), model)
+        for got, ref in zip(warmed, cold, strict=True):
+            assert_same_output(got, ref)
     finally:
         engine.shutdown(timeout=10)

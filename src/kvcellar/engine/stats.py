@@ -24,6 +24,7 @@ class EngineStats(Stats):
     step_seconds: float = counter(0.0)
     warmup_steps: int = counter()  # steps ``warm_up`` ran before serving
     warmup_seconds: float = counter(0.0)
+    warmup_left_out: int = counter()  # warm-up waves (or the decode thread measurement) its time budget left out
     step_failures: int = counter()  # steps an exception ended (their sequences failed)
     step_failures_in_a_row: int = gauge()
     # The KV setting and what it costs (cache/kv_pool.py); group size 0 at 16 bits.

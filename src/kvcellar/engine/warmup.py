@@ -11,6 +11,12 @@ chunk over a cached prefix, a short folded tail, a masked chunk over a short pre
 and unmasked decode, batched decode beside a prefill) and both samplers (greedy; temperature
 with top-k/top-p, penalties and logprobs). Its prompts carry their own cache salt, so no
 client request can match them, and the engine drops their blocks afterwards.
+
+What a path saves its first request is milliseconds, so the plan has a time budget: the
+cheapest wave runs first and measures what a token costs, and a later wave (or the decode
+thread measurement) whose estimate would take the warm-up past the budget is left out and
+logged. The embedded model runs everything well within it; a 7B model on two CPU cores
+would spend minutes on the long-prefix waves alone.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ WARMUP_SALT = "kvcellar-warmup"
 LONG_PREFIX = SPLIT_MIN_PAST + 64
 # A chunk too long to fold (> FOLD_GQA_MAX_QUERIES queries).
 UNFOLDED_CHUNK = FOLD_GQA_MAX_QUERIES + 8
+# Seconds the waves and the decode thread measurement may take together (see above).
+BUDGET_S = 20.0
+# Timed steps per thread count when measuring decode threads; with a step after each of the
+# four switches (ModelRunner.calibrate_decode_threads), 4 * (1 + this) decode steps.
+THREAD_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -57,25 +68,54 @@ def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int) -> l
     sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, seed=0, presence_penalty=0.1,
                              frequency_penalty=0.1, logprobs=True, top_logprobs=5)
     waves: list[list[WarmupRequest]] = [
+        # the cheapest first: what it costs prices the others. One token short of a block:
+        # the first decode fills it exactly (no mask)
+        [WarmupRequest(text[1:block_size], SamplingParams(max_tokens=2, temperature=0.0))],
         # fresh causal prefill, then masked decode
         [WarmupRequest(text[:long] if long > 0 else text[: block_size + 3], greedy)],
         # on top of the cached prefix: a long chunk (split path) and a short tail (folded);
         # their decodes batch
         [WarmupRequest(text[: max(long, block_size)] + text[-UNFOLDED_CHUNK:], sampled),
          WarmupRequest(text[: max(long, block_size)] + text[:5], greedy)],
-        # one token short of a block: the first decode fills it exactly (no mask)
-        [WarmupRequest(text[1:block_size], SamplingParams(max_tokens=2, temperature=0.0))],
         # a chunk over a short cached prefix (masked, unfolded)
         [WarmupRequest(text[:block_size] + text[-UNFOLDED_CHUNK:], sampled)],
     ]
     return waves
 
 
-def warm_up(engine: Engine) -> float:
+class _Budget:
+    """The time left to the waves, priced by what the tokens run so far cost."""
+
+    def __init__(self, seconds: float, block_size: int) -> None:
+        self.seconds = seconds
+        self.block_size = block_size
+        self.spent = 0.0
+        self.tokens = 0
+        self.prompts: list[list[int]] = []  # run so far: their whole blocks are cached
+
+    def tokens_of(self, requests: list[WarmupRequest]) -> int:
+        """Tokens a wave computes: its prompts but their cached prefix, and its outputs."""
+        total = 0
+        for r in requests:
+            cached = max((_common_prefix(r.prompt, p) for p in self.prompts), default=0)
+            total += len(r.prompt) - cached // self.block_size * self.block_size + r.params.max_tokens
+        return total
+
+    def allows(self, tokens: int) -> bool:
+        return not self.tokens or self.spent + tokens * self.spent / self.tokens <= self.seconds
+
+    def charge(self, seconds: float, tokens: int, prompts: list[list[int]]) -> None:
+        self.spent += seconds
+        self.tokens += tokens
+        self.prompts += prompts
+
+
+def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
     """Run every code path a first request needs on ``engine`` (idle, not started), so the
-    first request after a start is not the one paying one-off costs. Leaves no trace: its
-    blocks are dropped, nothing reaches a lower tier, counters are restored (but
-    ``engine_warmup_*``). Returns the seconds it took."""
+    first request after a start is not the one paying one-off costs, within ``budget_s``
+    (see the module's docstring; the kernel calibration comes first and is not counted).
+    Leaves no trace: its blocks are dropped, nothing reaches a lower tier, counters are
+    restored (but ``engine_warmup_*``). Returns the seconds it took."""
     if engine.threaded or engine.num_active():
         raise RuntimeError("warm up an idle engine before starting it")
     t0 = time.perf_counter()
@@ -83,7 +123,7 @@ def warm_up(engine: Engine) -> float:
     counters: tuple[Stats, ...] = (engine.stats, engine.scheduler.stats, cache.stats, cache.prefetch.stats,
                                    engine.blocks.stats)
     saved = [c.copy() for c in counters]
-    steps = 0
+    steps = skipped = 0
     with engine.lower.suspended():  # until its blocks are dropped too
         try:
             # First: the waves' short chunks then run the kernel they will run when serving
@@ -96,12 +136,25 @@ def warm_up(engine: Engine) -> float:
             filler = encode_chat(engine.tokenizer,
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(engine.max_model_len, engine.pool_tokens // 4)
-            for wave in warmup_waves(filler, engine.block_size, limit):
-                before = engine.stats.steps
+            budget = _Budget(budget_s, engine.block_size)
+            for i, wave in enumerate(warmup_waves(filler, engine.block_size, limit)):
+                tokens = budget.tokens_of(wave)
+                if not budget.allows(tokens):
+                    skipped += 1
+                    log.info("warm-up: wave %d left out (%d tokens, over the %.0f s budget)", i, tokens, budget_s)
+                    continue
+                before, start = engine.stats.steps, time.perf_counter()
                 engine.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
+                budget.charge(time.perf_counter() - start, tokens, [r.prompt for r in wave])
                 steps += int(engine.stats.steps - before)
             if engine.config.decode_threads == 0:
-                steps += _calibrate_decode_threads(engine, filler)
+                prompt = filler[: max(1, min(len(filler), engine.pool_tokens // 8))]
+                if budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
+                    steps += _calibrate_decode_threads(engine, prompt)
+                else:
+                    skipped += 1
+                    log.info("warm-up: decode threads not measured (over the %.0f s budget): using all %d",
+                             budget_s, engine.runner.threads)
         finally:
             release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
             engine.blocks.evict_all()
@@ -111,20 +164,29 @@ def warm_up(engine: Engine) -> float:
     seconds = time.perf_counter() - t0
     engine.stats.warmup_steps = steps
     engine.stats.warmup_seconds = seconds
+    engine.stats.warmup_left_out = skipped
     return seconds
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _calibrate_decode_threads(engine: Engine, prompt: list[int]) -> int:
-    """Time batch-1 decode steps on one thread and on all (``ModelRunner``); returns the
-    steps it ran."""
+    """Time batch-1 decode steps on one thread and on all (``ModelRunner``) after ``prompt``;
+    returns the steps it ran."""
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    handle = engine.submit(prompt[: max(1, min(len(prompt), engine.pool_tokens // 8))], params,
-                           cache_salt=WARMUP_SALT)
+    handle = engine.submit(prompt, params, cache_salt=WARMUP_SALT)
     engine.step()
     while engine.in_prefill(handle.seq_id):  # prefill, then it decodes
         engine.step()
     before = engine.stats.steps
-    chosen = engine.runner.calibrate_decode_threads(engine.step)
+    chosen = engine.runner.calibrate_decode_threads(engine.step, THREAD_STEPS)
     engine.cancel(handle.seq_id)
     engine.run_until_idle()
     log.info("decode steps use %d of %d torch threads (measured)", chosen, engine.runner.threads)
