@@ -47,6 +47,7 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
         seconds = warm_up(engine)
         after = observability.snapshot(engine)
         assert seconds > 0 and after["engine_warmup_steps"] >= 4 and after["engine_warmup_left_out"] == 0
+        assert engine.grammars.prepared  # the first constrained request does not build it
         # every attention path the engine has was run
         assert engine.runner.paths_seen >= {"prefill_causal", "prefill_split", "prefill_folded", "prefill_masked",
                                             "decode", "decode_masked"}

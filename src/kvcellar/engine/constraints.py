@@ -85,9 +85,13 @@ class GrammarCompiler:
         self.stats = GrammarStats()
 
     def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer (~0.5 s): done once, ideally before the
-        first constrained request."""
+        """Build llguidance's view of the tokenizer (~0.5 s): done once, by the warm-up or
+        else by the first constrained request."""
         self._tokenizer()
+
+    @property
+    def prepared(self) -> bool:
+        return self._lltok is not None
 
     def _tokenizer(self) -> Any:
         with self._lock:

@@ -132,6 +132,9 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
             if kernels:
                 log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
                          kernels["ms_per_pass"])
+            # llguidance's view of the tokenizer, which the first constrained request would
+            # otherwise build (without warm-up it does)
+            engine.grammars.prepare()
             # a chat prompt: rendering it compiles the chat template, slow the first time
             filler = encode_chat(engine.tokenizer,
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])

@@ -95,9 +95,6 @@ class Serving:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
         self._unknown_models_logged: set[str] = set()
-        # llguidance's view of the tokenizer takes ~0.5 s: build it before the first
-        # constrained request needs it (on the same thread that compiles grammars).
-        self._tokenizer_thread.submit(engine.grammars.prepare)
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
