@@ -1,9 +1,16 @@
-"""Prefix hits change nothing: cached runs equal cache-disabled runs, and blocks never leak."""
+"""Prefix hits change nothing: cached runs equal cache-disabled runs, and blocks never leak.
+
+On the stand-in model (a small random-weight Llama with the real tokenizer): which blocks
+are reused is the same for any model, and a wrong one moves the logprobs as surely. The
+multi-turn test re-encodes a reply's text, so it runs on the embedded model, whose replies
+are text that encodes back to the same tokens; the embedded model's prefix paths are also
+checked in tests/engine (lean forward, quantized weights, quantized KV)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from kvcellar.bench.prompts import shared_prefix_len
@@ -13,9 +20,12 @@ from tests._models import (
     assert_no_leaks,
     assert_same_output,
     chat_ids,
+    embedded,
     expected_cached,
     make_engine,
+    stand_in,
     tiny_model,
+    uncached_runner,
 )
 
 BS = 16
@@ -25,6 +35,11 @@ SYSTEM = (
     "function names, keep answers short, and never invent APIs that do not exist. "
     "The project is a Python web service with a PostgreSQL database and a Redis cache."
 )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return stand_in()
 
 
 def expected_hit(prompt_len: int, common: int, computed: int | None = None) -> int:
@@ -76,7 +91,9 @@ def test_partial_prefix_shared_system_prompt(model, uncached):
     assert_same_output(result, uncached(b))
 
 
-def test_multi_turn_reuses_previous_reply(model, uncached):
+def test_multi_turn_reuses_previous_reply():
+    model = embedded("float32")
+    uncached = uncached_runner(model, GREEDY)
     engine = make_engine(model)
     turn1 = [{"role": "system", "content": SYSTEM},
              {"role": "user", "content": "Name two Python web frameworks."}]
