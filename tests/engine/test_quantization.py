@@ -191,6 +191,28 @@ def test_calibration_picks_the_kernel_where_it_is_faster():
     assert rows == 0 or measured["quantized"][1] < measured["dense"][1]
 
 
+def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
+    """A linear whose first run is long (a 7B model's LM head, dequantized) runs twice per row
+    count and kind: its warm-up run and one timed run, not ``repeats`` timed runs."""
+    engine = make_engine(quantized("int4"))
+    calls = {"quantized_kernel": 0, "dense": 0}
+    def counting(name: str):
+        run = getattr(FastLinear, name)
+
+        def counted(self, x):
+            calls[name] += 1
+            return run(self, x)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(FastLinear, name, counting(name))
+    monkeypatch.setattr(linears_module, "LONG_RUN_S", 0.0)
+    engine.runner.calibrate_kernels()
+    shapes = {(m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size)
+              for m in engine.runner.linears.quantized}
+    assert calls["quantized_kernel"] == calls["dense"] == 2 * len(linears_module.CALIBRATION_ROWS) * len(shapes)
+
+
 @pytest.mark.parametrize(("mode", "dtype"), [("int4", "bfloat16"), ("int8", "bfloat16"), ("int8", "float32")])
 def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype):
     """Full, partial and batched prefix hits give what a cache-disabled engine gives: exactly

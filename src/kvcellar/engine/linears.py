@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # Row counts at which ``calibrate`` compares a quantized kernel with the dense weights (for
 # a lean linear: dequantizing them first, which the kernel beats at more rows).
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# A linear whose first calibration run takes this long (a 7B model's LM head dequantized) is
+# timed once more instead of ``repeats`` times: its noise is small beside it, and repeats of
+# it made most of a 7B model's start.
+LONG_RUN_S = 0.1
 # Before calibration: steps of up to this many rows use the quantized kernel where one is
 # fast at all (the measured cross-over above lies between 4 and 8).
 DEFAULT_QUANT_MAX_ROWS = 4
@@ -403,10 +407,12 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
                     for m, count in sample:
                         run = m.quantized_kernel if kind == "quantized" else m.dense
                         times = []
-                        for _ in range(repeats + 1):  # the first run warms up
+                        for i in range(repeats + 1):  # the first run warms up
                             t0 = time.perf_counter()
                             run(inputs[m.in_features])
                             times.append(time.perf_counter() - t0)
+                            if i == 1 and times[0] >= LONG_RUN_S:
+                                break  # a run this long times itself: one after the warm-up is enough
                         total += statistics.median(times[1:]) * count
                     measured[kind][rows] = total * 1e3
     finally:
