@@ -40,19 +40,19 @@ def pytest_configure(config: pytest.Config) -> None:
 # collected late runs alone at the end while the other core idles; started first, the rest
 # of the suite fills the other worker around it.
 LONGEST_FIRST = (
-    "tests/integration/test_server_ssd.py",
     "tests/engine/test_quantization.py",
-    "tests/engine/test_engine_correctness.py",
+    "tests/integration/test_server_ssd.py",
     "tests/server/test_anthropic.py",
     "tests/engine/test_constraints.py",
+    "tests/engine/test_engine_correctness.py",
     "tests/remote/test_server_remote.py",
-    "tests/cache/test_prefix_reuse.py",
     "tests/bench/test_bench.py",
     "tests/engine/test_lean_forward.py",
-    "tests/engine/test_kv_quantized.py",
     "tests/integration/test_server_disk_faults.py",
-    "tests/integration/test_coding_agents.py",
+    "tests/engine/test_kv_quantized.py",
     "tests/server/test_tools.py",
+    "tests/server/test_agent_frameworks.py",
+    "tests/integration/test_coding_agents.py",
 )
 
 
