@@ -35,24 +35,42 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(threads)
 
 
-# The files that take longest, longest first. pytest-xdist hands each worker whole files
-# (``--dist loadfile``, in collection order with ``--no-loadscope-reorder``), so a long file
+# The files that take 20 s or more, longest first (from a full run). pytest-xdist hands each
+# worker whole files (``--dist loadfile``, in collection order with ``--no-loadscope-reorder``), so a long file
 # collected late runs alone at the end while the other core idles; started first, the rest
 # of the suite fills the other worker around it.
 LONGEST_FIRST = (
     "tests/engine/test_quantization.py",
     "tests/integration/test_server_ssd.py",
     "tests/server/test_anthropic.py",
-    "tests/engine/test_constraints.py",
     "tests/engine/test_engine_correctness.py",
-    "tests/remote/test_server_remote.py",
-    "tests/bench/test_bench.py",
+    "tests/engine/test_constraints.py",
     "tests/engine/test_lean_forward.py",
+    "tests/remote/test_server_remote.py",
+    "tests/server/test_tools.py",
+    "tests/bench/test_bench.py",
     "tests/integration/test_server_disk_faults.py",
     "tests/engine/test_kv_quantized.py",
-    "tests/server/test_tools.py",
+    "tests/server/test_structured_outputs.py",
+    "tests/server/test_forced_budget.py",
     "tests/server/test_agent_frameworks.py",
+    "tests/server/test_api.py",
+    "tests/server/test_lifecycle.py",
+    "tests/server/test_concurrency.py",
+    "tests/server/test_responses.py",
     "tests/integration/test_coding_agents.py",
+    "tests/integration/test_engine_ssd.py",
+    "tests/artifacts/test_settings.py",
+    "tests/server/test_warmup.py",
+    "tests/server/test_stop_strings.py",
+    "tests/remote/test_server_cluster_down.py",
+    "tests/cache/test_prefix_reuse.py",
+    "tests/engine/test_loader.py",
+    "tests/cache/test_tier_contract.py",
+    "tests/artifacts/test_gguf_streamed.py",
+    "tests/integration/test_engine_prefetch.py",
+    "tests/engine/test_warmup.py",
+    "tests/storage/test_disk_crash.py",
 )
 
 
