@@ -125,8 +125,9 @@ def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any
 @functools.cache
 def stand_in() -> LoadedModel:
     """A small random-weight Llama with the embedded model's tokenizer, for the tests of what
-    the cache does with KV (tiers, prefetch, quantized KV): a step costs about a tenth of the
-    embedded model's, and a cached run still has to equal an uncached one to the last logprob.
+    the cache does with KV (tiers, prefetch, prefix reuse): a decode step reads 15M weights
+    against the embedded model's 135M, and a cached run still has to equal an uncached one to
+    the last logprob.
     Head dim 64 as the embedded model's (KV quantization groups of 64)."""
     return tiny_model("llama", embedded("float32").tokenizer, name="stand-in", hidden_size=256,
                       intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
