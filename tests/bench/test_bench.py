@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 from kvcellar.bench import stats
-from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, load_tokenizer, resolve_tokenizer, shared_prefix_len
+from kvcellar.bench.prompts import PromptMaker, find_tokenizer_dir, load_tokenizer, resolve_tokenizer
 from kvcellar.bench.registry import discover
 from kvcellar.bench.targets import CommandTarget
 from kvcellar.cli import main
+from kvcellar.engine.tokenization import shared_prefix_len
 from tests.helpers import DEFAULT_SERVE_ARGS, MODEL, ServerProcess
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

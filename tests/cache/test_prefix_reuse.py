@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from kvcellar.bench.prompts import shared_prefix_len
 from kvcellar.engine import SamplingParams
+from kvcellar.engine.tokenization import shared_prefix_len
 from tests._models import (
     LOGPROB_TOL,
     assert_no_leaks,

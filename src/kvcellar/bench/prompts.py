@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcellar.engine.tokenization import shared_prefix_len
+
 _WORD_TEXT = """
 able about above across after again against almost alone along already also always among animal answer
 apple area around back ball bank base basket bear beauty before began begin behind below best better
@@ -71,15 +73,6 @@ class ChatPrompt:
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
-
-
-def shared_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptMaker:

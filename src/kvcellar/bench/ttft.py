@@ -31,7 +31,7 @@ from typing import Any
 from kvcellar.bench import report
 from kvcellar.bench.client import ChatClient, RequestRecord
 from kvcellar.bench.pagecache import drop_page_cache, method_name
-from kvcellar.bench.prompts import ChatPrompt, PromptMaker, find_tokenizer_dir, resolve_tokenizer, shared_prefix_len
+from kvcellar.bench.prompts import ChatPrompt, PromptMaker, find_tokenizer_dir, resolve_tokenizer
 from kvcellar.bench.stats import Summary, ratio, summarize
 from kvcellar.bench.targets import (
     ProcessTarget,
@@ -42,6 +42,7 @@ from kvcellar.bench.targets import (
     default_models_dir,
     targets_from_args,
 )
+from kvcellar.engine.tokenization import shared_prefix_len
 
 NAME = "ttft"
 FULL_LENGTHS = (512, 2048, 4096, 8192)

@@ -36,3 +36,13 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_k
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(prompt).input_ids)
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens ``a`` and ``b`` have in common from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

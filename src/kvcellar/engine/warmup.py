@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST
 from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.sampling import SamplingParams
-from kvcellar.engine.tokenization import encode_chat
+from kvcellar.engine.tokenization import encode_chat, shared_prefix_len
 from kvcellar.stats import Stats
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class _Budget:
         """Tokens a wave computes: its prompts but their cached prefix, and its outputs."""
         total = 0
         for r in requests:
-            cached = max((_common_prefix(r.prompt, p) for p in self.prompts), default=0)
+            cached = max((shared_prefix_len(r.prompt, p) for p in self.prompts), default=0)
             total += len(r.prompt) - cached // self.block_size * self.block_size + r.params.max_tokens
         return total
 
@@ -169,15 +169,6 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
     engine.stats.warmup_seconds = seconds
     engine.stats.warmup_left_out = skipped
     return seconds
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _calibrate_decode_threads(engine: Engine, prompt: list[int]) -> int:
