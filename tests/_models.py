@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
-from kvcellar.engine import Engine, assemble_engine
+from kvcellar.engine import Engine, assemble_engine, native
 from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.loader import LoadedModel, wrap_model
@@ -28,6 +28,13 @@ from kvcellar.runtime import prepare_and_load
 
 
 @functools.cache
+def without_native_kernels(monkeypatch: Any) -> None:
+    """This test's process as one where kvcellar's own CPU kernels cannot be built
+    (``engine/native``): quantized linears run torch's kernels, or their dequantized weights."""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setattr(native, "library", functools.cache(native.library.__wrapped__))  # put back after
+
+
 def shared_models_dir() -> Path:
     """One prepared-model artifact folder for the whole test session: in-process loads and
     every server subprocess use it, so the embedded GGUF is prepared once per session

@@ -27,6 +27,7 @@ from tests._models import (
     make_engine,
     reference_greedy,
     uncached_runner,
+    without_native_kernels,
 )
 from tests.artifacts.gguf_files import write_gguf
 
@@ -87,7 +88,8 @@ def entry_names(folder: Path) -> set[str]:
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("name", list(FILES))
 def test_served_with_linears_apart_equals_transformers_on_the_served_weights(
-        ggufs: dict[str, Path], tmp_path: Path, name: str, mode: str) -> None:
+        ggufs: dict[str, Path], tmp_path: Path, name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    without_native_kernels(monkeypatch)  # float32 exactly: the dense path (the kernels' in test_native_kernels)
     path = ggufs[name]
     loaded = prepare_and_load(str(path), dtype="float32", device="cpu", weights=mode,
                               artifacts=ArtifactCache(tmp_path / "models"))

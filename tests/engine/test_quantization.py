@@ -32,6 +32,7 @@ from tests._models import (
     reference_greedy,
     shared_models_dir,
     uncached_runner,
+    without_native_kernels,
 )
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
@@ -145,7 +146,8 @@ def test_every_linear_is_quantized_and_the_identity_says_so():
         kinds = {n: q.kind for n, q in loaded.quantized.items()}
         assert kinds.pop("lm_head") == "int8"  # the logits' matrix keeps 8 bits in both modes
         assert set(kinds.values()) == {mode}
-        assert loaded.weights_id == full.weights_id + f"|weights={mode}"  # another KV namespace
+        kernels = "|kernels=int8" if loaded.kernel_dtype == torch.int8 else ""  # kvcellar's kernels
+        assert loaded.weights_id == full.weights_id + f"|weights={mode}{kernels}"  # another KV namespace
     fingerprints = {make_engine(x).fingerprint for x in (full, quantized("int8"), quantized("int4"))}
     assert len(fingerprints) == 3
     assert quantized("int4").quantized == {}  # the engine took them over: no second copy kept
@@ -213,17 +215,23 @@ def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
     assert calls["quantized_kernel"] == calls["dense"] == 2 * len(linears_module.CALIBRATION_ROWS) * len(shapes)
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [("int4", "bfloat16"), ("int8", "bfloat16"), ("int8", "float32")])
-def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype):
+@pytest.mark.parametrize(("mode", "dtype", "native_kernels"),
+                         [("int4", "bfloat16", True), ("int8", "bfloat16", True), ("int8", "float32", True),
+                          ("int4", "float32", True), ("int8", "float32", False)])
+def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype, native_kernels, monkeypatch):
     """Full, partial and batched prefix hits give what a cache-disabled engine gives: exactly
-    in float32; in bf16 up to rounding (``assert_equivalent_output``: a prompt prefilled in
-    other chunks rounds differently in bf16 with full weights too)."""
-    loaded = quantized(mode, dtype)
+    in float32 with no kernel; up to rounding (``assert_equivalent_output``) in bf16, where a
+    prompt prefilled in other chunks rounds differently with full weights too, and under
+    kvcellar's kernels, whose 8-bit activations round differently where the inputs differ in
+    their last float32 bits."""
+    if not native_kernels:
+        without_native_kernels(monkeypatch)
+    loaded = load(mode, dtype)
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
 
     def check(got, prompt):
-        if dtype == "float32":
+        if dtype == "float32" and loaded.kernel_dtype is None:
             assert_same_output(got, uncached(prompt))
         else:
             assert_equivalent_output(got, uncached(prompt), BF16_LOGPROB_TOL)
@@ -304,23 +312,30 @@ def test_auto_dtype_without_native_bf16_keeps_float32_and_runs_the_kernels_on_bf
     quantized there too. An explicit dtype is served as asked. The kernel precision is part
     of the weights identity (other KV)."""
     from kvcellar.engine.linears import native_bf16_cpu
-    from kvcellar.engine.loader import quantized_mode_pays, resolve_serving
+    from kvcellar.engine.loader import native_kernels_pay, quantized_mode_pays, resolve_serving
     from kvcellar.model_source import resolve_source
 
     cpu = torch.device("cpu")
     source = resolve_source(None)  # Q4_1 linears
     auto = resolve_serving("auto", "auto", source, cpu)
     if native_bf16_cpu():
-        assert (auto.dtype, auto.kernel_dtype) == (torch.bfloat16, None)
+        assert auto.dtype == torch.bfloat16 and auto.kernel_dtype in (None, torch.int8)
+    elif native_kernels_pay("int4", torch.float32, torch.bfloat16, cpu):  # kvcellar's kernels: below
+        assert (auto.dtype, auto.weights, auto.kernel_dtype) == (torch.float32, "int4", torch.int8)
     elif quantized_mode_pays("int4", torch.bfloat16, cpu, dense_dtype=torch.float32):
         assert (auto.dtype, auto.weights, auto.kernel_dtype) == (torch.float32, "int4", torch.bfloat16)
         assert auto.weights_suffix == "|weights=int4|kernels=bfloat16"
         asked = resolve_serving("auto", "int8", source, cpu)
         assert (asked.dtype, asked.weights, asked.kernel_dtype) == (torch.float32, "int8", torch.bfloat16)
     explicit = resolve_serving("float32", "auto", source, cpu)
-    assert (explicit.dtype, explicit.weights, explicit.kernel_dtype) == (torch.float32, "full", None)
-    assert resolve_serving("float32", "int4", source, cpu).weights_suffix == "|weights=int4"
-    assert resolve_serving("bfloat16", "int4", source, cpu).weights_suffix == "|weights=int4"
+    if native_kernels_pay("int4", torch.float32, None, cpu):
+        assert (explicit.dtype, explicit.weights, explicit.kernel_dtype) == (torch.float32, "int4", torch.int8)
+        assert resolve_serving("float32", "int4", source, cpu).weights_suffix == "|weights=int4|kernels=int8"
+    else:
+        assert (explicit.dtype, explicit.weights, explicit.kernel_dtype) == (torch.float32, "full", None)
+        assert resolve_serving("float32", "int4", source, cpu).weights_suffix == "|weights=int4"
+    if not native_kernels_pay("int4", torch.bfloat16, torch.bfloat16, cpu):
+        assert resolve_serving("bfloat16", "int4", source, cpu).weights_suffix == "|weights=int4"
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -376,14 +391,15 @@ def test_an_unknown_weights_mode_in_the_settings_is_a_clear_error(tmp_path):
 def test_quantized_linears_keep_no_dense_copy(mode):
     """Serving int4/int8 holds the quantized weights only: every linear of the embedded model
     is lean and holds what its kind needs (int4: half a byte a weight and a bf16 scale and
-    zero per 32; int8: a byte a weight and a scale per row), no dense weight beside it."""
+    zero per 32 (kvcellar's kernels: a float16 scale and offset); int8: a byte a weight and a
+    scale per row, bf16 (float32)), no dense weight beside it."""
     engine = make_engine(load(mode))
     linears = engine.runner.linears.linears
     assert linears and all(m.lean and m._dense is None for m in linears)
     per_weight = {"int4": 0.5 + 4 / 32, "int8": 1.0}
     for m in linears:
         bias = 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
-        scales = 2 * m.out_features if m.quant_kind == "int8" else 0
+        scales = (4 if m.native else 2) * m.out_features if m.quant_kind == "int8" else 0
         assert m.nbytes == int(per_weight[m.quant_kind] * m.out_features * m.in_features) + scales + bias
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcellar.engine import native
 from kvcellar.quantization import QuantizedWeight, dequantize_int4
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,14 @@ def packs_dense(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether torch's weight-only int8/int4 kernels take activations of ``dtype`` here: bf16
-    on CPU, with or without native bf16 (fp32 activations run them 3-50x slower than fp32
-    ``F.linear``); on other devices the dequantized weights run. Whether they pay is measured
-    (``loader.quantized_mode_pays``, ``calibrate``)."""
-    return device.type == "cpu" and dtype == torch.bfloat16
+    """Whether quantized kernels take activations of ``dtype`` here: torch's weight-only
+    int8/int4 kernels bf16 on CPU, with or without native bf16 (fp32 activations run them
+    3-50x slower than fp32 ``F.linear``); kvcellar's own (``engine/native``) ``int8``, the
+    activations quantized to 8 bits, where they were built. On other devices the dequantized
+    weights run. Whether they pay is measured (``loader.quantized_mode_pays``, ``calibrate``)."""
+    if device.type != "cpu":
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.int8 and native.available())
 
 
 def upcasts_dense(dtype: torch.dtype, device: torch.device) -> bool:
@@ -85,7 +89,8 @@ class KernelTable:
     quant_max_rows: int
     # The activations' dtype in the quantized kernels; None: the model's own. bf16 under a
     # float32 model where the CPU has no native bf16 (``loader.resolve_serving``): the kernels
-    # run decode steps, float32 runs everything else.
+    # run decode steps, float32 runs everything else. int8: kvcellar's own kernels
+    # (``engine/native``), which quantize the activations to 8 bits.
     kernel_dtype: torch.dtype | None = None
     # Row count -> ms of one pass over the model's quantized linears, per kernel; set by ``calibrate``.
     measured: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -169,6 +174,7 @@ class FastLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.dtype, self.device = dtype, device = weight.dtype, weight.device
         self.kernel_dtype = table.kernel_dtype or dtype
+        self.native = self.kernel_dtype == torch.int8
         self.quant_kind = quant.kind if quant is not None and quant_kernels_run(self.kernel_dtype, device) else None
         self._q: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
@@ -182,8 +188,8 @@ class FastLinear(nn.Module):
                 log.warning("no %s kernel for a %dx%d linear (%s); it runs dense", self.quant_kind,
                             self.out_features, self.in_features, exc)
                 self.quant_kind = None
-        self.lean = self.quant_kind == "int8" or (
-            self.quant_kind == "int4" and int4_pack_block() > 0 and self.out_features % int4_pack_block() == 0)
+        self.lean = self.quant_kind == "int8" or (self.quant_kind == "int4" and (self.native or (
+            int4_pack_block() > 0 and self.out_features % int4_pack_block() == 0)))
         self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
         self.upcast = self.lean and upcasts_dense(dtype, device)
         self._dense: torch.Tensor | None = None
@@ -198,6 +204,18 @@ class FastLinear(nn.Module):
             self._dense = weight.detach()
 
     def _pack_quantized(self, quant: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        if self.native:  # kvcellar's kernels read the portable layout as it is (``engine/native``)
+            if self.in_features % native.BLOCK or (quant.kind == "int4" and quant.group_size != native.BLOCK):
+                raise RuntimeError(f"kvcellar's kernels take groups of {native.BLOCK} inputs")
+            self._q = quant.qweight.contiguous()
+            self.group_size = quant.group_size
+            if quant.kind == "int8":
+                self._scale = quant.scales.float().contiguous()
+            else:
+                assert quant.offsets is not None
+                self._scale = quant.scales.to(torch.float16).contiguous()
+                self._zero = quant.offsets.to(torch.float16).contiguous()
+            return
         self._scale, zero = quant.kernel_params(dtype)
         if quant.kind == "int8":
             self._q = _aligned(quant.qweight.to(device))
@@ -249,11 +267,15 @@ class FastLinear(nn.Module):
         return n
 
     def dequantized(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in the compute dtype, dequantized into the scratch buffer
-        (valid until the next call on this thread)."""
+        """The weight ``[out, in]`` in the compute dtype (float32 for kvcellar's kernels),
+        dequantized into the scratch buffer (valid until the next call on this thread)."""
         assert self._q is not None
         rows, cols = self.out_features, self.in_features
-        out = _scratch_buffer(rows * cols, self.dtype, self.device).view(rows, cols)
+        if self.native and self.quant_kind == "int4":
+            assert self._scale is not None and self._zero is not None
+            out = _scratch_buffer(rows * cols, torch.float32, self.device).view(rows, cols)
+            return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads())
+        out = _scratch_buffer(rows * cols, torch.float32 if self.native else self.dtype, self.device).view(rows, cols)
         for start in range(0, rows, _DEQUANT_ROWS):
             end = min(rows, start + _DEQUANT_ROWS)
             if self.quant_kind == "int8":
@@ -272,6 +294,10 @@ class FastLinear(nn.Module):
             packed: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
             return packed
         if self.dense_kind == "dequantized":
+            if self.native:  # the kernels' 8-bit activations: the same products at every step size
+                x32 = native.round_activations(x2d.float(), torch.get_num_threads())
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x32, self.dequantized(), bias).to(self.dtype)
             if self.upcast:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x2d.float(), self.dequantized().float(), bias).to(self.dtype)
@@ -280,8 +306,18 @@ class FastLinear(nn.Module):
         return F.linear(x2d, self._dense, self.bias)
 
     def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
-        x = x2d.to(self.kernel_dtype)
         out: torch.Tensor
+        if self.native:
+            assert self._q is not None and self._scale is not None
+            x32, threads = x2d.float(), torch.get_num_threads()
+            if self.quant_kind == "int8":
+                out = native.matmul_int8(x32, self._q, self._scale, threads)
+            else:
+                assert self._zero is not None
+                out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads)
+            out = out.to(self.dtype)
+            return out if self.bias is None else out + self.bias
+        x = x2d.to(self.kernel_dtype)
         if self.quant_kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x, self._q, self._scale)
         else:

@@ -101,8 +101,9 @@ PROBE_FEATURES = 2048
 # The quantized kernel must be this much faster than the dense weights to be picked: the
 # choice is part of the weights identity (the KV namespace), so a near-tie must not flip it.
 PROBE_MIN_SPEEDUP = 1.2
-# By (mode, kernel dtype, dense dtype, device); a race only measures twice.
-_pays: dict[tuple[str, torch.dtype, torch.dtype, torch.device], bool] = {}
+# ms of the probe through the kernel and dense, by (mode, kernel dtype, dense dtype, device);
+# a race only measures twice.
+_probed: dict[tuple[str, torch.dtype, torch.dtype, torch.device], tuple[float, float]] = {}
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class ServingPrecision:
     @property
     def weights_suffix(self) -> str:
         """What the weights identity (and so the KV namespace) adds: another mode or kernel
-        precision computes other KV."""
+        precision computes other KV (``kernels=int8``: kvcellar's kernels, activations
+        quantized to 8 bits)."""
         if self.weights == "full":
             return ""
         kernels = f"|kernels={str(self.kernel_dtype).removeprefix('torch.')}" if self.kernel_dtype else ""
@@ -133,8 +135,18 @@ def resolve_serving(dtype: str, weights: str, source: ModelSource, device: torch
     4-8-bit GGUF), the model stays float32 and its quantized linears run their kernel on bf16
     activations for decode-sized steps, where it is measured faster than float32 dense
     weights (``quantized_mode_pays``); larger steps dequantize to float32. An explicit
-    ``--dtype`` is served as asked."""
+    ``--dtype`` is served as asked.
+
+    Where kvcellar's own kernels were built (``engine/native``: x86-64 with AVX2), quantized
+    weights run them on ``int8`` activations instead, if they are measured faster than the
+    dense weights and torch's kernels are not measured ``PROBE_MIN_SPEEDUP`` times faster
+    than them (``native_kernels_pay``)."""
     torch_dtype = resolve_dtype(dtype, device)
+    if weights != "full" and device.type == "cpu":
+        mode = requested_mode(weights, source)
+        torch_kernel = torch.bfloat16 if dtype == "auto" or torch_dtype == torch.bfloat16 else None
+        if mode != "full" and native_kernels_pay(mode, torch_dtype, torch_kernel, device):
+            return ServingPrecision(torch_dtype, mode, torch.int8)
     if dtype == "auto" and device.type == "cpu" and torch_dtype == torch.float32 and weights != "full":
         mode = requested_mode(weights, source)
         if mode != "full" and quantized_mode_pays(mode, torch.bfloat16, device, dense_dtype=torch.float32):
@@ -185,15 +197,32 @@ def quantized_mode_pays(mode: str, dtype: torch.dtype, device: torch.device,
     dense_dtype = dense_dtype or dtype
     if not quant_kernels_run(dtype, device):
         return False
+    quantized_ms, dense_ms = _probe(mode, dtype, dense_dtype, device)
+    return quantized_ms * PROBE_MIN_SPEEDUP <= dense_ms
+
+
+def native_kernels_pay(mode: str, dtype: torch.dtype, torch_kernel: torch.dtype | None,
+                       device: torch.device) -> bool:
+    """Whether ``mode`` runs kvcellar's kernels under a ``dtype`` model: they pay against its
+    dense weights (``quantized_mode_pays``), and torch's kernels on ``torch_kernel``
+    activations (None: not a choice) are not ``PROBE_MIN_SPEEDUP`` times faster."""
+    from kvcellar.engine.linears import quant_kernels_run
+
+    if not quantized_mode_pays(mode, torch.int8, device, dense_dtype=dtype):
+        return False
+    if torch_kernel is None or not quant_kernels_run(torch_kernel, device):
+        return True
+    return _probe(mode, torch_kernel, dtype, device)[0] * PROBE_MIN_SPEEDUP > _probe(mode, torch.int8, dtype, device)[0]
+
+
+def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     key = (mode, dtype, dense_dtype, device)
-    if key not in _pays:
-        quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
-        _pays[key] = quantized_ms * PROBE_MIN_SPEEDUP <= dense_ms
-        log.info("--weights auto: a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense "
-                 "(%s) on %s: %s", PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms,
-                 str(dtype).removeprefix("torch."), dense_ms, str(dense_dtype).removeprefix("torch."), device,
-                 mode if _pays[key] else "full")
-    return _pays[key]
+    if key not in _probed:
+        _probed[key] = quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
+        log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense (%s) on %s",
+                 PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."), dense_ms,
+                 str(dense_dtype).removeprefix("torch."), device)
+    return _probed[key]
 
 
 def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device,

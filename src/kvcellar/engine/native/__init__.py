@@ -1,0 +1,173 @@
+"""kvcellar's own CPU kernels for quantized linears (``q8_kernels.c``), built on first use.
+
+On an x86-64 CPU with AVX2, FMA and F16C, a decode step's int4/int8 linears quantize their
+activations to 8 bits per block of 32 and multiply in 8-bit dot products (``int8``
+activations in ``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every
+weight to float first and runs at a third below memory speed on such a CPU (measured in
+docs/performance.md). The same library dequantizes int4 weights for prefill-sized steps.
+
+The C file is compiled once per source, compiler and flags with the system C compiler into
+``<cache dir>/native/`` and loaded with ctypes (which drops the GIL around each call). It
+runs on the OpenMP runtime torch has loaded already, so its threads are torch's. Where it
+cannot be built (another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is
+None and torch's kernels run as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvcellar.paths import resolve_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q8_kernels.c")
+CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# Inputs per block of quantized activations (and per int4 group the kernels take).
+BLOCK = 32
+ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_N = ctypes.c_int
+_SIGNATURES = {
+    "kvc_quantize_q8": [_P, _I, _I, _P, _P, _P, _N],
+    "kvc_gemm_q4": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
+    "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
+    "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N],
+    "kvc_round_q8": [_P, _I, _I, _P, _N],
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded once per process; None where they cannot run here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64") or not cpu_flags() >= CPU_FLAGS:
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: torch's quantized kernels run instead of kvcellar's")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+        digest = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *COMPILE_FLAGS]).encode()).hexdigest()
+        folder = resolve_cache_dir() / "native"
+        target = folder / f"q8_kernels-{digest[:16]}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+            os.close(fd)
+            try:
+                subprocess.run([cc, *COMPILE_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                               check=True, timeout=120)
+                os.replace(tmp, target)  # atomic: a process starting beside this one loads a whole file
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("kvcellar's CPU kernels could not be built (%s); torch's run instead", detail)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kvcellar's CPU kernels are not available here")
+    return lib
+
+
+def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` float32 ``[rows, cols]`` as 8-bit blocks: values (even inputs of a block first),
+    scales, and scale x sum of the block's values."""
+    rows, cols = x.shape
+    x = x.contiguous()
+    xq = torch.empty(rows, cols, dtype=torch.int8)
+    xd = torch.empty(rows, cols // BLOCK)
+    xs = torch.empty(rows, cols // BLOCK)
+    _lib().kvc_quantize_q8(x.data_ptr(), rows, cols, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), threads)
+    return xq, xd, xs
+
+
+def round_activations(x: torch.Tensor, threads: int) -> torch.Tensor:
+    """``x`` float32 ``[rows, cols]`` rounded to the 8-bit blocks the kernels multiply, in
+    float32: a step over dequantized weights computes the kernels' products."""
+    rows, cols = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib().kvc_round_q8(x.data_ptr(), rows, cols, out.data_ptr(), threads)
+    return out
+
+
+def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                threads: int) -> torch.Tensor:
+    """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
+    ``scales``/``offsets`` ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
+    out = nibbles.shape[0]
+    rows, cols = x.shape
+    xq, xd, xs = quantize_activations(x, threads)
+    y = torch.empty(rows, out)
+    _lib().kvc_gemm_q4(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out, cols, xq.data_ptr(),
+                       xd.data_ptr(), xs.data_ptr(), rows, y.data_ptr(), threads)
+    return y
+
+
+def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+    """``x @ w.T`` in float32 for int8 ``w`` (``qweight`` ``[out, in]``, float32 ``scales [out]``)."""
+    out = qweight.shape[0]
+    rows, cols = x.shape
+    xq, xd, _ = quantize_activations(x, threads)
+    y = torch.empty(rows, out)
+    _lib().kvc_gemm_q8(qweight.data_ptr(), scales.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
+                       y.data_ptr(), threads)
+    return y
+
+
+def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, start: int, end: int,
+                    out: torch.Tensor, threads: int) -> torch.Tensor:
+    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``) into float32 ``out``
+    ``[end - start, in]``: ``q * scale + offset``."""
+    cols = nibbles.shape[1] * 2
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (end - start, cols)
+    _lib().kvc_dequantize_q4(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), start, end, cols,
+                             out.data_ptr(), threads)
+    return out

@@ -1,0 +1,213 @@
+/* kvcellar's CPU kernels for quantized linears at decode-sized steps (x86-64 with AVX2, FMA
+ * and F16C), built by engine/native/__init__.py. Activations are quantized to 8 bits per
+ * block of 32 inputs (d = max|x| / 127, q = round(x / d)) and multiplied with the weights'
+ * integers in 8-bit dot products, the scheme of llama.cpp's Q4_1 x Q8_1: a step reads the
+ * 4-bit weights once at close to memory speed, where torch's int4 kernel converts every
+ * weight to float first.
+ *
+ * Weight layouts are kvcellar.quantization's:
+ *   int4: nibbles uint8 [out, in / 2] (input 2j in the low nibble of byte j), per group of 32
+ *         inputs a scale and an offset (float16 here): w = q * scale + offset, q in 0..15;
+ *   int8: int8 [out, in], a float32 scale per output: w = q * scale.
+ * Inside a block of 32 the quantized activations hold the even inputs first, then the odd
+ * ones, the order in which a block's 16 bytes of nibbles unpack. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define BLOCK 32
+/* Rows of activations multiplied per pass over a weight row: enough accumulators to reuse
+ * each loaded weight block, few enough to stay in the 16 vector registers. */
+#define TILE 4
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* xq int8 [rows, cols] (blocks reordered as above), xd / xs float [rows, cols / 32]: each
+ * block's scale and scale * sum(q) (what an offset multiplies). */
+void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs,
+                     int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        const float *v = x + i * BLOCK;
+        __m256 amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int k = 0; k < BLOCK; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = xq + i * BLOCK;
+        int sum = 0;
+        for (int k = 0; k < BLOCK / 2; k++) {
+            const int even = (int)nearbyintf(v[2 * k] * id), odd = (int)nearbyintf(v[2 * k + 1] * id);
+            q[k] = (int8_t)even;
+            q[BLOCK / 2 + k] = (int8_t)odd;
+            sum += even + odd;
+        }
+        xd[i] = d;
+        xs[i] = d * (float)sum;
+    }
+}
+
+static inline __m256 q4_block(const uint8_t *wb) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)wb);
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                                _mm256_set1_epi8(0x0F)));
+}
+
+/* The 8 int32 partial sums of one block's 8-bit dot product, as floats. */
+static inline __m256 q4_dot(__m256 q, const int8_t *xb) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xb);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_castps_si256(q), x), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(p);
+}
+
+static inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+
+/* One output row against n <= TILE activation rows: blocks taken 8 at a time, their scales
+ * (weight scale x activation scale) and offset terms computed as vectors. */
+static inline void q4_row(const uint8_t *wr, const uint16_t *sr, const uint16_t *orow, int64_t blocks,
+                          const int8_t *xq, const float *xd, const float *xs, int n, float *y, int64_t out) {
+    __m256 acc[TILE], offs[TILE];
+    float tail[TILE];
+    for (int a = 0; a < n; a++) {
+        acc[a] = _mm256_setzero_ps();
+        offs[a] = _mm256_setzero_ps();
+        tail[a] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b)));
+        const __m256 wo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(orow + b)));
+        if (n == 1) {  /* one row: pairs of blocks summed apart, off the accumulator's chain */
+            const __m256 s = _mm256_mul_ps(ws, _mm256_loadu_ps(xd + b));
+            offs[0] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + b), offs[0]);
+            const int8_t *xb = xq + b * BLOCK;
+            const uint8_t *wb = wr + b * (BLOCK / 2);
+            __m256 t[4];
+            for (int j = 0; j < 4; j++) {
+                t[j] = _mm256_mul_ps(q4_dot(q4_block(wb + 2 * j * 16), xb + 2 * j * BLOCK), lane(s, 2 * j));
+                t[j] = _mm256_fmadd_ps(q4_dot(q4_block(wb + (2 * j + 1) * 16), xb + (2 * j + 1) * BLOCK),
+                                       lane(s, 2 * j + 1), t[j]);
+            }
+            acc[0] = _mm256_add_ps(acc[0], _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3])));
+            continue;
+        }
+        __m256 s[TILE];
+        for (int a = 0; a < n; a++) {
+            s[a] = _mm256_mul_ps(ws, _mm256_loadu_ps(xd + a * blocks + b));
+            offs[a] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + a * blocks + b), offs[a]);
+        }
+        for (int j = 0; j < 8; j++) {
+            const __m256 q = q4_block(wr + (b + j) * (BLOCK / 2));
+            for (int a = 0; a < n; a++)
+                acc[a] = _mm256_fmadd_ps(q4_dot(q, xq + (a * blocks + b + j) * BLOCK), lane(s[a], j), acc[a]);
+        }
+    }
+    for (; b < blocks; b++) {
+        const __m256 q = q4_block(wr + b * (BLOCK / 2));
+        const float ws = _cvtsh_ss(sr[b]), wo = _cvtsh_ss(orow[b]);
+        for (int a = 0; a < n; a++) {
+            const int64_t i = a * blocks + b;
+            acc[a] = _mm256_fmadd_ps(q4_dot(q, xq + i * BLOCK), _mm256_set1_ps(ws * xd[i]), acc[a]);
+            tail[a] += wo * xs[i];
+        }
+    }
+    for (int a = 0; a < n; a++) y[a * out] = hsum(acc[a]) + hsum(offs[a]) + tail[a];
+}
+
+/* y [rows, out] float32 = x @ w.T for int4 weights. */
+void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
+                 const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t r = 0; r < out; r++) {
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
+            const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
+            q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks, xq + a0 * cols,
+                   xd + a0 * blocks, xs + a0 * blocks, n, y + a0 * out + r, out);
+        }
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T for int8 weights (signs moved onto the activations, as
+ * the 8-bit dot product takes one unsigned operand). */
+void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols,
+                 const int8_t *xq, const float *xd, int64_t rows, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    #pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t r = 0; r < out; r++) {
+        const int8_t *wr = w + r * cols;
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
+            const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
+            __m256 acc[TILE];
+            for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                /* the weights in the activations' order: even inputs, then odd ones */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK));
+                const __m256i even_odd = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(
+                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+                /* lanes: [e0-7 o0-7 | e8-15 o8-15] -> [e0-15 | o0-15] */
+                const __m256i wq = _mm256_permute4x64_epi64(even_odd, 0xD8);
+                const __m256i wabs = _mm256_sign_epi8(wq, wq);
+                for (int a = 0; a < n; a++) {
+                    const int64_t i = (a0 + a) * blocks + b;
+                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+                    acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[i]), acc[a]);
+                }
+            }
+            for (int a = 0; a < n; a++) y[(a0 + a) * out + r] = hsum(acc[a]) * scales[r];
+        }
+    }
+}
+
+/* Rows [start, end) of int4 weights as float32 [end - start, cols]: q * scale + offset. */
+void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start,
+                       int64_t end, int64_t cols, float *dst, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t r = start; r < end; r++) {
+        const uint8_t *wr = w + r * (cols / 2);
+        float *d = dst + (r - start) * cols;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(wr + b * (BLOCK / 2)));
+            const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+            const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[r * blocks + b]));
+            const __m256 o = _mm256_set1_ps(_cvtsh_ss(offsets[r * blocks + b]));
+            float *db = d + b * BLOCK;
+            _mm256_storeu_ps(db, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)), s, o));
+            _mm256_storeu_ps(db + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8))), s, o));
+            _mm256_storeu_ps(db + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)), s, o));
+            _mm256_storeu_ps(db + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))), s, o));
+        }
+    }
+}
+
+/* x [rows, cols] float32 as the 8-bit blocks the kernels multiply, in float32 and in the
+ * inputs' own order (d * round(x / d)), for steps multiplied by dequantized weights: both
+ * paths then compute the same products, and a prompt's KV does not depend on its chunks. */
+void kvc_round_q8(const float *x, int64_t rows, int64_t cols, float *dst, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        const float *v = x + i * BLOCK;
+        float *o = dst + i * BLOCK;
+        float amax = 0.0f;
+        for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(v[k]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int k = 0; k < BLOCK; k++) o[k] = d * nearbyintf(v[k] * id);
+    }
+}

@@ -1,0 +1,117 @@
+"""kvcellar's own CPU kernels (``engine/native``) against float64 references of the same
+arithmetic: 8-bit activation blocks times the int4/int8 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcellar.engine import native
+from kvcellar.engine.linears import FastLinear, KernelTable, quant_kernels_run
+from kvcellar.quantization import quantize_int4, quantize_int8
+from tests._models import without_native_kernels
+
+needs_native = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
+THREADS = 2
+# (rows out, inputs): blocks of 32 in whole groups of 8 and with a tail; rows out not a
+# multiple of the 16 each thread takes at a time.
+SHAPES = [(40, 256), (33, 320), (96, 1056)]
+ROWS = (1, 3, 4, 5, 9)  # around the tile of 4 activation rows
+
+
+def activations(rows: int, cols: int) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)) * 3
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    x[-1, -32:] *= 1e-6  # a block of tiny values
+    return x
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """d * round(x * (1 / d)) per block of 32, d = max|x| / 127, each step in float32 as the
+    kernels compute it; the product in float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse).double() * d.double()).view_as(x)
+
+
+def int4_weight(out: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Nibbles, float16 scales and offsets, and the weight they make in float64."""
+    q = quantize_int4(torch.randn(out, cols, generator=torch.Generator().manual_seed(out)) * 0.05)
+    scales, offsets = q.scales.half(), q.offsets.half()
+    values = q.int4_values().double().view(out, cols // 32, 32)
+    weight = (values * scales.double()[..., None] + offsets.double()[..., None]).view(out, cols)
+    return q.qweight, scales, offsets, weight
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() <= 2e-6 * want.abs().max().item()
+
+
+@needs_native
+def test_activation_blocks_are_rounded_to_8_bits_with_their_scale():
+    x = activations(3, 320)
+    xq, xd, xs = native.quantize_activations(x, THREADS)
+    blocks = x.view(3, 10, 32)
+    assert torch.equal(xd, (blocks.abs().amax(dim=-1) / 127))
+    q = xq.view(3, 10, 32).double()
+    natural = torch.stack([q[..., :16], q[..., 16:]], dim=-1).reshape(3, 10, 32)  # even inputs first, then odd
+    assert torch.allclose(natural * xd.double()[..., None], rounded(x).view(3, 10, 32), rtol=0, atol=1e-12)
+    assert natural.abs().max() <= 127 and torch.all(natural[0, 0] == 0)
+    assert torch.allclose(xs.double(), xd.double() * natural.sum(dim=-1), rtol=1e-6)
+    assert torch.equal(native.round_activations(x, THREADS), rounded(x).float())
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols"), SHAPES)
+def test_int4_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
+    nibbles, scales, offsets, weight = int4_weight(out, cols)
+    for rows in ROWS:
+        x = activations(rows, cols)
+        assert_close(native.matmul_int4(x, nibbles, scales, offsets, THREADS), rounded(x) @ weight.T)
+        assert_close(native.matmul_int4(x, nibbles, scales, offsets, 1), rounded(x) @ weight.T)
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols"), SHAPES)
+def test_int8_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
+    q = quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
+    q.qweight[0, :4] = torch.tensor([-128, 127, -127, -128], dtype=torch.int8)  # the extremes the sign trick meets
+    weight = q.qweight.double() * q.scales.double()[:, None]
+    for rows in ROWS:
+        x = activations(rows, cols)
+        assert_close(native.matmul_int8(x, q.qweight, q.scales, THREADS), rounded(x) @ weight.T)
+
+
+@needs_native
+def test_int4_dequantization_is_exact():
+    nibbles, scales, offsets, weight = int4_weight(96, 1056)
+    out = torch.empty(90 - 7, 1056)
+    native.dequantize_int4(nibbles, scales, offsets, 7, 90, out, THREADS)
+    assert torch.equal(out, weight[7:90].float())  # one rounding of q * scale + offset
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_linear_on_native_kernels_is_lean_and_both_its_paths_agree(kind):
+    """Decode-sized steps run the kernel, larger ones the dequantized weight over the same
+    8-bit activations: the same products, so the two paths agree to float32 rounding."""
+    q = (quantize_int4 if kind == "int4" else quantize_int8)(torch.randn(200, 320) * 0.05)
+    bias = torch.randn(200)
+    layer = FastLinear(q.dequantize(torch.float32), bias, q, KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
+    assert layer.native and layer.lean and layer.quant_kind == kind and layer._dense is None
+    x = activations(6, 320)
+    kernel, dense = layer.quantized_kernel(x), layer.dense(x)
+    assert (kernel - dense).abs().max() <= 1e-5 * dense.abs().max()
+    assert torch.equal(layer(x[:4]), kernel[:4]) and torch.equal(layer(x), dense)
+
+
+def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):
+    without_native_kernels(monkeypatch)
+    assert not native.available() and not quant_kernels_run(torch.int8, torch.device("cpu"))
+    q = quantize_int4(torch.randn(64, 256) * 0.05)
+    layer = FastLinear(q.dequantize(torch.float32), None, q, KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
+    assert layer.quant_kind is None and not layer.lean  # the dequantized weight, dense
+    x = torch.randn(2, 256)
+    assert torch.allclose(layer(x), x @ q.dequantize(torch.float32).T, atol=1e-5)
