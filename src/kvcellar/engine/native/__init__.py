@@ -7,7 +7,8 @@ weight to float first and runs at a third below memory speed on such a CPU (meas
 docs/performance.md). The same library dequantizes int4 weights for prefill-sized steps.
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
-``<cache dir>/native/`` and loaded with ctypes (which drops the GIL around each call). It
+``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
+user, whatever ``--cache-dir`` a server is given) and loaded with ctypes (which drops the GIL around each call). It
 runs on the OpenMP runtime torch has loaded already, so its threads are torch's. Where it
 cannot be built (another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is
 None and torch's kernels run as before.
@@ -103,6 +104,27 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = argtypes
         fn.restype = None
     return lib
+
+
+# madvise(2) advice: reclaim these pages (Linux 5.4+). Data-safe: file pages are read again
+# on a later access, anonymous ones swapped in.
+_MADV_PAGEOUT = 21
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def release_pages(*tensors: torch.Tensor) -> None:
+    """Ask the OS to reclaim the whole pages of ``tensors``, which this process will not read
+    again: the float32 scales an entry maps, once copied to float16 (they would otherwise stay
+    in the resident set as long as the weights mapped beside them). Best effort."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    for t in tensors:
+        start = -(-t.data_ptr() // _PAGE) * _PAGE
+        end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
 
 
 def available() -> bool:
