@@ -3,12 +3,13 @@
 On an x86-64 CPU with AVX2, FMA and F16C, a decode step's int4/int8 linears quantize their
 activations to 8 bits per block of 32 and multiply in 8-bit dot products (``int8``
 activations in ``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every
-weight to float first and runs at a third below memory speed on such a CPU (measured in
-docs/performance.md). The same library dequantizes int4 weights for prefill-sized steps.
+weight to float first and stays well below memory speed on such a CPU
+(docs/performance.md). The same library dequantizes int4 weights for prefill-sized steps.
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
-user, whatever ``--cache-dir`` a server is given) and loaded with ctypes (which drops the GIL around each call). It
+user, whatever ``--cache-dir`` a server is given) and loaded with ctypes (which drops the
+GIL around each call). It
 runs on the OpenMP runtime torch has loaded already, so its threads are torch's. Where it
 cannot be built (another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is
 None and torch's kernels run as before.

@@ -19,8 +19,8 @@
 /* Rows of activations multiplied per pass over a weight row: enough accumulators to reuse
  * each loaded weight block, few enough to stay in the 16 vector registers. */
 #define TILE 4
-/* Bytes of weights ahead that a pass asks the cache for: the hardware prefetcher alone left
- * a thread's stream at about two thirds of the memory's speed. */
+/* Bytes of weights ahead that a pass asks the cache for: the hardware prefetcher alone kept
+ * a thread's stream well below the memory's speed (docs/performance.md). */
 #define PREFETCH 2048
 
 static inline float hsum(__m256 v) {
