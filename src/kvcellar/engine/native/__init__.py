@@ -9,10 +9,9 @@ weight to float first and stays well below memory speed on such a CPU
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
 user, whatever ``--cache-dir`` a server is given) and loaded with ctypes (which drops the
-GIL around each call). It
-runs on the OpenMP runtime torch has loaded already, so its threads are torch's. Where it
-cannot be built (another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is
-None and torch's kernels run as before.
+GIL around each call). It runs on the OpenMP runtime torch has loaded already, so its
+threads are torch's. Where it cannot be built (another CPU, no compiler,
+``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is None and torch's kernels run as before.
 """
 
 from __future__ import annotations
