@@ -26,8 +26,10 @@ from kvcellar.bench.launch import (  # noqa: F401  (the tests' one way to poll a
 )
 
 MODEL = "SmolLM2-135M-Instruct"
-# A small pool keeps start-up cheap; fp32 makes greedy outputs comparable across runs.
-DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--kv-cache-gb", "0.25")
+# A small pool keeps start-up cheap; fp32 full weights make greedy outputs comparable across
+# runs and with in-process engines (``--weights auto`` would serve the embedded Q4_1 model as
+# int4 where kvcellar's own kernels run).
+DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--weights", "full", "--kv-cache-gb", "0.25")
 READY_TIMEOUT = float(os.environ.get("KVCELLAR_TEST_READY_TIMEOUT", "300"))
 
 

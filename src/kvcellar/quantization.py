@@ -3,8 +3,8 @@
 A batch-1 decode step is bound by reading the weights (269 MB of bf16 per step for the
 embedded model). Quantized weights are fewer bytes: int8 with one scale per output channel
 (``w ~= q * scale``), or int4 in groups of 32 inputs with a scale and an offset per group
-(``w ~= q * scale + offset``, q in 0..15: the layout of GGUF's Q4_1, so the embedded
-SmolLM2, which ships as Q4_1, is reproduced from its own blocks). Activations stay in the
+(``w ~= q * scale + offset``, q in 0..15, scale and offset in float16: the layout of GGUF's
+Q4_1, so the embedded SmolLM2, which ships as Q4_1, is reproduced from its own blocks). Activations stay in the
 compute dtype. ``engine/linears.py`` runs them (torch's own int8/int4 CPU kernels for small
 steps, the dequantized weights for the rest).
 
@@ -30,17 +30,22 @@ INT4_GROUP = 32
 LM_HEAD = "lm_head"
 # What each mode stores, as the artifact cache keys it: change the string when the rules of
 # ``kind_for`` or a quantizer change, and older entries become misses.
-SCHEMES = {"int8": "int8-channel", "int4": f"int4-g{INT4_GROUP}-asym+lm_head-int8-channel"}
+SCHEMES = {"int8": "int8-channel", "int4": f"int4-g{INT4_GROUP}-asym-f16+lm_head-int8-channel"}
+# float16's largest number and smallest positive one (subnormal): int4 scales and offsets
+# are kept in float16, the bytes kvcellar's kernels read (``engine/native``).
+FP16_MAX = 65504.0
+FP16_TINY = 2.0**-24
 
 
 @dataclass
 class QuantizedWeight:
     """One linear's weight ``[out, in]`` in a portable form (the kernels' own layouts are
-    built from it by ``engine/linears.py``). ``scales``/``offsets`` are float32.
+    built from it by ``engine/linears.py``).
 
-    * int8: ``qweight`` int8 ``[out, in]``, ``scales [out]``, ``w = q * scale``;
+    * int8: ``qweight`` int8 ``[out, in]``, float32 ``scales [out]``, ``w = q * scale``;
     * int4: ``qweight`` uint8 ``[out, in / 2]`` (input ``2j`` in the low nibble, ``2j + 1`` in
-      the high one), ``scales``/``offsets [out, in / group]``, ``w = q * scale + offset``.
+      the high one), float16 ``scales``/``offsets [out, in / group]``, ``w = q * scale + offset``
+      (in float32).
     """
 
     kind: str
@@ -71,7 +76,7 @@ class QuantizedWeight:
         if self.kind == "int8":
             return self.scales.to(dtype), None
         assert self.offsets is not None
-        return self.scales.to(dtype), (self.offsets + 8 * self.scales).to(dtype)
+        return self.scales.to(dtype), (self.offsets.float() + 8 * self.scales.float()).to(dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the kernels compute with, from the scales rounded to ``dtype`` as the
@@ -140,15 +145,17 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
 
 def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:
     """Asymmetric int4 per group of ``group_size`` inputs: ``scale = (max - min) / 15``,
-    ``offset = min`` (GGUF Q4_1: quantizing a dequantized Q4_1 tensor gives its blocks back)."""
+    ``offset = min``, both rounded to float16 before the values are (GGUF Q4_1: quantizing a
+    dequantized Q4_1 tensor gives its blocks back)."""
     out, cols = weight.shape
     if cols % group_size or cols % 2:
         raise ValueError(f"int4 needs input features divisible by {group_size}, not {cols}")
     w = weight.detach().float().view(out, cols // group_size, group_size)
-    lo = w.amin(dim=-1)
+    lo = w.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     hi = w.amax(dim=-1)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((w - lo[:, :, None]) / scale[:, :, None]).clamp_(0, 15).to(torch.uint8).view(out, cols)
+    scale = ((hi - lo.float()) / 15.0).clamp(FP16_TINY, FP16_MAX).to(torch.float16)
+    q = torch.round((w - lo.float()[:, :, None]) / scale.float()[:, :, None])
+    q = q.clamp_(0, 15).to(torch.uint8).view(out, cols)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return QuantizedWeight("int4", packed.contiguous(), scale, lo, group_size)
 

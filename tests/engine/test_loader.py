@@ -84,7 +84,7 @@ def test_generate_prints_a_completion(tmp_path):
     if models:
         (tmp_path / "models").symlink_to(models, target_is_directory=True)
     cmd = [*kvcellar_command(), "generate", "--prompt", "What is the capital of France?", "--max-tokens", "12",
-           "--dtype", "float32", "--kv-cache-gb", "0.1", "-v"]
+           "--dtype", "float32", "--weights", "full", "--kv-cache-gb", "0.1", "-v"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "Paris" in first.stdout

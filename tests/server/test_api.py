@@ -262,7 +262,7 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     h = server.health()
     assert h["status"] == "ok"
     assert h["model"] == MODEL
-    # fp32 (the tests' --dtype): no fast quantized kernel, so --weights auto serves full weights
+    # the tests' --dtype float32 --weights full
     assert (h["weights"], h["dtype"], h["kernel_dtype"]) == ("full", "float32", None)
     assert h["runner"]["runner_quant_max_rows"] == 0
     for key in ("queue_depth", "running", "inflight_requests", "kv_blocks_used", "last_shutdown_clean"):
@@ -272,7 +272,7 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert h["artifact"]["artifact_entries"] >= 1  # the model came from the artifact cache
     assert 0 <= h["artifact_cache"]["hit_rate"] <= 1 and "last_eviction" in h["artifact_cache"]
     assert h["status"] == "ok" and h["engine_steps"]["healthy"] and h["engine_steps"]["step_failures"] == 0
-    linears = h["linears"]  # float32 serves full weights: every linear dense
+    linears = h["linears"]  # full weights: every linear dense
     assert linears["dense"] > 0 and linears["int4"] == linears["int8"] == linears["lean"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvcellar_engine_requests_total" in metrics

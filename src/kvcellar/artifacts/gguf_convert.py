@@ -465,7 +465,8 @@ def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:
     """Rows of Q4_0 / Q4_1 / Q4_K blocks (uint8 ``[rows, bytes]``) as int4 groups of 32,
     value for value: Q4_0 ``(q - 8) * d`` is scale ``d``, offset ``-8d``; Q4_1 ``q * d + m``
     is scale ``d``, offset ``m``; a Q4_K 32-value sub-block ``q * d * sc - dmin * m`` is scale
-    ``d * sc``, offset ``-dmin * m`` (6-bit ``sc``, ``m`` decoded by the gguf package)."""
+    ``d * sc``, offset ``-dmin * m`` (6-bit ``sc``, ``m`` decoded by the gguf package), those
+    products rounded to float16 as int4 keeps them (Q4_0's and Q4_1's are float16 already)."""
     import gguf
 
     rows = raw.shape[0]
@@ -490,8 +491,8 @@ def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:
     values = values.reshape(rows, -1)
     packed = values[:, 0::2] | (values[:, 1::2] << 4)
     return QuantizedWeight("int4", torch.from_numpy(np.ascontiguousarray(packed)),
-                           torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)),
-                           torch.from_numpy(np.ascontiguousarray(offsets.reshape(rows, -1), dtype=np.float32)),
+                           torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float16)),
+                           torch.from_numpy(np.ascontiguousarray(offsets.reshape(rows, -1), dtype=np.float16)),
                            INT4_GROUP)
 
 

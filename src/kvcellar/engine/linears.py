@@ -213,9 +213,8 @@ class FastLinear(nn.Module):
                 self._scale = quant.scales.float().contiguous()
             else:
                 assert quant.offsets is not None
-                self._scale = quant.scales.to(torch.float16).contiguous()
+                self._scale = quant.scales.to(torch.float16).contiguous()  # float16 already: as mapped
                 self._zero = quant.offsets.to(torch.float16).contiguous()
-                native.release_pages(quant.scales, quant.offsets)
             return
         self._scale, zero = quant.kernel_params(dtype)
         if quant.kind == "int8":

@@ -2,7 +2,7 @@
 
 ``plan_memory`` adds up what the engine will hold for a source under a weights mode: the
 decoder linears at the bytes a weight their kind keeps (``engine/linears.py``: int4 0.5 plus a
-bf16 scale and zero per 32 inputs, int8 one byte plus a scale per row, full the serving
+16-bit scale and zero per 32 inputs, int8 one byte plus a scale per row, full the serving
 dtype), the LM head (int8 in both quantized modes), every other tensor (embeddings, norms,
 biases) in the serving dtype, the KV pool as configured, and a fixed allowance for the
 interpreter, libraries and step buffers. A GGUF is read from its header (``gguf_info.py``);

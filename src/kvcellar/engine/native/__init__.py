@@ -106,27 +106,6 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-# madvise(2) advice: reclaim these pages (Linux 5.4+). Data-safe: file pages are read again
-# on a later access, anonymous ones swapped in.
-_MADV_PAGEOUT = 21
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def release_pages(*tensors: torch.Tensor) -> None:
-    """Ask the OS to reclaim the whole pages of ``tensors``, which this process will not read
-    again: the float32 scales an entry maps, once copied to float16 (they would otherwise stay
-    in the resident set as long as the weights mapped beside them). Best effort."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
-    for t in tensors:
-        start = -(-t.data_ptr() // _PAGE) * _PAGE
-        end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
-        if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
-
-
 def available() -> bool:
     return library() is not None
 
