@@ -88,6 +88,36 @@ def answers(url: str, paths: Sequence[str] = ("/health",), headers: Mapping[str,
     return False
 
 
+def _answers_as_itself(launcher: ServerLauncher) -> bool:
+    try:
+        r = httpx.get(launcher.url + "/health", timeout=5.0)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    try:
+        body = r.json()
+    except ValueError:
+        return True  # not a JSON health: nothing to check it by
+    pid = body.get("pid") if isinstance(body, dict) else None
+    return not isinstance(pid, int) or launcher.proc is None or _descends_from(pid, launcher.proc.pid)
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    """Whether process ``pid`` is ``root`` or started under it (a wrapper command's child)."""
+    for _ in range(8):
+        if pid == root:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rpartition(")")[2].split()[1])  # the parent's pid, after the command's name
+        if pid <= 1:
+            return False
+    return False
+
+
 class LaunchError(RuntimeError):
     """The server exited, or did not answer in time, while starting."""
 
@@ -99,10 +129,12 @@ class ServerLauncher:
     def __init__(self, command: Callable[[int], Sequence[str]], log_path: Path, *,
                  ready: Callable[[ServerLauncher], bool] | None = None, env: Mapping[str, str] | None = None,
                  cwd: Path | None = None, name: str = "server") -> None:
-        """``ready``: whether the started server is up (default: ``/health`` answers 200)."""
+        """``ready``: whether the started server is up (default: ``/health`` answers 200, from
+        this process where it says its ``pid``: a port given up by ``free_port`` can be taken by
+        another server before this one binds it)."""
         self.command = command
         self.log_path = Path(log_path)
-        self.ready = ready or (lambda launcher: answers(launcher.url))
+        self.ready = ready or _answers_as_itself
         self.env = {**os.environ, **(env or {})}
         self.cwd = cwd
         self.name = name

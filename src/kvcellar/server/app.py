@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -127,6 +128,7 @@ class ServerState:
             "kernel_dtype": (str(self.engine.loaded.kernel_dtype).removeprefix("torch.")
                              if self.engine.loaded.kernel_dtype is not None else None),
             "version": kvcellar.__version__,
+            "pid": os.getpid(),  # which process answered: a launcher checks it is the one it started
             "uptime_s": round(time.time() - self.started, 3),
             "queue_depth": int(stats.get("engine_waiting", 0)),
             "running": int(stats.get("engine_running", 0)),
