@@ -17,12 +17,21 @@ makes the weights identity of a second start cost nothing), ``meta`` (schema ver
 LRU eviction: which entry and when, whichever process evicted it).
 
 Thread safety: one connection, guarded by a lock; any thread may call any method.
+
+Opening: processes that open the index at once (servers starting together, test workers) take
+turns under an flock on ``index.sqlite.lock``. Switching a new file to WAL needs an exclusive
+lock, and SQLite answers "database is locked" at once, without waiting, where two connections
+would deadlock; under the flock at most one connection is in that switch. A busy or locked
+database is waited for, never taken for a corrupt one: discarding it would delete the index
+under the processes using it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -33,6 +42,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 30.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -70,15 +80,36 @@ class ArtifactIndex:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            self._conn = self._connect()
-        except sqlite3.DatabaseError as exc:
-            log.warning("artifact index %s is unusable (%s); recreating it from the entries", path, exc)
-            self._discard_files()
-            self._conn = self._connect()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._conn = self._open()
+        finally:
+            os.close(fd)  # drops the flock
+
+    def _open(self) -> sqlite3.Connection:
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.01
+        while True:
+            try:
+                return self._connect()
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc):
+                    return self._recreate(exc)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(pause)  # another process holds the file; it is not broken
+                pause = min(pause * 2, 0.5)
+            except sqlite3.DatabaseError as exc:
+                return self._recreate(exc)
+
+    def _recreate(self, exc: sqlite3.DatabaseError) -> sqlite3.Connection:
+        log.warning("artifact index %s is unusable (%s); recreating it from the entries", self.path, exc)
+        self._discard_files()
+        return self._connect()
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -200,3 +231,11 @@ class ArtifactIndex:
     def digest_delete(self, path: str) -> None:
         with self._lock:
             self._conn.execute("DELETE FROM digests WHERE path=?", (path,))
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite refused because another connection holds the file (it will free it)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc) or "busy" in str(exc)
