@@ -25,6 +25,7 @@ from kvcellar.engine import SamplingParams, observability
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
+    TEST_DEVICE,
     assert_equivalent_output,
     assert_no_leaks,
     chat_ids,
@@ -37,6 +38,12 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)
 # (logprob tolerance, near-tie margin) per setting; see the module docstring.
 TOLERANCE = {8: (0.15, 0.3), 4: (0.6, 0.6)}
+if TEST_DEVICE != "cpu":
+    # CUDA's float32 kernels round by a step's row count: one uncached prompt prefilled in
+    # chunks of 64 and of 512 differs by ~3e-6 in logprob at 16-bit KV, and by up to 1.4 at
+    # 4 bits, where a value on a rounding edge moves a whole step (H200, docs/performance.md).
+    # CPU's round the same at any row count, so CI holds the tight bounds.
+    TOLERANCE[4] = (1.5, 1.5)
 SYSTEM = ("You answer questions about a city's public library: opening hours, loans, fines, rooms and events. "
           "Be brief and name the desk that helps. " * 3)
 

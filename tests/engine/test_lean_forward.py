@@ -100,11 +100,12 @@ def test_fused_and_unfused_linears_give_the_same_outputs_on_every_cache_path(dty
     matmul shape)."""
     from kvcellar.artifacts.store import ArtifactCache
     from kvcellar.runtime import prepare_and_load
-    from tests._models import LOGPROB_TOL, assert_equivalent_output, assert_same_output, shared_models_dir
+    from tests._models import LOGPROB_TOL, TEST_DEVICE, assert_equivalent_output, assert_same_output, shared_models_dir
 
-    fused = embedded(dtype)
-    unfused = prepare_and_load(None, dtype=dtype, device="cpu", weights="full",
-                               artifacts=ArtifactCache(shared_models_dir()))
+    # Two loads of their own: the shared ``embedded`` model is prepared (fused or not) by
+    # whichever test of this worker made the first engine over it.
+    fused, unfused = (prepare_and_load(None, dtype=dtype, device=TEST_DEVICE, weights="full",
+                                       artifacts=ArtifactCache(shared_models_dir())) for _ in range(2))
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
     a, b = make_engine(fused, max_step_tokens=48), make_engine(unfused, lean_forward=False, max_step_tokens=48)
     assert a.runner.linears.fused and not b.runner.linears.fused

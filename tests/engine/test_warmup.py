@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine.attention import attention_paths
 from kvcellar.engine.warmup import warm_up
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
@@ -49,8 +50,7 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
         assert seconds > 0 and after["engine_warmup_steps"] >= 4 and after["engine_warmup_left_out"] == 0
         assert engine.grammars.prepared  # the first constrained request does not build it
         # every attention path the engine has was run
-        assert engine.runner.paths_seen >= {"prefill_causal", "prefill_split", "prefill_folded", "prefill_masked",
-                                            "decode", "decode_masked"}
+        assert engine.runner.paths_seen >= attention_paths(engine.runner.device)
         # no trace: no blocks kept, nothing sent to the SSD, counters as before
         assert after["kv_blocks_cached"] == 0 and after["kv_blocks_used"] == 0
         assert not list(tmp_path.rglob("*.kvb"))

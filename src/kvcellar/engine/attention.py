@@ -37,6 +37,14 @@ FOLD_GQA_MAX_QUERIES = 32
 # (``_chunk_over_past``): 15 % faster at 4096 earlier tokens, no gain below a few hundred.
 SPLIT_MIN_PAST = 256
 
+PATHS = frozenset({"decode", "decode_masked", "prefill_folded", "prefill_split", "prefill_causal", "prefill_masked"})
+
+
+def attention_paths(device: torch.device) -> frozenset[str]:
+    """The paths ``paged_attention`` can take on ``device``: the split prefill calls CPU's
+    flash kernel, so it is CPU's alone."""
+    return PATHS if device.type == "cpu" else PATHS - {"prefill_split"}
+
 
 @dataclass
 class PrefillSpan:
