@@ -90,6 +90,9 @@ def test_int4_dequantization_is_exact():
     out = torch.empty(90 - 7, 1056)
     native.dequantize_int4(nibbles, scales, offsets, 7, 90, out, THREADS)
     assert torch.equal(out, weight[7:90].float())  # one rounding of q * scale + offset
+    bf16 = torch.empty(90 - 7, 1056, dtype=torch.bfloat16)
+    native.dequantize_int4(nibbles, scales, offsets, 7, 90, bf16, THREADS)
+    assert torch.equal(bf16, out.to(torch.bfloat16))  # rounded to nearest even, as torch rounds
 
 
 @needs_native
@@ -105,6 +108,34 @@ def test_a_linear_on_native_kernels_is_lean_and_both_its_paths_agree(kind):
     kernel, dense = layer.quantized_kernel(x), layer.dense(x)
     assert (kernel - dense).abs().max() <= 1e-5 * dense.abs().max()
     assert torch.equal(layer(x[:4]), kernel[:4]) and torch.equal(layer(x), dense)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_bf16_model_on_native_kernels_multiplies_prefill_steps_in_bf16(monkeypatch, kind):
+    """Where the CPU's bf16 matmul is the fast one (AMX: several times float32's at prefill
+    sizes), a bf16 model's larger steps multiply the 8-bit activations and the dequantized
+    weight in bf16; on other CPUs in float32. Both agree with the kernel to bf16 rounding."""
+    import kvcellar.engine.linears as linears
+
+    q = (quantize_int4 if kind == "int4" else quantize_int8)(torch.randn(200, 320) * 0.05)
+    bias = torch.randn(200).to(torch.bfloat16)
+    x = activations(6, 320).to(torch.bfloat16)
+    outputs = {}
+    for fast_bf16 in (True, False):
+        monkeypatch.setattr(linears, "native_bf16_cpu", lambda fast=fast_bf16: fast)
+        layer = FastLinear(q.dequantize(torch.bfloat16), bias, q,
+                           KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
+        assert layer.native and layer.lean
+        assert layer.native_dense_dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+        assert layer.dequantized().dtype == layer.native_dense_dtype
+        kernel, dense = layer.quantized_kernel(x), layer.dense(x)
+        assert kernel.dtype == dense.dtype == torch.bfloat16
+        assert (kernel.float() - dense.float()).abs().max() <= 2 ** -7 * dense.float().abs().max()
+        outputs[fast_bf16] = dense
+    exact = linears.FastLinear(q.dequantize(torch.float32), bias.float(), q,
+                               KernelTable(quant_max_rows=0, kernel_dtype=torch.int8)).dense(x.float())
+    assert torch.equal(outputs[False], exact.to(torch.bfloat16))  # float32 products, one rounding at the end
 
 
 def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):

@@ -192,6 +192,10 @@ class FastLinear(nn.Module):
             int4_pack_block() > 0 and self.out_features % int4_pack_block() == 0)))
         self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
         self.upcast = self.lean and upcasts_dense(dtype, device)
+        # What kvcellar's kernels' dense path multiplies in: a bf16 model's dtype where the CPU's
+        # bf16 matmul is the fast one (AMX: 4-6x float32's at prefill sizes), else float32.
+        self.native_dense_dtype = torch.bfloat16 if dtype == torch.bfloat16 and not upcasts_dense(dtype, device) \
+            else torch.float32
         self._dense: torch.Tensor | None = None
         if quant is not None and not self.lean:
             # The model's weights may be as loaded (``quantize_model(materialize=False)``) or
@@ -267,15 +271,15 @@ class FastLinear(nn.Module):
         return n
 
     def dequantized(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in the compute dtype (float32 for kvcellar's kernels),
-        dequantized into the scratch buffer (valid until the next call on this thread)."""
+        """The weight ``[out, in]`` in the compute dtype (``native_dense_dtype`` for kvcellar's
+        kernels), dequantized into the scratch buffer (valid until the next call on this thread)."""
         assert self._q is not None
         rows, cols = self.out_features, self.in_features
+        dtype = self.native_dense_dtype if self.native else self.dtype
+        out = _scratch_buffer(rows * cols, dtype, self.device).view(rows, cols)
         if self.native and self.quant_kind == "int4":
             assert self._scale is not None and self._zero is not None
-            out = _scratch_buffer(rows * cols, torch.float32, self.device).view(rows, cols)
             return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads())
-        out = _scratch_buffer(rows * cols, torch.float32 if self.native else self.dtype, self.device).view(rows, cols)
         for start in range(0, rows, _DEQUANT_ROWS):
             end = min(rows, start + _DEQUANT_ROWS)
             if self.quant_kind == "int8":
@@ -295,9 +299,9 @@ class FastLinear(nn.Module):
             return packed
         if self.dense_kind == "dequantized":
             if self.native:  # the kernels' 8-bit activations: the same products at every step size
-                x32 = native.round_activations(x2d.float(), torch.get_num_threads())
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x32, self.dequantized(), bias).to(self.dtype)
+                x8 = native.round_activations(x2d.float(), torch.get_num_threads()).to(self.native_dense_dtype)
+                bias = None if self.bias is None else self.bias.to(self.native_dense_dtype)
+                return F.linear(x8, self.dequantized(), bias).to(self.dtype)
             if self.upcast:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x2d.float(), self.dequantized().float(), bias).to(self.dtype)

@@ -47,7 +47,7 @@ _SIGNATURES = {
     "kvc_quantize_q8": [_P, _I, _I, _P, _P, _P, _N],
     "kvc_gemm_q4": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
-    "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N],
+    "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
 }
 
@@ -165,10 +165,11 @@ def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, th
 
 def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, start: int, end: int,
                     out: torch.Tensor, threads: int) -> torch.Tensor:
-    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``) into float32 ``out``
-    ``[end - start, in]``: ``q * scale + offset``."""
+    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``) into ``out``
+    ``[end - start, in]``, float32 or bfloat16 (rounded as ``Tensor.to`` rounds):
+    ``q * scale + offset``."""
     cols = nibbles.shape[1] * 2
-    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (end - start, cols)
+    assert out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous() and out.shape == (end - start, cols)
     _lib().kvc_dequantize_q4(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), start, end, cols,
-                             out.data_ptr(), threads)
+                             out.data_ptr(), out.dtype == torch.bfloat16, threads)
     return out

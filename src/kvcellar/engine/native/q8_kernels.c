@@ -180,13 +180,22 @@ void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols
 }
 
 /* Rows [start, end) of int4 weights as float32 [end - start, cols]: q * scale + offset. */
+/* 8 floats as bfloat16, rounded to nearest even (torch's conversion, for finite values). */
+static inline __m128i to_bf16(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+/* Rows start..end of an int4 weight into dst [end - start, cols]: float32, or bfloat16
+ * (uint16) where bf16 is set, for a bf16 model on a CPU whose bf16 matmul is the fast one. */
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start,
-                       int64_t end, int64_t cols, float *dst, int threads) {
+                       int64_t end, int64_t cols, void *dst, int bf16, int threads) {
     const int64_t blocks = cols / BLOCK;
     #pragma omp parallel for schedule(static, 16) num_threads(threads)
     for (int64_t r = start; r < end; r++) {
         const uint8_t *wr = w + r * (cols / 2);
-        float *d = dst + (r - start) * cols;
         for (int64_t b = 0; b < blocks; b++) {
             const __m128i packed = _mm_loadu_si128((const __m128i *)(wr + b * (BLOCK / 2)));
             const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
@@ -194,11 +203,17 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
             const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
             const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[r * blocks + b]));
             const __m256 o = _mm256_set1_ps(_cvtsh_ss(offsets[r * blocks + b]));
-            float *db = d + b * BLOCK;
-            _mm256_storeu_ps(db, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)), s, o));
-            _mm256_storeu_ps(db + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8))), s, o));
-            _mm256_storeu_ps(db + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)), s, o));
-            _mm256_storeu_ps(db + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))), s, o));
+            const __m256 v[4] = {
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8))), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))), s, o),
+            };
+            const int64_t at = (r - start) * cols + b * BLOCK;
+            for (int k = 0; k < 4; k++) {
+                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + at + 8 * k), to_bf16(v[k]));
+                else _mm256_storeu_ps((float *)dst + at + 8 * k, v[k]);
+            }
         }
     }
 }
