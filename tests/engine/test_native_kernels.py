@@ -146,3 +146,33 @@ def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):
     assert layer.quant_kind is None and not layer.lean  # the dequantized weight, dense
     x = torch.randn(2, 256)
     assert torch.allclose(layer(x), x @ q.dequantize(torch.float32).T, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (8, 16), (4, 64), (4, 32)])
+def test_the_pools_quantized_gather_is_dequantize_kv_bit_for_bit(dtype, bits, group):
+    """The C gather of quantized KV blocks against the pool's own (index_select, then
+    ``dequantize_kv``): the same numbers in float32 and in bf16, any block order, repeats."""
+    from kvcellar.cache.kv_pool import KVLayout, KVPool
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=4, dtype=dtype, kv_bits=bits,
+                      kv_group_size=group)
+    assert native.gathers_kv(layout, torch.device("cpu"))
+    pools = [KVPool(layout, 9, torch.device("cpu")),
+             KVPool(layout, 9, torch.device("cpu"), gather_quantized=native.gather_kv)]
+    gen = torch.Generator().manual_seed(bits * group)
+    slots = torch.arange(9 * 4)
+    for layer in range(3):
+        key, value = (torch.randn(36, 2, 64, generator=gen) * 4).to(dtype), torch.randn(36, 2, 64, generator=gen)
+        key[5] = 0.0  # a group of zeros: scale 0
+        for pool in pools:
+            pool.write(layer, slots // 4, slots % 4, key, value.to(dtype))
+    table = torch.tensor([[3, 1, 8, 1], [0, 5, 5, 2]])
+    for layer in range(3):
+        want, got = pools[0].gather(layer, table), pools[1].gather(layer, table)
+        for w, g in zip(want, got, strict=True):
+            assert g.dtype == dtype and g.shape == w.shape == (2, 2, 16, 64)
+            assert torch.equal(g, w)
+    with pytest.raises(IndexError):
+        pools[1].gather(0, torch.tensor([[9]]))

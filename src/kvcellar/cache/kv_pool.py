@@ -25,6 +25,7 @@ allocation: masked-out positions must hold finite values (0 x NaN is NaN in soft
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,11 +153,19 @@ def dequantize_kv(q: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch
     return g.reshape(*lead, dim)
 
 
+# A faster ``gather`` of quantized KV, given by the engine where it has one (kvcellar's CPU
+# kernels): (pool data, layout, layer, 0 for K or 1 for V, int64 block ids) -> the blocks'
+# ``[n * block_size, kv_heads, head_dim]`` in ``layout.dtype``, exactly ``dequantize_kv``'s.
+QuantizedGather = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor], torch.Tensor]
+
+
 class KVPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                 gather_quantized: QuantizedGather | None = None) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
+        self._gather_quantized = gather_quantized if layout.quantized else None
         self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
         if layout.quantized:
             lay = layout
@@ -203,6 +212,10 @@ class KVPool:
             k = self._k[layer].index_select(0, flat).view(shape).transpose(1, 2)
             v = self._v[layer].index_select(0, flat).view(shape).transpose(1, 2)
             return k, v
+        if self._gather_quantized is not None:  # one pass, no copy of the packed blocks
+            k = self._gather_quantized(self.data, lay, layer, 0, flat)
+            v = self._gather_quantized(self.data, lay, layer, 1, flat)
+            return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
         k = dequantize_kv(self._qk[layer].index_select(0, flat), self._pk[layer].index_select(0, flat),
                           lay.kv_bits, lay.dtype)
         v = dequantize_kv(self._qv[layer].index_select(0, flat), self._pv[layer].index_select(0, flat),

@@ -16,6 +16,7 @@ from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.engine import native
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.engine import Engine, EngineParts
 from kvcellar.engine.loader import LoadedModel
@@ -41,7 +42,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         log.warning("max_model_len %d is above the model's trained context of %d tokens",
                     max_model_len, loaded.max_context)
     num_blocks = _pool_blocks(layout, cfg, max_model_len)
-    pool = KVPool(layout, num_blocks, loaded.device)
+    pool = KVPool(layout, num_blocks, loaded.device,
+                  gather_quantized=native.gather_kv if native.gathers_kv(layout, loaded.device) else None)
     blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
     wake = threading.Event()
     lower = LowerTierLink(pool, blocks.key, wake=wake.set)

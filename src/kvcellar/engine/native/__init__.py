@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kvcellar.cache.kv_pool import KVLayout
 from kvcellar.paths import resolve_cache_dir
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ _SIGNATURES = {
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
+    "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
 }
 
 
@@ -172,4 +174,29 @@ def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.
     assert out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous() and out.shape == (end - start, cols)
     _lib().kvc_dequantize_q4(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), start, end, cols,
                              out.data_ptr(), out.dtype == torch.bfloat16, threads)
+    return out
+
+
+def gathers_kv(layout: KVLayout, device: torch.device) -> bool:
+    """Whether ``gather_kv`` takes this quantized KV layout: on CPU, into float32 or bf16,
+    groups of whole 8-value vectors."""
+    return (available() and device.type == "cpu" and layout.quantized and layout.kv_group_size % 8 == 0
+            and layout.dtype in (torch.float32, torch.bfloat16))
+
+
+def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer``'s K (``kv`` 0) or V (1) of ``blocks`` (int64 block ids) in a quantized
+    KV pool (``pool`` uint8 ``[num_blocks, *layout.storage_shape]``), dequantized in one pass
+    into ``[len(blocks) * block_size, kv_heads, head_dim]`` of ``layout.dtype``: what
+    ``kv_pool.dequantize_kv`` gives for those blocks, bit for bit."""
+    assert pool.is_contiguous() and pool.dtype == torch.uint8 and pool.shape[1:] == layout.storage_shape
+    blocks = blocks.to(torch.int64).contiguous()
+    if blocks.numel() and not 0 <= int(blocks.min()) <= int(blocks.max()) < pool.shape[0]:
+        raise IndexError(f"block ids outside the pool's {pool.shape[0]} blocks")  # C would read past it
+    layer_bytes = layout.storage_shape[-1]
+    out = torch.empty(blocks.numel() * layout.block_size, layout.num_kv_heads, layout.head_dim, dtype=layout.dtype)
+    _lib().kvc_gather_kv(pool.data_ptr(), layout.bytes_per_block, (layer * 2 + kv) * layer_bytes,
+                         layout.values_bytes, blocks.data_ptr(), blocks.numel(),
+                         layout.block_size * layout.num_kv_heads, layout.head_dim, layout.kv_group_size,
+                         layout.kv_bits, out.data_ptr(), layout.dtype == torch.bfloat16, torch.get_num_threads())
     return out

@@ -234,3 +234,59 @@ void kvc_round_q8(const float *x, int64_t rows, int64_t cols, float *dst, int th
         for (int k = 0; k < BLOCK; k++) o[k] = d * nearbyintf(v[k] * id);
     }
 }
+
+/* v rounded to bfloat16 (nearest even) and kept as a float. */
+static inline __m256 round_bf16(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline float round_bf16_1(float x) {
+    return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
+}
+
+/* One layer's K or V of quantized KV blocks (cache/kv_pool.py's layout), gathered and
+ * dequantized into out [n_blocks * rows, head_dim] in one pass: float32, or bfloat16 where
+ * bf16 is set. Block i is at pool + blocks[i] * block_bytes + region: its packed values
+ * [rows, head_dim * bits / 8], then float16 parameters [rows, head_dim / group, 1 or 2].
+ * The arithmetic is kv_pool.dequantize_kv's in the output dtype, step for step: the values
+ * and parameters converted to it, q * scale rounded, then + offset rounded (4 bits). */
+void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes,
+                   const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group,
+                   int bits, void *out, int bf16, int threads) {
+    const int64_t packed = head_dim * bits / 8, groups = head_dim / group, per = bits == 4 ? 2 : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks * rows * head_dim > 32768)
+    for (int64_t i = 0; i < n_blocks * rows; i++) {
+        const int64_t blk = i / rows, r = i % rows;
+        const uint8_t *base = pool + blocks[blk] * block_bytes + region;
+        const uint8_t *vals = base + r * packed;
+        const uint16_t *prm = (const uint16_t *)(base + values_bytes) + r * groups * per;
+        for (int64_t g = 0; g < groups; g++) {
+            float s = _cvtsh_ss(prm[g * per]), o = bits == 4 ? _cvtsh_ss(prm[g * per + 1]) : 0.0f;
+            if (bf16) { s = round_bf16_1(s); o = round_bf16_1(o); }
+            const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+            for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+                __m256i q;
+                if (bits == 8) {
+                    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vals + k)));
+                } else {
+                    const __m128i b = _mm_cvtsi32_si128(*(const int32_t *)(vals + k / 2));
+                    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                    q = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+                }
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vs);
+                if (bf16) v = round_bf16(v);
+                if (bits == 4) {
+                    v = _mm256_add_ps(v, vo);
+                    if (bf16) v = round_bf16(v);
+                }
+                const int64_t at = i * head_dim + k;
+                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)out + at), to_bf16(v));
+                else _mm256_storeu_ps((float *)out + at, v);
+            }
+        }
+    }
+}
