@@ -247,46 +247,83 @@ static inline float round_bf16_1(float x) {
     return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
 }
 
+/* 8 values of a group, dequantized as kv_pool.dequantize_kv does in the output dtype (in
+ * bf16: each step rounded to bf16, kept in a float). BITS and BF16 are constants at each call
+ * site, so every variant is its own loop. */
+static inline __attribute__((always_inline)) __m256 dequant8(__m256i q, __m256 vs, __m256 vo, const int BITS,
+                                                             const int BF16) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vs);
+    if (BF16) v = round_bf16(v);
+    if (BITS == 4) {
+        v = _mm256_add_ps(v, vo);
+        if (BF16) v = round_bf16(v);
+    }
+    return v;
+}
+
+/* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
+static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
+    if (BF16) {
+        const __m256i ha = _mm256_srli_epi32(_mm256_castps_si256(a), 16), hb = _mm256_srli_epi32(_mm256_castps_si256(b), 16);
+        /* packus works per 128-bit lane: a0-3 b0-3 | a4-7 b4-7, put back in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(ha, hb), 0xD8);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
+    } else {
+        _mm256_storeu_ps((float *)out + at, a);
+        _mm256_storeu_ps((float *)out + at + 8, b);
+    }
+}
+
+static inline __attribute__((always_inline)) void gather_rows(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks,
+        int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, void *out, int threads,
+        const int BITS, const int BF16) {
+    const int64_t packed = head_dim * BITS / 8, groups = head_dim / group, per = BITS == 4 ? 2 : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks * rows * head_dim > 65536)
+    for (int64_t blk = 0; blk < n_blocks; blk++) {
+        const uint8_t *base = pool + blocks[blk] * block_bytes + region;
+        const uint16_t *params = (const uint16_t *)(base + values_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *vals = base + r * packed;
+            const uint16_t *prm = params + r * groups * per;
+            const int64_t row = (blk * rows + r) * head_dim;
+            for (int64_t g = 0; g < groups; g++) {
+                float s = _cvtsh_ss(prm[g * per]), o = BITS == 4 ? _cvtsh_ss(prm[g * per + 1]) : 0.0f;
+                if (BF16) { s = round_bf16_1(s); o = round_bf16_1(o); }
+                const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+                for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+                    __m256i q0, q1;
+                    if (BITS == 8) {
+                        const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
+                        q0 = _mm256_cvtepi8_epi32(b);
+                        q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+                    } else {
+                        const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
+                        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                        const __m128i q = _mm_unpacklo_epi8(lo, hi);  /* 16 values in order */
+                        q0 = _mm256_cvtepu8_epi32(q);
+                        q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+                    }
+                    put16(dequant8(q0, vs, vo, BITS, BF16), dequant8(q1, vs, vo, BITS, BF16), out, row + k, BF16);
+                }
+            }
+        }
+    }
+}
+
 /* One layer's K or V of quantized KV blocks (cache/kv_pool.py's layout), gathered and
  * dequantized into out [n_blocks * rows, head_dim] in one pass: float32, or bfloat16 where
  * bf16 is set. Block i is at pool + blocks[i] * block_bytes + region: its packed values
  * [rows, head_dim * bits / 8], then float16 parameters [rows, head_dim / group, 1 or 2].
  * The arithmetic is kv_pool.dequantize_kv's in the output dtype, step for step: the values
- * and parameters converted to it, q * scale rounded, then + offset rounded (4 bits). */
+ * and parameters converted to it, q * scale rounded, then + offset rounded (4 bits). Groups
+ * are whole multiples of 16 values. */
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes,
                    const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group,
                    int bits, void *out, int bf16, int threads) {
-    const int64_t packed = head_dim * bits / 8, groups = head_dim / group, per = bits == 4 ? 2 : 1;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks * rows * head_dim > 32768)
-    for (int64_t i = 0; i < n_blocks * rows; i++) {
-        const int64_t blk = i / rows, r = i % rows;
-        const uint8_t *base = pool + blocks[blk] * block_bytes + region;
-        const uint8_t *vals = base + r * packed;
-        const uint16_t *prm = (const uint16_t *)(base + values_bytes) + r * groups * per;
-        for (int64_t g = 0; g < groups; g++) {
-            float s = _cvtsh_ss(prm[g * per]), o = bits == 4 ? _cvtsh_ss(prm[g * per + 1]) : 0.0f;
-            if (bf16) { s = round_bf16_1(s); o = round_bf16_1(o); }
-            const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
-            for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
-                __m256i q;
-                if (bits == 8) {
-                    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vals + k)));
-                } else {
-                    const __m128i b = _mm_cvtsi32_si128(*(const int32_t *)(vals + k / 2));
-                    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-                    q = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-                }
-                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vs);
-                if (bf16) v = round_bf16(v);
-                if (bits == 4) {
-                    v = _mm256_add_ps(v, vo);
-                    if (bf16) v = round_bf16(v);
-                }
-                const int64_t at = i * head_dim + k;
-                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)out + at), to_bf16(v));
-                else _mm256_storeu_ps((float *)out + at, v);
-            }
-        }
-    }
+    if (bits == 8 && bf16) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 8, 1);
+    else if (bits == 8) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 8, 0);
+    else if (bf16) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 1);
+    else gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 0);
 }
