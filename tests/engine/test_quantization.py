@@ -254,7 +254,19 @@ def test_a_model_is_prepared_once_and_shared_by_its_engines():
     a, b = make_engine(loaded), make_engine(loaded, lean_forward=False)
     assert a.runner.linears is b.runner.linears is prepare_model(loaded.model)
     fused = a.runner.linears.fused
-    assert len(fused) == 2 * loaded.config.num_hidden_layers  # QKV and gate-up of every layer
+    if a.runner.linears.table.kernel_dtype == torch.int8:
+        # kvcellar's kernels read each linear where the entry maps it: fusing would copy them
+        assert not fused and all(m.lean and m._q is not None for m in a.runner.linears.quantized)
+    else:
+        assert len(fused) == 2 * loaded.config.num_hidden_layers  # QKV and gate-up of every layer
+
+
+def test_with_torchs_kernels_qkv_and_gate_up_are_fused(monkeypatch):
+    without_native_kernels(monkeypatch)
+    loaded = load("int4")
+    engine = make_engine(loaded)
+    assert engine.runner.linears.table.kernel_dtype != torch.int8
+    assert len(engine.runner.linears.fused) == 2 * loaded.config.num_hidden_layers
 
 
 def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():

@@ -386,13 +386,16 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     param = next(model.parameters())
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
     table = KernelTable(DEFAULT_QUANT_MAX_ROWS if kernels else 0, kernel_dtype=kernel_dtype)
+    # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
+    # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
+    in_place = kernels and kernel_dtype == torch.int8
     modules = dict(model.named_modules())
     fused: dict[str, FastLinear] = {}
     linears: list[FastLinear] = []
     replace: dict[str, nn.Module] = {}
     for name, members in fuse:
         parts = [modules[m] for m in members]
-        if not all(type(p) is nn.Linear for p in parts):
+        if not all(type(p) is nn.Linear for p in parts) or (in_place and any(m in quantized for m in members)):
             continue
         one = FastLinear.from_linears(parts, [quantized.get(m) for m in members], table)
         fused[name] = one
