@@ -194,8 +194,9 @@ def test_calibration_picks_the_kernel_where_it_is_faster():
 
 
 def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
-    """A linear whose first run is long (a 7B model's LM head, dequantized) runs twice per row
-    count and kind: its warm-up run and one timed run, not ``repeats`` timed runs."""
+    """A linear whose first run is long (a 7B model's gate-up, dequantized) runs twice per row
+    count and kind: its warm-up run and one timed run, not ``repeats`` timed runs. The LM head
+    is not timed (``test_calibration_leaves_the_lm_head_out``)."""
     engine = make_engine(quantized("int4"))
     calls = {"quantized_kernel": 0, "dense": 0}
     def counting(name: str):
@@ -211,7 +212,7 @@ def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
     monkeypatch.setattr(linears_module, "LONG_RUN_S", 0.0)
     engine.runner.calibrate_kernels()
     shapes = {(m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size)
-              for m in engine.runner.linears.quantized}
+              for m in engine.runner.linears.quantized if m is not engine.runner.linears.head}
     assert calls["quantized_kernel"] == calls["dense"] == 2 * len(linears_module.CALIBRATION_ROWS) * len(shapes)
 
 
@@ -431,3 +432,20 @@ def test_an_int8_weight_read_at_an_unaligned_address_is_copied_for_the_kernel():
     assert layer._q is not None and layer._q.data_ptr() % 64 == 0
     x = torch.randn(3, 256).to(torch.bfloat16)
     assert torch.allclose(layer.quantized_kernel(x).float(), layer.dense(x).float(), atol=0.05)
+
+
+def test_calibration_leaves_the_lm_head_out():
+    """The LM head runs on a step's last tokens only: calibration times the other linears and
+    never dequantizes the head, the largest weight, into the scratch buffer."""
+    loaded = load("int8", "float32")
+    prepared = prepare_model(loaded.model, loaded.quantized, kernel_dtype=loaded.kernel_dtype)
+    head = prepared.head
+    assert head is not None and head is loaded.model.lm_head and head.quantized
+    others = [m for m in prepared.quantized if m is not head]
+    assert others
+    linears_module.release_scratch()
+    linears_module.calibrate(prepared, lambda rows: 1, repeats=1)
+    largest = max(m.out_features * m.in_features for m in others)
+    held = getattr(linears_module._scratch, "buffers", {}).values()
+    assert held and max(b.numel() for b in held) <= largest < head.out_features * head.in_features
+    linears_module.release_scratch()

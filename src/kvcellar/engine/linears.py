@@ -365,6 +365,7 @@ class PreparedModel:
     table: KernelTable
     fused: dict[str, FastLinear]  # "<layer path>.qkv" / ".gate_up" -> the fused linear
     linears: list[FastLinear]  # every distinct FastLinear, in model order
+    head: FastLinear | None = None  # the LM head, where it is a linear of its own
 
     @property
     def quantized(self) -> list[FastLinear]:
@@ -390,6 +391,8 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8
     modules = dict(model.named_modules())
+    output_embeddings = getattr(model, "get_output_embeddings", None)  # transformers' models have it
+    head_module = output_embeddings() if callable(output_embeddings) else None
     fused: dict[str, FastLinear] = {}
     linears: list[FastLinear] = []
     replace: dict[str, nn.Module] = {}
@@ -412,7 +415,8 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     for name, new in replace.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    prepared = PreparedModel(table, fused, linears)
+    head = next((new for name, new in replace.items() if modules[name] is head_module), None)
+    prepared = PreparedModel(table, fused, linears, head if isinstance(head, FastLinear) else None)
     model._kvcellar_prepared = prepared  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
     return prepared
 
@@ -425,9 +429,11 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
 
     Linears of one shape and kind take the same time, so one of each is timed and counted
     as many times as the model holds it: a 7B model's ~200 quantized linears are 5 shapes,
-    and dequantizing every one at every row count took minutes."""
+    and dequantizing every one at every row count took minutes. The LM head is left out where
+    other linears are timed: it runs on a step's last tokens, a few rows, and its dense run
+    would dequantize the largest weight (a 7B's: 2.2 GB in float32) for a choice it never faces."""
     table = prepared.table
-    layers = prepared.quantized
+    layers = [m for m in prepared.quantized if m is not prepared.head] or prepared.quantized
     if not layers:
         return table
     dtype, device = layers[0].dtype, layers[0].device
