@@ -279,12 +279,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="the models' dtype, so the KV of '16 bits' (float32 is faster where bf16 is not native)")
     p.add_argument("--peer-bin", type=Path, default=PEER_BIN if PEER_BIN.exists() else None)
+    p.add_argument("--weights", default="full", help="as `kvcellar serve --weights`: a 7-8B GGUF needs auto/int4 here")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
     cache = ArtifactCache(Path(os.environ.get("KVCELLAR_CACHE_DIR", Path.home() / ".cache" / "kvcellar")) / "models")
-    model = prepare_and_load(args.model, dtype=args.dtype, device="cpu", weights="full", artifacts=cache)
-    out: dict[str, Any] = {"machine": machine_info(), "model": model.name, "dtype": args.dtype}
+    model = prepare_and_load(args.model, dtype=args.dtype, device="cpu", weights=args.weights, artifacts=cache)
+    out: dict[str, Any] = {"machine": machine_info(), "model": model.name, "dtype": args.dtype, "weights": args.weights}
     out["bytes"] = bytes_table(model, args.kv_cache_gb)
     show("KV bytes per token", out["bytes"])
     if not args.skip_decode:
