@@ -180,8 +180,8 @@ def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.
 def gathers_kv(layout: KVLayout, device: torch.device) -> bool:
     """Whether ``gather_kv`` takes this quantized KV layout: on CPU, into float32 or bf16,
     groups of a multiple of 16 values."""
-    return (available() and device.type == "cpu" and layout.quantized and layout.kv_group_size % 16 == 0
-            and layout.dtype in (torch.float32, torch.bfloat16))
+    return (device.type == "cpu" and layout.quantized and layout.kv_group_size % 16 == 0
+            and layout.dtype in (torch.float32, torch.bfloat16) and available())
 
 
 def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks: torch.Tensor) -> torch.Tensor:
