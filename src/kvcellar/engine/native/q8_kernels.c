@@ -179,13 +179,25 @@ void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols
     }
 }
 
-/* Rows [start, end) of int4 weights as float32 [end - start, cols]: q * scale + offset. */
-/* 8 floats as bfloat16, rounded to nearest even (torch's conversion, for finite values). */
-static inline __m128i to_bf16(__m256 v) {
+/* v rounded to bfloat16 (nearest even) and kept as a float. */
+static inline __m256 round_bf16(__m256 v) {
     __m256i b = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
+static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
+    if (BF16) {
+        const __m256i ha = _mm256_srli_epi32(_mm256_castps_si256(a), 16), hb = _mm256_srli_epi32(_mm256_castps_si256(b), 16);
+        /* packus works per 128-bit lane: a0-3 b0-3 | a4-7 b4-7, put back in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(ha, hb), 0xD8);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
+    } else {
+        _mm256_storeu_ps((float *)out + at, a);
+        _mm256_storeu_ps((float *)out + at + 8, b);
+    }
 }
 
 /* Rows start..end of an int4 weight into dst [end - start, cols]: float32, or bfloat16
@@ -210,9 +222,9 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))), s, o),
             };
             const int64_t at = (r - start) * cols + b * BLOCK;
-            for (int k = 0; k < 4; k++) {
-                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + at + 8 * k), to_bf16(v[k]));
-                else _mm256_storeu_ps((float *)dst + at + 8 * k, v[k]);
+            for (int k = 0; k < 4; k += 2) {
+                if (bf16) put16(round_bf16(v[k]), round_bf16(v[k + 1]), dst, at + 8 * k, 1);
+                else put16(v[k], v[k + 1], dst, at + 8 * k, 0);
             }
         }
     }
@@ -235,14 +247,6 @@ void kvc_round_q8(const float *x, int64_t rows, int64_t cols, float *dst, int th
     }
 }
 
-/* v rounded to bfloat16 (nearest even) and kept as a float. */
-static inline __m256 round_bf16(__m256 v) {
-    __m256i b = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
 static inline float round_bf16_1(float x) {
     return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
 }
@@ -259,19 +263,6 @@ static inline __attribute__((always_inline)) __m256 dequant8(__m256i q, __m256 v
         if (BF16) v = round_bf16(v);
     }
     return v;
-}
-
-/* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
-static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
-    if (BF16) {
-        const __m256i ha = _mm256_srli_epi32(_mm256_castps_si256(a), 16), hb = _mm256_srli_epi32(_mm256_castps_si256(b), 16);
-        /* packus works per 128-bit lane: a0-3 b0-3 | a4-7 b4-7, put back in order */
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(ha, hb), 0xD8);
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
-    } else {
-        _mm256_storeu_ps((float *)out + at, a);
-        _mm256_storeu_ps((float *)out + at + 8, b);
-    }
 }
 
 static inline __attribute__((always_inline)) void gather_rows(
