@@ -16,7 +16,7 @@ THREADS = 2
 # (rows out, inputs): blocks of 32 in whole groups of 8 and with a tail; rows out not a
 # multiple of the 16 each thread takes at a time.
 SHAPES = [(40, 256), (33, 320), (96, 1056)]
-ROWS = (1, 3, 4, 5, 9)  # around the tile of 4 activation rows
+ROWS = (1, 3, 4, 5, 9, 19)  # around the tile of 4 activation rows; from 8 on, int4 panels of 8 outputs
 
 
 def activations(rows: int, cols: int) -> torch.Tensor:
@@ -71,6 +71,33 @@ def test_int4_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
         x = activations(rows, cols)
         assert_close(native.matmul_int4(x, nibbles, scales, offsets, THREADS), rounded(x) @ weight.T)
         assert_close(native.matmul_int4(x, nibbles, scales, offsets, 1), rounded(x) @ weight.T)
+
+
+@needs_native
+def test_int4_panels_give_each_row_the_same_numbers_in_any_chunk():
+    """From ``PANEL_MIN_ROWS`` rows on, each output is its blocks' products summed in block
+    order whatever the other rows: a prompt's KV does not depend on how it was chunked."""
+    nibbles, scales, offsets, _ = int4_weight(96, 1056)
+    x = activations(45, 1056)
+    whole = native.matmul_int4(x, nibbles, scales, offsets, THREADS)
+    for start, end in ((0, 8), (8, 21), (21, 45)):
+        assert torch.equal(native.matmul_int4(x[start:end], nibbles, scales, offsets, 1), whole[start:end])
+
+
+@needs_native
+def test_int4_panels_sum_the_largest_products_exactly():
+    """Every nibble 15 and every activation at its block's maximum: the 16-bit partial sums
+    reach 8 x 2 x 15 x 127 of the 32767 they hold."""
+    out, cols = 16, 256
+    nibbles = torch.full((out, cols // 2), 0xFF, dtype=torch.uint8)
+    scales = torch.ones(out, cols // 32, dtype=torch.float16)
+    offsets = torch.zeros(out, cols // 32, dtype=torch.float16)
+    x = torch.ones(native.PANEL_MIN_ROWS, cols)
+    x[1] = -1.0
+    y = native.matmul_int4(x, nibbles, scales, offsets, THREADS)
+    want = torch.full((native.PANEL_MIN_ROWS, out), 15.0 * cols)
+    want[1] = -15.0 * cols
+    assert torch.allclose(y, want, rtol=1e-6, atol=0)
 
 
 @needs_native

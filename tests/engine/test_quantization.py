@@ -183,7 +183,7 @@ def test_engine_matches_the_dequantized_reference(mode):
 def test_calibration_picks_the_kernel_where_it_is_faster():
     loaded = quantized("int4")
     engine = make_engine(loaded)
-    found = engine.runner.calibrate_kernels()
+    found = engine.runner.calibrate_kernels(engine.config.max_step_tokens)
     measured = found["ms_per_pass"]
     rows = found["quant_max_rows"]
     assert observability.snapshot(engine)["runner_quant_max_rows"] == rows
@@ -191,6 +191,24 @@ def test_calibration_picks_the_kernel_where_it_is_faster():
         if r <= rows:
             assert ms < measured["dense"][r]
     assert rows == 0 or measured["quantized"][1] < measured["dense"][1]
+
+
+@pytest.mark.parametrize("faster", ["quantized_kernel", "dense"])
+def test_calibration_runs_a_kernel_faster_at_every_count_on_every_step(faster, monkeypatch):
+    """A kernel faster at every calibrated row count, the largest included, runs steps of up
+    to the engine's largest; one slower everywhere runs none. The slower path here runs the
+    faster one four times, so the order cannot turn on noise."""
+    engine = make_engine(quantized("int4"))
+    slower = "dense" if faster == "quantized_kernel" else "quantized_kernel"
+    fast = getattr(FastLinear, faster)
+
+    def four_times(self, x):
+        for _ in range(3):
+            fast(self, x)
+        return fast(self, x)
+    monkeypatch.setattr(FastLinear, slower, four_times)
+    found = engine.runner.calibrate_kernels(1000)
+    assert found["quant_max_rows"] == (1000 if faster == "quantized_kernel" else 0)
 
 
 def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
@@ -210,7 +228,7 @@ def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
     for name in calls:
         monkeypatch.setattr(FastLinear, name, counting(name))
     monkeypatch.setattr(linears_module, "LONG_RUN_S", 0.0)
-    engine.runner.calibrate_kernels()
+    engine.runner.calibrate_kernels(engine.config.max_step_tokens)
     shapes = {(m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size)
               for m in engine.runner.linears.quantized if m is not engine.runner.linears.head}
     assert calls["quantized_kernel"] == calls["dense"] == 2 * len(linears_module.CALIBRATION_ROWS) * len(shapes)

@@ -11,7 +11,8 @@ against 26. So:
   bf16: every row count measured, 1 to 2048; fp32 stays on ``F.linear``, which was faster
   at 1-2 rows; fp16 on CPU was not measured and stays there too);
 * a quantized linear runs its int8/int4 kernel for steps of at most ``quant_max_rows``
-  rows (decodes) and its dequantized weight, dense, above (prefill chunks, big batches).
+  rows (decodes; with kvcellar's own kernels on AVX2, prefill chunks too) and its
+  dequantized weight, dense, above (prefill chunks, big batches).
   Where the cross-over lies depends on the CPU, so warm-up (``engine/warmup.py``) measures it over the
   model's own linears (``calibrate``); until then a default per device and dtype holds;
 * QKV and gate-up projections of supported architectures are fused into one linear each
@@ -42,8 +43,9 @@ from kvcellar.quantization import QuantizedWeight, dequantize_int4
 log = logging.getLogger(__name__)
 
 # Row counts at which ``calibrate`` compares a quantized kernel with the dense weights (for
-# a lean linear: dequantizing them first, which the kernel beats at more rows).
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# a lean linear: dequantizing them first, which the kernel beats at more rows). 512 is a
+# default prefill chunk: kvcellar's kernels multiply such chunks too (``engine/native``).
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 512)
 # A linear whose first calibration run takes this long (a 7B model's LM head dequantized) is
 # timed once more instead of ``repeats`` times: its noise is small beside it, and repeats of
 # it made most of a 7B model's start.
@@ -421,11 +423,13 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     return prepared
 
 
-def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeats: int = 3) -> KernelTable:
+def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeats: int = 3,
+              max_rows: int = CALIBRATION_ROWS[-1]) -> KernelTable:
     """Time one pass over the model's quantized linears with their quantized kernel and with
     their dense weights, at each of ``CALIBRATION_ROWS`` rows (``threads_for(rows)`` torch
     threads, as steps of that size run), and use the kernel up to the largest row count from
-    which on it is no longer faster. Returns the table, updated in place.
+    which on it is no longer faster; where it is faster at every count, for steps of up to
+    ``max_rows`` (the engine's largest step). Returns the table, updated in place.
 
     Linears of one shape and kind take the same time, so one of each is timed and counted
     as many times as the model holds it: a 7B model's ~200 quantized linears are 5 shapes,
@@ -472,7 +476,7 @@ def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeat
         if measured["quantized"][rows] >= measured["dense"][rows]:
             break
         best = rows
-    table.quant_max_rows = best
+    table.quant_max_rows = max(best, max_rows) if best == CALIBRATION_ROWS[-1] else best
     table.measured = measured
     table.calibrated = True
     return table

@@ -86,14 +86,15 @@ class ModelRunner:
         self.set_decode_threads(best)
         return best
 
-    def calibrate_kernels(self) -> dict[str, Any]:
+    def calibrate_kernels(self, max_rows: int) -> dict[str, Any]:
         """Measure where the quantized kernels stop paying (``linears.calibrate``), with the
-        threads steps of each size run on; returns what was measured (empty if nothing is
-        quantized)."""
+        threads steps of each size run on; ``max_rows``: the largest step's tokens. Returns
+        what was measured (empty if nothing is quantized)."""
         if not self.linears.quantized:
             return {}
         table = calibrate(self.linears,
-                          lambda rows: self.decode_threads if rows <= SMALL_STEP_TOKENS else self.threads)
+                          lambda rows: self.decode_threads if rows <= SMALL_STEP_TOKENS else self.threads,
+                          max_rows=max_rows)
         self.stats.quant_max_rows = table.quant_max_rows
         return {"quant_max_rows": table.quant_max_rows, "ms_per_pass": table.measured}
 

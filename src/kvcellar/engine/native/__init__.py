@@ -4,7 +4,10 @@ On an x86-64 CPU with AVX2, FMA and F16C, a decode step's int4/int8 linears quan
 activations to 8 bits per block of 32 and multiply in 8-bit dot products (``int8``
 activations in ``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every
 weight to float first and stays well below memory speed on such a CPU
-(docs/performance.md). The same library dequantizes int4 weights for prefill-sized steps.
+(docs/performance.md). Prefill-sized steps of int4 weights multiply panels of 8 weight rows
+(``PANEL_MIN_ROWS`` rows on), which on an AVX2 CPU outrun float32 matmuls of the
+dequantized weights; where they do not (bf16 on AMX), calibration keeps those steps on the
+dense path, for which the same library dequantizes int4 weights.
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
@@ -39,6 +42,11 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Inputs per block of quantized activations (and per int4 group the kernels take).
 BLOCK = 32
+# Output rows of an int4 panel (``kvc_gemm_q4_panels``), and the step size from which on
+# panels beat reading each weight row as it lies: packing a panel costs about what 4 rows'
+# products do (docs/performance.md).
+PANEL = 8
+PANEL_MIN_ROWS = 8
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
 
 _P = ctypes.c_void_p
@@ -47,6 +55,7 @@ _N = ctypes.c_int
 _SIGNATURES = {
     "kvc_quantize_q8": [_P, _I, _I, _P, _P, _P, _N],
     "kvc_gemm_q4": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
+    "kvc_gemm_q4_panels": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
@@ -149,8 +158,9 @@ def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, of
     rows, cols = x.shape
     xq, xd, xs = quantize_activations(x, threads)
     y = torch.empty(rows, out)
-    _lib().kvc_gemm_q4(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out, cols, xq.data_ptr(),
-                       xd.data_ptr(), xs.data_ptr(), rows, y.data_ptr(), threads)
+    gemm = _lib().kvc_gemm_q4_panels if rows >= PANEL_MIN_ROWS and out % PANEL == 0 else _lib().kvc_gemm_q4
+    gemm(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(),
+         xs.data_ptr(), rows, y.data_ptr(), threads)
     return y
 
 

@@ -1,5 +1,6 @@
-/* kvcellar's CPU kernels for quantized linears at decode-sized steps (x86-64 with AVX2, FMA
- * and F16C), built by engine/native/__init__.py. Activations are quantized to 8 bits per
+/* kvcellar's CPU kernels for quantized linears (x86-64 with AVX2, FMA and F16C), built by
+ * engine/native/__init__.py: decode-sized steps read each weight row as it lies, prefill-
+ * sized ones of int4 weights multiply panels of 8 rows (kvc_gemm_q4_panels). Activations are quantized to 8 bits per
  * block of 32 inputs (d = max|x| / 127, q = round(x / d)) and multiplied with the weights'
  * integers in 8-bit dot products, the scheme of llama.cpp's Q4_1 x Q8_1: a step reads the
  * 4-bit weights once at close to memory speed, where torch's int4 kernel converts every
@@ -14,6 +15,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define BLOCK 32
 /* Rows of activations multiplied per pass over a weight row: enough accumulators to reuse
@@ -141,6 +143,117 @@ void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
             q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks, xq + a0 * cols,
                    xd + a0 * blocks, xs + a0 * blocks, n, y + a0 * out + r, out);
         }
+    }
+}
+
+/* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
+ * the 8 rows' nibbles first interleaved (a "panel") so that one 32-byte load holds 4 inputs
+ * of each row, and each vector lane accumulates one output. The 8-bit products of a block
+ * are summed in 16 bits (8 x 2 x 15 x 127 < 2^15: exact) and scaled once a block, so a block
+ * costs 8 multiply-adds of 32 pairs where kvc_gemm_q4 spends a float conversion and a lane
+ * permute per 8 inputs. */
+#define PANEL 8
+#define MR 4
+/* Bytes of activations multiplied per pass over the panels: an L3's worth, so that each
+ * panel is packed once for them (a pass per L2's worth repacked the weights dozens of times
+ * for wide inputs). */
+#define ACT_BYTES (8 * 1024 * 1024)
+
+/* Panel p's blocks: for block b, chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7,
+ * 32 bytes; scales and offsets as floats, 8 a block. */
+static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
+                       int64_t blocks, uint8_t *packed, float *ps, float *po) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m128i row[PANEL];
+        for (int j = 0; j < PANEL; j++) row[j] = _mm_loadu_si128((const __m128i *)(w + (r0 + j) * stride + b * (BLOCK / 2)));
+        /* a 4x4 transpose of dwords for rows 0-3 and for rows 4-7 */
+        for (int half = 0; half < 2; half++) {
+            const __m128i *r = row + 4 * half;
+            const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpacklo_epi32(r[2], r[3]);
+            const __m128i t2 = _mm_unpackhi_epi32(r[0], r[1]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+            uint8_t *dst = packed + b * (PANEL * BLOCK / 2) + half * 16;
+            _mm_storeu_si128((__m128i *)(dst + 0), _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 64), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(dst + 96), _mm_unpackhi_epi64(t2, t3));
+        }
+        for (int j = 0; j < PANEL; j++) {
+            ps[b * PANEL + j] = _cvtsh_ss(scales[(r0 + j) * blocks + b]);
+            po[b * PANEL + j] = _cvtsh_ss(offsets[(r0 + j) * blocks + b]);
+        }
+    }
+}
+
+/* N activation rows (N <= MR, a constant at each call site) against one packed panel:
+ * y[a * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations'
+ * reordered block, its high nibbles inputs 16 + 4c.. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const uint8_t *packed, const float *ps, const float *po, int64_t blocks, const int8_t *xq,
+        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+    __m256 acc[MR];
+    for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i sum[MR];
+        for (int a = 0; a < N; a++) sum[a] = _mm256_setzero_si256();
+        const uint8_t *pb = packed + b * (PANEL * BLOCK / 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_load_si256((const __m256i *)(pb + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                const __m256i xl = _mm256_set1_epi32(*(const int32_t *)(xb + 4 * c));
+                const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xb + 16 + 4 * c));
+                sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(lo, xl));
+                sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(hi, xh));
+            }
+        }
+        const __m256 ws = _mm256_load_ps(ps + b * PANEL), wo = _mm256_load_ps(po + b * PANEL);
+        for (int a = 0; a < N; a++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
+            acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
+            acc[a] = _mm256_fmadd_ps(wo, _mm256_set1_ps(xs[a * blocks + b]), acc[a]);
+        }
+    }
+    for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
+}
+
+/* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
+ * of 8: every output is its blocks' scaled dot products summed in block order, whatever
+ * the number of rows, so a prompt's chunks do not change its numbers. */
+void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                        int threads) {
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
+    int64_t step = ACT_BYTES / cols / MR * MR;
+    if (step < MR) step = MR;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* aligned_alloc takes whole multiples of the alignment */
+        const size_t wbytes = (size_t)blocks * PANEL * BLOCK / 2, fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
+        uint8_t *packed = aligned_alloc(64, wbytes);
+        float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
+        for (int64_t a0 = 0; a0 < rows; a0 += step) {
+            const int64_t a1 = a0 + step < rows ? a0 + step : rows;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
+                int64_t a = a0;
+                for (; a + MR <= a1; a += MR)
+                    panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                               y + a * out + p * PANEL, out, MR);
+                switch (a1 - a) {
+                    case 3: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 3); break;
+                    case 2: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 2); break;
+                    case 1: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 1); break;
+                    default: break;
+                }
+            }
+        }
+        free(packed);
+        free(ps);
+        free(po);
     }
 }
 
