@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvcellar.artifacts import prepare
-from kvcellar.artifacts.gguf_convert import GgufFile, int4_from_blocks
+from kvcellar.artifacts.gguf_convert import EXACT_EMBEDDING_TYPES, GgufFile, int4_from_blocks
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, kind_for, quantize, quantize_linears
 from tests.artifacts.gguf_files import ENCODERS, write_gguf
 
@@ -173,6 +173,15 @@ def test_dense_entry_holds_what_transformers_loads(ggufs: dict[str, Path], refer
     assert not list(tmp_path.glob("*.partial"))
 
 
+def assert_embedding_taken(quantized: dict[str, Any], reference: Any, types: dict[str, str]) -> None:
+    """Takes the embedding out of ``quantized``: there where its GGUF type is one int4 holds
+    exactly, and then the reference's embedding value for value."""
+    embedding = quantized.pop("model.embed_tokens", None)
+    assert (embedding is not None) == (types["model.embed_tokens.weight"] in EXACT_EMBEDDING_TYPES)
+    if embedding is not None:
+        assert torch.equal(embedding.dequantize(torch.float32), reference.get_input_embeddings().weight)
+
+
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("name", ["llama-q4_k_m", "llama-every-type", "qwen2-tied-q4_0", "qwen2moe"])
 def test_quantized_linears_take_4bit_blocks_and_quantize_the_rest(ggufs: dict[str, Path],
@@ -180,10 +189,12 @@ def test_quantized_linears_take_4bit_blocks_and_quantize_the_rest(ggufs: dict[st
                                                                   mode: str) -> None:
     """The set of linears ``quantize_linears`` gives for the loaded model (the LM head from the
     embedding where tied); int4 linears stored in 4 bits are their blocks, exactly; every other
-    one is what quantizing transformers' float32 weight gives."""
+    one is what quantizing transformers' float32 weight gives. An embedding stored in Q4_0/Q4_1
+    comes along as its own blocks, whatever the mode: exactly transformers' embedding."""
     reference = references[name]
     types = _gguf_types(ggufs[name])
     ours = prepare.quantize_gguf(ggufs[name], mode)
+    assert_embedding_taken(ours, reference, types)
     assert sorted(ours) == sorted(quantize_linears(reference, mode))
     assert ours["lm_head"].kind == "int8"
     block_exact = 0
@@ -215,6 +226,7 @@ def test_q4_1_gives_what_quantizing_its_dequantization_gave(ggufs: dict[str, Pat
     float32 model, and the blocks taken as they are agree."""
     before = quantize_linears(references["llama-q4_1"], "int4")
     now = prepare.quantize_gguf(ggufs["llama-q4_1"], "int4")
+    assert_embedding_taken(now, references["llama-q4_1"], _gguf_types(ggufs["llama-q4_1"]))
     assert sorted(now) == sorted(before)
     for name, q in before.items():
         assert torch.equal(now[name].qweight, q.qweight), name

@@ -19,6 +19,7 @@ from kvcellar.artifacts import prepare
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine.linears import quant_kernels_run
 from kvcellar.engine.sampling import SamplingParams
+from kvcellar.quantization import QuantizedEmbedding
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
     assert_equivalent_output,
@@ -50,6 +51,8 @@ FILES: dict[str, dict[str, Any]] = {
     "qwen2-q4_0-tied": dict(arch="qwen2", tied=True, types=lambda n: "Q8_0" if n == "token_embd.weight" else "Q4_0"),
     "qwen3-q4_k": dict(arch="qwen3", heads=2, kv_heads=1, tied=True, types=q4_k_m_with_q8_embedding),
     "gemma3-q4_1": dict(arch="gemma3", tied=True, types="Q4_1"),
+    # as llama.cpp's `llama-quantize Q4_0` writes a small model: the embedding in Q4_0 too
+    "llama-q4_0-tied": dict(arch="llama", tied=True, types="Q4_0"),
 }
 
 
@@ -153,3 +156,26 @@ def test_lean_serving_keeps_no_dense_linear(ggufs: dict[str, Path], tmp_path: Pa
         assert got.num_cached_tokens > 0
         assert_equivalent_output(got, uncached(prompt), BF16_TOL)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_embedding_stored_as_int4_blocks_is_served_from_them(ggufs: dict[str, Path], tmp_path: Path,
+                                                                 dtype: str) -> None:
+    """A Q4_0 embedding is kept as its own blocks beside the quantized linears (an eighth of
+    float32's bytes), through the artifact cache or not, and a lookup gives exactly the rows
+    of the dense embedding ``--weights full`` serves; a tied LM head keeps its own weights.
+    An embedding in another type (Q8_0 here) stays dense."""
+    path = ggufs["llama-q4_0-tied"]
+    cache = ArtifactCache(tmp_path / "models")
+    full = prepare_and_load(str(path), dtype=dtype, device="cpu", weights="full", artifacts=cache)
+    dense = full.model.get_input_embeddings()
+    ids = torch.arange(dense.weight.shape[0]).view(-1, 8)[:, torch.tensor([3, 0, 6])]  # any order, 2-D
+    for artifacts in (cache, None):
+        loaded = prepare_and_load(str(path), dtype=dtype, device="cpu", weights="int4", artifacts=artifacts)
+        embedding = loaded.model.get_input_embeddings()
+        assert isinstance(embedding, QuantizedEmbedding)
+        assert embedding.quant.nbytes < dense.weight.numel() * 4 / 6
+        assert torch.equal(embedding(ids), dense(ids))
+        assert "lm_head" in loaded.quantized and "model.embed_tokens" not in loaded.quantized
+    other = prepare_and_load(str(ggufs["qwen2-q4_0-tied"]), dtype=dtype, device="cpu", weights="int4", artifacts=cache)
+    assert type(other.model.get_input_embeddings()) is nn.Embedding

@@ -17,6 +17,7 @@ from torch import nn
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine import linears as linears_module
+from kvcellar.engine import native
 from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.warmup import warm_up
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
@@ -452,11 +453,13 @@ def test_an_int8_weight_read_at_an_unaligned_address_is_copied_for_the_kernel():
     assert torch.allclose(layer.quantized_kernel(x).float(), layer.dense(x).float(), atol=0.05)
 
 
+@pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
 def test_calibration_leaves_the_lm_head_out():
     """The LM head runs on a step's last tokens only: calibration times the other linears and
-    never dequantizes the head, the largest weight, into the scratch buffer."""
+    never dequantizes the head, the largest weight, into the scratch buffer. On kvcellar's
+    kernels whether or not the loader finds they pay here (an AMX host's float32 does not)."""
     loaded = load("int8", "float32")
-    prepared = prepare_model(loaded.model, loaded.quantized, kernel_dtype=loaded.kernel_dtype)
+    prepared = prepare_model(loaded.model, loaded.quantized, kernel_dtype=torch.int8)
     head = prepared.head
     assert head is not None and head is loaded.model.lm_head and head.quantized
     others = [m for m in prepared.quantized if m is not head]

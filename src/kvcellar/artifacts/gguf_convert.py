@@ -62,6 +62,12 @@ _VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": n
                 "I32": np.int32, "I64": np.int64}
 
 
+# GGUF types of an input embedding that int4 groups of 32 hold value for value
+# (``int4_from_blocks``): such an embedding is kept as int4 beside the quantized linears and
+# dequantized a row at a time as tokens are looked up (``quantization.QuantizedEmbedding``).
+EXACT_EMBEDDING_TYPES = frozenset({"Q4_0", "Q4_1"})
+
+
 class NotStreamable(ModelLoadError):
     """transformers converts this GGUF's architecture in a way this module does not follow."""
 
@@ -233,6 +239,23 @@ class GgufFile:
             if isinstance(module, torch.nn.Linear) and (kind := kind_for(mode, name, module)) is not None:
                 out[first[id(module.weight)]] = (name, kind)
         return out
+
+    def embedding(self) -> tuple[str, str] | None:
+        """(weight name, module name) of the input embedding, where it is a plain
+        ``nn.Embedding`` (a scaled one, Gemma's, computes more than its rows)."""
+        module = self.model.get_input_embeddings()
+        if type(module) is not torch.nn.Embedding:
+            return None
+        weight = next(n for n, p in self.model.named_parameters() if p is module.weight)  # a tied one's first name
+        return weight, next(n for n, m in self.model.named_modules() if m is module)
+
+    def exact_embedding(self) -> bool:
+        """Whether the input embedding is stored in one of ``EXACT_EMBEDDING_TYPES``."""
+        found = self.embedding()
+        if found is None:
+            return False
+        stored = next((t for t in self.tensors(wanted=found[0].__eq__)), None)
+        return stored is not None and stored.whole is None and stored.gguf_type in EXACT_EMBEDDING_TYPES
 
     def linear_weights(self) -> set[str]:
         """The HF names of the weights only linears use (a tied LM head's is the embedding's:
@@ -432,10 +455,18 @@ def quantize_streamed(source: GgufFile, mode: str, *,
 
 
 def iter_quantized(source: GgufFile, mode: str) -> Iterator[tuple[str, QuantizedWeight]]:
-    """``quantize_streamed`` one linear at a time, in file order: (module name, weights)."""
+    """``quantize_streamed`` one linear at a time, in file order: (module name, weights);
+    also the input embedding under its module name where it is stored in one of
+    ``EXACT_EMBEDDING_TYPES`` (its own blocks, whatever ``mode``)."""
     linears = source.linears(mode)
+    embedding = source.embedding()
     done: set[str] = set()
-    for t in source.tensors(wanted=linears.__contains__):
+    for t in source.tensors(wanted=lambda n: n in linears or (embedding is not None and n == embedding[0])):
+        if embedding is not None and t.name == embedding[0] and t.whole is None \
+                and t.gguf_type in EXACT_EMBEDDING_TYPES:
+            yield embedding[1], t.quantized("int4")
+        if t.name not in linears:
+            continue
         name, kind = linears[t.name]
         done.add(name)
         yield name, t.quantized(kind)

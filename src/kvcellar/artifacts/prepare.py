@@ -50,6 +50,9 @@ QUANTIZATION_NONE = "none"
 QUANTIZATION_LINEARS_APART = "none-linears-apart"
 # Names how entries are written (``gguf_convert``): change it when what they hold may change.
 STREAM_CONVERTER = "kvcellar-stream-2"
+# What quantized entries hold beyond that: "embedding-1", an input embedding stored as int4
+# blocks is kept as it is (``gguf_convert.EXACT_EMBEDDING_TYPES``).
+QUANTIZED_CONVERTER = "embedding-1"
 
 
 def converter_id() -> str:
@@ -232,7 +235,7 @@ def quantize_gguf(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
 def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -> ArtifactDescriptor:
     """The descriptor of a GGUF's quantized linears (scales in float32, any serving dtype)."""
     return ArtifactDescriptor(source=weights_id, dtype="float32", quantization=SCHEMES[mode], modality="text",
-                              converter=converter_id(), name=name, source_path=str(path))
+                              converter=f"{converter_id()}+{QUANTIZED_CONVERTER}", name=name, source_path=str(path))
 
 
 def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: bool | None = None) -> Builder:
@@ -248,7 +251,8 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
         desc = f"Preparing {name} ({SCHEMES[mode]})"
         try:
             with GgufFile(gguf_path) as source, \
-                    tqdm(total=len(source.linears(mode)), desc=desc, unit="linear", disable=not show) as bar:
+                    tqdm(total=len(source.linears(mode)) + source.exact_embedding(), desc=desc, unit="tensor",
+                         disable=not show) as bar:
                 count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
         except NotStreamable as exc:
             log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)

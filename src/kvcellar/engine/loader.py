@@ -344,7 +344,7 @@ def load_model(
     kernels run (the linears hold placeholders until the engine prepares them).
     """
     from kvcellar.engine.linears import quant_kernels_run
-    from kvcellar.quantization import quantize_model
+    from kvcellar.quantization import quantize_model, take_embedding
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -377,6 +377,9 @@ def load_model(
 
             quantized = quantize_gguf(source.path, weights)  # as the artifact cache stores it
         try:
+            quantized = dict(quantized) if quantized is not None else None
+            if quantized is not None:
+                take_embedding(hf_model, quantized)  # a GGUF's int4 embedding, where it was kept so
             quantized_weights = quantize_model(hf_model, weights, given=quantized, materialize=kernel_dtype is None)
         except (KeyError, ValueError) as exc:  # given weights of another shape or set of linears
             raise ModelLoadError(f"The quantized weights of {source.name} do not fit its model: {exc}") from exc

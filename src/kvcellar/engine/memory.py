@@ -44,6 +44,7 @@ class MemoryPlan:
     weights_bytes: int
     kv_pool_bytes: int
     overhead_bytes: int = OVERHEAD_BYTES
+    embedding_int4_params: int = 0  # of ``other_params``: a GGUF's int4 embedding, kept as its blocks
 
     @property
     def total_bytes(self) -> int:
@@ -58,18 +59,37 @@ class MemoryPlan:
         return {"weights_mode": self.weights_mode, "weights_bytes": self.weights_bytes,
                 "kv_pool_bytes": self.kv_pool_bytes, "overhead_bytes": self.overhead_bytes,
                 "total_bytes": self.total_bytes, "linear_params": self.linear_params,
-                "head_params": self.head_params, "other_params": self.other_params}
+                "head_params": self.head_params, "other_params": self.other_params,
+                "embedding_int4_params": self.embedding_int4_params}
 
 
 def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int) -> MemoryPlan:
     """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4)."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
+    embedding = 0
     if weights_mode == "full":  # a tied LM head is the embedding itself
         weights = (linear + (0 if tied else head) + other) * itemsize
     else:
-        weights = int(linear * BYTES_PER_WEIGHT[weights_mode]) + head * 1 + other * itemsize
-    return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes))
+        embedding = _int4_embedding_params(source)
+        weights = int((linear + embedding) * BYTES_PER_WEIGHT["int4"] if weights_mode == "int4" else
+                      linear * BYTES_PER_WEIGHT[weights_mode] + embedding * BYTES_PER_WEIGHT["int4"])
+        weights += head * 1 + (other - embedding) * itemsize
+    return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
+                      embedding_int4_params=embedding)
+
+
+def _int4_embedding_params(source: ModelSource) -> int:
+    """The parameters of a GGUF's embedding that quantized modes keep as its int4 blocks
+    (``gguf_convert.EXACT_EMBEDDING_TYPES``; Gemma's scaled embedding is not one), else 0."""
+    from kvcellar.artifacts.gguf_convert import EXACT_EMBEDDING_TYPES
+
+    if source.kind != "gguf":
+        return 0
+    info = read_gguf_info(source.path)
+    if info.architecture.startswith("gemma"):
+        return 0
+    return next((t.params for t in info.tensors if t.name == "token_embd.weight" and t.type in EXACT_EMBEDDING_TYPES), 0)
 
 
 def available_bytes() -> int | None:
