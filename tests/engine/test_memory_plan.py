@@ -30,6 +30,29 @@ def test_the_int4_plan_is_what_the_engine_holds():
     assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
 
 
+@pytest.mark.skipif(not quant_kernels_run(torch.bfloat16, torch.device("cpu")), reason="no int4 kernel here")
+def test_the_plan_counts_an_embedding_kept_as_int4_blocks(tmp_path):
+    """A Q4_0 embedding is served from its int4 blocks (``QuantizedEmbedding``): the plan
+    counts it so, and still matches what the engine holds."""
+    from kvcellar.artifacts.store import ArtifactCache
+    from kvcellar.quantization import QuantizedEmbedding
+    from kvcellar.runtime import prepare_and_load
+    from tests.artifacts.gguf_files import write_gguf
+
+    path = write_gguf(tmp_path / "q4_0.gguf", arch="llama", types="Q4_0", vocab_size=4096)
+    plan = plan_memory(resolve_source(str(path)), "int4", torch.bfloat16, 0)
+    assert plan.embedding_int4_params == 4096 * 256
+    loaded = prepare_and_load(str(path), dtype="bfloat16", device="cpu", weights="int4",
+                              artifacts=ArtifactCache(tmp_path / "models"))
+    embedding = loaded.model.get_input_embeddings()
+    assert isinstance(embedding, QuantizedEmbedding)
+    engine = make_engine(loaded)
+    linears = sum(m.nbytes for m in engine.runner.linears.linears)
+    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
+    held = linears + rest + embedding.quant.nbytes
+    assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
+
+
 def test_full_weights_count_a_tied_head_once():
     source = resolve_source(None)  # SmolLM2 ties its LM head to the embedding
     full = plan_memory(source, "full", torch.bfloat16, GIB)
