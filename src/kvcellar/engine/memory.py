@@ -89,7 +89,8 @@ def _int4_embedding_params(source: ModelSource) -> int:
     info = read_gguf_info(source.path)
     if info.architecture.startswith("gemma"):
         return 0
-    return next((t.params for t in info.tensors if t.name == "token_embd.weight" and t.type in EXACT_EMBEDDING_TYPES), 0)
+    stored = next((t for t in info.tensors if t.name == "token_embd.weight"), None)
+    return stored.params if stored is not None and stored.type in EXACT_EMBEDDING_TYPES else 0
 
 
 def available_bytes() -> int | None:
