@@ -5,9 +5,10 @@ Llama-3.1-8B (``--arch llama``) and random weights, then measures both servers o
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
 
-The file: every decoder linear and ``token_embd`` in Q4_0, ``output`` in ``--output-type``
-(Q6_K, as llama.cpp's ``llama-quantize Q4_0`` writes it; or Q8_0, Q4_0), norms and Qwen2's
-q/k/v biases in F32. Blocks are written as bytes (random nibbles or 6-bit values under an
+The file: every decoder linear and ``token_embd`` in Q4_0 (``--mix q4_k_m``: in Q4_K, with
+``attn_v`` and ``ffn_down`` in Q6_K in the layers llama.cpp's Q4_K_M gives more bits), ``output``
+in ``--output-type`` (Q6_K, as llama.cpp's ``llama-quantize`` writes it; or Q8_0, Q4_0), norms
+and Qwen2's q/k/v biases in F32. Blocks are written as bytes (random nibbles or 6-bit values under an
 fp16 scale that gives weights of std ~0.02), not quantized from floats, so the 4.4 GB of a
 7B take seconds; one tensor at a time is in memory. The tokenizer is a real byte-level BPE
 (256 byte tokens, a few merges, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, a ChatML
@@ -116,7 +117,7 @@ SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vo
 
 WEIGHT_STD = 0.02
 # Per-type block layout: (values per block, bytes per block).
-BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q6_K": (256, 210)}
+BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def tokenizer_tokens(vocab: int) -> tuple[list[str], list[int]]:
@@ -136,21 +137,30 @@ def first_word_id() -> int:
     return 256 + len(MERGES) + len(SPECIALS)
 
 
-def tensor_plan(shape: Shape, output_type: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, numpy shape (rows, cols), type) in the order llama.cpp's converter writes them."""
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's rule for the layers whose attn_v and ffn_down Q4_K_M stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape (rows, cols), type) in the order llama.cpp's converter writes them.
+    ``mix``: q4_0 (every linear and the embedding Q4_0) or q4_k_m (Q4_K, with attn_v and
+    ffn_down in Q6_K in llama.cpp's "more bits" layers)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
-    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), "Q4_0")]
+    four = "Q4_0" if mix == "q4_0" else "Q4_K"
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
     for i in range(shape.layers):
         b = f"blk.{i}."
+        wide = "Q6_K" if mix == "q4_k_m" and more_bits(i, shape.layers) else four
         plan += [(b + "attn_norm.weight", (h,), "F32"),
-                 (b + "attn_q.weight", (h, h), "Q4_0"), (b + "attn_k.weight", (kv, h), "Q4_0"),
-                 (b + "attn_v.weight", (kv, h), "Q4_0")]
+                 (b + "attn_q.weight", (h, h), four), (b + "attn_k.weight", (kv, h), four),
+                 (b + "attn_v.weight", (kv, h), wide)]
         if shape.arch == "qwen2":
             plan += [(b + "attn_q.bias", (h,), "F32"), (b + "attn_k.bias", (kv,), "F32"),
                      (b + "attn_v.bias", (kv,), "F32")]
-        plan += [(b + "attn_output.weight", (h, h), "Q4_0"), (b + "ffn_norm.weight", (h,), "F32"),
-                 (b + "ffn_gate.weight", (shape.ffn, h), "Q4_0"), (b + "ffn_up.weight", (shape.ffn, h), "Q4_0"),
-                 (b + "ffn_down.weight", (h, shape.ffn), "Q4_0")]
+        plan += [(b + "attn_output.weight", (h, h), four), (b + "ffn_norm.weight", (h,), "F32"),
+                 (b + "ffn_gate.weight", (shape.ffn, h), four), (b + "ffn_up.weight", (shape.ffn, h), four),
+                 (b + "ffn_down.weight", (h, shape.ffn), wide)]
     plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
     return plan
 
@@ -165,20 +175,24 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
         raw[:, :2] = (jitter * (WEIGHT_STD / 4.6)).astype(np.float16).view(np.uint8).reshape(n, 2)
     elif kind == "Q8_0":  # d (fp16), 32 int8: w = d * q, q uniform -128..127 (std 74)
         raw[:, :2] = (jitter * (WEIGHT_STD / 74)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    elif kind == "Q4_K":  # d, dmin (fp16), 12 bytes of 6-bit sc and m, nibbles: w = d * sc * q - dmin * m
+        d = jitter * (WEIGHT_STD / (4.6 * 31.5))  # sc and m uniform 0..63 (mean 31.5), q 0..15 (std 4.6)
+        raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = (7.5 * d).astype(np.float16).view(np.uint8).reshape(n, 2)  # mean ~0: dmin * m ~ d * sc * 7.5
     else:  # Q6_K: ql[128] qh[64] scales[16] int8, d (fp16): w = d * sc * (q - 32), q 6-bit (std 18.5)
         raw[:, 192:208] = rng.integers(16, 48, (n, 16), dtype=np.uint8)  # sc mean 32
         raw[:, 208:] = (jitter * (WEIGHT_STD / (18.5 * 32))).astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, cols // per * nbytes)
 
 
-def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0) -> dict[str, Any]:
+def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: str = "q4_0") -> dict[str, Any]:
     """Write the GGUF one tensor at a time; returns its size and the seconds it took."""
     import gguf
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), shape.arch)
-    w.add_name(shape.name + " random Q4_0")
+    w.add_name(shape.name + f" random {mix.upper()}")
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     w.add_block_count(shape.layers)
@@ -189,7 +203,7 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0) -> di
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_rope_dimension_count(shape.head_dim)
     w.add_vocab_size(shape.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     tokens, types = tokenizer_tokens(shape.vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "llama-bpe")
@@ -203,7 +217,7 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0) -> di
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
 
-    plan = tensor_plan(shape, output_type)
+    plan = tensor_plan(shape, output_type, mix)
     for name, dims, kind in plan:
         if kind == "F32":
             w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
@@ -567,7 +581,7 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                                           lambda r: rss_cell(get(r, "start_1", "after")))],
             ["peak RSS while serving, GB", *both(lambda r: rss_cell(get(r, "serve", "serving_peak")))],
             ["weights / linears", *both(lambda r: f"{r.get('weights')} / {json.dumps(r.get('linears'))}",
-                                        lambda r: "Q4_0 (ggml)")]]
+                                        lambda r: f"{args.mix.upper()} (ggml)")]]
     for n in args.lengths:
         rows.append([f"cold {n} tokens: TTFT s (prefill tok/s)",
                      *both(lambda r, n=n: f"{fmt(get(r, 'serve', 'prefill', str(n), 'ttft_s'), 2)} "
@@ -579,7 +593,7 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
              [f"decode, {args.batch} streams: aggregate tok/s (per stream)",
               *both(lambda r: f"{fmt(get(r, 'serve', 'decode_batch', 'aggregate_tok_s'))} "
                               f"({fmt(get(r, 'serve', 'decode_batch', 'per_stream_tok_s'))})")]]
-    notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF (Q4_0, output "
+    notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF ({args.mix.upper()}, output "
              f"{args.output_type}), random weights; {args.threads} threads for llama-server"]
     if kvc.get("restart_hit"):
         tiers = get(kvc, "restart_hit", "tiers") or {}
@@ -605,6 +619,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
     p.add_argument("--output-type", choices=("Q6_K", "Q8_0", "Q4_0"), default="Q6_K")
+    p.add_argument("--mix", choices=("q4_0", "q4_k_m"), default="q4_0",
+                   help="the linears' and embedding's types: all Q4_0, or a Q4_K_M-like mix (Q4_K, some Q6_K)")
     p.add_argument("--gguf", type=Path, help="the model file: reused if it exists, else written there "
                    "(default: a temporary file, deleted at the end unless --keep-gguf)")
     p.add_argument("--keep-gguf", action="store_true")
@@ -649,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = replace(shape, name=shape.name.replace("-shaped", "") + f"-small-{shape.hidden}x{shape.layers}")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvc-big-model-"))
     work.mkdir(parents=True, exist_ok=True)
-    gguf_path = args.gguf or work / f"{shape.arch}-{shape.hidden}x{shape.layers}-q4_0.gguf"
+    gguf_path = args.gguf or work / f"{shape.arch}-{shape.hidden}x{shape.layers}-{args.mix}.gguf"
     print(f"work dir {work}", flush=True)
 
     result: dict[str, Any] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
@@ -660,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reusing {gguf_path}", flush=True)
         else:
             print(f"writing {shape.name} to {gguf_path}", flush=True)
-            result["model"] = write_model(gguf_path, shape, args.output_type)
+            result["model"] = write_model(gguf_path, shape, args.output_type, mix=args.mix)
             print(f"  {gb(result['model']['bytes'])} GB in {result['model']['write_s']:.1f} s", flush=True)
         result["model"]["name"] = shape.name
         save(result, args.out)
