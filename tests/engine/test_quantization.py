@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
-from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine import SamplingParams, native, observability
 from kvcellar.engine import linears as linears_module
-from kvcellar.engine import native
 from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.warmup import warm_up
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8

@@ -223,6 +223,13 @@ class Engine:
             raise ValueError("a lower tier needs prefix caching")
         self.lower.attach(tier, policy)
 
+    def prompt_progress(self, seq_id: int) -> int | None:
+        """Tokens of sequence ``seq_id`` whose KV is computed (cache hits included; back to 0
+        if it is preempted), None once it is no longer active. Read from another thread: a
+        snapshot, for telling a long prefill that advances from a request that waits."""
+        seq = self._seqs.get(seq_id)
+        return None if seq is None else seq.num_computed
+
     def in_prefill(self, seq_id: int) -> bool:
         """Whether sequence ``seq_id`` is active and still computing its prompt."""
         seq = self._seqs.get(seq_id)

@@ -24,8 +24,9 @@ class ServerConfig:
     # Serve requests naming any model with the loaded one (agents' background requests name
     # their own small models); off: an unknown name is a 404.
     serve_any_model: bool = False
-    # Seconds a request may wait for its first token (queueing + prefill), and then
-    # between two tokens. A request over either is cancelled in the engine, then answered 504.
+    # Seconds a request may wait for its first token (queueing + prefill; a prefill that
+    # computed more of the prompt within the last period gets another), and then between two
+    # tokens. A request over either is cancelled in the engine, then answered 504.
     first_token_timeout: float = 300.0
     inter_token_timeout: float = 60.0
     # SIGTERM/SIGINT: seconds in-flight requests get to finish before they are cancelled.

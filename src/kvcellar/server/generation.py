@@ -53,6 +53,7 @@ class Choice:
     deadline: float
     started: bool = False
     finish_reason: str | None = None
+    progress: int = 0  # prompt tokens computed when its first-token deadline was last checked
 
 
 class Inflight:
@@ -120,6 +121,11 @@ class Generation:
             try:
                 event = await self._stream.get(timeout=max(late.deadline - now, _MIN_WAIT))
             except TimeoutError:
+                if not late.started and self._prefill_advanced(late):
+                    # A long prompt whose prefill keeps advancing is not late: a 7B model on
+                    # a few cores takes minutes for a few thousand tokens.
+                    late.deadline = time.monotonic() + self.timeouts.first_token
+                    continue
                 self.cancel()
                 if late.started:
                     raise GenerationTimeout("inter_token", self.timeouts.inter_token) from None
@@ -135,6 +141,14 @@ class Generation:
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
             yield choice.index, event
+
+    def _prefill_advanced(self, choice: Choice) -> bool:
+        """Whether the choice's prompt has more tokens computed than at its last check."""
+        progress = self.engine.prompt_progress(choice.handle.seq_id)
+        if progress is None or progress == choice.progress:
+            return False
+        choice.progress = progress
+        return True
 
     def cancel(self) -> None:
         """Cancel every unfinished choice in the engine (idempotent)."""
