@@ -177,5 +177,8 @@ def test_an_embedding_stored_as_int4_blocks_is_served_from_them(ggufs: dict[str,
         assert embedding.quant.nbytes < dense.weight.numel() * 4 / 6
         assert torch.equal(embedding(ids), dense(ids))
         assert "lm_head" in loaded.quantized and "model.embed_tokens" not in loaded.quantized
+        if artifacts is not None:
+            assert loaded.quantized_artifact is not None
+            assert loaded.quantized_artifact.manifest.info["embedding"] == "int4"
     other = prepare_and_load(str(ggufs["qwen2-q4_0-tied"]), dtype=dtype, device="cpu", weights="int4", artifacts=cache)
     assert type(other.model.get_input_embeddings()) is nn.Embedding

@@ -249,11 +249,13 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
         show = sys.stderr.isatty() if progress is None else progress
         t0 = time.perf_counter()
         desc = f"Preparing {name} ({SCHEMES[mode]})"
+        embedding = False
         try:
-            with GgufFile(gguf_path) as source, \
-                    tqdm(total=len(source.linears(mode)) + source.exact_embedding(), desc=desc, unit="tensor",
-                         disable=not show) as bar:
-                count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
+            with GgufFile(gguf_path) as source:
+                embedding = source.exact_embedding()
+                with tqdm(total=len(source.linears(mode)) + embedding, desc=desc, unit="tensor",
+                          disable=not show) as bar:
+                    count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
         except NotStreamable as exc:
             log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
             count, nbytes = write_quantized(quantize_linears(_load_gguf(gguf_path, torch.float32), mode).items(),
@@ -261,7 +263,8 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
         return {
             "source_kind": "gguf",
             "scheme": SCHEMES[mode],
-            "linears": count,
+            "linears": count - embedding,
+            "embedding": "int4" if embedding else "dense",
             "bytes": nbytes,
             "prepare_seconds": {"quantize": round(time.perf_counter() - t0, 3)},
         }

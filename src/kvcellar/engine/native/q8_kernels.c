@@ -1,7 +1,7 @@
 /* kvcellar's CPU kernels for quantized linears (x86-64 with AVX2, FMA and F16C), built by
  * engine/native/__init__.py: decode-sized steps read each weight row as it lies, prefill-
- * sized ones of int4 weights multiply panels of 8 rows (kvc_gemm_q4_panels). Activations are quantized to 8 bits per
- * block of 32 inputs (d = max|x| / 127, q = round(x / d)) and multiplied with the weights'
+ * sized ones of int4 weights multiply panels of 8 rows (kvc_gemm_q4_panels). Activations
+ * are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d)) and multiplied with the weights'
  * integers in 8-bit dot products, the scheme of llama.cpp's Q4_1 x Q8_1: a step reads the
  * 4-bit weights once at close to memory speed, where torch's int4 kernel converts every
  * weight to float first.
@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BLOCK 32
 /* Rows of activations multiplied per pass over a weight row: enough accumulators to reuse
@@ -203,8 +204,10 @@ static inline __attribute__((always_inline)) void panel_tile(
             const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
             for (int a = 0; a < N; a++) {
                 const int8_t *xb = xq + a * cols + b * BLOCK;
-                const __m256i xl = _mm256_set1_epi32(*(const int32_t *)(xb + 4 * c));
-                const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xb + 16 + 4 * c));
+                int32_t four_lo, four_hi;  /* memcpy: an unaligned 4-byte load, without aliasing */
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                const __m256i xl = _mm256_set1_epi32(four_lo), xh = _mm256_set1_epi32(four_hi);
                 sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(lo, xl));
                 sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(hi, xh));
             }
@@ -238,6 +241,14 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
             const int64_t a1 = a0 + step < rows ? a0 + step : rows;
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
+                if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, row by row */
+                    for (int64_t r = p * PANEL; r < (p + 1) * PANEL; r++)
+                        for (int64_t a = a0; a < a1; a += TILE)
+                            q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks,
+                                   xq + a * cols, xd + a * blocks, xs + a * blocks,
+                                   a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out + r, out);
+                    continue;
+                }
                 pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
                 int64_t a = a0;
                 for (; a + MR <= a1; a += MR)
