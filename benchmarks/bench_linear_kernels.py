@@ -66,7 +66,9 @@ def main() -> None:
                     timed = {
                         "kernel": median_ms(linear[torch.float32].quantized_kernel, x, repeats),
                         "dense float32": median_ms(linear[torch.float32].dense, x, repeats),
-                        f"dense {str(linear[torch.bfloat16].native_dense_dtype).removeprefix('torch.')}":
+                        # a bf16 model's dense path: bf16 where the CPU has it natively, else float32
+                        "dense, bf16 model, in "
+                        f"{str(linear[torch.bfloat16].native_dense_dtype).removeprefix('torch.')}":
                             median_ms(linear[torch.bfloat16].dense, x.bfloat16(), repeats),
                     }
                 flops = 2 * rows * out * cols
