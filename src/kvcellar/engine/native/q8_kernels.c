@@ -234,7 +234,8 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
     #pragma omp parallel num_threads(threads)
     {
         /* aligned_alloc takes whole multiples of the alignment */
-        const size_t wbytes = (size_t)blocks * PANEL * BLOCK / 2, fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
+        const size_t wbytes = (size_t)blocks * PANEL * BLOCK / 2;
+        const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
         uint8_t *packed = aligned_alloc(64, wbytes);
         float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
         for (int64_t a0 = 0; a0 < rows; a0 += step) {
@@ -254,10 +255,13 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
                 for (; a + MR <= a1; a += MR)
                     panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
                                y + a * out + p * PANEL, out, MR);
-                switch (a1 - a) {
-                    case 3: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 3); break;
-                    case 2: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 2); break;
-                    case 1: panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL, out, 1); break;
+                const int8_t *xa = xq + a * cols;
+                const float *da = xd + a * blocks, *sa = xs + a * blocks;
+                float *ya = y + a * out + p * PANEL;
+                switch (a1 - a) {  /* the last rows, each count its own constant */
+                    case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
+                    case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
+                    case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
                     default: break;
                 }
             }
