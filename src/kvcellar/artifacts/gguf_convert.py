@@ -118,6 +118,12 @@ class TensorSource:
     perm: torch.Tensor | None = None
     whole: torch.Tensor | None = None
 
+    @property
+    def exact_int4(self) -> bool:
+        """Whether int4 groups hold the tensor's stored blocks value for value (an embedding
+        kept as int4: ``EXACT_EMBEDDING_TYPES``)."""
+        return self.whole is None and self.gguf_type in EXACT_EMBEDDING_TYPES
+
     def raw_rows(self) -> Iterator[tuple[int, np.ndarray]]:
         """``(first row, stored rows)`` in slices, as the reader types them."""
         return self.file.read_rows(self.gguf_name)
@@ -255,7 +261,7 @@ class GgufFile:
         if found is None:
             return False
         stored = next((t for t in self.tensors(wanted=found[0].__eq__)), None)
-        return stored is not None and stored.whole is None and stored.gguf_type in EXACT_EMBEDDING_TYPES
+        return stored is not None and stored.exact_int4
 
     def linear_weights(self) -> set[str]:
         """The HF names of the weights only linears use (a tied LM head's is the embedding's:
@@ -462,8 +468,7 @@ def iter_quantized(source: GgufFile, mode: str) -> Iterator[tuple[str, Quantized
     embedding = source.embedding()
     done: set[str] = set()
     for t in source.tensors(wanted=lambda n: n in linears or (embedding is not None and n == embedding[0])):
-        if embedding is not None and t.name == embedding[0] and t.whole is None \
-                and t.gguf_type in EXACT_EMBEDDING_TYPES:
+        if embedding is not None and t.name == embedding[0] and t.exact_int4:
             yield embedding[1], t.quantized("int4")
         if t.name not in linears:
             continue

@@ -72,8 +72,7 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
         weights = (linear + (0 if tied else head) + other) * itemsize
     else:
         embedding = _int4_embedding_params(source)
-        weights = int((linear + embedding) * BYTES_PER_WEIGHT["int4"] if weights_mode == "int4" else
-                      linear * BYTES_PER_WEIGHT[weights_mode] + embedding * BYTES_PER_WEIGHT["int4"])
+        weights = int(linear * BYTES_PER_WEIGHT[weights_mode] + embedding * BYTES_PER_WEIGHT["int4"])
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
                       embedding_int4_params=embedding)

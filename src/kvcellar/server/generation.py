@@ -143,7 +143,8 @@ class Generation:
             yield choice.index, event
 
     def _prefill_advanced(self, choice: Choice) -> bool:
-        """Whether the choice's prompt has more tokens computed than at its last check."""
+        """Whether the count of the choice's prompt tokens computed changed since its last
+        check (it grows as prefill advances; a preemption resets it, and recomputing follows)."""
         progress = self.engine.prompt_progress(choice.handle.seq_id)
         if progress is None or progress == choice.progress:
             return False
