@@ -125,13 +125,13 @@ def bytes_table(model: LoadedModel, kv_gb: float) -> list[dict[str, Any]]:
     return rows
 
 
-def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: RedisServer, work: Path
-              ) -> list[dict[str, Any]]:
+def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: RedisServer, work: Path,
+              bit_settings: tuple[int, ...] = BITS) -> list[dict[str, Any]]:
     rows = []
     room = max(lengths) + 64  # an 8192-token prompt on an 8192-token model: past its trained context
     for n in lengths:
         prompt = random_prompt(n, n)
-        for bits in BITS:
+        for bits in bit_settings:
             ssd = work / f"ssd-{bits}-{n}"
             a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url, max_model_len=room)
             warm_up(a)
@@ -154,7 +154,9 @@ def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: Redi
                          "ssd_cached": cached_ssd, "redis_cached": cached_redis})
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
-        base = next(r for r in rows if r["tokens"] == row["tokens"] and r["kv_bits"] == 16)
+        base = next((r for r in rows if r["tokens"] == row["tokens"] and r["kv_bits"] == 16), None)
+        if base is None:
+            continue
         row["ssd_x_16bit"] = round(row["ssd_restart_s"] / base["ssd_restart_s"], 2)
         row["redis_x_16bit"] = round(row["redis_hit_s"] / base["redis_hit_s"], 2)
     return rows
@@ -270,6 +272,8 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=4096)
     p.add_argument("--quality-tokens", type=int, default=256)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--hit-bits", type=lambda s: tuple(int(x) for x in s.split(",")), default=BITS,
+                   help="the kv settings the hit table measures (a 7B's cold prefill is minutes each)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-hits", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
@@ -295,7 +299,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvq-") as tmp:
             server = RedisServer(Path(tmp) / "redis", maxmemory="8gb").start()
             try:
-                out["hits"] = hit_table(model, args.lengths, args.kv_cache_gb, server, Path(tmp))
+                out["hits"] = hit_table(model, args.lengths, args.kv_cache_gb, server, Path(tmp), args.hit_bits)
             finally:
                 server.stop()
         show("TTFT: cold, RAM hit, SSD after a restart, Redis on another replica", out["hits"])

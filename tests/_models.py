@@ -141,6 +141,41 @@ def stand_in() -> LoadedModel:
                       head_dim=64, max_position_embeddings=8192)
 
 
+SERVER_STAND_IN = "stand-in"  # the model name a server of ``server_stand_in()`` answers to
+
+
+@functools.cache
+def server_stand_in() -> Path:
+    """A narrow random-weight Llama saved as a model folder for ``kvcellar serve --model``
+    (``STAND_IN_ARGS``), with the embedded model's tokenizer and KV geometry (30 layers, 3 KV
+    heads of 64: 46,080 bytes a token in float32), for the tests of what servers do with KV
+    blocks (SSD, Redis, faults, restarts): their block arithmetic is the embedded model's, a
+    prefill costs a tenth of it. Weights drawn 5x wider than transformers' default, so that
+    attention is peaked and greedy replies differ with the prompt (at the default every
+    prompt gets one token repeated, which a wrong block would not change). Written once per
+    test process, removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-stand-in-")) / SERVER_STAND_IN
+    atexit.register(shutil.rmtree, folder.parent, ignore_errors=True)
+    loaded = tiny_model("llama", embedded("float32").tokenizer, name=SERVER_STAND_IN, hidden_size=192,
+                        intermediate_size=384, num_hidden_layers=30, num_attention_heads=3, num_key_value_heads=3,
+                        head_dim=64, max_position_embeddings=8192, initializer_range=0.1)
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def stand_in_args() -> tuple[str, ...]:
+    """``kvcellar serve`` arguments that serve ``server_stand_in()``."""
+    return ("--model", str(server_stand_in()))
+
+
+@functools.cache
+def served_stand_in() -> LoadedModel:
+    """``server_stand_in()`` loaded in process the way a server loads it: the reference its
+    servers' replies must equal."""
+    return prepare_and_load(str(server_stand_in()), dtype="float32", device=TEST_DEVICE)
+
+
 def expected_cached(prompt_len: int, common: int, computed: int | None = None, block_size: int = 16) -> int:
     """Prompt tokens a prefix hit reuses: the whole blocks of the shared prefix (``common``
     tokens, of which ``computed`` hold KV), except that the last prompt token is always

@@ -40,10 +40,15 @@ def test_greedy_matches_transformers_generate(model):
         assert_matches_reference(result, ref_tokens, ref_logprobs)
 
 
-def test_batch_of_eight_equals_each_alone(model):
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each of ``PROMPTS`` generated alone, by an engine of its own."""
+    return [make_engine(model, prefix_caching=False).generate([chat_ids(model, p)], GREEDY)[0] for p in PROMPTS]
+
+
+def test_batch_of_eight_equals_each_alone(model, alone):
     prompts = [chat_ids(model, p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 6, "the prompts should have different lengths"
-    alone = [make_engine(model, prefix_caching=False).generate([p], GREEDY)[0] for p in prompts]
     batched = make_engine(model, prefix_caching=False).generate(prompts, GREEDY)
     for a, b in zip(alone, batched, strict=True):
         assert a.token_ids == b.token_ids
@@ -51,10 +56,9 @@ def test_batch_of_eight_equals_each_alone(model):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOL)
 
 
-def test_requests_joining_mid_decode_do_not_change_others(model):
+def test_requests_joining_mid_decode_do_not_change_others(model, alone):
     prompts = [chat_ids(model, p) for p in PROMPTS]
     engine = make_engine(model)
-    reference = {i: make_engine(model).generate([p], GREEDY)[0].token_ids for i, p in enumerate(prompts)}
 
     first = [engine.submit(p, GREEDY) for p in prompts[:4]]
     for _ in range(6):  # the first four are prefilled and decoding
@@ -64,7 +68,7 @@ def test_requests_joining_mid_decode_do_not_change_others(model):
     late = [engine.submit(p, GREEDY) for p in prompts[4:]]
     engine.run_until_idle()
     for i, handle in enumerate(first + late):
-        assert engine.collect(handle).token_ids == reference[i]
+        assert engine.collect(handle).token_ids == alone[i].token_ids
 
 
 def test_chunked_prefill_equals_unchunked(model):

@@ -1,5 +1,6 @@
 """The SSD tier's faults and limits as a running server reports them in /health, on a
-real small filesystem mounted at ``<cache-dir>/kv`` (issue 14: F1, F2, F3)."""
+real small filesystem mounted at ``<cache-dir>/kv`` (issue 14: F1, F2, F3). The servers serve
+the stand-in (``tests._models.server_stand_in``), whose blocks are the embedded model's size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import MODEL, ServerProcess, wait_until
+from tests._models import SERVER_STAND_IN, stand_in_args
+from tests.helpers import ServerProcess, wait_until
 from tests.mounts import Mount, mount_tmpfs, unmount
 
 pytestmark = pytest.mark.slow
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def small_kv(tmp_path: Path) -> Iterator[Mount]:
-    """``<tmp>/cache/kv`` on a 64 MiB tmpfs (about 88 fp32 blocks of the embedded model)."""
+    """``<tmp>/cache/kv`` on a 64 MiB tmpfs (about 88 fp32 blocks of the embedded model's geometry)."""
     m = mount_tmpfs(tmp_path / "cache" / "kv", "64m")
     if isinstance(m, str):
         pytest.skip(m)
@@ -42,7 +44,7 @@ def _stored(server: ServerProcess) -> int:
 
 
 def _complete(server: ServerProcess, i: int) -> None:
-    r = server.client().completions.create(model=MODEL, prompt=_prompt(i), max_tokens=1, temperature=0)
+    r = server.client().completions.create(model=SERVER_STAND_IN, prompt=_prompt(i), max_tokens=1, temperature=0)
     assert r.choices[0].text is not None
 
 
@@ -56,7 +58,8 @@ def test_full_cache_disk_remounted_read_only_is_degraded_then_recovers(small_kv,
     EROFS) and /health says degraded with that error while requests are still served.
     F3: after the remount read-write the tier is ok and stores again within about a
     probe interval (the time is printed, not asserted)."""
-    server = ServerProcess(tmp_path / "cache", "--disk-min-free-gb", "0", models_dir=models_dir).start()
+    server = ServerProcess(tmp_path / "cache", *stand_in_args(), "--disk-min-free-gb", "0",
+                           models_dir=models_dir).start()
     try:
         i = 0
         while server.health()["tiers"]["ssd"]["counters"]["ssd_evicted_blocks"] == 0:  # fill it
@@ -91,7 +94,7 @@ def test_small_cache_filesystem_gets_a_relative_floor_or_says_no_space(small_kv,
     """F2: with the default floor a 64 MiB cache filesystem is used (the floor is 5 % of it,
     not 1 GiB); a floor that leaves no room is said at start-up and in /health."""
     cache = tmp_path / "cache"
-    server = ServerProcess(cache, models_dir=models_dir).start()
+    server = ServerProcess(cache, *stand_in_args(), models_dir=models_dir).start()
     try:
         _complete(server, 1)
         wait_until(lambda: _stored(server) > 0, timeout=60, what="blocks on the small filesystem")
@@ -100,7 +103,7 @@ def test_small_cache_filesystem_gets_a_relative_floor_or_says_no_space(small_kv,
     finally:
         assert server.stop() == 0
 
-    server = ServerProcess(cache, "--disk-min-free-gb", "1", models_dir=models_dir).start()
+    server = ServerProcess(cache, *stand_in_args(), "--disk-min-free-gb", "1", models_dir=models_dir).start()
     try:
         ssd = _ssd(server)
         assert ssd["state"] == "no_space" and "floor" in ssd["ssd"]["no_space"], ssd

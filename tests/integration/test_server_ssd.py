@@ -1,7 +1,9 @@
 """The persistent tier across real server processes: clean restarts and SIGKILLs.
 
 Outputs after every restart are compared with a cache-disabled in-process run of the same
-prompt (greedy, fp32): a corrupt or misplaced block would change them.
+prompt (greedy, fp32): a corrupt or misplaced block would change them. The servers serve the
+stand-in (``tests._models.server_stand_in``: the embedded model's KV geometry and tokenizer,
+a tenth of its compute).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import sys
 import pytest
 
 from kvcellar.engine import SamplingParams
-from tests._models import chat_ids, uncached_runner
-from tests.helpers import MODEL, ServerProcess, kvcellar_command, wait_until
+from tests._models import SERVER_STAND_IN, chat_ids, served_stand_in, stand_in_args, uncached_runner
+from tests.helpers import ServerProcess, kvcellar_command, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +33,15 @@ def messages(question: str) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
+def model():
+    return served_stand_in()
+
+
+def stand_in_server(cache, *args: str, models_dir) -> ServerProcess:
+    return ServerProcess(cache, *stand_in_args(), *args, models_dir=models_dir)
+
+
+@pytest.fixture(scope="module")
 def reference(model):
     """The uncached greedy reply to a question, from an in-process engine."""
     run = uncached_runner(model, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
@@ -38,20 +49,20 @@ def reference(model):
 
 
 def ask(server: ServerProcess, question: str):
-    return server.client().chat.completions.create(model=MODEL, messages=messages(question),
+    return server.client().chat.completions.create(model=SERVER_STAND_IN, messages=messages(question),
                                                    max_tokens=MAX_TOKENS, temperature=0)
 
 
 def test_restart_serves_the_prefix_from_disk(tmp_path, models_dir, reference):
     cache = tmp_path / "cache"
-    first = ServerProcess(cache, models_dir=models_dir).start()
+    first = stand_in_server(cache, models_dir=models_dir).start()
     try:
         a = ask(first, "The disk is 95% full. What do I check first?")
         assert a.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         assert first.stop() == 0
 
-    second = ServerProcess(cache, models_dir=models_dir).start()
+    second = stand_in_server(cache, models_dir=models_dir).start()
     try:
         health = second.health()
         assert health["last_shutdown_clean"] is True and health["last_shutdown_reason"] is None
@@ -82,7 +93,7 @@ def _fire(server: ServerProcess, questions: list[str]) -> None:
     def one(q: str) -> None:
         try:
             server.client(timeout=60).chat.completions.create(
-                model=MODEL, messages=messages(q), max_tokens=48, temperature=0)
+                model=SERVER_STAND_IN, messages=messages(q), max_tokens=48, temperature=0)
         except Exception:
             pass
 
@@ -96,7 +107,7 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
     cache = tmp_path / "cache"
     stored_before_kill = []
     for round_no, durability in enumerate(["best_effort", "persistent"]):
-        server = ServerProcess(cache, "--ssd-durability", durability, models_dir=models_dir).start()
+        server = stand_in_server(cache, "--ssd-durability", durability, models_dir=models_dir).start()
         try:
             health = server.health()
             if round_no > 0:
@@ -112,7 +123,7 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
             server.signal(signal.SIGKILL)
             server.wait_exit(30)
 
-    final = ServerProcess(cache, models_dir=models_dir).start()
+    final = stand_in_server(cache, models_dir=models_dir).start()
     try:
         health = final.health()
         assert health["last_shutdown_clean"] is False
@@ -146,12 +157,12 @@ def test_cache_clear_under_a_running_server_does_not_block_rewrites(tmp_path, mo
     cache = tmp_path / "cache"
     question = "The disk is 95% full. What do I check first?"
     # A pool of ~24 fp32 blocks (15 per filler prompt).
-    server = ServerProcess(cache, "--kv-cache-gb", "0.017", "--dtype", "float32", models_dir=models_dir).start()
+    server = stand_in_server(cache, "--kv-cache-gb", "0.017", "--dtype", "float32", models_dir=models_dir).start()
     try:
         first = ask(server, question)
         client = server.client()
         for i in range(3):  # unrelated prompts push the first one out of RAM (it stays on disk)
-            client.completions.create(model=MODEL, prompt=f"Filler {i}: " + "tick tock " * 120, max_tokens=1)
+            client.completions.create(model=SERVER_STAND_IN, prompt=f"Filler {i}: " + "tick tock " * 120, max_tokens=1)
         server.wait_idle()
         assert wait_until(lambda: server.health()["tiers"]["ssd"]["writer_queue_depth"] == 0, timeout=60)
         clear = subprocess.run([*kvcellar_command(), "cache", "clear", "--cache-dir", str(cache)],
@@ -183,7 +194,7 @@ def test_restart_with_8bit_kv_serves_its_blocks_and_another_setting_starts_empty
     cache = tmp_path / "cache"
 
     def served(bits: int):
-        server = ServerProcess(cache, "--kv-bits", str(bits), models_dir=models_dir).start()
+        server = stand_in_server(cache, "--kv-bits", str(bits), models_dir=models_dir).start()
         try:
             engine = server.health()["engine"]
             reply = ask(server, question)

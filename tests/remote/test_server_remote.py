@@ -3,7 +3,9 @@ computed from Redis, A restarted with an empty local dir still does, and a Redis
 while loads are in flight, restarted and back costs no wrong answer and no 5xx.
 
 A replica's first answer to a prompt is computed cold (its RAM and SSD are empty), so it
-is the uncached reference the others must equal (greedy, float32)."""
+is the uncached reference the others must equal (greedy, float32). The replicas serve the
+stand-in (``tests._models.server_stand_in``: the embedded model's KV geometry, a tenth of its
+compute)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import MODEL, ServerProcess, wait_until
+from tests._models import SERVER_STAND_IN, stand_in_args
+from tests.helpers import ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +29,7 @@ DOC = ("Runbook, storage team. Disk pressure: check `df -h` and the largest dire
 
 def ask(server: ServerProcess, question: str) -> dict[str, Any]:
     r = server.post("/v1/chat/completions", {
-        "model": MODEL, "temperature": 0, "max_tokens": 8,
+        "model": SERVER_STAND_IN, "temperature": 0, "max_tokens": 8,
         "messages": [{"role": "system", "content": DOC}, {"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -40,7 +43,7 @@ def tiers(server: ServerProcess) -> dict[str, Any]:
 
 
 def replica(tmp_path: Path, name: str, models_dir: Path, url: str) -> ServerProcess:
-    return ServerProcess(tmp_path / name, "--remote-url", url, "--remote-load-timeout", "30",
+    return ServerProcess(tmp_path / name, *stand_in_args(), "--remote-url", url, "--remote-load-timeout", "30",
                          models_dir=models_dir).start()
 
 
