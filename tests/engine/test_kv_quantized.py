@@ -138,7 +138,7 @@ def test_every_ram_path_equals_an_uncached_run_under_the_same_setting(model, bit
 def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) -> None:
     """Sequences preempted (blocks released, full ones cached) and resumed over 8-bit KV give
     what a roomy pool gives."""
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
     prompts = [chat_ids(model, f"Question {i}: what is {i} plus {i}?") for i in range(6)]
     roomy = make_engine(model, kv_bits=8, block_size=8).generate(prompts, params)
     tight = make_engine(model, kv_bits=8, kv_cache_blocks=22, block_size=8)

@@ -14,7 +14,7 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
 from tests._models import chat_ids, embedded, make_engine, tiny_model
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
 
 
@@ -106,7 +106,7 @@ def test_fused_and_unfused_linears_give_the_same_outputs_on_every_cache_path(dty
     # whichever test of this worker made the first engine over it.
     fused, unfused = (prepare_and_load(None, dtype=dtype, device=TEST_DEVICE, weights="full",
                                        artifacts=ArtifactCache(shared_models_dir())) for _ in range(2))
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
     a, b = make_engine(fused, max_step_tokens=48), make_engine(unfused, lean_forward=False, max_step_tokens=48)
     assert a.runner.linears.fused and not b.runner.linears.fused
     prompts = prompts_for(fused)

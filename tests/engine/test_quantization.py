@@ -35,7 +35,7 @@ from tests._models import (
     without_native_kernels,
 )
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
 SYSTEM = "You are a careful assistant for a library. Answer in one sentence and name the shelf. " * 4
 KERNELS = quant_kernels_run(torch.bfloat16, torch.device("cpu"))
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="this CPU has no native bf16: the quantized kernels never run")
@@ -246,7 +246,7 @@ def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype, native_ker
     if not native_kernels:
         without_native_kernels(monkeypatch)
     loaded = load(mode, dtype)
-    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
 
     def check(got, prompt):
@@ -390,7 +390,7 @@ def test_a_float32_model_with_bf16_kernels_is_lean_and_every_prefix_path_agrees(
     warm_up(engine)  # calibrates on this thread: its scratch (the LM head's size) is released after
     assert not getattr(linears_module._scratch, "buffers", None)
 
-    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
     first = chat_ids(loaded, "Where are the atlases?", SYSTEM)
     got = engine.generate([first], params)[0]
