@@ -22,7 +22,9 @@ kvcellar (``kvcellar serve --model FILE --weights auto --kv-cache-gb 2``, fresh 
   2nd start    SIGTERM, the same cache dir: the prepared entry is loaded
   serving      prefill of cold distinct prompts of ``--lengths`` tokens (non-streamed
                ``max_tokens`` 1: TTFT is the request's wall time; prefill tok/s = tokens /
-               TTFT), RAM hit (the longest prompt again), decode of ``--decode-tokens`` (128)
+               TTFT), RAM hit (the longest prompt again, once kvcellar has written its blocks
+               to the SSD: stop 36's figures had that write-through beside the hit), decode of
+               ``--decode-tokens`` (128)
                tokens with ``ignore_eos`` at one stream and at ``--batch`` (8) concurrent
                streams (short distinct prompts), RSS of the group (peak over the phase)
   restart      SIGTERM (kvcellar drains its disk writer), the page cache of the KV files
@@ -385,6 +387,19 @@ def health(url: str) -> dict[str, Any]:
     return httpx.get(url + "/health", timeout=30).json()
 
 
+def written_through(url: str, timeout: float = 900.0) -> float:
+    """Seconds until a kvcellar server has written the blocks it holds to its SSD tier (at
+    once for a server without one, or llama-server), so that a hit measured next does not
+    share the CPU with the write-through of the prompt before it."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        ssd = health(url).get("tiers", {}).get("ssd")
+        if not ssd or (ssd.get("writer_queue_depth", 0) == 0 and ssd.get("ssd", {}).get("writer_in_flight", 0) == 0):
+            break
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
 # ---- one server's run ------------------------------------------------------------------------
 
 
@@ -415,9 +430,11 @@ def serve_phase(url: str, model: str, sampler: RssSampler, args: argparse.Namesp
         print(f"  cold {n}: TTFT {r['ttft_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s), "
               f"prompt_tokens {r['prompt_tokens']}", flush=True)
     longest = max(args.lengths)
+    out["written_through_s"] = written_through(url)
     out["ram_hit"] = complete(url, model, prompt_ids(longest, 100 + args.lengths.index(longest), vocab))
     print(f"  RAM hit {longest}: TTFT {out['ram_hit']['ttft_s']:.3f} s, "
-          f"cached {out['ram_hit']['cached_tokens']}", flush=True)
+          f"cached {out['ram_hit']['cached_tokens']} (after {out['written_through_s']:.1f} s of write-through)",
+          flush=True)
     out["decode_1"] = stream_decode(url, model, prompt_ids(args.decode_prompt, 500, vocab), args.decode_tokens)
     print(f"  decode 1 stream: {fmt(out['decode_1']['decode_tok_s'])} tok/s", flush=True)
     if batch:
