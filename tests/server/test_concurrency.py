@@ -21,7 +21,7 @@ QUESTIONS = [
     "Name a bird.", "How many legs does a spider have?", "Name a metal.", "What do bees make?",
     "Name a season.", "What is the opposite of hot?", "Name a vegetable.",
 ]
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 
 
 def messages(q: str) -> list[dict[str, str]]:
