@@ -75,8 +75,8 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loa
 
 # The suite starts many Python processes (servers, CLI commands); compiled once here, the
 # package is not compiled again in each of them where PYTHONDONTWRITEBYTECODE is set.
-# mypy runs beside the tests at the lowest CPU priority, on the cycles they leave idle (it
-# needs ~40 s of a core on a fresh clone); its report follows theirs and either failing fails.
+# mypy runs beside the tests at the lowest CPU priority, on the cycles they leave idle, so its
+# cold run adds nothing to the wait; its report follows theirs and either failing fails.
 test: setup redis-server agents
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m compileall -q src tests

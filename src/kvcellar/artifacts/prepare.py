@@ -153,8 +153,8 @@ def gguf_builder(gguf_path: Path, dtype: torch.dtype, *, name: str, progress: bo
 
 def gguf_tokenizer(path: Path) -> Any:
     """The tokenizer transformers reads from the GGUF at ``path``, kept for the process per
-    file version (the last one): reading it parses the whole metadata again (9 s for the
-    embedded model's 49k tokens on a 2-core VM), and a process that prepares several entries
+    file version (the last one): reading it parses the whole metadata again (seconds for a
+    large vocabulary), and a process that prepares several entries
     of one GGUF (another dtype; a quantized mode's dense part) needs it for each. It is
     saved and hashed, never changed."""
     stat = path.stat()
