@@ -147,7 +147,7 @@ SERVER_STAND_IN = "stand-in"  # the model name a server of ``server_stand_in()``
 @functools.cache
 def server_stand_in() -> Path:
     """A narrow random-weight Llama saved as a model folder for ``kvcellar serve --model``
-    (``STAND_IN_ARGS``), with the embedded model's tokenizer and KV geometry (30 layers, 3 KV
+    (``stand_in_args()``), with the embedded model's tokenizer and KV geometry (30 layers, 3 KV
     heads of 64: 46,080 bytes a token in float32), for the tests of what servers do with KV
     blocks (SSD, Redis, faults, restarts): their block arithmetic is the embedded model's, a
     prefill costs a tenth of it. Weights drawn 5x wider than transformers' default, so that
