@@ -38,24 +38,29 @@ class ServerProcess:
 
     def __init__(self, cache_dir: Path, *extra_args: str, log_dir: Path | None = None,
                  env: dict[str, str] | None = None, api_key: str | None = None,
-                 models_dir: Path | None = None, warmup: bool = False) -> None:
+                 models_dir: Path | None = None, warmup: bool = False,
+                 disk_floor_gb: float | None = 0.0) -> None:
         """``models_dir``: a prepared-model artifact folder shared between servers (linked
         as ``<cache_dir>/models``), so that only the first start of a session prepares the
         model; KV caches stay separate. ``warmup``: run the server's warm-up before ready;
         off by default (it costs seconds per start and changes no output), on for the
-        session server, which tests/server/test_warmup.py checks."""
+        session server, which tests/server/test_warmup.py checks. ``disk_floor_gb``: the SSD
+        tier's free-space floor, 0 so that no test depends on how full the test machine's disk
+        is (a flag in ``extra_args`` wins); None leaves the server's default."""
         self.cache_dir = Path(cache_dir)
         if models_dir is not None:
             link_models(self.cache_dir, Path(models_dir))
         self.extra_args: Sequence[str] = extra_args
         self.api_key = api_key
         self.warmup = warmup
+        self.disk_floor_gb = disk_floor_gb
         self.log_path = (log_dir or self.cache_dir) / "server.log"
         self.launcher = ServerLauncher(self.command, self.log_path, env=env, name="kvcellar serve")
         self._attached_url: str | None = None
 
     def command(self, port: int) -> list[str]:
-        args = [*DEFAULT_SERVE_ARGS, *self.extra_args]
+        floor = () if self.disk_floor_gb is None else ("--disk-min-free-gb", f"{self.disk_floor_gb:g}")
+        args = [*DEFAULT_SERVE_ARGS, *floor, *self.extra_args]
         if not self.warmup:
             args.append("--no-warmup")
         if self.api_key:

@@ -94,7 +94,7 @@ def test_small_cache_filesystem_gets_a_relative_floor_or_says_no_space(small_kv,
     """F2: with the default floor a 64 MiB cache filesystem is used (the floor is 5 % of it,
     not 1 GiB); a floor that leaves no room is said at start-up and in /health."""
     cache = tmp_path / "cache"
-    server = ServerProcess(cache, *stand_in_args(), models_dir=models_dir).start()
+    server = ServerProcess(cache, *stand_in_args(), models_dir=models_dir, disk_floor_gb=None).start()
     try:
         _complete(server, 1)
         wait_until(lambda: _stored(server) > 0, timeout=60, what="blocks on the small filesystem")

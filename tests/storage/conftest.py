@@ -21,11 +21,15 @@ from tests.storage.helpers import SPEC
 
 @pytest.fixture
 def open_tier() -> Iterator[Callable[..., DiskTier]]:
-    """``open_tier(root, ns="ns", spec=SPEC, **config)``; every tier is closed at teardown."""
+    """``open_tier(root, ns="ns", spec=SPEC, **config)``; every tier is closed at teardown.
+
+    The free-space floor is 0 unless a test sets it: only the capacity tests are about how full
+    a disk is, and the others must not depend on how full the test machine's disk is."""
     opened: list[DiskTier] = []
 
     def make(root: Path, ns: str = "ns", spec: BlockSpec = SPEC, descriptor: dict | None = None,
              **cfg: Any) -> DiskTier:
+        cfg.setdefault("min_free_bytes", 0)
         tier = DiskTier(root, ns, spec, DiskConfig(**cfg), descriptor=descriptor)
         opened.append(tier)
         return tier

@@ -23,7 +23,9 @@ from tests.storage.helpers import SPEC, bits_equal, block, load_request
 
 
 def write(root: str, ns: str, durability: str, async_writes: str, start: str) -> None:
-    cfg = DiskConfig(durability=durability, async_writes=async_writes == "1")  # type: ignore[arg-type]
+    # No free-space floor: these processes test crashes, not how full the test machine's disk is.
+    cfg = DiskConfig(durability=durability, async_writes=async_writes == "1",  # type: ignore[arg-type]
+                     min_free_bytes=0)
     tier = DiskTier(Path(root), ns, SPEC, cfg)
     i = int(start)
     while True:
@@ -33,7 +35,8 @@ def write(root: str, ns: str, durability: str, async_writes: str, start: str) ->
 
 
 def batch(root: str, ns: str, start: str, n: str, close: str) -> None:
-    tier = DiskTier(Path(root), ns, SPEC, DiskConfig(queue_blocks=1024, enqueue_timeout_s=10.0))
+    tier = DiskTier(Path(root), ns, SPEC, DiskConfig(queue_blocks=1024, enqueue_timeout_s=10.0,
+                                                      min_free_bytes=0))
     first = int(start)
     for i in range(first, first + int(n), 8):
         tier.store([block(j) for j in range(i, min(i + 8, first + int(n)))])
@@ -43,7 +46,7 @@ def batch(root: str, ns: str, start: str, n: str, close: str) -> None:
 
 
 def check(root: str, ns: str, n: str) -> None:
-    tier = DiskTier(Path(root), ns, SPEC, DiskConfig())
+    tier = DiskTier(Path(root), ns, SPEC, DiskConfig(min_free_bytes=0))
     blocks = [block(i) for i in range(int(n))]
     present = tier.lookup([b.key for b in blocks])
     reqs = [load_request(b) for b in blocks[:present]]

@@ -223,7 +223,7 @@ def test_default_floor_is_relative_to_a_small_filesystem(tmpfs, open_tier) -> No
     """Issue 14, F2: the default floor is min(1 GiB, 5 % of the filesystem). A fixed 1 GiB
     floor switched the tier off on any smaller filesystem while it said "ok"."""
     fs = tmpfs("4m")
-    tier = open_tier(fs.path, spec=SPEC_BIG, async_writes=False)  # the default floor
+    tier = open_tier(fs.path, spec=SPEC_BIG, async_writes=False, min_free_bytes=None)  # the default floor
     assert tier.wait_scanned(30)
     fs_bytes = os.statvfs(fs.path).f_blocks * os.statvfs(fs.path).f_frsize
     blocks = chain(150, SPEC_BIG)  # more than the filesystem holds
