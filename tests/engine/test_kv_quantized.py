@@ -21,7 +21,7 @@ import torch
 
 from kvcellar.cache.kv_pool import KVLayout, KVPool, dequantize_kv, quantize_kv
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
-from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine import SamplingParams, native, observability
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
@@ -32,6 +32,7 @@ from tests._models import (
     expected_cached,
     make_engine,
     uncached_runner,
+    without_native_kernels,
 )
 
 BS = 16
@@ -117,6 +118,7 @@ def test_every_ram_path_equals_an_uncached_run_under_the_same_setting(model, bit
         assert_equivalent_output(got, uncached(prompt), tol, margin)
 
     engine = make_engine(model, kv_bits=bits, max_step_tokens=64)  # chunked prefill too
+    assert engine.pool.attends == (TEST_DEVICE == "cpu" and native.available())  # decode reads packed blocks
     first = chat_ids(model, "When does the library open on Sundays?", SYSTEM)
     a = engine.generate([first], GREEDY)[0]
     check(a, first)
@@ -133,6 +135,25 @@ def test_every_ram_path_equals_an_uncached_run_under_the_same_setting(model, bit
     # The setting is in effect: 16-bit KV gives other logprobs.
     full = make_engine(model, prefix_caching=False).generate([first], GREEDY)[0]
     assert full.logprobs != a.logprobs
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_attention_over_packed_blocks_agrees_with_the_dequantized_gather(model, monkeypatch, bits: int) -> None:
+    """Decode and a full hit's last token on kvcellar's kernel that reads the packed blocks
+    give what the dequantized gather + SDPA gives (the path of CUDA and of CPUs without the
+    kernels), within the setting's tolerance."""
+    if TEST_DEVICE != "cpu" or not native.available():
+        pytest.skip("kvcellar's CPU kernels do not run here")
+    prompt = chat_ids(model, "Can I bring my dog to the reading room?", SYSTEM)
+    direct = make_engine(model, kv_bits=bits)
+    want = direct.generate([prompt, prompt], GREEDY)
+    without_native_kernels(monkeypatch)
+    gathered = make_engine(model, kv_bits=bits)
+    assert direct.pool.attends and not gathered.pool.attends
+    got = gathered.generate([prompt, prompt], GREEDY)
+    assert got[1].num_cached_tokens == want[1].num_cached_tokens > 0
+    for a, b in zip(got, want, strict=True):
+        assert_equivalent_output(a, b, *TOLERANCE[bits])
 
 
 def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) -> None:

@@ -157,15 +157,22 @@ def dequantize_kv(q: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch
 # kernels): (pool data, layout, layer, 0 for K or 1 for V, int64 block ids) -> the blocks'
 # ``[n * block_size, kv_heads, head_dim]`` in ``layout.dtype``, exactly ``dequantize_kv``'s.
 QuantizedGather = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor], torch.Tensor]
+# Attention of one query position per sequence over quantized KV blocks where they lie, given
+# by the engine where it has a kernel for it: (pool data, layout, layer, block tables [n, w],
+# contexts [n], q [n, kv_heads, groups, head_dim], scale) -> [n, kv_heads, groups, head_dim].
+QuantizedAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                           torch.Tensor]
 
 
 class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
-                 gather_quantized: QuantizedGather | None = None) -> None:
+                 gather_quantized: QuantizedGather | None = None,
+                 attend_quantized: QuantizedAttend | None = None) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         self._gather_quantized = gather_quantized if layout.quantized else None
+        self._attend_quantized = attend_quantized if layout.quantized else None
         self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
         if layout.quantized:
             lay = layout
@@ -221,6 +228,19 @@ class KVPool:
         v = dequantize_kv(self._qv[layer].index_select(0, flat), self._pv[layer].index_select(0, flat),
                           lay.kv_bits, lay.dtype)
         return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+    @property
+    def attends(self) -> bool:
+        """Whether ``attend`` runs here: quantized KV with a kernel that reads its blocks."""
+        return self._attend_quantized is not None
+
+    def attend(self, layer: int, block_tables: torch.Tensor, contexts: torch.Tensor, q: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Attention of one query position per sequence (``q [n, kv_heads, groups, head_dim]``,
+        the query heads of each KV head) over the first ``contexts[i]`` tokens of
+        ``block_tables[i]``, without a dequantized copy of the context. Only where ``attends``."""
+        assert self._attend_quantized is not None
+        return self._attend_quantized(self.data, self.layout, layer, block_tables, contexts, q, scale)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])

@@ -11,7 +11,8 @@ sequence. For each layer the function
 1. writes this step's K/V (post-RoPE) into the pool at the step's slots,
 2. decodes: gathers each decode sequence's blocks into one padded batch and runs one SDPA
    call with a key-length mask (GQA folded into the query axis: measured 5-8x faster in
-   bf16 on CPU than ``enable_gqa``),
+   bf16 on CPU than ``enable_gqa``); quantized KV with kvcellar's CPU kernels is read where it
+   lies instead (``KVPool.attend``), as is the one-token tail of a full prefix hit,
 3. prefills: one SDPA call per span over its gathered context, with a bottom-right
    causal mask when the span sits on top of earlier tokens (SDPA's ``is_causal`` is
    top-left aligned, right only when query length equals key length).
@@ -140,18 +141,33 @@ def paged_attention(
     out = torch.empty((total, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
     q = query[0]  # [Hq, T, D]
 
+    # Quantized KV with a kernel that reads its blocks where they lie: one query position
+    # attends without a dequantized copy of its context (what the gather writes and SDPA
+    # reads again is several times the packed blocks' bytes).
+    direct = pool.attends and window is None and kwargs.get("softcap") is None
+    scale = scaling if scaling is not None else head_dim ** -0.5
+
     batch = meta.decode
     if batch is not None:
         n = batch.count
-        k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
         # [Hq, n, D] -> [n, Hkv, groups, D]: query heads of one KV head act as query rows.
         qd = q[:, :n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
         mask = meta.decode_mask(window)
         record("decode" if mask is None else "decode_masked")
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling)
+        if direct:
+            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale)
+        else:
+            k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling)
         out[:n] = o.reshape(n, n_q_heads, head_dim)
 
     for i, span in enumerate(meta.prefills):
+        if direct and span.length == 1 and groups > 1:  # the tail of a full prefix hit, folded
+            record("prefill_folded")
+            qp = q[:, span.start : span.start + 1].reshape(1, n_kv_heads, groups, head_dim)
+            contexts = torch.full((1,), span.context, dtype=torch.int64)
+            out[span.start] = pool.attend(layer, span.block_table, contexts, qp, scale).reshape(n_q_heads, head_dim)
+            continue
         k, v = pool.gather(layer, span.block_table)
         k = k[:, :, : span.context]
         v = v[:, :, : span.context]

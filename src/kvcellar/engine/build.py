@@ -42,8 +42,9 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         log.warning("max_model_len %d is above the model's trained context of %d tokens",
                     max_model_len, loaded.max_context)
     num_blocks = _pool_blocks(layout, cfg, max_model_len)
-    pool = KVPool(layout, num_blocks, loaded.device,
-                  gather_quantized=native.gather_kv if native.gathers_kv(layout, loaded.device) else None)
+    fast = native.gathers_kv(layout, loaded.device)
+    pool = KVPool(layout, num_blocks, loaded.device, gather_quantized=native.gather_kv if fast else None,
+                  attend_quantized=native.attend_kv if fast else None)
     blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
     wake = threading.Event()
     lower = LowerTierLink(pool, blocks.key, wake=wake.set)

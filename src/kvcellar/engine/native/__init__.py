@@ -60,7 +60,9 @@ _SIGNATURES = {
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
+    "kvc_attend_kv": [_P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P, _N],
 }
+_RESULTS = {"kvc_attend_kv": ctypes.c_int}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -113,7 +115,7 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = _RESULTS.get(name)
     return lib
 
 
@@ -210,3 +212,33 @@ def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks:
                          layout.block_size * layout.num_kv_heads, layout.head_dim, layout.kv_group_size,
                          layout.kv_bits, out.data_ptr(), layout.dtype == torch.bfloat16, torch.get_num_threads())
     return out
+
+
+def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
+              q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query position per sequence over quantized KV blocks, read where they
+    lie: ``q [n, kv_heads, groups, head_dim]`` (the query heads of each KV head), ``tables
+    [n, width]`` block ids, ``contexts [n]`` tokens each sequence sees. Returns ``[n, kv_heads,
+    groups, head_dim]`` in ``q``'s dtype. Computed in float32 from the dequantized values (as
+    ``gather_kv`` gives them in float32), with its own order of sums: within float32 rounding
+    of SDPA over ``gather_kv``'s output, not bit for bit. Same layouts as ``gather_kv``."""
+    assert pool.is_contiguous() and pool.dtype == torch.uint8 and pool.shape[1:] == layout.storage_shape
+    n, kv_heads, groups, head_dim = q.shape
+    assert kv_heads == layout.num_kv_heads and head_dim == layout.head_dim and head_dim % 16 == 0
+    tables = tables.to(torch.int64).contiguous()
+    contexts = contexts.to(torch.int64).contiguous()
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < pool.shape[0]:
+        raise IndexError(f"block ids outside the pool's {pool.shape[0]} blocks")  # C would read past it
+    if n and not 0 <= int(contexts.min()) <= int(contexts.max()) <= tables.shape[1] * layout.block_size:
+        raise IndexError("a context longer than its block table")
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty_like(qf)
+    layer_bytes = layout.storage_shape[-1]
+    status = _lib().kvc_attend_kv(pool.data_ptr(), layout.bytes_per_block, layer * 2 * layer_bytes,
+                                  (layer * 2 + 1) * layer_bytes, layout.values_bytes, tables.data_ptr(),
+                                  tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,
+                                  layout.kv_group_size, layout.kv_bits, qf.data_ptr(), groups, scale,
+                                  out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("no scratch memory for quantized attention")
+    return out.to(q.dtype)

@@ -446,3 +446,184 @@ void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int
     else if (bf16) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 1);
     else gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 0);
 }
+
+/* exp of 8 floats: Cephes' polynomial on x - n ln 2, scaled by 2^n (relative error ~2e-7).
+ * Arguments below -87 give 0, as exp's float does near there. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* One row (token, head) of a quantized K or V region into dst [head_dim] float32: q * scale
+ * (+ offset at 4 bits), in float32. */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *vals, const uint16_t *prm,
+                                                              int64_t head_dim, int64_t group, float *dst,
+                                                              const int BITS) {
+    const int64_t groups = head_dim / group;
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 vs = _mm256_set1_ps(_cvtsh_ss(prm[g * (BITS == 4 ? 2 : 1)]));
+        const __m256 vo = _mm256_set1_ps(BITS == 4 ? _cvtsh_ss(prm[g * 2 + 1]) : 0.0f);
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+            __m256i q0, q1;
+            if (BITS == 8) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
+                q0 = _mm256_cvtepi8_epi32(b);
+                q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+            } else {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
+                const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                const __m128i q = _mm_unpacklo_epi8(lo, hi);
+                q0 = _mm256_cvtepu8_epi32(q);
+                q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+            }
+            _mm256_storeu_ps(dst + k, dequant8(q0, vs, vo, BITS, 0));
+            _mm256_storeu_ps(dst + k + 8, dequant8(q1, vs, vo, BITS, 0));
+        }
+    }
+}
+
+/* Tokens of context one task of kvc_attend_kv covers: several tasks per (sequence, KV head)
+ * keep both threads busy for one sequence of few KV heads; their partial softmaxes merge. */
+#define ATTEND_CHUNK 512
+
+static inline __attribute__((always_inline)) void attend_chunk(
+        const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
+        const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
+        const float *q, int64_t gq, float scale, int64_t head, int64_t t0, int64_t t1,
+        float *m_out, float *l_out, float *acc, float *scores, float *row, const int BITS) {
+    const int64_t packed = head_dim * BITS / 8, per = BITS == 4 ? 2 : 1, groups = head_dim / group;
+    const int64_t n = t1 - t0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = (t % block_size) * kv_heads + head;
+        const uint8_t *base = pool + table[t / block_size] * block_bytes + k_region;
+        dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
+                    head_dim, group, row, BITS);
+        for (int64_t j = 0; j < gq; j++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t k = 0; k < head_dim; k += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * head_dim + k), _mm256_loadu_ps(row + k), a);
+            scores[j * n + (t - t0)] = hsum(a) * scale;
+        }
+    }
+    for (int64_t j = 0; j < gq; j++) {
+        float *s = scores + j * n;
+        float m = -INFINITY;
+        for (int64_t i = 0; i < n; i++) m = fmaxf(m, s[i]);
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+            _mm256_storeu_ps(s + i, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        float l = hsum(sum);
+        for (; i < n; i++) { s[i] = expf(s[i] - m); l += s[i]; }
+        m_out[j] = m;
+        l_out[j] = l;
+        memset(acc + j * head_dim, 0, head_dim * sizeof(float));
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = (t % block_size) * kv_heads + head;
+        const uint8_t *base = pool + table[t / block_size] * block_bytes + v_region;
+        dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
+                    head_dim, group, row, BITS);
+        for (int64_t j = 0; j < gq; j++) {
+            const __m256 p = _mm256_set1_ps(scores[j * n + (t - t0)]);
+            float *a = acc + j * head_dim;
+            for (int64_t k = 0; k < head_dim; k += 8)
+                _mm256_storeu_ps(a + k, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + k), _mm256_loadu_ps(a + k)));
+        }
+    }
+}
+
+/* Attention of one query position per sequence over its quantized KV blocks, read where they
+ * lie (no dequantized copy of the context): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
+ * query heads of each KV head), out the same shape; sequence s sees the first contexts[s]
+ * tokens of the blocks in tables[s * table_width ...]. Each (sequence, KV head, chunk of
+ * ATTEND_CHUNK tokens) is a task with its own softmax; the chunks of a head merge through
+ * their maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0,
+ * or -1 if scratch memory could not be had (out untouched). */
+int kvc_attend_kv(const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region,
+                  int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
+                  int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
+                  const float *q, int64_t gq, float scale, float *out, int threads) {
+    int64_t *first = malloc((n_seq + 1) * sizeof(int64_t));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t s = 0; s < n_seq; s++)
+        first[s + 1] = first[s] + kv_heads * ((contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK);
+    const int64_t tasks = first[n_seq];
+    float *part = malloc(tasks * gq * (head_dim + 2) * sizeof(float));
+    if (!part) { free(first); return -1; }
+    float *ml = part + tasks * gq * head_dim;  /* per task: gq maxima, then gq sums */
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc((gq * ATTEND_CHUNK + head_dim) * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!scores) continue;
+            int64_t s = 0;
+            while (first[s + 1] <= task) s++;
+            const int64_t chunks = (first[s + 1] - first[s]) / kv_heads, local = task - first[s];
+            const int64_t head = local / chunks, c = local % chunks;
+            const int64_t t0 = c * ATTEND_CHUNK, t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
+            const float *qh = q + (s * kv_heads + head) * gq * head_dim;
+            float *m = ml + task * gq * 2, *l = m + gq, *acc = part + task * gq * head_dim;
+            float *row = scores + gq * ATTEND_CHUNK;
+            if (bits == 8)
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, tables + s * table_width, block_size,
+                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 8);
+            else
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, tables + s * table_width, block_size,
+                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 4);
+        }
+        free(scores);
+    }
+    if (!failed) {
+        #pragma omp parallel for schedule(static) num_threads(threads) if (n_seq * kv_heads > 1)
+        for (int64_t sh = 0; sh < n_seq * kv_heads; sh++) {
+            const int64_t s = sh / kv_heads, head = sh % kv_heads;
+            const int64_t chunks = (first[s + 1] - first[s]) / kv_heads;
+            const int64_t task0 = first[s] + head * chunks;
+            for (int64_t j = 0; j < gq; j++) {
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, ml[(task0 + c) * gq * 2 + j]);
+                float *o = out + (sh * gq + j) * head_dim;
+                memset(o, 0, head_dim * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *mc = ml + (task0 + c) * gq * 2;
+                    const float w = expf(mc[j] - top);
+                    total += mc[gq + j] * w;
+                    const float *a = part + ((task0 + c) * gq + j) * head_dim;
+                    for (int64_t k = 0; k < head_dim; k++) o[k] += a[k] * w;
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
+                for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
+            }
+        }
+    }
+    free(part);
+    free(first);
+    return failed ? -1 : 0;
+}
