@@ -249,3 +249,30 @@ def test_attention_over_quantized_blocks_where_they_lie_is_sdpa_over_the_gather(
         pool.attend(0, torch.tensor([[80]]), torch.tensor([1]), q[:1], 0.125)
     with pytest.raises(IndexError):
         pool.attend(0, tables[:1, :1], torch.tensor([17]), q[:1], 0.125)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (8, 16), (8, 128), (4, 64), (4, 32), (4, 128)])
+def test_the_pools_quantized_write_is_quantize_kv_bit_for_bit(dtype, bits, group):
+    """The C write of quantized KV rows against the pool's own (``quantize_kv``, then indexed
+    stores): the same bytes, over magnitudes from 1e-6 to 1e5, zeros, values past float16's
+    range, in any slot order."""
+    from kvcellar.cache.kv_pool import KVLayout, KVPool
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=128, block_size=8, dtype=dtype, kv_bits=bits,
+                      kv_group_size=group)
+    pools = [KVPool(layout, 20, torch.device("cpu")),
+             KVPool(layout, 20, torch.device("cpu"), write_quantized=native.write_kv)]
+    gen = torch.Generator().manual_seed(bits + group)
+    slots = torch.randperm(160, generator=gen)[:100]
+    x = torch.randn(100, 2, 128, generator=gen) * torch.logspace(-6, 5, 100)[:, None, None]
+    x[3] = 0.0
+    x[5, 1] = 7e4
+    x[6, 0, 5] = -9e4
+    for layer in range(3):
+        for pool in pools:
+            pool.write(layer, slots // 8, slots % 8, x.to(dtype), (x * -2).to(dtype))
+    assert torch.equal(pools[0].data, pools[1].data)
+    with pytest.raises(IndexError):
+        native.write_kv(pools[1].data, layout, 0, 0, torch.tensor([20]), torch.tensor([0]), x[:1].to(dtype))

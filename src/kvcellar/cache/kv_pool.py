@@ -160,6 +160,9 @@ QuantizedGather = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor], tor
 # Attention of one query position per sequence over quantized KV blocks where they lie, given
 # by the engine where it has a kernel for it: (pool data, layout, layer, block tables [n, w],
 # contexts [n], q [n, kv_heads, groups, head_dim], scale) -> [n, kv_heads, groups, head_dim].
+# Quantizing rows into the pool in one pass, given likewise: (pool data, layout, layer, 0 for K
+# or 1 for V, block ids [n], offsets [n], rows [n, kv_heads, head_dim]), exactly ``write``'s.
+QuantizedWrite = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 QuantizedAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float],
                            torch.Tensor]
 
@@ -167,12 +170,14 @@ QuantizedAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Ten
 class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
                  gather_quantized: QuantizedGather | None = None,
-                 attend_quantized: QuantizedAttend | None = None) -> None:
+                 attend_quantized: QuantizedAttend | None = None,
+                 write_quantized: QuantizedWrite | None = None) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         self._gather_quantized = gather_quantized if layout.quantized else None
         self._attend_quantized = attend_quantized if layout.quantized else None
+        self._write_quantized = write_quantized if layout.quantized else None
         self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
         if layout.quantized:
             lay = layout
@@ -202,6 +207,10 @@ class KVPool:
         if not lay.quantized:
             self._k[layer][blocks, offsets] = key
             self._v[layer][blocks, offsets] = value
+            return
+        if self._write_quantized is not None and key.dtype in (torch.float32, torch.bfloat16):
+            self._write_quantized(self.data, lay, layer, 0, blocks, offsets, key)
+            self._write_quantized(self.data, lay, layer, 1, blocks, offsets, value)
             return
         for x, values, params in ((key, self._qk, self._pk), (value, self._qv, self._pv)):
             q, p = quantize_kv(x, lay.kv_bits, lay.kv_group_size)

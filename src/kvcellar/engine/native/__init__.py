@@ -60,9 +60,10 @@ _SIGNATURES = {
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
-    "kvc_attend_kv": [_P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P, _N],
+    "kvc_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _N, _P, _N, _N],
+    "kvc_attend_kv": [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P, _N],
 }
-_RESULTS = {"kvc_attend_kv": ctypes.c_int}
+_RESULTS = {"kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -190,10 +191,10 @@ def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.
 
 
 def gathers_kv(layout: KVLayout, device: torch.device) -> bool:
-    """Whether ``gather_kv`` takes this quantized KV layout: on CPU, into float32 or bf16,
-    groups of a multiple of 16 values."""
+    """Whether ``gather_kv`` (and ``attend_kv``, ``write_kv``) take this quantized KV layout:
+    on CPU, float32 or bf16, groups of a multiple of 16 values, at most 512."""
     return (device.type == "cpu" and layout.quantized and layout.kv_group_size % 16 == 0
-            and layout.dtype in (torch.float32, torch.bfloat16) and available())
+            and layout.kv_group_size <= 512 and layout.dtype in (torch.float32, torch.bfloat16) and available())
 
 
 def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -227,18 +228,39 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     assert kv_heads == layout.num_kv_heads and head_dim == layout.head_dim and head_dim % 16 == 0
     tables = tables.to(torch.int64).contiguous()
     contexts = contexts.to(torch.int64).contiguous()
-    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < pool.shape[0]:
-        raise IndexError(f"block ids outside the pool's {pool.shape[0]} blocks")  # C would read past it
-    if n and not 0 <= int(contexts.min()) <= int(contexts.max()) <= tables.shape[1] * layout.block_size:
-        raise IndexError("a context longer than its block table")
+    assert tables.shape[0] == contexts.shape[0] == n
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     layer_bytes = layout.storage_shape[-1]
-    status = _lib().kvc_attend_kv(pool.data_ptr(), layout.bytes_per_block, layer * 2 * layer_bytes,
+    status = _lib().kvc_attend_kv(pool.data_ptr(), pool.shape[0], layout.bytes_per_block, layer * 2 * layer_bytes,
                                   (layer * 2 + 1) * layer_bytes, layout.values_bytes, tables.data_ptr(),
                                   tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,
                                   layout.kv_group_size, layout.kv_bits, qf.data_ptr(), groups, scale,
                                   out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise IndexError("a block outside the pool, or a context longer than its block table")
     if status != 0:
         raise MemoryError("no scratch memory for quantized attention")
     return out.to(q.dtype)
+
+
+def write_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks: torch.Tensor,
+             offsets: torch.Tensor, x: torch.Tensor) -> None:
+    """``x [n, kv_heads, head_dim]`` (float32 or bf16) quantized into layer ``layer``'s K
+    (``kv`` 0) or V (1) at (block, offset) pairs of a quantized KV pool: what
+    ``kv_pool.quantize_kv`` and the pool's indexed stores write, bit for bit."""
+    assert pool.is_contiguous() and pool.dtype == torch.uint8 and pool.shape[1:] == layout.storage_shape
+    assert layout.kv_group_size <= 512 and x.dtype in (torch.float32, torch.bfloat16)
+    n = x.shape[0]
+    assert x.shape == (n, layout.num_kv_heads, layout.head_dim) and blocks.numel() == offsets.numel() == n
+    blocks = blocks.to(torch.int64).contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    x = x.contiguous()
+    layer_bytes = layout.storage_shape[-1]
+    status = _lib().kvc_write_kv(pool.data_ptr(), pool.shape[0], layout.block_size, layout.bytes_per_block,
+                                 (layer * 2 + kv) * layer_bytes, layout.values_bytes, blocks.data_ptr(),
+                                 offsets.data_ptr(), n, layout.num_kv_heads, layout.head_dim,
+                                 layout.kv_group_size, layout.kv_bits, x.data_ptr(), x.dtype == torch.bfloat16,
+                                 torch.get_num_threads())
+    if status != 0:
+        raise IndexError("a slot outside the pool")

@@ -557,12 +557,18 @@ static inline __attribute__((always_inline)) void attend_chunk(
  * query heads of each KV head), out the same shape; sequence s sees the first contexts[s]
  * tokens of the blocks in tables[s * table_width ...]. Each (sequence, KV head, chunk of
  * ATTEND_CHUNK tokens) is a task with its own softmax; the chunks of a head merge through
- * their maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0,
- * or -1 if scratch memory could not be had (out untouched). */
-int kvc_attend_kv(const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region,
+ * their maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0;
+ * -1 if scratch memory could not be had, -2 if a block it would read lies outside the pool's
+ * n_blocks or a context outside its table (out untouched). */
+int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
                   int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
                   int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
                   const float *q, int64_t gq, float scale, float *out, int threads) {
+    for (int64_t s = 0; s < n_seq; s++) {  /* every block read inside the pool */
+        if (contexts[s] < 0 || contexts[s] > table_width * block_size) return -2;
+        for (int64_t i = 0; i < (contexts[s] + block_size - 1) / block_size; i++)
+            if (tables[s * table_width + i] < 0 || tables[s * table_width + i] >= n_blocks) return -2;
+    }
     int64_t *first = malloc((n_seq + 1) * sizeof(int64_t));
     if (!first) return -1;
     first[0] = 0;
@@ -626,4 +632,71 @@ int kvc_attend_kv(const uint8_t *pool, int64_t block_bytes, int64_t k_region, in
     free(part);
     free(first);
     return failed ? -1 : 0;
+}
+
+static inline float param16(float x, uint16_t *dst) {  /* stored as float16 (nearest even), read back */
+    const uint16_t h = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    *dst = h;
+    return _cvtsh_ss(h);
+}
+
+/* Rows x [n_rows, kv_heads, head_dim] (float32, or bfloat16 where x_bf16) quantized into one
+ * layer's K or V region of the blocks: row t goes to offset offsets[t] of block blocks[t].
+ * Bit for bit kv_pool.quantize_kv: values clamped to float16's range; 8 bits: scale =
+ * float16(max|x| / 127), q = round(x / scale); 4 bits: offset = float16(min), scale =
+ * float16((max - min) / 15), q = round((x - offset) / scale) in 0..15; a scale of 0 divides
+ * by 1; rounding half to even, true division, as torch computes them. Returns -1, writing
+ * nothing, if a slot lies outside the pool's n_blocks blocks of block_size. */
+int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region,
+                 int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows,
+                 int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16,
+                 int threads) {
+    for (int64_t t = 0; t < n_rows; t++)  /* every slot inside the pool, or nothing written */
+        if (blocks[t] < 0 || blocks[t] >= n_blocks || offsets[t] < 0 || offsets[t] >= block_size) return -1;
+    const int64_t packed = head_dim * bits / 8, groups = head_dim / group, per = bits == 4 ? 2 : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n_rows * kv_heads * head_dim > 65536)
+    for (int64_t t = 0; t < n_rows; t++) {
+        uint8_t *base = pool + blocks[t] * block_bytes + region;
+        float g[512];  /* one group; the caller keeps groups within 512 values */
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t r = offsets[t] * kv_heads + h, at = (t * kv_heads + h) * head_dim;
+            uint8_t *vals = base + r * packed;
+            uint16_t *prm = (uint16_t *)(base + values_bytes) + r * groups * per;
+            for (int64_t j = 0; j < groups; j++) {
+                const int64_t n = group;
+                for (int64_t i = 0; i < n; i++) {
+                    float v;
+                    if (x_bf16) {
+                        const uint32_t u = (uint32_t)((const uint16_t *)x)[at + j * group + i] << 16;
+                        memcpy(&v, &u, sizeof v);
+                    } else {
+                        v = ((const float *)x)[at + j * group + i];
+                    }
+                    g[i] = fminf(fmaxf(v, -65504.0f), 65504.0f);
+                }
+                if (bits == 8) {
+                    float amax = 0.0f;
+                    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(g[i]));
+                    const float scale = param16(amax / 127.0f, prm + j);
+                    const float step = scale > 0.0f ? scale : 1.0f;
+                    for (int64_t i = 0; i < n; i++) {
+                        const float q = fminf(fmaxf(nearbyintf(g[i] / step), -127.0f), 127.0f);
+                        vals[j * group + i] = (uint8_t)(int8_t)q;
+                    }
+                } else {
+                    float low = g[0], high = g[0];
+                    for (int64_t i = 1; i < n; i++) { low = fminf(low, g[i]); high = fmaxf(high, g[i]); }
+                    const float scale = param16((high - low) / 15.0f, prm + j * 2);
+                    const float offset = param16(low, prm + j * 2 + 1);
+                    const float step = scale > 0.0f ? scale : 1.0f;
+                    for (int64_t i = 0; i < n; i += 2) {
+                        const float a = fminf(fmaxf(nearbyintf((g[i] - offset) / step), 0.0f), 15.0f);
+                        const float b = fminf(fmaxf(nearbyintf((g[i + 1] - offset) / step), 0.0f), 15.0f);
+                        vals[(j * group + i) / 2] = (uint8_t)((int)a | ((int)b << 4));
+                    }
+                }
+            }
+        }
+    }
+    return 0;
 }
