@@ -157,26 +157,25 @@ def dequantize_kv(q: torch.Tensor, params: torch.Tensor, bits: int, dtype: torch
 # kernels): (pool data, layout, layer, 0 for K or 1 for V, int64 block ids) -> the blocks'
 # ``[n * block_size, kv_heads, head_dim]`` in ``layout.dtype``, exactly ``dequantize_kv``'s.
 QuantizedGather = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor], torch.Tensor]
-# Attention of one query position per sequence over quantized KV blocks where they lie, given
-# by the engine where it has a kernel for it: (pool data, layout, layer, block tables [n, w],
-# contexts [n], q [n, kv_heads, groups, head_dim], scale) -> [n, kv_heads, groups, head_dim].
 # Quantizing rows into the pool in one pass, given likewise: (pool data, layout, layer, 0 for K
 # or 1 for V, block ids [n], offsets [n], rows [n, kv_heads, head_dim]), exactly ``write``'s.
 QuantizedWrite = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-QuantizedAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                           torch.Tensor]
+# Attention of one query position per sequence over the blocks where they lie, given by the
+# engine where it has a kernel for the layout: (pool data, layout, layer, block tables [n, w],
+# contexts [n], q [n, kv_heads, groups, head_dim], scale) -> [n, kv_heads, groups, head_dim].
+DirectAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
                  gather_quantized: QuantizedGather | None = None,
-                 attend_quantized: QuantizedAttend | None = None,
+                 attend_direct: DirectAttend | None = None,
                  write_quantized: QuantizedWrite | None = None) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
         self._gather_quantized = gather_quantized if layout.quantized else None
-        self._attend_quantized = attend_quantized if layout.quantized else None
+        self._attend_direct = attend_direct
         self._write_quantized = write_quantized if layout.quantized else None
         self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
         if layout.quantized:
@@ -240,16 +239,17 @@ class KVPool:
 
     @property
     def attends(self) -> bool:
-        """Whether ``attend`` runs here: quantized KV with a kernel that reads its blocks."""
-        return self._attend_quantized is not None
+        """Whether ``attend`` runs here: a kernel that reads this layout's blocks."""
+        return self._attend_direct is not None
 
     def attend(self, layer: int, block_tables: torch.Tensor, contexts: torch.Tensor, q: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Attention of one query position per sequence (``q [n, kv_heads, groups, head_dim]``,
         the query heads of each KV head) over the first ``contexts[i]`` tokens of
-        ``block_tables[i]``, without a dequantized copy of the context. Only where ``attends``."""
-        assert self._attend_quantized is not None
-        return self._attend_quantized(self.data, self.layout, layer, block_tables, contexts, q, scale)
+        ``block_tables[i]``, without a gathered (or dequantized) copy of the context. Only
+        where ``attends``."""
+        assert self._attend_direct is not None
+        return self._attend_direct(self.data, self.layout, layer, block_tables, contexts, q, scale)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])

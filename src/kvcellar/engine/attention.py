@@ -11,8 +11,8 @@ sequence. For each layer the function
 1. writes this step's K/V (post-RoPE) into the pool at the step's slots,
 2. decodes: gathers each decode sequence's blocks into one padded batch and runs one SDPA
    call with a key-length mask (GQA folded into the query axis: measured 5-8x faster in
-   bf16 on CPU than ``enable_gqa``); quantized KV with kvcellar's CPU kernels is read where it
-   lies instead (``KVPool.attend``), as is the one-token tail of a full prefix hit,
+   bf16 on CPU than ``enable_gqa``); with kvcellar's CPU kernels the blocks are read where
+   they lie instead (``KVPool.attend``), as for the one-token tail of a full prefix hit,
 3. prefills: one SDPA call per span over its gathered context, with a bottom-right
    causal mask when the span sits on top of earlier tokens (SDPA's ``is_causal`` is
    top-left aligned, right only when query length equals key length).
@@ -141,9 +141,9 @@ def paged_attention(
     out = torch.empty((total, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
     q = query[0]  # [Hq, T, D]
 
-    # Quantized KV with a kernel that reads its blocks where they lie: one query position
-    # attends without a dequantized copy of its context (what the gather writes and SDPA
-    # reads again is several times the packed blocks' bytes).
+    # A kernel that reads the blocks where they lie (kvcellar's CPU kernels): one query
+    # position attends without a gathered copy of its context, which SDPA would read again
+    # (quantized: several times the packed blocks' bytes).
     direct = pool.attends and window is None and kwargs.get("softcap") is None
     scale = scaling if scaling is not None else head_dim ** -0.5
 

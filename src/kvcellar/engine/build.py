@@ -44,7 +44,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     num_blocks = _pool_blocks(layout, cfg, max_model_len)
     fast = native.gathers_kv(layout, loaded.device)
     pool = KVPool(layout, num_blocks, loaded.device, gather_quantized=native.gather_kv if fast else None,
-                  attend_quantized=native.attend_kv if fast else None,
+                  attend_direct=native.attend_kv if native.attends_kv(layout, loaded.device) else None,
                   write_quantized=native.write_kv if fast else None)
     blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
     wake = threading.Event()

@@ -215,15 +215,25 @@ def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks:
     return out
 
 
+def attends_kv(layout: KVLayout, device: torch.device) -> bool:
+    """Whether ``attend_kv`` takes this KV layout: on CPU, the quantized layouts ``gathers_kv``
+    takes, or float32 blocks with heads of a multiple of 16 values. bf16 blocks stay with
+    torch's SDPA, which on CPUs with native bf16 was as fast or faster at 7 query heads per KV
+    head (docs/performance.md); CPUs without it serve float32 by default."""
+    if layout.quantized:
+        return gathers_kv(layout, device)
+    return device.type == "cpu" and layout.dtype == torch.float32 and layout.head_dim % 16 == 0 and available()
+
+
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
               q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one query position per sequence over quantized KV blocks, read where they
+    """Attention of one query position per sequence over a KV pool's blocks, read where they
     lie: ``q [n, kv_heads, groups, head_dim]`` (the query heads of each KV head), ``tables
     [n, width]`` block ids, ``contexts [n]`` tokens each sequence sees. Returns ``[n, kv_heads,
-    groups, head_dim]`` in ``q``'s dtype. Computed in float32 from the dequantized values (as
-    ``gather_kv`` gives them in float32), with its own order of sums: within float32 rounding
-    of SDPA over ``gather_kv``'s output, not bit for bit. Same layouts as ``gather_kv``."""
-    assert pool.is_contiguous() and pool.dtype == torch.uint8 and pool.shape[1:] == layout.storage_shape
+    groups, head_dim]`` in ``q``'s dtype. Computed in float32 from the stored values (packed
+    ones dequantized as ``gather_kv`` does in float32), with its own order of sums: within
+    float32 rounding of SDPA over the gathered context, not bit for bit."""
+    assert pool.is_contiguous() and pool.dtype == layout.storage_dtype and pool.shape[1:] == layout.storage_shape
     n, kv_heads, groups, head_dim = q.shape
     assert kv_heads == layout.num_kv_heads and head_dim == layout.head_dim and head_dim % 16 == 0
     tables = tables.to(torch.int64).contiguous()
@@ -231,11 +241,16 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     assert tables.shape[0] == contexts.shape[0] == n
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
-    layer_bytes = layout.storage_shape[-1]
+    if layout.quantized:
+        layer_bytes, values_bytes, bits = layout.storage_shape[-1], layout.values_bytes, layout.kv_bits
+    else:  # float32 blocks
+        assert layout.dtype == torch.float32
+        layer_bytes = layout.bytes_per_block // (layout.num_layers * 2)
+        values_bytes, bits = 0, 16
     status = _lib().kvc_attend_kv(pool.data_ptr(), pool.shape[0], layout.bytes_per_block, layer * 2 * layer_bytes,
-                                  (layer * 2 + 1) * layer_bytes, layout.values_bytes, tables.data_ptr(),
+                                  (layer * 2 + 1) * layer_bytes, values_bytes, tables.data_ptr(),
                                   tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,
-                                  layout.kv_group_size, layout.kv_bits, qf.data_ptr(), groups, scale,
+                                  layout.kv_group_size, bits, qf.data_ptr(), groups, scale,
                                   out.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise IndexError("a block outside the pool, or a context longer than its block table")

@@ -468,11 +468,15 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* One row (token, head) of a quantized K or V region into dst [head_dim] float32: q * scale
- * (+ offset at 4 bits), in float32. */
+/* One row (token, head) of a K or V region into dst [head_dim] float32: q * scale (+ offset at
+ * 4 bits), in float32; BITS 16: a float32 row as stored. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *vals, const uint16_t *prm,
                                                               int64_t head_dim, int64_t group, float *dst,
                                                               const int BITS) {
+    if (BITS == 16) {
+        memcpy(dst, vals, head_dim * sizeof(float));
+        return;
+    }
     const int64_t groups = head_dim / group;
     for (int64_t g = 0; g < groups; g++) {
         const __m256 vs = _mm256_set1_ps(_cvtsh_ss(prm[g * (BITS == 4 ? 2 : 1)]));
@@ -506,7 +510,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
         const float *q, int64_t gq, float scale, int64_t head, int64_t t0, int64_t t1,
         float *m_out, float *l_out, float *acc, float *scores, float *row, const int BITS) {
-    const int64_t packed = head_dim * BITS / 8, per = BITS == 4 ? 2 : 1, groups = head_dim / group;
+    /* BITS 16: float32 rows, no parameters (group and values_bytes unused) */
+    const int64_t packed = BITS == 16 ? head_dim * 4 : head_dim * BITS / 8;
+    const int64_t per = BITS == 4 ? 2 : 1, groups = BITS == 16 ? 1 : head_dim / group;
     const int64_t n = t1 - t0;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t r = (t % block_size) * kv_heads + head;
@@ -552,8 +558,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
-/* Attention of one query position per sequence over its quantized KV blocks, read where they
- * lie (no dequantized copy of the context): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
+/* Attention of one query position per sequence over its KV blocks, read where they lie (no
+ * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout)
+ * or 16 (float32 blocks, [layers, 2, block_size, kv_heads, head_dim]): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
  * query heads of each KV head), out the same shape; sequence s sees the first contexts[s]
  * tokens of the blocks in tables[s * table_width ...]. Each (sequence, KV head, chunk of
  * ATTEND_CHUNK tokens) is a task with its own softmax; the chunks of a head merge through
@@ -597,12 +604,16 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             const float *qh = q + (s * kv_heads + head) * gq * head_dim;
             float *m = ml + task * gq * 2, *l = m + gq, *acc = part + task * gq * head_dim;
             float *row = scores + gq * ATTEND_CHUNK;
+            const int64_t *table = tables + s * table_width;
             if (bits == 8)
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, tables + s * table_width, block_size,
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
                              kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 8);
-            else
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, tables + s * table_width, block_size,
+            else if (bits == 4)
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
                              kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 4);
+            else
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
+                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 16);
         }
         free(scores);
     }
