@@ -598,8 +598,9 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             if (!scores) continue;
             int64_t s = 0;
             while (first[s + 1] <= task) s++;
-            const int64_t chunks = (first[s + 1] - first[s]) / kv_heads, local = task - first[s];
-            const int64_t head = local / chunks, c = local % chunks;
+            const int64_t local = task - first[s];
+            /* the heads of a chunk run one after another: their rows share cache lines */
+            const int64_t head = local % kv_heads, c = local / kv_heads;
             const int64_t t0 = c * ATTEND_CHUNK, t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
             const float *qh = q + (s * kv_heads + head) * gq * head_dim;
             float *m = ml + task * gq * 2, *l = m + gq, *acc = part + task * gq * head_dim;
@@ -622,17 +623,17 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
         for (int64_t sh = 0; sh < n_seq * kv_heads; sh++) {
             const int64_t s = sh / kv_heads, head = sh % kv_heads;
             const int64_t chunks = (first[s + 1] - first[s]) / kv_heads;
-            const int64_t task0 = first[s] + head * chunks;
             for (int64_t j = 0; j < gq; j++) {
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, ml[(task0 + c) * gq * 2 + j]);
+                float top = -INFINITY, total = 0.0f;  /* chunk c of this head is task first[s] + c * kv_heads + head */
+                for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, ml[(first[s] + c * kv_heads + head) * gq * 2 + j]);
                 float *o = out + (sh * gq + j) * head_dim;
                 memset(o, 0, head_dim * sizeof(float));
                 for (int64_t c = 0; c < chunks; c++) {
-                    const float *mc = ml + (task0 + c) * gq * 2;
+                    const int64_t task = first[s] + c * kv_heads + head;
+                    const float *mc = ml + task * gq * 2;
                     const float w = expf(mc[j] - top);
                     total += mc[gq + j] * w;
-                    const float *a = part + ((task0 + c) * gq + j) * head_dim;
+                    const float *a = part + (task * gq + j) * head_dim;
                     for (int64_t k = 0; k < head_dim; k++) o[k] += a[k] * w;
                 }
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
