@@ -255,7 +255,7 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     if status == -2:
         raise IndexError("a block outside the pool, or a context longer than its block table")
     if status != 0:
-        raise MemoryError("no scratch memory for quantized attention")
+        raise MemoryError("no scratch memory for attention over the pool")
     return out.to(q.dtype)
 
 

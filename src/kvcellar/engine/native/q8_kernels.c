@@ -393,6 +393,24 @@ static inline __attribute__((always_inline)) __m256 dequant8(__m256i q, __m256 v
     return v;
 }
 
+/* Packed values k..k+15 of a row as two vectors of 8 integers: int8 at 8 bits, 0..15 at 4
+ * (element 2i in the low nibble of byte i). */
+static inline __attribute__((always_inline)) void unpack16(const uint8_t *vals, int64_t k, __m256i *q0,
+                                                           __m256i *q1, const int BITS) {
+    if (BITS == 8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
+        *q0 = _mm256_cvtepi8_epi32(b);
+        *q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    } else {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+        const __m128i q = _mm_unpacklo_epi8(lo, hi);  /* 16 values in order */
+        *q0 = _mm256_cvtepu8_epi32(q);
+        *q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+    }
+}
+
 static inline __attribute__((always_inline)) void gather_rows(
         const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks,
         int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, void *out, int threads,
@@ -412,18 +430,7 @@ static inline __attribute__((always_inline)) void gather_rows(
                 const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
                 for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
                     __m256i q0, q1;
-                    if (BITS == 8) {
-                        const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
-                        q0 = _mm256_cvtepi8_epi32(b);
-                        q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-                    } else {
-                        const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
-                        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-                        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-                        const __m128i q = _mm_unpacklo_epi8(lo, hi);  /* 16 values in order */
-                        q0 = _mm256_cvtepu8_epi32(q);
-                        q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
-                    }
+                    unpack16(vals, k, &q0, &q1, BITS);
                     put16(dequant8(q0, vs, vo, BITS, BF16), dequant8(q1, vs, vo, BITS, BF16), out, row + k, BF16);
                 }
             }
@@ -483,18 +490,7 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *val
         const __m256 vo = _mm256_set1_ps(BITS == 4 ? _cvtsh_ss(prm[g * 2 + 1]) : 0.0f);
         for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
             __m256i q0, q1;
-            if (BITS == 8) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
-                q0 = _mm256_cvtepi8_epi32(b);
-                q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-            } else {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
-                const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-                const __m128i q = _mm_unpacklo_epi8(lo, hi);
-                q0 = _mm256_cvtepu8_epi32(q);
-                q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
-            }
+            unpack16(vals, k, &q0, &q1, BITS);
             _mm256_storeu_ps(dst + k, dequant8(q0, vs, vo, BITS, 0));
             _mm256_storeu_ps(dst + k + 8, dequant8(q1, vs, vo, BITS, 0));
         }
