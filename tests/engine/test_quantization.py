@@ -211,6 +211,22 @@ def test_calibration_runs_a_kernel_faster_at_every_count_on_every_step(faster, m
     assert found["quant_max_rows"] == (1000 if faster == "quantized_kernel" else 0)
 
 
+def test_warm_up_gives_a_faster_kernel_the_largest_prefill_step(monkeypatch):
+    """A prompt alone is prefilled in steps of ``max_prefill_step_tokens``, more rows than a
+    step beside decodes: a kernel faster at every calibrated count runs those too (it ran
+    only ``max_step_tokens`` rows, and a 7B's 2048-token prefill took the slower dense path)."""
+    engine = make_engine(quantized("int4"), max_step_tokens=256, max_prefill_step_tokens=1024)
+    fast = FastLinear.quantized_kernel
+
+    def four_times(self, x):
+        for _ in range(3):
+            fast(self, x)
+        return fast(self, x)
+    monkeypatch.setattr(FastLinear, "dense", four_times)
+    warm_up(engine)
+    assert engine.runner.linears.table.quant_max_rows == 1024
+
+
 def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
     """A linear whose first run is long (a 7B model's gate-up, dequantized) runs twice per row
     count and kind: its warm-up run and one timed run, not ``repeats`` timed runs. The LM head

@@ -128,7 +128,9 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
         try:
             # First: the waves' short chunks then run the kernel they will run when serving
             # (a chunk on the dense path dequantizes every lean linear: seconds on a 7B model).
-            kernels = engine.runner.calibrate_kernels(engine.config.max_step_tokens)
+            # Up to the largest step the scheduler makes: a prompt alone goes in chunks of
+            # ``max_prefill_step_tokens``, which the kernel, where faster, must run too.
+            kernels = engine.runner.calibrate_kernels(engine.scheduler.max_prefill_step_tokens)
             if kernels:
                 log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
                          kernels["ms_per_pass"])
