@@ -38,11 +38,6 @@ FOLD_GQA_MAX_QUERIES = 32
 # (``_chunk_over_past``): 15 % faster at 4096 earlier tokens, no gain below a few hundred.
 SPLIT_MIN_PAST = 256
 
-# Unquantized blocks are read in place for at most this many query heads per KV head: the
-# kernel's float32 products per query head cost more than SDPA's over a gathered copy at 7
-# (docs/performance.md); packed blocks are read in place at any count (a gather dequantizes).
-DIRECT_MAX_GROUPS = 4
-
 PATHS = frozenset({"decode", "decode_masked", "prefill_folded", "prefill_split", "prefill_causal", "prefill_masked"})
 
 
@@ -149,8 +144,7 @@ def paged_attention(
     # A kernel that reads the blocks where they lie (kvcellar's CPU kernels): one query
     # position attends without a gathered copy of its context, which SDPA would read again
     # (quantized: several times the packed blocks' bytes).
-    direct = (pool.attends and window is None and kwargs.get("softcap") is None
-              and (pool.layout.quantized or groups <= DIRECT_MAX_GROUPS))
+    direct = pool.attends and window is None and kwargs.get("softcap") is None
     scale = scaling if scaling is not None else head_dim ** -0.5
 
     batch = meta.decode

@@ -217,12 +217,11 @@ def gather_kv(pool: torch.Tensor, layout: KVLayout, layer: int, kv: int, blocks:
 
 def attends_kv(layout: KVLayout, device: torch.device) -> bool:
     """Whether ``attend_kv`` takes this KV layout: on CPU, the quantized layouts ``gathers_kv``
-    takes, or float32 blocks with heads of a multiple of 16 values. bf16 blocks stay with
-    torch's SDPA, which on CPUs with native bf16 was as fast or faster at 7 query heads per KV
-    head (docs/performance.md); CPUs without it serve float32 by default."""
+    takes, or float32 and bf16 blocks with heads of a multiple of 16 values."""
     if layout.quantized:
         return gathers_kv(layout, device)
-    return device.type == "cpu" and layout.dtype == torch.float32 and layout.head_dim % 16 == 0 and available()
+    return (device.type == "cpu" and layout.dtype in (torch.float32, torch.bfloat16) and layout.head_dim % 16 == 0
+            and available())
 
 
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
@@ -243,10 +242,10 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     out = torch.empty_like(qf)
     if layout.quantized:
         layer_bytes, values_bytes, bits = layout.storage_shape[-1], layout.values_bytes, layout.kv_bits
-    else:  # float32 blocks
-        assert layout.dtype == torch.float32
+    else:  # float32 or bf16 blocks: 32 or 16 bits as stored
+        assert layout.dtype in (torch.float32, torch.bfloat16)
         layer_bytes = layout.bytes_per_block // (layout.num_layers * 2)
-        values_bytes, bits = 0, 16
+        values_bytes, bits = 0, layout.dtype.itemsize * 8
     status = _lib().kvc_attend_kv(pool.data_ptr(), pool.shape[0], layout.bytes_per_block, layer * 2 * layer_bytes,
                                   (layer * 2 + 1) * layer_bytes, values_bytes, tables.data_ptr(),
                                   tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,

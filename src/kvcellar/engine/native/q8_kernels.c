@@ -476,14 +476,10 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* One row (token, head) of a K or V region into dst [head_dim] float32: q * scale (+ offset at
- * 4 bits), in float32; BITS 16: a float32 row as stored. */
+ * 4 bits), in float32. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *vals, const uint16_t *prm,
                                                               int64_t head_dim, int64_t group, float *dst,
                                                               const int BITS) {
-    if (BITS == 16) {
-        memcpy(dst, vals, head_dim * sizeof(float));
-        return;
-    }
     const int64_t groups = head_dim / group;
     for (int64_t g = 0; g < groups; g++) {
         const __m256 vs = _mm256_set1_ps(_cvtsh_ss(prm[g * (BITS == 4 ? 2 : 1)]));
@@ -497,32 +493,111 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *val
     }
 }
 
-/* Tokens of context one task of kvc_attend_kv covers: several tasks per (sequence, KV head)
- * keep both threads busy for one sequence of few KV heads; their partial softmaxes merge. */
-#define ATTEND_CHUNK 512
+/* Tokens of context one task of kvc_attend_kv covers (all KV heads of one sequence): several
+ * tasks per sequence keep both threads busy; their partial softmaxes merge. */
+#define ATTEND_CHUNK 256
+/* Tokens multiplied together: eight independent dot products (K) and eight products per
+ * output vector (V) keep the FMA units busy instead of waiting on one sum's latency. */
+#define ATTEND_TILE 8
 
+/* Lane i: the sum of v[i]'s eight lanes. */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* The float32 rows of tokens t..t+m-1 (m <= ATTEND_TILE) of one head in one region: where
+ * they lie (BITS 32), widened from bf16 (16) or dequantized (8, 4) into tile; rows past m
+ * point at zeros. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
+        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t head, int64_t t, int64_t m,
+        float *tile, const float *zeros, const float **rows, const int BITS) {
+    const int64_t packed = head_dim * BITS / 8;
+    const int64_t per = BITS == 4 ? 2 : 1, groups = BITS >= 16 ? 1 : head_dim / group;
+    for (int64_t i = 0; i < ATTEND_TILE; i++) {
+        if (i >= m) { rows[i] = zeros; continue; }
+        const int64_t r = ((t + i) % block_size) * kv_heads + head;
+        const uint8_t *base = pool + table[(t + i) / block_size] * block_bytes + region;
+        if (BITS == 32) {
+            rows[i] = (const float *)(base + r * packed);
+        } else if (BITS == 16) {  /* bf16: the upper half of a float32 */
+            const uint16_t *src = (const uint16_t *)(base + r * packed);
+            for (int64_t k = 0; k < head_dim; k += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k)));
+                _mm256_storeu_ps(tile + i * head_dim + k, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+            rows[i] = tile + i * head_dim;
+        } else {
+            dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
+                        head_dim, group, tile + i * head_dim, BITS);
+            rows[i] = tile + i * head_dim;
+        }
+    }
+}
+
+/* Asks for the packed rows and parameters of tokens t..t+ATTEND_TILE-1, every head, in one
+ * region ahead of their use: dequantizing leaves the loads too few to hide the misses of
+ * blocks that lie anywhere in the pool (float32 rows were as fast or faster without). */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
+        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t t, int64_t t1,
+        const int BITS) {
+    const int64_t packed = head_dim * BITS / 8, params = head_dim / group * (BITS == 4 ? 2 : 1) * 2;
+    for (int64_t i = t; i < t + ATTEND_TILE && i < t1; ) {
+        const int64_t off = i % block_size;
+        const int64_t end = i + (block_size - off) < t + ATTEND_TILE ? i + (block_size - off) : t + ATTEND_TILE;
+        const int64_t rows = ((end < t1 ? end : t1) - i) * kv_heads;
+        const uint8_t *base = pool + table[i / block_size] * block_bytes + region;
+        for (int64_t b = 0; b < rows * packed; b += 64) _mm_prefetch((const char *)(base + off * kv_heads * packed + b), _MM_HINT_T0);
+        for (int64_t b = 0; b < rows * params; b += 64)
+            _mm_prefetch((const char *)(base + values_bytes + off * kv_heads * params + b), _MM_HINT_T0);
+        i = end;
+    }
+}
+
+/* One task: tokens t0..t1-1 of one sequence, every KV head (a token's heads lie side by side,
+ * so the task reads its blocks front to back). Query head (head, j) is row head * gq + j of
+ * q, acc [.., head_dim], m_out, l_out and scores [.., t1 - t0]. */
 static inline __attribute__((always_inline)) void attend_chunk(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
-        const float *q, int64_t gq, float scale, int64_t head, int64_t t0, int64_t t1,
-        float *m_out, float *l_out, float *acc, float *scores, float *row, const int BITS) {
-    /* BITS 16: float32 rows, no parameters (group and values_bytes unused) */
-    const int64_t packed = BITS == 16 ? head_dim * 4 : head_dim * BITS / 8;
-    const int64_t per = BITS == 4 ? 2 : 1, groups = BITS == 16 ? 1 : head_dim / group;
-    const int64_t n = t1 - t0;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t r = (t % block_size) * kv_heads + head;
-        const uint8_t *base = pool + table[t / block_size] * block_bytes + k_region;
-        dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
-                    head_dim, group, row, BITS);
-        for (int64_t j = 0; j < gq; j++) {
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t k = 0; k < head_dim; k += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * head_dim + k), _mm256_loadu_ps(row + k), a);
-            scores[j * n + (t - t0)] = hsum(a) * scale;
+        const float *q, int64_t gq, float scale, int64_t t0, int64_t t1,
+        float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros, const int BITS) {
+    /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused) */
+    const int64_t n = t1 - t0, heads = kv_heads * gq;
+    const float *rows[ATTEND_TILE];
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
+        const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
+        if (BITS < 16)
+            prefetch_tile(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group,
+                          t + 2 * ATTEND_TILE, t1, BITS);
+        for (int64_t head = 0; head < kv_heads; head++) {
+            tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
+                      t, m, tile, zeros, rows, BITS);
+            for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
+                __m256 a[ATTEND_TILE];
+                for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
+                for (int64_t k = 0; k < head_dim; k += 8) {
+                    const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
+                    for (int i = 0; i < ATTEND_TILE; i++)
+                        a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
+                }
+                const __m256 s = _mm256_mul_ps(hsum8x8(a), vscale);
+                if (m == ATTEND_TILE) {
+                    _mm256_storeu_ps(scores + j * n + (t - t0), s);
+                } else {
+                    float part[ATTEND_TILE];
+                    _mm256_storeu_ps(part, s);
+                    memcpy(scores + j * n + (t - t0), part, m * sizeof(float));
+                }
+            }
         }
     }
-    for (int64_t j = 0; j < gq; j++) {
+    for (int64_t j = 0; j < heads; j++) {
         float *s = scores + j * n;
         float m = -INFINITY;
         for (int64_t i = 0; i < n; i++) m = fmaxf(m, s[i]);
@@ -540,28 +615,37 @@ static inline __attribute__((always_inline)) void attend_chunk(
         l_out[j] = l;
         memset(acc + j * head_dim, 0, head_dim * sizeof(float));
     }
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t r = (t % block_size) * kv_heads + head;
-        const uint8_t *base = pool + table[t / block_size] * block_bytes + v_region;
-        dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
-                    head_dim, group, row, BITS);
-        for (int64_t j = 0; j < gq; j++) {
-            const __m256 p = _mm256_set1_ps(scores[j * n + (t - t0)]);
-            float *a = acc + j * head_dim;
-            for (int64_t k = 0; k < head_dim; k += 8)
-                _mm256_storeu_ps(a + k, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + k), _mm256_loadu_ps(a + k)));
+    for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
+        const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
+        if (BITS < 16)
+            prefetch_tile(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group,
+                          t + 2 * ATTEND_TILE, t1, BITS);
+        for (int64_t head = 0; head < kv_heads; head++) {
+            tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
+                      t, m, tile, zeros, rows, BITS);
+            for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
+                __m256 p[ATTEND_TILE];
+                for (int i = 0; i < ATTEND_TILE; i++)
+                    p[i] = _mm256_set1_ps(i < m ? scores[j * n + (t - t0) + i] : 0.0f);
+                float *a = acc + j * head_dim;
+                for (int64_t k = 0; k < head_dim; k += 8) {
+                    __m256 x = _mm256_loadu_ps(a + k);
+                    for (int i = 0; i < ATTEND_TILE; i++) x = _mm256_fmadd_ps(p[i], _mm256_loadu_ps(rows[i] + k), x);
+                    _mm256_storeu_ps(a + k, x);
+                }
+            }
         }
     }
 }
 
 /* Attention of one query position per sequence over its KV blocks, read where they lie (no
- * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout)
- * or 16 (float32 blocks, [layers, 2, block_size, kv_heads, head_dim]): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
+ * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout),
+ * 16 or 32 (bf16 or float32 blocks, [layers, 2, block_size, kv_heads, head_dim]): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
  * query heads of each KV head), out the same shape; sequence s sees the first contexts[s]
- * tokens of the blocks in tables[s * table_width ...]. Each (sequence, KV head, chunk of
- * ATTEND_CHUNK tokens) is a task with its own softmax; the chunks of a head merge through
- * their maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0;
- * -1 if scratch memory could not be had, -2 if a block it would read lies outside the pool's
+ * tokens of the blocks in tables[s * table_width ...]. Each (sequence, chunk of ATTEND_CHUNK
+ * tokens) is a task with its own softmax per query head; the chunks merge through their
+ * maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0; -1 if
+ * scratch memory could not be had, -2 if a block it would read lies outside the pool's
  * n_blocks or a context outside its table (out untouched). */
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
                   int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
@@ -572,19 +656,21 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
         for (int64_t i = 0; i < (contexts[s] + block_size - 1) / block_size; i++)
             if (tables[s * table_width + i] < 0 || tables[s * table_width + i] >= n_blocks) return -2;
     }
+    const int64_t heads = kv_heads * gq;  /* query heads */
     int64_t *first = malloc((n_seq + 1) * sizeof(int64_t));
     if (!first) return -1;
     first[0] = 0;
     for (int64_t s = 0; s < n_seq; s++)
-        first[s + 1] = first[s] + kv_heads * ((contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK);
+        first[s + 1] = first[s] + (contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
     const int64_t tasks = first[n_seq];
-    float *part = malloc(tasks * gq * (head_dim + 2) * sizeof(float));
+    float *part = malloc(tasks * heads * (head_dim + 2) * sizeof(float));
     if (!part) { free(first); return -1; }
-    float *ml = part + tasks * gq * head_dim;  /* per task: gq maxima, then gq sums */
+    float *ml = part + tasks * heads * head_dim;  /* per task: the query heads' maxima, then their sums */
     int failed = 0;
-    #pragma omp parallel num_threads(threads)
+    #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
-        float *scores = malloc((gq * ATTEND_CHUNK + head_dim) * sizeof(float));
+        /* scores of the chunk, a tile of dequantized rows, a row of zeros */
+        float *scores = calloc(heads * ATTEND_CHUNK + (ATTEND_TILE + 1) * head_dim, sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -594,47 +680,45 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             if (!scores) continue;
             int64_t s = 0;
             while (first[s + 1] <= task) s++;
-            const int64_t local = task - first[s];
-            /* the heads of a chunk run one after another: their rows share cache lines */
-            const int64_t head = local % kv_heads, c = local / kv_heads;
+            const int64_t c = task - first[s];
             const int64_t t0 = c * ATTEND_CHUNK, t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
-            const float *qh = q + (s * kv_heads + head) * gq * head_dim;
-            float *m = ml + task * gq * 2, *l = m + gq, *acc = part + task * gq * head_dim;
-            float *row = scores + gq * ATTEND_CHUNK;
+            const float *qs = q + s * heads * head_dim;
+            float *m = ml + task * heads * 2, *l = m + heads, *acc = part + task * heads * head_dim;
+            float *tile = scores + heads * ATTEND_CHUNK;
+            const float *zeros = tile + ATTEND_TILE * head_dim;
             const int64_t *table = tables + s * table_width;
             if (bits == 8)
                 attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 8);
+                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 8);
             else if (bits == 4)
                 attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 4);
+                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 4);
+            else if (bits == 16)
+                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
+                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 16);
             else
                 attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qh, gq, scale, head, t0, t1, m, l, acc, scores, row, 16);
+                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 32);
         }
         free(scores);
     }
     if (!failed) {
-        #pragma omp parallel for schedule(static) num_threads(threads) if (n_seq * kv_heads > 1)
-        for (int64_t sh = 0; sh < n_seq * kv_heads; sh++) {
-            const int64_t s = sh / kv_heads, head = sh % kv_heads;
-            const int64_t chunks = (first[s + 1] - first[s]) / kv_heads;
-            for (int64_t j = 0; j < gq; j++) {
-                float top = -INFINITY, total = 0.0f;  /* chunk c of this head is task first[s] + c * kv_heads + head */
-                for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, ml[(first[s] + c * kv_heads + head) * gq * 2 + j]);
-                float *o = out + (sh * gq + j) * head_dim;
-                memset(o, 0, head_dim * sizeof(float));
-                for (int64_t c = 0; c < chunks; c++) {
-                    const int64_t task = first[s] + c * kv_heads + head;
-                    const float *mc = ml + task * gq * 2;
-                    const float w = expf(mc[j] - top);
-                    total += mc[gq + j] * w;
-                    const float *a = part + (task * gq + j) * head_dim;
-                    for (int64_t k = 0; k < head_dim; k++) o[k] += a[k] * w;
-                }
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
-                for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
+        #pragma omp parallel for schedule(static) num_threads(threads) if (n_seq * heads > 8)
+        for (int64_t sj = 0; sj < n_seq * heads; sj++) {
+            const int64_t s = sj / heads, j = sj % heads;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t task = first[s]; task < first[s + 1]; task++) top = fmaxf(top, ml[task * heads * 2 + j]);
+            float *o = out + sj * head_dim;
+            memset(o, 0, head_dim * sizeof(float));
+            for (int64_t task = first[s]; task < first[s + 1]; task++) {
+                const float *mt = ml + task * heads * 2;
+                const float w = expf(mt[j] - top);
+                total += mt[heads + j] * w;
+                const float *a = part + (task * heads + j) * head_dim;
+                for (int64_t k = 0; k < head_dim; k++) o[k] += a[k] * w;
             }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
+            for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
         }
     }
     free(part);
