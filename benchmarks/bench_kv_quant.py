@@ -76,8 +76,9 @@ QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, n
 
 
 def engine_for(model: LoadedModel, bits: int, kv_gb: float, *, ssd: Path | None = None, url: str | None = None,
-               max_model_len: int = 0) -> Engine:
-    engine = assemble_engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len))
+               max_model_len: int = 0, block_size: int = EngineConfig.block_size) -> Engine:
+    engine = assemble_engine(model, EngineConfig(kv_bits=bits, kv_cache_gb=kv_gb, max_model_len=max_model_len,
+                                                 block_size=block_size))
     if ssd is not None:
         engine.attach_tier(DiskTier(ssd, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
                                     descriptor=engine.descriptor))
@@ -126,14 +127,14 @@ def bytes_table(model: LoadedModel, kv_gb: float) -> list[dict[str, Any]]:
 
 
 def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: RedisServer, work: Path,
-              bit_settings: tuple[int, ...] = BITS) -> list[dict[str, Any]]:
+              bit_settings: tuple[int, ...] = BITS, block_size: int = EngineConfig.block_size) -> list[dict[str, Any]]:
     rows = []
     room = max(lengths) + 64  # an 8192-token prompt on an 8192-token model: past its trained context
     for n in lengths:
         prompt = random_prompt(n, n)
         for bits in bit_settings:
             ssd = work / f"ssd-{bits}-{n}"
-            a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url, max_model_len=room)
+            a = engine_for(model, bits, kv_gb, ssd=ssd, url=server.url, max_model_len=room, block_size=block_size)
             warm_up(a)
             cold, _ = ttft(a, prompt)
             # the cold prompt's blocks are written to the SSD and Redis first: a hit beside
@@ -142,11 +143,13 @@ def hit_table(model: LoadedModel, lengths: list[int], kv_gb: float, server: Redi
             ram, _ = ttft(a, prompt)
             assert a.shutdown(120)
             drop_page_cache([ssd])
-            b = engine_for(model, bits, kv_gb, ssd=ssd, max_model_len=room)  # restart: the SSD holds it
+            b = engine_for(model, bits, kv_gb, ssd=ssd, max_model_len=room,  # restart: the SSD holds it
+                           block_size=block_size)
             warm_up(b)
             restart, cached_ssd = ttft(b, prompt)
             assert b.shutdown(120)
-            c = engine_for(model, bits, kv_gb, url=server.url, max_model_len=room)  # another replica: Redis holds it
+            c = engine_for(model, bits, kv_gb, url=server.url, max_model_len=room,  # another replica: Redis holds it
+                           block_size=block_size)
             warm_up(c)
             redis_hit, cached_redis = ttft(c, prompt)
             assert c.shutdown(120)
@@ -276,6 +279,8 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--hit-bits", type=lambda s: tuple(int(x) for x in s.split(",")), default=BITS,
                    help="the kv settings the hit table measures (a 7B's cold prefill is minutes each)")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                   help="tokens per KV block in the hit table: one SSD file / Redis value each")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-hits", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
@@ -301,7 +306,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvq-") as tmp:
             server = RedisServer(Path(tmp) / "redis", maxmemory="8gb").start()
             try:
-                out["hits"] = hit_table(model, args.lengths, args.kv_cache_gb, server, Path(tmp), args.hit_bits)
+                out["hits"] = hit_table(model, args.lengths, args.kv_cache_gb, server, Path(tmp), args.hit_bits,
+                                        args.block_size)
             finally:
                 server.stop()
         show("TTFT: cold, RAM hit, SSD after a restart, Redis on another replica", out["hits"])

@@ -70,6 +70,10 @@ class StepMeta:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     decode: DecodeBatch | None
     prefills: list[PrefillSpan]
+    # Threads of the kernel that reads blocks in place (0: torch's count for the step). All of
+    # them even in a decode step run on fewer: over a long context it splits into chunks that
+    # keep every core busy, where small matmuls did not pay for a second thread.
+    attend_threads: int = 0
     _mask_cache: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
     # Names of the attention code paths this step ran (recorded by layer 0): the runner counts
     # paths a request runs for the first time, which warm-up exists to make zero.
@@ -155,7 +159,7 @@ def paged_attention(
         mask = meta.decode_mask(window)
         record("decode" if mask is None else "decode_masked")
         if direct:
-            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale)
+            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale, meta.attend_threads)
         else:
             k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling)
@@ -166,7 +170,8 @@ def paged_attention(
             record("prefill_folded")
             qp = q[:, span.start : span.start + 1].reshape(1, n_kv_heads, groups, head_dim)
             contexts = torch.full((1,), span.context, dtype=torch.int64)
-            out[span.start] = pool.attend(layer, span.block_table, contexts, qp, scale).reshape(n_q_heads, head_dim)
+            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads)
+            out[span.start] = o.reshape(n_q_heads, head_dim)
             continue
         k, v = pool.gather(layer, span.block_table)
         k = k[:, :, : span.context]

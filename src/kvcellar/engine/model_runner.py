@@ -153,6 +153,7 @@ class ModelRunner:
             slot_offsets=pos_t % bs,
             decode=decode,
             prefills=spans,
+            attend_threads=self.threads,
         )
         inputs = {
             "input_ids": self._tensor(ids).view(1, -1),

@@ -225,7 +225,7 @@ def attends_kv(layout: KVLayout, device: torch.device) -> bool:
 
 
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
-              q: torch.Tensor, scale: float) -> torch.Tensor:
+              q: torch.Tensor, scale: float, threads: int = 0) -> torch.Tensor:
     """Attention of one query position per sequence over a KV pool's blocks, read where they
     lie: ``q [n, kv_heads, groups, head_dim]`` (the query heads of each KV head), ``tables
     [n, width]`` block ids, ``contexts [n]`` tokens each sequence sees. Returns ``[n, kv_heads,
@@ -250,7 +250,7 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
                                   (layer * 2 + 1) * layer_bytes, values_bytes, tables.data_ptr(),
                                   tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,
                                   layout.kv_group_size, bits, qf.data_ptr(), groups, scale,
-                                  out.data_ptr(), torch.get_num_threads())
+                                  out.data_ptr(), threads or torch.get_num_threads())
     if status == -2:
         raise IndexError("a block outside the pool, or a context longer than its block table")
     if status != 0:

@@ -703,7 +703,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
         free(scores);
     }
     if (!failed) {
-        #pragma omp parallel for schedule(static) num_threads(threads) if (n_seq * heads > 8)
+        #pragma omp parallel for schedule(static) num_threads(threads) if (tasks * heads * head_dim > 65536)
         for (int64_t sj = 0; sj < n_seq * heads; sj++) {
             const int64_t s = sj / heads, j = sj % heads;
             float top = -INFINITY, total = 0.0f;
