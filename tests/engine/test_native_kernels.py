@@ -245,6 +245,9 @@ def test_attention_over_blocks_where_they_lie_is_sdpa_over_the_gather(dtype, bit
         wide.data.copy_(pool.data)
     for layer in range(2):
         got = pool.attend(layer, tables, contexts, q, 0.125)
+        # each chunk's sums and their merge run in one order whatever the thread count
+        assert torch.equal(pool.attend(layer, tables, contexts, q, 0.125, 1), got)
+        assert torch.equal(pool.attend(layer, tables, contexts, q, 0.125, 3), got)
         k, v = wide.gather(layer, tables)
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125)
         assert got.dtype == dtype and got.shape == q.shape

@@ -70,9 +70,9 @@ class StepMeta:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     decode: DecodeBatch | None
     prefills: list[PrefillSpan]
-    # Threads of the kernel that reads blocks in place (0: torch's count for the step). All of
-    # them even in a decode step run on fewer: over a long context it splits into chunks that
-    # keep every core busy, where small matmuls did not pay for a second thread.
+    # Threads of the kernel that reads blocks in place (0: torch's count for the step). The
+    # runner gives all of its threads, also to decode steps whose matmuls run on fewer: a
+    # long context splits into chunks that keep every core busy (a short one is one chunk).
     attend_threads: int = 0
     _mask_cache: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
     # Names of the attention code paths this step ran (recorded by layer 0): the runner counts
