@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams, loader
-from kvcellar.engine.linears import int4_pack_block, prepare_model, quant_kernels_run
+from kvcellar.engine.linears import FastLinear, int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.loader import (
     LoadedModel,
     gguf_weights_mode,
@@ -145,6 +145,31 @@ def test_auto_with_the_real_capability(ggufs: dict[str, Path]) -> None:
     assert resolve_weights("auto", q4, torch.bfloat16, CPU) == expected
     with pytest.raises(ValueError, match="weights mode"):
         resolve_weights("int3", q4, torch.float32, CPU)
+
+
+def test_the_probe_reads_its_weights_from_memory_as_a_decode_step_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 8 MB weight stays in a large last-level cache, where the dense weights won the probe
+    that a 7-8B model's 15 GB lost: the probe takes copies of the weight in turn, each its own
+    storage, ``PROBE_DENSE_BYTES`` of dense weights together."""
+    if not quant_kernels_run(torch.bfloat16, CPU):
+        pytest.skip("no int4/int8 kernel for bf16 on this CPU")
+    monkeypatch.setattr(loader, "PROBE_DENSE_BYTES", 20 << 20)  # 2.5 bf16 weights of 2048 x 2048
+    runs: dict[str, set[int]] = {"dense": set(), "quantized_kernel": set()}
+    storages: dict[str, set[int]] = {"dense": set(), "quantized_kernel": set()}
+    for name in runs:
+        original = getattr(FastLinear, name)
+
+        def recorded(self: FastLinear, x: torch.Tensor, name: str = name, original: Any = original) -> torch.Tensor:
+            runs[name].add(id(self))
+            held = self._q if name == "quantized_kernel" else self._dense
+            if held is not None and not held.is_mkldnn:
+                storages[name].add(held.untyped_storage().data_ptr())
+            return original(self, x)
+        monkeypatch.setattr(FastLinear, name, recorded)
+    quantized_ms, dense_ms = loader._time_probe_linear("int4", torch.bfloat16, torch.bfloat16, CPU, repeats=1)
+    assert 0 < quantized_ms < float("inf") and dense_ms > 0
+    assert len(runs["dense"]) == len(runs["quantized_kernel"]) == 3
+    assert len(storages["quantized_kernel"]) == 3 and len(storages["dense"]) in (0, 3)  # packed: opaque
 
 
 def test_auto_serves_hf_format_sources_in_full(tmp_path: Path) -> None:

@@ -96,8 +96,12 @@ LOW_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", 
                                 "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                                 "TQ1_0", "TQ2_0"})
 EIGHT_BIT_GGUF_TYPES = frozenset({"Q6_K", "Q8_0", "Q8_1", "Q8_K"})
-# The linear ``quantized_mode_pays`` times: a typical decoder linear, 2048 x 2048.
+# The linear ``quantized_mode_pays`` times: a typical decoder linear, 2048 x 2048, in copies
+# that hold at least this many dense bytes together, taken in turn as a decode step takes a
+# model's linears: one 8 MB bf16 weight stays in a large last-level cache, where dense weights
+# won a probe that a model too big for the cache (a 7-8B's 15 GB) loses.
 PROBE_FEATURES = 2048
+PROBE_DENSE_BYTES = 128 << 20
 # The quantized kernel must be this much faster than the dense weights to be picked: the
 # choice is part of the weights identity (the KV namespace), so a near-tie must not flip it.
 PROBE_MIN_SPEEDUP = 1.2
@@ -226,10 +230,12 @@ def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torc
 
 
 def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device,
-                       calls: int = 8, repeats: int = 5) -> tuple[float, float]:
+                       repeats: int = 5) -> tuple[float, float]:
     """Median ms of one matmul at one row through ``mode``'s kernel on ``dtype`` activations
     and through the dense weights in ``dense_dtype``, each as the engine runs it (a
-    ``FastLinear`` of a ``dense_dtype`` model); the kernel's is inf if it refuses the shape."""
+    ``FastLinear`` of a ``dense_dtype`` model), over copies of the weight that do not fit in
+    a cache together (``PROBE_DENSE_BYTES``); the kernel's is inf if it refuses the shape."""
+    import dataclasses
     import statistics
 
     from kvcellar.engine.linears import FastLinear, KernelTable
@@ -239,20 +245,24 @@ def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, 
     quant = quantize(torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=gen) * 0.02, mode)
     weight = quant.dequantize(dense_dtype).to(device)
     kernel_dtype = dtype if dtype != dense_dtype else None
-    quantized = FastLinear(weight, None, quant, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
-    dense = FastLinear(weight, None, None, KernelTable(quant_max_rows=0))
-    runs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"dense": dense.dense}
-    if quantized.quantized:
-        runs["quantized"] = quantized.quantized_kernel
+    copies = max(1, -(-PROBE_DENSE_BYTES // (weight.numel() * weight.element_size())))
+    runs: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {"dense": [], "quantized": []}
+    for _ in range(copies):  # each copy its own storage
+        q = dataclasses.replace(quant, qweight=quant.qweight.clone(), scales=quant.scales.clone(),
+                                offsets=None if quant.offsets is None else quant.offsets.clone())
+        quantized = FastLinear(weight.clone(), None, q, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
+        if quantized.quantized:
+            runs["quantized"].append(quantized.quantized_kernel)
+        runs["dense"].append(FastLinear(weight.clone(), None, None, KernelTable(quant_max_rows=0)).dense)
     x = torch.randn(1, PROBE_FEATURES, generator=gen).to(dtype=dense_dtype, device=device)
-    times: dict[str, list[float]] = {kind: [] for kind in runs}
+    times: dict[str, list[float]] = {kind: [] for kind, r in runs.items() if r}
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up
-            for kind, run in runs.items():
+            for kind in times:
                 t0 = time.perf_counter()
-                for _ in range(calls):
+                for run in runs[kind]:
                     run(x)
-                times[kind].append((time.perf_counter() - t0) * 1e3 / calls)
+                times[kind].append((time.perf_counter() - t0) * 1e3 / copies)
     quantized_ms = statistics.median(times["quantized"][1:]) if "quantized" in times else float("inf")
     return quantized_ms, statistics.median(times["dense"][1:])
 
