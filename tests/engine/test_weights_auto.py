@@ -172,6 +172,29 @@ def test_the_probe_reads_its_weights_from_memory_as_a_decode_step_does(monkeypat
     assert len(storages["quantized_kernel"]) == 3 and len(storages["dense"]) in (0, 3)  # packed: opaque
 
 
+def test_the_probe_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel choice is part of the KV namespace: a later process (here: this one with its
+    memory of the probe dropped) reads the first one's figures instead of measuring again,
+    where another measurement could land on the other side of a near-tie and miss every
+    cached prefix. A damaged file is measured again."""
+    monkeypatch.setenv("KVCELLAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "_probed", {})
+    measured: list[tuple[float, float]] = [(0.2, 0.5), (0.6, 0.5), (0.3, 0.4)]
+    monkeypatch.setattr(loader, "_time_probe_linear", lambda *args: measured.pop(0))
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5)
+    assert quantized_mode_pays("int4", torch.bfloat16, CPU) == quant_kernels_run(torch.bfloat16, CPU)
+    monkeypatch.setattr(loader, "_probed", {})  # a new process
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5)
+    assert len(measured) == 2
+    assert loader._probe("int8", torch.bfloat16, torch.bfloat16, CPU) == (0.6, 0.5)  # another key: measured
+    files = list((tmp_path / "probes").iterdir())
+    assert len(files) == 1 and len(json.loads(files[0].read_text())) == 2
+    files[0].write_text("{not json")
+    monkeypatch.setattr(loader, "_probed", {})
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.3, 0.4)
+    assert not measured and json.loads(files[0].read_text())
+
+
 def test_auto_serves_hf_format_sources_in_full(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert resolve_weights("auto", resolve_source(str(tmp_path)), torch.bfloat16, CPU) == "full"

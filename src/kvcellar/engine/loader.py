@@ -11,7 +11,11 @@ business: ``runtime.prepare_and_load`` brings a source through the artifact cach
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -220,13 +224,72 @@ def native_kernels_pay(mode: str, dtype: torch.dtype, torch_kernel: torch.dtype 
 
 
 def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """The probe's (kernel ms, dense ms), measured once per machine: the first measurement is
+    kept under the cache dir (``_probe_file``) and read back by every later process. The
+    choice it drives is part of the KV namespace, and kernels within noise of each other
+    (kvcellar's and torch's int4 measured 0.18-0.28 ms against 0.18 on one CPU, start to
+    start) must not move a restart to another namespace, away from its cached prefixes."""
     key = (mode, dtype, dense_dtype, device)
-    if key not in _probed:
-        _probed[key] = quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
-        log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense (%s) on %s",
-                 PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."), dense_ms,
-                 str(dense_dtype).removeprefix("torch."), device)
+    if key in _probed:
+        return _probed[key]
+    name = "|".join([mode, str(dtype), str(dense_dtype), str(device)])
+    path = _probe_file(device)
+    stored = _read_probes(path)
+    found = stored.get(name)
+    if isinstance(found, list) and len(found) == 2 and all(isinstance(v, (int, float)) for v in found):
+        _probed[key] = (float(found[0]), float(found[1]))
+        return _probed[key]
+    _probed[key] = quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
+    log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense (%s) on %s",
+             PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."), dense_ms,
+             str(dense_dtype).removeprefix("torch."), device)
+    _write_probes(path, {**_read_probes(path), name: [quantized_ms, dense_ms]})
     return _probed[key]
+
+
+def _probe_file(device: torch.device) -> Path:
+    """Where this machine's probe figures are kept: one file per CPU (model and flags), device
+    name, torch, kvcellar's kernels build and probe shape, under the default cache dir (a
+    machine's facts, whatever ``--cache-dir`` a server is given)."""
+    from kvcellar.engine import native
+    from kvcellar.paths import resolve_cache_dir
+
+    lib = native.library()
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+                   "")
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    parts = [platform.machine(), cpu, " ".join(sorted(native.cpu_flags())), gpu, torch.__version__,
+             "" if lib is None else Path(lib._name).name, str(PROBE_FEATURES), str(PROBE_DENSE_BYTES)]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return resolve_cache_dir() / "probes" / f"{device.type}-{digest}.json"
+
+
+def _read_probes(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: measured again
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _write_probes(path: Path, probes: dict[str, Any]) -> None:
+    """Atomically, so a process starting beside this one reads a whole file; a cache dir
+    that cannot be written leaves the figures to this process alone."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(probes, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not keep the kernel probe's figures in %s: %s", path.parent, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device,
