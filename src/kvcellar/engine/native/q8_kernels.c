@@ -508,13 +508,37 @@ static inline __m256 hsum8x8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+/* Asks for the packed rows and parameters of tokens t..t+ATTEND_TILE-1, every head, in one
+ * region ahead of their use: dequantizing leaves the loads too few to hide the misses of
+ * blocks that lie anywhere in the pool (float32 rows were as fast or faster without). */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
+        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t t, int64_t t1,
+        const int BITS) {
+    const int64_t packed = head_dim * BITS / 8, params = head_dim / group * (BITS == 4 ? 2 : 1) * 2;
+    for (int64_t i = t; i < t + ATTEND_TILE && i < t1; ) {
+        const int64_t off = i % block_size;
+        const int64_t end = i + (block_size - off) < t + ATTEND_TILE ? i + (block_size - off) : t + ATTEND_TILE;
+        const int64_t rows = ((end < t1 ? end : t1) - i) * kv_heads;
+        const uint8_t *base = pool + table[i / block_size] * block_bytes + region;
+        for (int64_t b = 0; b < rows * packed; b += 64) _mm_prefetch((const char *)(base + off * kv_heads * packed + b), _MM_HINT_T0);
+        for (int64_t b = 0; b < rows * params; b += 64)
+            _mm_prefetch((const char *)(base + values_bytes + off * kv_heads * params + b), _MM_HINT_T0);
+        i = end;
+    }
+}
+
 /* The float32 rows of tokens t..t+m-1 (m <= ATTEND_TILE) of one head in one region: where
  * they lie (BITS 32), widened from bf16 (16) or dequantized (8, 4) into tile; rows past m
- * point at zeros. */
+ * point at zeros. With the first head, packed rows two tiles on are asked for (t1: the end
+ * of the task's tokens). */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
         int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t head, int64_t t, int64_t m,
-        float *tile, const float *zeros, const float **rows, const int BITS) {
+        int64_t t1, float *tile, const float *zeros, const float **rows, const int BITS) {
+    if (BITS < 16 && head == 0)
+        prefetch_tile(pool, block_bytes, region, values_bytes, table, block_size, kv_heads, head_dim, group,
+                      t + 2 * ATTEND_TILE, t1, BITS);
     const int64_t packed = head_dim * BITS / 8;
     const int64_t per = BITS == 4 ? 2 : 1, groups = BITS >= 16 ? 1 : head_dim / group;
     for (int64_t i = 0; i < ATTEND_TILE; i++) {
@@ -538,26 +562,6 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* Asks for the packed rows and parameters of tokens t..t+ATTEND_TILE-1, every head, in one
- * region ahead of their use: dequantizing leaves the loads too few to hide the misses of
- * blocks that lie anywhere in the pool (float32 rows were as fast or faster without). */
-static inline __attribute__((always_inline)) void prefetch_tile(
-        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
-        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t t, int64_t t1,
-        const int BITS) {
-    const int64_t packed = head_dim * BITS / 8, params = head_dim / group * (BITS == 4 ? 2 : 1) * 2;
-    for (int64_t i = t; i < t + ATTEND_TILE && i < t1; ) {
-        const int64_t off = i % block_size;
-        const int64_t end = i + (block_size - off) < t + ATTEND_TILE ? i + (block_size - off) : t + ATTEND_TILE;
-        const int64_t rows = ((end < t1 ? end : t1) - i) * kv_heads;
-        const uint8_t *base = pool + table[i / block_size] * block_bytes + region;
-        for (int64_t b = 0; b < rows * packed; b += 64) _mm_prefetch((const char *)(base + off * kv_heads * packed + b), _MM_HINT_T0);
-        for (int64_t b = 0; b < rows * params; b += 64)
-            _mm_prefetch((const char *)(base + values_bytes + off * kv_heads * params + b), _MM_HINT_T0);
-        i = end;
-    }
-}
-
 /* One task: tokens t0..t1-1 of one sequence, every KV head (a token's heads lie side by side,
  * so the task reads its blocks front to back). Query head (head, j) is row head * gq + j of
  * q, acc [.., head_dim], m_out, l_out and scores [.., t1 - t0]. */
@@ -572,12 +576,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
-        if (BITS < 16)
-            prefetch_tile(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group,
-                          t + 2 * ATTEND_TILE, t1, BITS);
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
-                      t, m, tile, zeros, rows, BITS);
+                      t, m, t1, tile, zeros, rows, BITS);
             for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
                 __m256 a[ATTEND_TILE];
                 for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
@@ -617,12 +618,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
-        if (BITS < 16)
-            prefetch_tile(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group,
-                          t + 2 * ATTEND_TILE, t1, BITS);
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
-                      t, m, tile, zeros, rows, BITS);
+                      t, m, t1, tile, zeros, rows, BITS);
             for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
                 __m256 p[ATTEND_TILE];
                 for (int i = 0; i < ATTEND_TILE; i++)
