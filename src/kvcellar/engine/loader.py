@@ -313,7 +313,8 @@ def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, 
     for _ in range(copies):  # each copy its own storage
         q = dataclasses.replace(quant, qweight=quant.qweight.clone(), scales=quant.scales.clone(),
                                 offsets=None if quant.offsets is None else quant.offsets.clone())
-        quantized = FastLinear(weight.clone(), None, q, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
+        # a quantized FastLinear takes only the shape and dtype of ``weight`` (its values come from ``q``)
+        quantized = FastLinear(weight, None, q, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
         if quantized.quantized:
             runs["quantized"].append(quantized.quantized_kernel)
         runs["dense"].append(FastLinear(weight.clone(), None, None, KernelTable(quant_max_rows=0)).dense)
