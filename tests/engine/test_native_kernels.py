@@ -16,7 +16,7 @@ THREADS = 2
 # (rows out, inputs): blocks of 32 in whole groups of 8 and with a tail; rows out not a
 # multiple of the 16 each thread takes at a time.
 SHAPES = [(40, 256), (33, 320), (96, 1056)]
-ROWS = (1, 3, 4, 5, 9, 19)  # around the tile of 4 activation rows; from 8 on, int4 panels of 8 outputs
+ROWS = (1, 3, 4, 5, 9, 19)  # around the tile of 4 activation rows; from 8 (5 on AVX-512 VNNI) on, int4 panels
 
 
 def activations(rows: int, cols: int) -> torch.Tensor:
@@ -75,12 +75,13 @@ def test_int4_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
 
 @needs_native
 def test_int4_panels_give_each_row_the_same_numbers_in_any_chunk():
-    """From ``PANEL_MIN_ROWS`` rows on, each output is its blocks' products summed in block
+    """From ``panel_min_rows`` rows on, each output is its blocks' products summed in block
     order whatever the other rows: a prompt's KV does not depend on how it was chunked."""
     nibbles, scales, offsets, _ = int4_weight(96, 1056)
     x = activations(45, 1056)
     whole = native.matmul_int4(x, nibbles, scales, offsets, THREADS)
-    for start, end in ((0, 8), (8, 21), (21, 45)):
+    first = native.panel_min_rows(96)
+    for start, end in ((0, first), (first, 21), (21, 45)):
         assert torch.equal(native.matmul_int4(x[start:end], nibbles, scales, offsets, 1), whole[start:end])
 
 
@@ -94,10 +95,25 @@ def test_int4_panels_sum_the_largest_products_exactly():
     offsets = torch.zeros(out, cols // 32, dtype=torch.float16)
     x = torch.ones(native.PANEL_MIN_ROWS, cols)
     x[1] = -1.0
-    y = native.matmul_int4(x, nibbles, scales, offsets, THREADS)
     want = torch.full((native.PANEL_MIN_ROWS, out), 15.0 * cols)
     want[1] = -15.0 * cols
-    assert torch.allclose(y, want, rtol=1e-6, atol=0)
+    for kernel in ("kvc_gemm_q4_panels", *(("kvc_gemm_q4_panels16",) if native.wide_panels() else ())):
+        y = native.matmul_int4(x, nibbles, scales, offsets, THREADS, kernel)
+        assert torch.allclose(y, want, rtol=1e-6, atol=0)
+
+
+@needs_native
+@pytest.mark.skipif(not native.wide_panels(), reason="this CPU has no AVX-512 8-bit dot product")
+@pytest.mark.parametrize(("out", "cols"), [(96, 1056), (48, 1024)])
+def test_wide_int4_panels_give_the_avx2_panels_numbers_to_the_bit(out, cols):
+    """Blocks in whole transposes of 16 scales and with a tail; rows in whole tiles of 8
+    and not: which panels a CPU runs never changes a number."""
+    nibbles, scales, offsets, weight = int4_weight(out, cols)
+    for rows in (5, 8, 13, 16, 45):
+        x = activations(rows, cols)
+        wide = native.matmul_int4(x, nibbles, scales, offsets, THREADS, "kvc_gemm_q4_panels16")
+        assert torch.equal(wide, native.matmul_int4(x, nibbles, scales, offsets, 1, "kvc_gemm_q4_panels"))
+        assert_close(wide, rounded(x) @ weight.T)
 
 
 @needs_native
@@ -134,7 +150,7 @@ def test_a_linear_on_native_kernels_is_lean_and_both_its_paths_agree(kind):
     x = activations(6, 320)
     kernel, dense = layer.quantized_kernel(x), layer.dense(x)
     assert (kernel - dense).abs().max() <= 1e-5 * dense.abs().max()
-    assert torch.equal(layer(x[:4]), kernel[:4]) and torch.equal(layer(x), dense)
+    assert torch.equal(layer(x[:4]), layer.quantized_kernel(x[:4])) and torch.equal(layer(x), dense)
 
 
 @needs_native

@@ -5,7 +5,8 @@ activations to 8 bits per block of 32 and multiply in 8-bit dot products (``int8
 activations in ``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every
 weight to float first and stays well below memory speed on such a CPU
 (docs/performance.md). Prefill-sized steps of int4 weights multiply panels of 8 weight rows
-(``PANEL_MIN_ROWS`` rows on), which on an AVX2 CPU outrun float32 matmuls of the
+(``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot product where the CPU has it,
+``WIDE_PANEL_MIN_ROWS`` rows on), which on an AVX2 CPU outrun float32 matmuls of the
 dequantized weights; where they do not (bf16 on AMX), calibration keeps those steps on the
 dense path, for which the same library dequantizes int4 weights.
 
@@ -47,6 +48,12 @@ BLOCK = 32
 # products do (docs/performance.md).
 PANEL = 8
 PANEL_MIN_ROWS = 8
+# CPUs that multiply panels of 16 rows (``kvc_gemm_q4_panels16``): AVX-512 with its 8-bit dot
+# product (VNNI), which sums 4 pairs a lane in one instruction where AVX2 takes two per 2 pairs.
+WIDE_PANEL = 16
+WIDE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+# There the wide panels overtake the row kernel from 5 rows on, not 8 (docs/performance.md).
+WIDE_PANEL_MIN_ROWS = 5
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
 
 _P = ctypes.c_void_p
@@ -56,6 +63,7 @@ _SIGNATURES = {
     "kvc_quantize_q8": [_P, _I, _I, _P, _P, _P, _N],
     "kvc_gemm_q4": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q4_panels": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
+    "kvc_gemm_q4_panels16": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_round_q8": [_P, _I, _I, _P, _N],
@@ -153,15 +161,35 @@ def round_activations(x: torch.Tensor, threads: int) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def wide_panels() -> bool:
+    """Whether this CPU runs ``kvc_gemm_q4_panels16``."""
+    return cpu_flags() >= WIDE_FLAGS
+
+
+def panel_min_rows(out: int) -> int:
+    """Rows from which on ``matmul_int4`` multiplies panels of ``out`` outputs, on this CPU."""
+    return WIDE_PANEL_MIN_ROWS if out % WIDE_PANEL == 0 and wide_panels() else PANEL_MIN_ROWS
+
+
+def int4_kernel(rows: int, out: int) -> str:
+    """The kernel ``matmul_int4`` runs for ``rows`` activations and ``out`` outputs. The
+    panel kernels give the same numbers to the bit; the row kernel sums in another order."""
+    if rows < panel_min_rows(out) or out % PANEL:
+        return "kvc_gemm_q4"
+    return "kvc_gemm_q4_panels16" if out % WIDE_PANEL == 0 and wide_panels() else "kvc_gemm_q4_panels"
+
+
 def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                threads: int) -> torch.Tensor:
+                threads: int, kernel: str | None = None) -> torch.Tensor:
     """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
-    ``scales``/``offsets`` ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
+    ``scales``/``offsets`` ``[out, in / 32]``), ``x`` float32 ``[rows, in]``; ``kernel``:
+    another than ``int4_kernel``'s choice (a test comparing them)."""
     out = nibbles.shape[0]
     rows, cols = x.shape
     xq, xd, xs = quantize_activations(x, threads)
     y = torch.empty(rows, out)
-    gemm = _lib().kvc_gemm_q4_panels if rows >= PANEL_MIN_ROWS and out % PANEL == 0 else _lib().kvc_gemm_q4
+    gemm = getattr(_lib(), kernel or int4_kernel(rows, out))
     gemm(nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(),
          xs.data_ptr(), rows, y.data_ptr(), threads)
     return y
