@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams, observability
-from kvcellar.engine.model_runner import SMALL_STEP_TOKENS
+from kvcellar.engine.model_runner import CLEAR_LEAD, SMALL_STEP_TOKENS
 from kvcellar.engine.warmup import warm_up
 from tests._models import LOGPROB_TOL, chat_ids, make_engine
 
@@ -64,3 +64,22 @@ def test_warm_up_measures_decode_threads_and_leaves_no_trace(model: Any, two_thr
     assert snap["runner_decode_threads"] == engine.runner.decode_threads
     assert snap["engine_requests_total"] == 0 and engine.blocks.num_used == 0
     assert make_engine(model, decode_threads=1, warmup=True).runner.decode_threads == 1  # given: kept
+
+
+@pytest.mark.parametrize(("one_thread", "blocks"), [(2.0, 2), (0.5, 2), (1.1, 4), (CLEAR_LEAD, 4)])
+def test_a_clear_lead_settles_decode_threads_after_one_block_each(model: Any, two_threads: None, one_thread: float,
+                                                                   blocks: int) -> None:
+    """A clock that advances by the step's cost on the threads set: one thread's steps cost
+    ``one_thread``, two threads' 1. A lead beyond ``CLEAR_LEAD`` stops after a block each."""
+    runner = make_engine(model).runner
+    now = [0.0]
+    steps: list[int] = []
+
+    def step() -> None:
+        steps.append(runner.decode_threads)
+        now[0] += one_thread if runner.decode_threads == 1 else 1.0
+
+    chosen = runner.calibrate_decode_threads(step, steps=3, clock=lambda: now[0])
+    assert chosen == runner.decode_threads == (1 if one_thread < 1.0 else 2)
+    assert len(steps) == blocks * (1 + 3)
+    assert steps[:4] == [1] * 4 and steps[4:8] == [2] * 4
