@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams, loader
+from kvcellar.engine import SamplingParams, loader, native
 from kvcellar.engine.linears import FastLinear, int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.loader import (
     LoadedModel,
     gguf_weights_mode,
     linear_kernels,
     load_model,
+    native_kernels_pay,
     quantized_mode_pays,
     resolve_weights,
     wrap_model,
@@ -166,8 +167,9 @@ def test_the_probe_reads_its_weights_from_memory_as_a_decode_step_does(monkeypat
                 storages[name].add(held.untyped_storage().data_ptr())
             return original(self, x)
         monkeypatch.setattr(FastLinear, name, recorded)
-    quantized_ms, dense_ms = loader._time_probe_linear("int4", torch.bfloat16, torch.bfloat16, CPU, repeats=1)
-    assert 0 < quantized_ms < float("inf") and dense_ms > 0
+    quantized_ms, dense_ms, batch_ms = loader._time_probe_linear("int4", torch.bfloat16, torch.bfloat16, CPU,
+                                                                 repeats=1)
+    assert 0 < quantized_ms < float("inf") and dense_ms > 0 and 0 < batch_ms < float("inf")
     assert len(runs["dense"]) == len(runs["quantized_kernel"]) == 3
     assert len(storages["quantized_kernel"]) == 3 and len(storages["dense"]) in (0, 3)  # packed: opaque
 
@@ -179,20 +181,39 @@ def test_the_probe_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyt
     cached prefix. A damaged file is measured again."""
     monkeypatch.setenv("KVCELLAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(loader, "_probed", {})
-    measured: list[tuple[float, float]] = [(0.2, 0.5), (0.6, 0.5), (0.3, 0.4)]
+    measured: list[tuple[float, float, float]] = [(0.2, 0.5, 0.6), (0.6, 0.5, 0.9), (0.3, 0.4, 0.7),
+                                                  (0.25, 0.5, 0.8)]
     monkeypatch.setattr(loader, "_time_probe_linear", lambda *args: measured.pop(0))
-    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5)
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5, 0.6)
     assert quantized_mode_pays("int4", torch.bfloat16, CPU) == quant_kernels_run(torch.bfloat16, CPU)
     monkeypatch.setattr(loader, "_probed", {})  # a new process
-    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5)
-    assert len(measured) == 2
-    assert loader._probe("int8", torch.bfloat16, torch.bfloat16, CPU) == (0.6, 0.5)  # another key: measured
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.2, 0.5, 0.6)
+    assert len(measured) == 3
+    assert loader._probe("int8", torch.bfloat16, torch.bfloat16, CPU) == (0.6, 0.5, 0.9)  # another key: measured
     files = list((tmp_path / "probes").iterdir())
     assert len(files) == 1 and len(json.loads(files[0].read_text())) == 2
     files[0].write_text("{not json")
     monkeypatch.setattr(loader, "_probed", {})
-    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.3, 0.4)
-    assert not measured and json.loads(files[0].read_text())
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.3, 0.4, 0.7)
+    stored = json.loads(files[0].read_text())
+    stored["int4|torch.bfloat16|torch.bfloat16|cpu"] = [0.3, 0.4]  # an older kvcellar's: measured again
+    files[0].write_text(json.dumps(stored))
+    monkeypatch.setattr(loader, "_probed", {})
+    assert loader._probe("int4", torch.bfloat16, torch.bfloat16, CPU) == (0.25, 0.5, 0.8)
+    assert not measured
+
+
+@pytest.mark.parametrize(("theirs", "ours_picked"), [((0.2, 0.5, 0.5), True), ((0.15, 0.5, 1.0), True),
+                                                     ((0.15, 0.5, 0.5), False)])
+def test_torchs_kernel_is_picked_only_where_clearly_faster_at_one_row_and_batched(
+        monkeypatch: pytest.MonkeyPatch, theirs: tuple[float, float, float], ours_picked: bool) -> None:
+    """kvcellar's kernel measures (0.2 ms, dense 0.5, 0.7 at 8 rows): torch's is picked only
+    where it is ``PROBE_MIN_SPEEDUP`` times faster at one row and at ``PROBE_BATCH_ROWS``."""
+    if not (native.available() and quant_kernels_run(torch.int8, CPU) and quant_kernels_run(torch.bfloat16, CPU)):
+        pytest.skip("kvcellar's and torch's int4 kernels are not both a choice here")
+    monkeypatch.setattr(loader, "_probed", {("int4", torch.int8, torch.bfloat16, CPU): (0.2, 0.5, 0.7),
+                                            ("int4", torch.bfloat16, torch.bfloat16, CPU): theirs})
+    assert native_kernels_pay("int4", torch.bfloat16, torch.bfloat16, CPU) is ours_picked
 
 
 def test_auto_serves_hf_format_sources_in_full(tmp_path: Path) -> None:

@@ -109,9 +109,13 @@ PROBE_DENSE_BYTES = 128 << 20
 # The quantized kernel must be this much faster than the dense weights to be picked: the
 # choice is part of the weights identity (the KV namespace), so a near-tie must not flip it.
 PROBE_MIN_SPEEDUP = 1.2
-# ms of the probe through the kernel and dense, by (mode, kernel dtype, dense dtype, device);
-# a race only measures twice.
-_probed: dict[tuple[str, torch.dtype, torch.dtype, torch.device], tuple[float, float]] = {}
+# Activation rows of the probe's batched run (8 sequences decoding together): where two
+# quantized kernels tie at one row (kvcellar's and torch's int4 on a CPU with native bf16),
+# torch's must be ahead here too to be picked.
+PROBE_BATCH_ROWS = 8
+# The probe's figures, by (mode, kernel dtype, dense dtype, device): ms through the kernel at
+# one row, dense at one row, through the kernel at PROBE_BATCH_ROWS; a race only measures twice.
+_probed: dict[tuple[str, torch.dtype, torch.dtype, torch.device], tuple[float, float, float]] = {}
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,7 @@ def quantized_mode_pays(mode: str, dtype: torch.dtype, device: torch.device,
     dense_dtype = dense_dtype or dtype
     if not quant_kernels_run(dtype, device):
         return False
-    quantized_ms, dense_ms = _probe(mode, dtype, dense_dtype, device)
+    quantized_ms, dense_ms, _ = _probe(mode, dtype, dense_dtype, device)
     return quantized_ms * PROBE_MIN_SPEEDUP <= dense_ms
 
 
@@ -213,22 +217,25 @@ def native_kernels_pay(mode: str, dtype: torch.dtype, torch_kernel: torch.dtype 
                        device: torch.device) -> bool:
     """Whether ``mode`` runs kvcellar's kernels under a ``dtype`` model: they pay against its
     dense weights (``quantized_mode_pays``), and torch's kernels on ``torch_kernel``
-    activations (None: not a choice) are not ``PROBE_MIN_SPEEDUP`` times faster."""
+    activations (None: not a choice) are not ``PROBE_MIN_SPEEDUP`` times faster both at one
+    row and at ``PROBE_BATCH_ROWS``."""
     from kvcellar.engine.linears import quant_kernels_run
 
     if not quantized_mode_pays(mode, torch.int8, device, dense_dtype=dtype):
         return False
     if torch_kernel is None or not quant_kernels_run(torch_kernel, device):
         return True
-    return _probe(mode, torch_kernel, dtype, device)[0] * PROBE_MIN_SPEEDUP > _probe(mode, torch.int8, dtype, device)[0]
+    ours, theirs = _probe(mode, torch.int8, dtype, device), _probe(mode, torch_kernel, dtype, device)
+    return not (theirs[0] * PROBE_MIN_SPEEDUP <= ours[0] and theirs[2] * PROBE_MIN_SPEEDUP <= ours[2])
 
 
-def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
-    """The probe's (kernel ms, dense ms), measured once per machine: the first measurement is
-    kept under the cache dir (``_probe_file``) and read back by every later process. The
-    choice it drives is part of the KV namespace, and kernels within noise of each other
-    (kvcellar's and torch's int4 measured 0.18-0.28 ms against 0.18 on one CPU, start to
-    start) must not move a restart to another namespace, away from its cached prefixes."""
+def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype,
+           device: torch.device) -> tuple[float, float, float]:
+    """The probe's ms (kernel, dense, kernel at ``PROBE_BATCH_ROWS``), measured once per
+    machine: the first measurement is kept under the cache dir (``_probe_file``) and read
+    back by every later process. The choice it drives is part of the KV namespace, and
+    kernels within noise of each other must not move a restart to another namespace, away
+    from its cached prefixes."""
     key = (mode, dtype, dense_dtype, device)
     if key in _probed:
         return _probed[key]
@@ -236,14 +243,14 @@ def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torc
     path = _probe_file(device)
     stored = _read_probes(path)
     found = stored.get(name)
-    if isinstance(found, list) and len(found) == 2 and all(isinstance(v, (int, float)) for v in found):
-        _probed[key] = (float(found[0]), float(found[1]))
+    if isinstance(found, list) and len(found) == 3 and all(isinstance(v, (int, float)) for v in found):
+        _probed[key] = (float(found[0]), float(found[1]), float(found[2]))
         return _probed[key]
-    _probed[key] = quantized_ms, dense_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
-    log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations), %.3f ms dense (%s) on %s",
-             PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."), dense_ms,
-             str(dense_dtype).removeprefix("torch."), device)
-    _write_probes(path, {**_read_probes(path), name: [quantized_ms, dense_ms]})
+    _probed[key] = quantized_ms, dense_ms, batch_ms = _time_probe_linear(mode, dtype, dense_dtype, device)
+    log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations; %.3f ms at %d rows), %.3f ms dense (%s)"
+             " on %s", PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."),
+             batch_ms, PROBE_BATCH_ROWS, dense_ms, str(dense_dtype).removeprefix("torch."), device)
+    _write_probes(path, {**_read_probes(path), name: [quantized_ms, dense_ms, batch_ms]})
     return _probed[key]
 
 
@@ -293,11 +300,12 @@ def _write_probes(path: Path, probes: dict[str, Any]) -> None:
 
 
 def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, device: torch.device,
-                       repeats: int = 5) -> tuple[float, float]:
+                       repeats: int = 5) -> tuple[float, float, float]:
     """Median ms of one matmul at one row through ``mode``'s kernel on ``dtype`` activations
     and through the dense weights in ``dense_dtype``, each as the engine runs it (a
-    ``FastLinear`` of a ``dense_dtype`` model), over copies of the weight that do not fit in
-    a cache together (``PROBE_DENSE_BYTES``); the kernel's is inf if it refuses the shape."""
+    ``FastLinear`` of a ``dense_dtype`` model), and through the kernel at
+    ``PROBE_BATCH_ROWS``, over copies of the weight that do not fit in a cache together
+    (``PROBE_DENSE_BYTES``); the kernel's are inf if it refuses the shape."""
     import dataclasses
     import statistics
 
@@ -318,17 +326,22 @@ def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, 
         if quantized.quantized:
             runs["quantized"].append(quantized.quantized_kernel)
         runs["dense"].append(FastLinear(weight.clone(), None, None, KernelTable(quant_max_rows=0)).dense)
-    x = torch.randn(1, PROBE_FEATURES, generator=gen).to(dtype=dense_dtype, device=device)
+    if runs["quantized"]:
+        runs["batch"] = runs["quantized"]
+    x = torch.randn(PROBE_BATCH_ROWS, PROBE_FEATURES, generator=gen).to(dtype=dense_dtype, device=device)
+    inputs = {"dense": x[:1], "quantized": x[:1], "batch": x}
     times: dict[str, list[float]] = {kind: [] for kind, r in runs.items() if r}
     with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first round warms up
+        for _ in range(repeats + 1):  # the first round warms up; rounds interleave the kinds
             for kind in times:
                 t0 = time.perf_counter()
                 for run in runs[kind]:
-                    run(x)
+                    run(inputs[kind])
                 times[kind].append((time.perf_counter() - t0) * 1e3 / copies)
-    quantized_ms = statistics.median(times["quantized"][1:]) if "quantized" in times else float("inf")
-    return quantized_ms, statistics.median(times["dense"][1:])
+    if "quantized" not in times:
+        return float("inf"), statistics.median(times["dense"][1:]), float("inf")
+    return (statistics.median(times["quantized"][1:]), statistics.median(times["dense"][1:]),
+            statistics.median(times["batch"][1:]))
 
 
 def resolve_weights(weights: str, source: ModelSource, dtype: torch.dtype, device: torch.device) -> str:
