@@ -3,6 +3,9 @@ arithmetic: 8-bit activation blocks times the int4/int8 weights."""
 
 from __future__ import annotations
 
+import random
+import zlib
+
 import pytest
 import torch
 
@@ -302,3 +305,21 @@ def test_the_pools_quantized_write_is_quantize_kv_bit_for_bit(dtype, bits, group
     assert torch.equal(pools[0].data, pools[1].data)
     with pytest.raises(IndexError):
         native.write_kv(pools[1].data, layout, 0, 0, torch.tensor([20]), torch.tensor([0]), x[:1].to(dtype))
+
+
+@pytest.mark.skipif(not native.folds_crc32(), reason="no carry-less multiplication (or no kernels) here")
+def test_crc32_is_zlibs_at_every_length_and_start():
+    """Lengths around the 64-byte folds and 16-byte steps, and the byte-wise tail; from any
+    running value; from bytes, bytearrays and a tensor's bytes (block payloads)."""
+    rng = random.Random(7)
+    for n in [*range(0, 200), 4096, 4096 + 15, 4096 + 48, 65536 + 7, 190080]:
+        data = rng.randbytes(n)
+        lib = native.library()
+        assert lib is not None
+        for start in (0, 0xFFFFFFFF, rng.getrandbits(32)):
+            want = zlib.crc32(data, start)
+            assert lib.kvc_crc32(data, n, start) == want
+            assert native.crc32(data, start) == native.crc32(bytearray(data), start) == want
+    t = torch.randint(0, 256, (30, 2, 3168), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    view = memoryview(t.numpy().data)
+    assert native.crc32(view) == zlib.crc32(view)
