@@ -8,7 +8,8 @@ weight to float first and stays well below memory speed on such a CPU
 (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot product where the CPU has it,
 ``WIDE_PANEL_MIN_ROWS`` rows on), which on an AVX2 CPU outrun float32 matmuls of the
 dequantized weights; where they do not (bf16 on AMX), calibration keeps those steps on the
-dense path, for which the same library dequantizes int4 weights.
+dense path, for which the same library dequantizes int4 weights. The library also reads
+quantized KV blocks where they lie (``attend_kv``) and checksums block files (``crc32``).
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
@@ -232,8 +233,9 @@ def folds_crc32() -> bool:
 
 
 def crc32(buf: memoryview | bytes | bytearray, value: int = 0) -> int:
-    """``zlib.crc32(buf, value)``, by carry-less multiplication where the CPU has it: 3-4x
-    zlib 1.2's speed (docs/performance.md). The block files' payload checksum."""
+    """``zlib.crc32(buf, value)``, by carry-less multiplication where the CPU has it, several
+    times zlib 1.2's speed (docs/performance.md): the block files' payload checksum, which a
+    restart computes over every byte it reads."""
     n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
     if n < CRC_MIN_BYTES or not folds_crc32():
         return zlib.crc32(buf, value) & 0xFFFFFFFF
