@@ -12,7 +12,10 @@ import torch
 from kvcellar.engine import native
 from kvcellar.engine.linears import FastLinear, KernelTable, quant_kernels_run
 from kvcellar.quantization import quantize_int4, quantize_int8
-from tests._models import without_native_kernels
+from kvcellar.storage import block_format
+from kvcellar.storage.disk.config import DiskConfig
+from kvcellar.storage.disk.tier import DiskTier
+from tests._models import make_engine, without_native_kernels
 
 needs_native = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
 THREADS = 2
@@ -323,3 +326,17 @@ def test_crc32_is_zlibs_at_every_length_and_start():
     t = torch.randint(0, 256, (30, 2, 3168), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     view = memoryview(t.numpy().data)
     assert native.crc32(view) == zlib.crc32(view)
+
+
+@pytest.mark.skipif(not native.folds_crc32(), reason="no carry-less multiplication (or no kernels) here")
+def test_an_engine_given_a_tier_checksums_its_blocks_on_the_kernel(model, tmp_path, monkeypatch):
+    """Storage does not import the engine: block checksums are zlib's until an engine that
+    takes a tier installs the kernel (the same values)."""
+    monkeypatch.setattr(block_format, "_crc32", block_format._zlib_crc32)
+    engine = make_engine(model)
+    try:
+        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
+                                    descriptor=engine.descriptor))
+        assert block_format._crc32 is native.crc32
+    finally:
+        engine.shutdown(timeout=10)

@@ -28,6 +28,7 @@ from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.tiering import LowerTierLink
+from kvcellar.engine import native
 from kvcellar.engine.blocking import GenerationResult, collect, run_to_end
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.constraints import GrammarCompiler
@@ -40,6 +41,7 @@ from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
 from kvcellar.engine.sequence import EventStream, RequestHandle, SeqState, Sequence, TokenEvent
 from kvcellar.engine.stats import EngineStats
 from kvcellar.errors import EngineStoppedError, InvalidRequestError
+from kvcellar.storage import block_format
 from kvcellar.storage.base import BlockSpec, KVTier
 
 log = logging.getLogger(__name__)
@@ -221,6 +223,8 @@ class Engine:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
             raise ValueError("a lower tier needs prefix caching")
+        if native.folds_crc32():  # the tiers' block checksums: the same values, faster
+            block_format.use_crc32(native.crc32)
         self.lower.attach(tier, policy)
 
     def prompt_progress(self, seq_id: int) -> int | None:

@@ -20,9 +20,9 @@ Why this shape:
 - The payload starts at a 4096-byte boundary, so it can be read with
   O_DIRECT or straight into an aligned tensor, with no extra copy.
 - The payload checksum is CRC-32 (``zlib.crc32``'s value): 3.6 GB/s on one
-  core with zlib, which releases the GIL, and 3-4x that with kvcellar's kernel
-  (``engine.native.crc32``, carry-less multiplication) where the CPU has it:
-  a restart checks every byte it reads (BLAKE2b measured 0.65 GB/s, SHA-256
+  core with zlib, which releases the GIL, and 3x that with kvcellar's kernel
+  (``engine.native.crc32``, carry-less multiplication; an engine installs it,
+  ``use_crc32``) where the CPU has it: a restart checks every byte it reads (BLAKE2b measured 0.65 GB/s, SHA-256
   1.8 GB/s; see benchmarks/bench_disk_io.py). CRC-32 detects corruption; identity is
   proven by the digest and the token ids, not by the checksum.
 - Integers are little-endian; the payload is the tensor's native byte order,
@@ -34,11 +34,11 @@ from __future__ import annotations
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvcellar.engine import native  # the project's CPU kernels, its CRC-32 among them
 from kvcellar.stats import Count, SharedStats, counter
 from kvcellar.storage.base import BlockSpec
 
@@ -158,8 +158,23 @@ def file_size_for(spec: BlockSpec) -> int:
     return header_size_for(spec.block_size) + spec.nbytes
 
 
+def _zlib_crc32(buf: memoryview | bytes | bytearray) -> int:
+    return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+# The payload checksum's routine: zlib's, until an engine installs its CPU kernel's, which
+# gives the same values faster (``use_crc32``; storage does not import the engine).
+_crc32: Callable[[memoryview | bytes | bytearray], int] = _zlib_crc32
+
+
+def use_crc32(routine: Callable[[memoryview | bytes | bytearray], int]) -> None:
+    """Compute payload checksums with ``routine`` from now on: ``zlib.crc32``'s values."""
+    global _crc32
+    _crc32 = routine
+
+
 def payload_checksum(buf: memoryview | bytes | bytearray) -> int:
-    return native.crc32(buf)
+    return _crc32(buf)
 
 
 def encode_header(
