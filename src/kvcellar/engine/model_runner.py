@@ -76,8 +76,8 @@ class ModelRunner:
                                  clock: Callable[[], float] = time.perf_counter) -> int:
         """Time ``decode_step`` (one batch-1 decode step of the engine) with one thread and
         with all, in alternating blocks, and keep the faster for small steps. A lead of more
-        than ``CLEAR_LEAD`` after one block each decides: a 7-8B model's steps take a fifth
-        of a second and more, and a second block each added seconds to every start."""
+        than ``CLEAR_LEAD`` after one block each decides: a large model's steps are slow,
+        and a second block each added seconds to every start."""
         if self.threads == 1:
             return 1
         times: dict[int, list[float]] = {1: [], self.threads: []}

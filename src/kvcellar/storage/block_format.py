@@ -19,11 +19,11 @@ Why this shape:
   always wrote zeros), so the format version stays 2.
 - The payload starts at a 4096-byte boundary, so it can be read with
   O_DIRECT or straight into an aligned tensor, with no extra copy.
-- The payload checksum is CRC-32 (``zlib.crc32``'s value): 3.6 GB/s on one
-  core with zlib, which releases the GIL, and 3x that with kvcellar's kernel
-  (``engine.native.crc32``, carry-less multiplication; an engine installs it,
-  ``use_crc32``) where the CPU has it: a restart checks every byte it reads (BLAKE2b measured 0.65 GB/s, SHA-256
-  1.8 GB/s; see benchmarks/bench_disk_io.py). CRC-32 detects corruption; identity is
+- The payload checksum is CRC-32 (``zlib.crc32``'s value), fast and releasing
+  the GIL (BLAKE2b and SHA-256 measured several times slower; see
+  benchmarks/bench_disk_io.py); an engine installs kvcellar's carry-less
+  multiplication kernel for it where the CPU has one (``use_crc32``), since a
+  restart checks every byte it reads. CRC-32 detects corruption; identity is
   proven by the digest and the token ids, not by the checksum.
 - Integers are little-endian; the payload is the tensor's native byte order,
   which is little-endian on every platform kvcellar supports.
