@@ -223,20 +223,26 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
 }
 
-/* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
- * of 8: every output is its blocks' scaled dot products summed in block order, whatever
- * the number of rows, so a prompt's chunks do not change its numbers. */
-void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
-                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
-                        int threads) {
-    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
-    int64_t step = ACT_BYTES / cols / MR * MR;
-    if (step < MR) step = MR;
+/* One panel's part of a panel kernel: pack panel p (its width of output rows from w) into
+ * packed/ps/po and multiply activation rows a0..a1-1 against it into y. */
+typedef void (*panel_rows_fn)(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
+                              int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                              int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po);
+
+/* The panel kernels' driver: panels of `width` output rows split among the threads, each
+ * packed once per pass over ACT_BYTES of activations in tiles of `mr` rows; a thread without
+ * memory for a panel runs the row kernel instead. */
+static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                           int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                           int threads, int64_t width, int64_t mr, panel_rows_fn panel_rows) {
+    const int64_t blocks = cols / BLOCK, panels = out / width;
+    int64_t step = ACT_BYTES / cols / mr * mr;
+    if (step < mr) step = mr;
     #pragma omp parallel num_threads(threads)
     {
         /* aligned_alloc takes whole multiples of the alignment */
-        const size_t wbytes = (size_t)blocks * PANEL * BLOCK / 2;
-        const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
+        const size_t wbytes = (size_t)blocks * width * BLOCK / 2;
+        const size_t fbytes = ((size_t)blocks * width * sizeof(float) + 63) / 64 * 64;
         uint8_t *packed = aligned_alloc(64, wbytes);
         float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
         for (int64_t a0 = 0; a0 < rows; a0 += step) {
@@ -244,33 +250,48 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, row by row */
-                    for (int64_t r = p * PANEL; r < (p + 1) * PANEL; r++)
+                    for (int64_t r = p * width; r < (p + 1) * width; r++)
                         for (int64_t a = a0; a < a1; a += TILE)
                             q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks,
                                    xq + a * cols, xd + a * blocks, xs + a * blocks,
                                    a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out + r, out);
                     continue;
                 }
-                pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
-                int64_t a = a0;
-                for (; a + MR <= a1; a += MR)
-                    panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
-                               y + a * out + p * PANEL, out, MR);
-                const int8_t *xa = xq + a * cols;
-                const float *da = xd + a * blocks, *sa = xs + a * blocks;
-                float *ya = y + a * out + p * PANEL;
-                switch (a1 - a) {  /* the last rows, each count its own constant */
-                    case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
-                    case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
-                    case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
-                    default: break;
-                }
+                panel_rows(w, scales, offsets, p, blocks, cols, xq, xd, xs, a0, a1, y, out, packed, ps, po);
             }
         }
         free(packed);
         free(ps);
         free(po);
     }
+}
+
+static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
+                       int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
+                       float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
+    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
+    int64_t a = a0;
+    for (; a + MR <= a1; a += MR)
+        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                   y + a * out + p * PANEL, out, MR);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks, *sa = xs + a * blocks;
+    float *ya = y + a * out + p * PANEL;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
+        case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
+        case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
+        default: break;
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
+ * of 8: every output is its blocks' scaled dot products summed in block order, whatever
+ * the number of rows, so a prompt's chunks do not change its numbers. */
+void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                        int threads) {
+    gemm_q4_panels(w, scales, offsets, out, cols, xq, xd, xs, rows, y, threads, PANEL, MR, panel_rows);
 }
 
 /* The same products on CPUs with AVX-512 VNNI, 16 output rows a panel: one 64-byte load holds
@@ -374,55 +395,34 @@ static inline AVX512 __attribute__((always_inline)) void panel16_tile(
     for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, acc[a]);
 }
 
-/* As kvc_gemm_q4_panels, out a multiple of 16, on a CPU with AVX-512 VNNI. */
-AVX512 void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
-                                 int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows,
-                                 float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, panels = out / PANEL16;
-    int64_t step = ACT_BYTES / cols / MR16 * MR16;
-    if (step < MR16) step = MR16;
-    #pragma omp parallel num_threads(threads)
-    {
-        const size_t wbytes = (size_t)blocks * PANEL16 * BLOCK / 2;
-        const size_t fbytes = ((size_t)blocks * PANEL16 * sizeof(float) + 63) / 64 * 64;
-        uint8_t *packed = aligned_alloc(64, wbytes);
-        float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
-        for (int64_t a0 = 0; a0 < rows; a0 += step) {
-            const int64_t a1 = a0 + step < rows ? a0 + step : rows;
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, row by row */
-                    for (int64_t r = p * PANEL16; r < (p + 1) * PANEL16; r++)
-                        for (int64_t a = a0; a < a1; a += TILE)
-                            q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks,
-                                   xq + a * cols, xd + a * blocks, xs + a * blocks,
-                                   a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out + r, out);
-                    continue;
-                }
-                pack_panel16(w, scales, offsets, p * PANEL16, blocks, packed, ps, po);
-                int64_t a = a0;
-                for (; a + MR16 <= a1; a += MR16)
-                    panel16_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
-                                 y + a * out + p * PANEL16, out, MR16);
-                const int8_t *xa = xq + a * cols;
-                const float *da = xd + a * blocks, *sa = xs + a * blocks;
-                float *ya = y + a * out + p * PANEL16;
-                switch (a1 - a) {  /* the last rows, each count its own constant */
-                    case 7: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 7); break;
-                    case 6: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 6); break;
-                    case 5: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 5); break;
-                    case 4: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 4); break;
-                    case 3: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
-                    case 2: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
-                    case 1: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
-                    default: break;
-                }
-            }
-        }
-        free(packed);
-        free(ps);
-        free(po);
+static AVX512 void panel16_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
+                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                                int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
+    pack_panel16(w, scales, offsets, p * PANEL16, blocks, packed, ps, po);
+    int64_t a = a0;
+    for (; a + MR16 <= a1; a += MR16)
+        panel16_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                     y + a * out + p * PANEL16, out, MR16);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks, *sa = xs + a * blocks;
+    float *ya = y + a * out + p * PANEL16;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 7: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 7); break;
+        case 6: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 6); break;
+        case 5: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 5); break;
+        case 4: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 4); break;
+        case 3: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
+        case 2: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
+        case 1: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
+        default: break;
     }
+}
+
+/* As kvc_gemm_q4_panels, out a multiple of 16, on a CPU with AVX-512 VNNI. */
+void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                          int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                          int threads) {
+    gemm_q4_panels(w, scales, offsets, out, cols, xq, xd, xs, rows, y, threads, PANEL16, MR16, panel16_rows);
 }
 
 /* y [rows, out] float32 = x @ w.T for int8 weights (signs moved onto the activations, as
