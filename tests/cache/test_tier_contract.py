@@ -214,6 +214,27 @@ def test_every_verb_of_a_guarded_tier_answers_safely(tmp_path: Path, verb: str, 
 
 
 
+def test_a_slow_load_within_the_time_its_bytes_allow_is_waited_for(faulty) -> None:
+    """A load's time limit grows with its bytes (``load_bytes_per_s``): a read slower than
+    ``load_timeout_s`` alone allows, but within what its bytes add, is no fault; its blocks
+    serve the requests."""
+    on_disk = prompts(1, 6)
+    fill_disk(faulty, on_disk)
+    driver = Driver(num_blocks=64, guard_backoff_s=BACKOFF)
+    tier = faulty(driver)
+    tier.load_bytes_per_s = tier.spec.nbytes / 10.0  # ten seconds a block on top of the 0.25 s
+    assert tier.load_timeout_for(2 * tier.spec.nbytes) == pytest.approx(tier.load_timeout_s + 20.0)
+    tier.fault_verb, tier.fault_mode, tier.armed = "load", "hangs", True  # each load takes HANG_S > 0.25 s
+    seqs = [driver.submit(p, 3) for p in on_disk]
+    driver.run()
+    assert [driver.done[s.seq_id] for s in seqs] == [reference(p, 3) for p in on_disk]
+    assert tier.calls >= 1
+    assert sum(s.cached_tokens_by_tier.get("ssd", 0) for s in seqs) > 0  # served by the slow loads
+    stats = driver.lower.stats_by_tier()["ssd"]
+    assert stats["ssd_guard_slow_calls"] == 0 and stats["ssd_guard_call_errors"] == 0
+    assert driver.lower.health()["ssd"]["state"] == "ok"
+    driver.assert_no_leaks()
+
 def test_a_load_that_never_finishes_is_given_up_and_its_blocks_wait_for_it(faulty) -> None:
     """A read past the tier's load timeout: the requests are computed instead, the tier stops
     being asked, and the blocks the read writes into stay held until it ends, so its late

@@ -149,3 +149,21 @@ def test_quantized_kv_values_round_trip_bit_exact_and_other_settings_miss(redis_
         dest = torch.zeros(spec.shape, dtype=torch.uint8)
         assert foreign.load([load_request(blocks[0], dest)]).result(30) == 0
         assert foreign.stats()["remote_corrupt_geometry"] == 1 and torch.count_nonzero(dest) == 0
+
+
+def test_a_loads_time_limit_grows_with_its_bytes(redis_server, open_remote):
+    """``load_timeout_s`` bounds a load of any size; ``load_bytes_per_s`` adds the time its
+    bytes take at that rate, so a long prefix is not cut where a short one would be."""
+    blocks = chain(8)
+    stored(open_remote(redis_server.url), blocks)
+    fixed = open_remote(redis_server.url, load_timeout_s=1e-9, load_bytes_per_s=0.0, load_chunk_blocks=1)
+    loads = [load_request(b) for b in blocks]
+    assert fixed.load(loads).result(30) < len(blocks)  # cut after at most one round trip
+    assert fixed.stats()["remote_load_timeouts"] == 1
+    allowed = open_remote(redis_server.url, load_timeout_s=1e-9, load_bytes_per_s=SPEC.nbytes / 10.0,
+                          load_chunk_blocks=1)  # ten seconds a block
+    assert allowed.load_timeout_for(len(blocks) * SPEC.nbytes) >= 80.0
+    loads = [load_request(b) for b in blocks]
+    assert allowed.load(loads).result(30) == len(blocks)
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+    assert allowed.stats()["remote_load_timeouts"] == 0

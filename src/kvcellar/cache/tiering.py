@@ -111,6 +111,7 @@ class PendingLoad:
     staging: list[torch.Tensor] = field(default_factory=list)  # CPU buffers when the pool is not on CPU
     loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
     deadline: float = float("inf")  # monotonic time past which the read is overdue (``LowerTierLink.overdue``)
+    limit_s: float = float("inf")  # the seconds from its start to ``deadline``
 
     @property
     def settled(self) -> bool:
@@ -210,18 +211,19 @@ class LowerTierLink:
                 future.add_done_callback(lambda _f: wake())
             futures.append(future)
             pos += n
-        timeout = max((self.tiers[index].tier.load_timeout_s for index, _ in plan.runs), default=0.0)
-        return PendingLoad(blocks, plan, futures, staging, deadline=time.monotonic() + timeout)
+        nbytes = self.pool.layout.bytes_per_block
+        timeout = max((self.tiers[index].tier.load_timeout_for(n * nbytes) for index, n in plan.runs), default=0.0)
+        return PendingLoad(blocks, plan, futures, staging, deadline=time.monotonic() + timeout, limit_s=timeout)
 
     def overdue(self, pending: PendingLoad) -> bool:
-        """Whether ``pending`` is still reading past its tiers' ``load_timeout_s``; then it is
+        """Whether ``pending`` is still reading past its tiers' ``load_timeout_for``; then it is
         a fault of each tier still reading (which stops answering lookups while it backs
         off), and the caller gives up on it: its blocks stay held until ``settled``."""
         if pending.settled or time.monotonic() < pending.deadline:
             return False
         for (index, _), future in zip(pending.plan.runs, pending.futures, strict=True):
             if not future.done():
-                self.tiers[index].calls.overdue(pending.deadline)
+                self.tiers[index].calls.overdue(pending.deadline, pending.limit_s)
         return True
 
     def finish_load(self, pending: PendingLoad) -> int | None:

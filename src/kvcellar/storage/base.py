@@ -132,9 +132,18 @@ class KVTier(ABC):
     # The keys of ``stats()`` that are levels (exported as gauges); the others are counts.
     gauges: frozenset[str] = frozenset()
     # Longest a verb may take on the caller's thread, and a load until its future resolves,
-    # before the link (storage/guard.py) counts it as a fault of the tier.
+    # before the link (storage/guard.py) counts it as a fault of the tier. A load may also
+    # take its bytes at ``load_bytes_per_s`` on top (0: none): a long prefix of a large
+    # model (gigabytes) must not be cut at a bound sized for a short one, when computing
+    # what was not loaded costs far more than the wait.
     call_timeout_s: float = 5.0
     load_timeout_s: float = 30.0
+    load_bytes_per_s: float = 0.0
+
+    def load_timeout_for(self, nbytes: int) -> float:
+        """How long a load of ``nbytes`` may take until its future resolves."""
+        rate = self.load_bytes_per_s
+        return self.load_timeout_s + (nbytes / rate if rate > 0 else 0.0)
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:

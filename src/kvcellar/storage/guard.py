@@ -4,7 +4,7 @@ does wrong reaches the engine.
 ``storage/base.py`` promises that tier verbs never raise for faults and return within a
 bounded time. The tiers keep that promise for the faults they know (OS errors, Redis
 errors); the guard keeps it for the rest: any exception from a verb, or a verb slower than
-the tier's ``call_timeout_s`` (a load: a future not resolved within ``load_timeout_s``), is
+the tier's ``call_timeout_s`` (a load: a future not resolved within ``load_timeout_for``), is
 a fault of that tier. It is counted (``<tier>_guard_call_errors[_<type>]``), logged once per
 episode with its type, and turns the tier ``degraded``; the caller gets the safe answer
 (nothing present, a miss, a dropped write). While the guard backs off (doubling per fault,
@@ -108,6 +108,7 @@ class GuardedTier(KVTier):
             out.set_result(0)
             return out
         started = time.monotonic()
+        limit = self.tier.load_timeout_for(sum(r.dest.nbytes for r in requests))
         try:
             future = self.tier.load(requests)
         except Exception as exc:
@@ -122,18 +123,19 @@ class GuardedTier(KVTier):
                 self._faults["load"].failure(exc, "load")
                 n = 0
             else:
-                self._timed("load", time.monotonic() - started, self.tier.load_timeout_s)
+                self._timed("load", time.monotonic() - started, limit)
             out.set_result(n)
 
         future.add_done_callback(resolved)
         return out
 
-    def overdue(self, deadline: float) -> None:
-        """A load of this tier is still running past ``load_timeout_s`` (its caller gave up)."""
+    def overdue(self, deadline: float, limit: float) -> None:
+        """A load of this tier is still running past ``deadline``, ``limit`` seconds after it
+        started (its caller gave up)."""
         self._c.slow_calls.add()
-        waited = time.monotonic() - deadline + self.tier.load_timeout_s
+        waited = time.monotonic() - deadline + limit
         self._faults["load"].failure(
-            TierTimeout(f"load still running after {waited:.2f} s, more than {self.tier.load_timeout_s:g} s"), "load")
+            TierTimeout(f"load still running after {waited:.2f} s, more than {limit:.3g} s"), "load")
 
     # ---- writes ---------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ class RemoteConfig:
     # The longest one Redis call may block (connect, send, receive). Bounds what the engine
     # thread can lose to a slow or dead server per lookup.
     timeout_s: float = field(default=0.25, metadata={"key": "remote_timeout_s"})
-    # The longest a request waits for one load from Redis (all its chunks together).
+    # The longest a request waits for one load from Redis (all its chunks together), plus
+    # the load's bytes at ``load_bytes_per_s``.
     load_timeout_s: float = field(default=2.0, metadata={"key": "remote_load_timeout_s"})
     # Expire blocks this long after they were last written or loaded (0: never; let
     # Redis' maxmemory + allkeys-lru bound the store instead).
@@ -44,6 +45,11 @@ class RemoteConfig:
     # what RAM later evicts. Each queued block holds its copy.
     queue_blocks: int = field(default=256, metadata={"key": "remote_queue_blocks"})
 
+    # What a load may take beyond ``load_timeout_s``: its bytes at this rate (that of a
+    # 1 Gb/s link). A long prefix of a large model is gigabytes, and the tokens a cut load
+    # leaves are computed again, at minutes per thousand on a CPU; a server slower than
+    # this is a fault.
+    load_bytes_per_s: float = field(default=128 * 2**20, metadata=TUNED)
     # Blocks per pipelined GET round trip while loading.
     load_chunk_blocks: int = field(default=16, metadata=TUNED)
     load_threads: int = field(default=4, metadata=TUNED)

@@ -18,7 +18,8 @@ of the server, however long it was away (a failed probe does not lengthen anythi
 cluster client connects when built: one that cannot be built is not kept, so each probe
 tries afresh. ``OOM`` from a full ``noeviction`` server starts an episode on writes only
 (reads go on), ended by a block-sized probe write. No call waits longer than
-``timeout_s`` per round trip; a load never longer than ``load_timeout_s`` in all.
+``timeout_s`` per round trip; a load never longer than ``load_timeout_s`` plus its bytes at
+``load_bytes_per_s``, in all.
 
 A corrupt or foreign value under one of our keys is a miss, counted, and deleted.
 Pins are no-ops: Redis evicts on its own (maxmemory + allkeys-lru), and a key gone
@@ -77,6 +78,7 @@ class RemoteTier(KVTier):
         # building a cluster client and for scheduling.
         self.call_timeout_s = max(1.0, 4 * config.timeout_s)
         self.load_timeout_s = config.load_timeout_s + self.call_timeout_s
+        self.load_bytes_per_s = config.load_bytes_per_s
         # _client_lock protects _client (created lazily: a cluster client connects when built).
         self._client_lock = threading.Lock()
         self._client: Any = None
@@ -195,6 +197,8 @@ class RemoteTier(KVTier):
     def _load(self, requests: list[LoadRequest]) -> int:
         t0 = time.monotonic()
         deadline = t0 + self.config.load_timeout_s
+        if self.load_bytes_per_s > 0:
+            deadline += len(requests) * self.spec.nbytes / self.load_bytes_per_s
         n = 0
         try:
             n = self._load_chunks(requests, deadline)
