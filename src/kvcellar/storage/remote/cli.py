@@ -22,7 +22,8 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-timeout", dest="remote_timeout_s", type=float, default=None,
                    help="longest one Redis round trip may block, seconds (default 0.25)")
     p.add_argument("--remote-load-timeout", dest="remote_load_timeout_s", type=float, default=None,
-                   help="longest a request waits for one load from Redis, seconds (default 2), plus its bytes at 128 MiB/s")
+                   help="longest a request waits for one load from Redis, seconds (default 2), "
+                        "plus its bytes at 128 MiB/s")
     p.add_argument("--remote-ttl", dest="remote_ttl_s", type=float, default=None,
                    help="expire remote blocks unused this long, seconds (default 0: never; use maxmemory)")
     p.add_argument("--remote-queue-blocks", type=int, default=None,
