@@ -213,7 +213,6 @@ def test_every_verb_of_a_guarded_tier_answers_safely(tmp_path: Path, verb: str, 
         spec_tier.close(10)
 
 
-
 def test_a_slow_load_within_the_time_its_bytes_allow_is_waited_for(faulty) -> None:
     """A load's time limit grows with its bytes (``load_bytes_per_s``): a read slower than
     ``load_timeout_s`` alone allows, but within what its bytes add, is no fault; its blocks
@@ -234,6 +233,7 @@ def test_a_slow_load_within_the_time_its_bytes_allow_is_waited_for(faulty) -> No
     assert stats["ssd_guard_slow_calls"] == 0 and stats["ssd_guard_call_errors"] == 0
     assert driver.lower.health()["ssd"]["state"] == "ok"
     driver.assert_no_leaks()
+
 
 def test_a_load_that_never_finishes_is_given_up_and_its_blocks_wait_for_it(faulty) -> None:
     """A read past the tier's load timeout: the requests are computed instead, the tier stops

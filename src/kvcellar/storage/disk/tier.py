@@ -79,8 +79,8 @@ class DiskTier(KVTier):
         "ssd_scan_complete", "writer_queue_depth", "writer_in_flight", "writer_pending_keys",
         "ssd_load_batches_in_flight",
     })
-    # A load's 30 s (``KVTier.load_timeout_s``) grow by its bytes at this rate: tens of
-    # gigabytes of a long prefix of a large model on a slow disk still count as a hit.
+    # A load may take ``KVTier.load_timeout_s`` plus its bytes at this rate: the gigabytes
+    # of a long prefix of a large model, on a slow disk, are still a hit.
     load_bytes_per_s = 64 * 2**20
 
     def __init__(
