@@ -92,6 +92,37 @@ def test_int4_panels_give_each_row_the_same_numbers_in_any_chunk():
 
 
 @needs_native
+@pytest.mark.parametrize(("out", "cols"), [(96, 1056), (40, 256), (33, 320), (13, 8192)])
+def test_every_int4_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols):
+    """The row kernel (decode steps), the panels (prefill chunks) and a step of any size give
+    each row's outputs the same bits: a cache hit's last tokens, computed in a small step,
+    get the numbers the cold prompt's large step gave them. Outputs not a multiple of 8 (the
+    row kernel's groups), blocks not a multiple of 8, rows longer than one pass's chunk."""
+    nibbles, scales, offsets, _ = int4_weight(out, cols)
+    x = activations(45, cols)
+    kernels = ["kvc_gemm_q4"]
+    if out % native.PANEL == 0:
+        kernels.append("kvc_gemm_q4_panels")
+    if out % native.WIDE_PANEL == 0 and native.wide_panels():
+        kernels.append("kvc_gemm_q4_panels16")
+    whole = native.matmul_int4(x, nibbles, scales, offsets, THREADS, kernels[-1])
+    for kernel in kernels:
+        assert torch.equal(native.matmul_int4(x, nibbles, scales, offsets, THREADS, kernel), whole), kernel
+    for start, end in ((0, 1), (1, 3), (3, 7), (7, 8), (8, 21), (21, 45), (44, 45)):
+        assert torch.equal(native.matmul_int4(x[start:end], nibbles, scales, offsets, 1), whole[start:end])
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols"), SHAPES)
+def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols):
+    q = quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
+    x = activations(23, cols)
+    whole = native.matmul_int8(x, q.qweight, q.scales, THREADS)
+    for start, end in ((0, 1), (1, 4), (4, 9), (9, 23)):
+        assert torch.equal(native.matmul_int8(x[start:end], q.qweight, q.scales, 1), whole[start:end])
+
+
+@needs_native
 def test_int4_panels_sum_the_largest_products_exactly():
     """Every nibble 15 and every activation at its block's maximum: the 16-bit partial sums
     reach 8 x 2 x 15 x 127 of the 32767 they hold."""

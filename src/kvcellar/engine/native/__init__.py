@@ -181,8 +181,8 @@ def panel_min_rows(out: int) -> int:
 
 
 def int4_kernel(rows: int, out: int) -> str:
-    """The kernel ``matmul_int4`` runs for ``rows`` activations and ``out`` outputs. The
-    panel kernels give the same numbers to the bit; the row kernel sums in another order."""
+    """The kernel ``matmul_int4`` runs for ``rows`` activations and ``out`` outputs. All
+    three give every output the same numbers to the bit, whatever the other rows."""
     if rows < panel_min_rows(out) or out % PANEL:
         return "kvc_gemm_q4"
     return "kvc_gemm_q4_panels16" if out % WIDE_PANEL == 0 and wide_panels() else "kvc_gemm_q4_panels"

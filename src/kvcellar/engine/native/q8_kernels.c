@@ -63,87 +63,149 @@ void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, flo
     }
 }
 
+/* A block's 16 bytes of nibbles as 32 bytes: low nibbles (even inputs) in the lower half,
+ * high nibbles in the upper. */
 static inline __m256 q4_block(const uint8_t *wb) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)wb);
-    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)wb));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                                                 _mm256_set1_epi8(0x0F)));
 }
 
-/* The 8 int32 partial sums of one block's 8-bit dot product, as floats. */
-static inline __m256 q4_dot(__m256 q, const int8_t *xb) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xb);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_castps_si256(q), x), _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(p);
+/* Lane j of the result: the sum of the 16 int16 lanes of m[j] (maddubs of a block: each lane
+ * at most 2 x 15 x 127), exact. The halves of a block (low and high nibbles) are summed in
+ * 16 bits within their 128-bit lane (at most 16 x 15 x 127 = 30480), then added in 32. */
+static inline __m256i block_dots8(const __m256i *m) {
+    const __m256i a01 = _mm256_hadd_epi16(m[0], m[1]), a23 = _mm256_hadd_epi16(m[2], m[3]);
+    const __m256i a45 = _mm256_hadd_epi16(m[4], m[5]), a67 = _mm256_hadd_epi16(m[6], m[7]);
+    const __m256i b0 = _mm256_hadd_epi16(a01, a23), b1 = _mm256_hadd_epi16(a45, a67);
+    const __m256i c = _mm256_hadd_epi16(b0, b1);  /* lane j: row j's low half; lane 8 + j: its high half */
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
 }
 
-static inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+/* 8 rows of 8 floats transposed in place: r[k] lane j <- r[j] lane k. */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
 
-/* One output row against n <= TILE activation rows: blocks taken 8 at a time, their scales
- * (weight scale x activation scale) and offset terms computed as vectors. */
-static inline void q4_row(const uint8_t *wr, const uint16_t *sr, const uint16_t *orow, int64_t blocks,
-                          const int8_t *xq, const float *xd, const float *xs, int n, float *y, int64_t out) {
-    __m256 acc[TILE], offs[TILE];
-    float tail[TILE];
-    for (int a = 0; a < n; a++) {
-        acc[a] = _mm256_setzero_ps();
-        offs[a] = _mm256_setzero_ps();
-        tail[a] = 0.0f;
+/* Blocks of a row whose dot products a pass of q4_rows8 keeps (for TILE activation rows and 8
+ * output rows: 32 KB, an L1's worth). */
+#define ROW_CHUNK 640
+
+/* Output rows r0..r0+7 against n <= TILE activation rows, read as they lie (no packing: a
+ * decode step reads each weight once). Lane j accumulates output r0 + j with the float
+ * operations of a panel (panel_tile), in its order: per block the exact integer dot product,
+ * then acc = fma(dot, ws * xd, acc) and acc = fma(wo, xs, acc). So a row's output is the same
+ * to the bit whichever kernel and however many rows a step has: a token's numbers do not
+ * depend on the step it runs in. The integer dot products of a chunk of blocks are taken one
+ * weight row after the other (one stream of memory at a time, as the weights lie), then the
+ * float sums run across the 8 rows. Rows past `out` repeat the last one and are not stored. */
+static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
+                            int64_t out, int64_t blocks, const int8_t *xq, const float *xd, const float *xs, int n,
+                            float *y) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    const uint8_t *wr[8];
+    const uint16_t *sr[8], *orow[8];
+    for (int j = 0; j < 8; j++) {
+        const int64_t r = r0 + j < out ? r0 + j : out - 1;
+        wr[j] = w + r * stride;
+        sr[j] = scales + r * blocks;
+        orow[j] = offsets + r * blocks;
     }
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) {
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b)));
-        const __m256 wo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(orow + b)));
-        if (n == 1) {  /* one row: pairs of blocks summed apart, off the accumulator's chain */
-            const __m256 s = _mm256_mul_ps(ws, _mm256_loadu_ps(xd + b));
-            offs[0] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + b), offs[0]);
-            const int8_t *xb = xq + b * BLOCK;
-            const uint8_t *wb = wr + b * (BLOCK / 2);
-            _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + PREFETCH + 64), _MM_HINT_T0);
-            __m256 t[4];
-            for (int j = 0; j < 4; j++) {
-                t[j] = _mm256_mul_ps(q4_dot(q4_block(wb + 2 * j * 16), xb + 2 * j * BLOCK), lane(s, 2 * j));
-                t[j] = _mm256_fmadd_ps(q4_dot(q4_block(wb + (2 * j + 1) * 16), xb + (2 * j + 1) * BLOCK),
-                                       lane(s, 2 * j + 1), t[j]);
-            }
-            acc[0] = _mm256_add_ps(acc[0], _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3])));
-            continue;
-        }
-        _mm_prefetch((const char *)(wr + b * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wr + b * (BLOCK / 2) + PREFETCH + 64), _MM_HINT_T0);
-        __m256 s[TILE];
-        for (int a = 0; a < n; a++) {
-            s[a] = _mm256_mul_ps(ws, _mm256_loadu_ps(xd + a * blocks + b));
-            offs[a] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + a * blocks + b), offs[a]);
-        }
+    __m256 acc[TILE];
+    for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
+    __attribute__((aligned(32))) int32_t dots[TILE][8][ROW_CHUNK];  /* [activation row][weight row][block] */
+    for (int64_t c0 = 0; c0 < blocks; c0 += ROW_CHUNK) {
+        const int64_t nc = blocks - c0 < ROW_CHUNK ? blocks - c0 : ROW_CHUNK;
         for (int j = 0; j < 8; j++) {
-            const __m256 q = q4_block(wr + (b + j) * (BLOCK / 2));
-            for (int a = 0; a < n; a++)
-                acc[a] = _mm256_fmadd_ps(q4_dot(q, xq + (a * blocks + b + j) * BLOCK), lane(s[a], j), acc[a]);
+            const uint8_t *wb = wr[j] + c0 * (BLOCK / 2);
+            for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH + 64), _MM_HINT_T0);
+                const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
+                __m256i q[8];
+                for (int k = 0; k < 8; k++)
+                    q[k] = k < nb ? _mm256_castps_si256(q4_block(wb + (k0 + k) * (BLOCK / 2))) : _mm256_setzero_si256();
+                for (int a = 0; a < n; a++) {
+                    const int8_t *xa = xq + (a * blocks + c0 + k0) * BLOCK;
+                    __m256i p[8];
+                    for (int k = 0; k < 8; k++)
+                        p[k] = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xa + (k < nb ? k : 0) * BLOCK)));
+                    _mm256_store_si256((__m256i *)(dots[a][j] + k0), block_dots8(p));
+                }
+            }
+        }
+        for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+            const int64_t b0 = c0 + k0;
+            const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
+            __m256 ws[8], wo[8];
+            if (nb == 8) {  /* each row's 8 scales, transposed to 8 rows per block */
+                for (int j = 0; j < 8; j++) {
+                    ws[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr[j] + b0)));
+                    wo[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(orow[j] + b0)));
+                }
+                transpose8(ws);
+                transpose8(wo);
+            } else {
+                for (int k = 0; k < nb; k++) {
+                    float s8[8], o8[8];
+                    for (int j = 0; j < 8; j++) {
+                        s8[j] = _cvtsh_ss(sr[j][b0 + k]);
+                        o8[j] = _cvtsh_ss(orow[j][b0 + k]);
+                    }
+                    ws[k] = _mm256_loadu_ps(s8);
+                    wo[k] = _mm256_loadu_ps(o8);
+                }
+            }
+            for (int a = 0; a < n; a++) {
+                __m256 d[8];
+                for (int j = 0; j < 8; j++) d[j] = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(dots[a][j] + k0)));
+                transpose8(d);  /* d[k] lane j: row j's dot product of block b0 + k */
+                for (int k = 0; k < nb; k++) {
+                    acc[a] = _mm256_fmadd_ps(d[k], _mm256_mul_ps(ws[k], _mm256_set1_ps(xd[a * blocks + b0 + k])), acc[a]);
+                    acc[a] = _mm256_fmadd_ps(wo[k], _mm256_set1_ps(xs[a * blocks + b0 + k]), acc[a]);
+                }
+            }
         }
     }
-    for (; b < blocks; b++) {
-        const __m256 q = q4_block(wr + b * (BLOCK / 2));
-        const float ws = _cvtsh_ss(sr[b]), wo = _cvtsh_ss(orow[b]);
-        for (int a = 0; a < n; a++) {
-            const int64_t i = a * blocks + b;
-            acc[a] = _mm256_fmadd_ps(q4_dot(q, xq + i * BLOCK), _mm256_set1_ps(ws * xd[i]), acc[a]);
-            tail[a] += wo * xs[i];
+    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
+    for (int a = 0; a < n; a++) {
+        if (m == 8) {
+            _mm256_storeu_ps(y + a * out + r0, acc[a]);
+        } else {
+            float part[8];
+            _mm256_storeu_ps(part, acc[a]);
+            memcpy(y + a * out + r0, part, m * sizeof(float));
         }
     }
-    for (int a = 0; a < n; a++) y[a * out] = hsum(acc[a]) + hsum(offs[a]) + tail[a];
 }
 
-/* y [rows, out] float32 = x @ w.T for int4 weights. */
+/* y [rows, out] float32 = x @ w.T for int4 weights: 8 output rows at a time, TILE activation
+ * rows at a time against them. */
 void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK;
+    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < out; r++) {
+    for (int64_t g = 0; g < groups; g++) {
         for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
             const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
-            q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks, xq + a0 * cols,
-                   xd + a0 * blocks, xs + a0 * blocks, n, y + a0 * out + r, out);
+            q4_rows8(w, scales, offsets, g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks, n,
+                     y + a0 * out);
         }
     }
 }
@@ -249,12 +311,11 @@ static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint1
             const int64_t a1 = a0 + step < rows ? a0 + step : rows;
             #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
-                if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, row by row */
-                    for (int64_t r = p * width; r < (p + 1) * width; r++)
+                if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, its numbers */
+                    for (int64_t r = p * width; r < (p + 1) * width; r += 8)
                         for (int64_t a = a0; a < a1; a += TILE)
-                            q4_row(w + r * (cols / 2), scales + r * blocks, offsets + r * blocks, blocks,
-                                   xq + a * cols, xd + a * blocks, xs + a * blocks,
-                                   a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out + r, out);
+                            q4_rows8(w, scales, offsets, r, out, blocks, xq + a * cols, xd + a * blocks,
+                                     xs + a * blocks, a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
                     continue;
                 }
                 panel_rows(w, scales, offsets, p, blocks, cols, xq, xd, xs, a0, a1, y, out, packed, ps, po);
