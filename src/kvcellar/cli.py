@@ -75,6 +75,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-async", default=None, action=argparse.BooleanOptionalAction,
                    help="write blocks on the writer thread (default) or synchronously")
     p.add_argument("--ssd-queue-blocks", type=int, default=None, help="writer queue bound, in blocks (default 256)")
+    p.add_argument("--ssd-evict-wait", dest="ssd_evict_wait_s", type=float, default=None,
+                   help="seconds the engine waits for room in a full writer queue for a block RAM evicts that "
+                        "is not on disk yet, before it is lost to the SSD (default 0.05; 0: never wait)")
     p.add_argument("--ssd-flush-interval", dest="ssd_flush_interval_s", type=float, default=None,
                    help="seconds between flushes of access times (default 1)")
     p.add_argument("--disk-cache-gb", type=float, default=None, help="SSD tier byte limit, GiB (default 20)")
@@ -101,8 +104,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                    "weights", "unhealthy_after_failed_steps", "max_memory_gb")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
-                                     "ssd_queue_blocks", "ssd_flush_interval_s", "disk_cache_gb", "disk_min_free_gb",
-                                     "ssd_ttl_days")},
+                                     "ssd_queue_blocks", "ssd_evict_wait_s", "ssd_flush_interval_s", "disk_cache_gb",
+                                     "disk_min_free_gb", "ssd_ttl_days")},
         "remote": remote_cli_values(args),
         "server": server_cli_values(args),
     })

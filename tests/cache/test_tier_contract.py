@@ -78,9 +78,9 @@ class FaultyDisk(DiskTier):
         self._fault("store")
         super().store(requests)
 
-    def wants(self, key: bytes) -> bool:
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
         self._fault("wants")
-        return super().wants(key)
+        return super().wants(key, wait_s)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._fault("touch")

@@ -83,8 +83,8 @@ class GatedTier(KVTier):
     def store(self, requests: Sequence[Any]) -> None:
         self.inner.store(requests)
 
-    def wants(self, key: bytes) -> bool:
-        return self.inner.wants(key)
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
+        return self.inner.wants(key, wait_s)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         return self.inner.remove(keys)

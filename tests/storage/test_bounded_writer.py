@@ -118,6 +118,39 @@ def test_offer_with_a_deadline_waits_for_room(make_writer) -> None:
     assert c.dropped_queue_full.value == 1 and c.enqueue_wait_s_total.value > 0
 
 
+def test_wait_for_room_waits_until_the_thread_takes_an_item(make_writer) -> None:
+    gate = Gate(open_=False)
+    writer, c, _ = make_writer(gate, capacity=1)
+    assert writer.offer(0) and gate.entered.wait(30)
+    assert writer.offer(1) and writer.full
+    assert writer.wait_for_room(0) is False  # no wait asked: full is full
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(writer.wait_for_room(60)), name="waiter")
+    waiter.start()
+    gate.released.set()  # the thread takes 1 from the queue: room
+    waiter.join(60)
+    assert not waiter.is_alive() and results == [True]
+    assert c.dropped_queue_full.value == 0  # a refusal is the caller's to count
+    assert writer.close(30) is True
+    assert writer.wait_for_room(60) is False  # closed: no room ever again, at once
+
+
+def test_a_writer_that_frees_nothing_during_a_wait_is_not_waited_on_again(make_writer) -> None:
+    """A stalled device costs one wait, not one per block offered after it."""
+    gate = Gate(open_=False)
+    writer, c, _ = make_writer(gate, capacity=1)
+    assert writer.offer(0) and gate.entered.wait(30)
+    assert writer.offer(1) and writer.full
+    assert writer.wait_for_room(0.05) is False  # the write is stuck: the wait runs out
+    waited = c.enqueue_wait_s_total.value
+    t0 = time.monotonic()
+    assert writer.wait_for_room(60) is False
+    assert time.monotonic() - t0 < 30 and c.enqueue_wait_s_total.value == waited  # not waited on
+    gate.released.set()  # the thread takes an item: waiting is worth it again
+    wait_until(lambda: writer.wait_for_room(0), timeout=30, what="room in the queue")
+    assert writer.offer(2) and writer.wait_idle(30) and gate.written == [0, 1, 2]
+
+
 def test_batches_take_up_to_batch_items_in_order(make_writer) -> None:
     gate = Gate(open_=False)
     writer, _, done = make_writer(gate, capacity=16, batch=3)

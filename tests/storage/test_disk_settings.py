@@ -38,3 +38,18 @@ def test_bad_persistent_retries_is_a_clear_error(capsys, tmp_path, monkeypatch) 
         settings_for()
     with pytest.raises(ValueError, match="persistent_retries"):
         DiskConfig(persistent_retries=-1).validate()
+
+
+def test_evict_wait_from_file_environment_and_flag_and_bad_values(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("KVCELLAR_SSD_EVICT_WAIT_S", raising=False)
+    monkeypatch.delenv("KVCELLAR_CONFIG", raising=False)
+    assert settings_for().disk.evict_wait_s == DiskConfig().evict_wait_s == 0.05
+    conf = tmp_path / "kvcellar.toml"
+    conf.write_text("[disk]\nssd_evict_wait_s = 0.2\n")
+    monkeypatch.setenv("KVCELLAR_CONFIG", str(conf))
+    assert settings_for().disk.evict_wait_s == 0.2
+    monkeypatch.setenv("KVCELLAR_SSD_EVICT_WAIT_S", "0.5")
+    assert settings_for().disk.evict_wait_s == 0.5
+    assert settings_for("--ssd-evict-wait", "0").disk.evict_wait_s == 0  # never wait
+    assert main(["serve", "--cache-dir", str(tmp_path), "--ssd-evict-wait", "-1"]) == 2
+    assert "ssd_evict_wait_s" in capsys.readouterr().err

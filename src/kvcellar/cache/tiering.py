@@ -18,18 +18,21 @@ prefix); the link does not tell the two apart.
 
 Writes, per tier and its policy:
 * ``write_through``: every block registered in RAM (computed from a prompt or from
-  generated tokens) is copied out and stored; copies are batched per engine step.
+  generated tokens) is copied out and stored, at the end of the step that registered it.
 * ``evict_only``: a block is stored when the RAM tier drops it.
 * ``read_only``: never stored (e.g. a remote store filled by other replicas).
 A block loaded from tier i is stored only into the faster tiers 0..i-1 (promotion: a
 remote hit lands in RAM and, per the SSD's policy, on the SSD), never back into i or
 below, and only after the forward of the step that loaded it (``flush``: the first token
 of a lower-tier hit does not wait for those copies). Each tier is asked ``wants(key)``
-before the block is copied off the pool, and one
-copy is shared by every tier that wants it (tiers never modify what they are given).
+right before the block is copied off the pool and stored, one block at a time, so a block
+that a full queue would drop is never copied; one copy is shared by every tier that wants
+it (tiers never modify what they are given).
 A write-through store a tier dropped (queue full, fault) is not lost while the block is in
 RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if the tier
-``wants`` it (a block the tier already holds costs no copy).
+``wants`` it (a block the tier already holds costs no copy). Eviction is the block's last
+chance, so there ``wants`` may wait for room in a full queue, up to the tier's
+``evict_wait_s``; at shutdown, until the close deadline.
 
 The engine always has a link; with no tier attached every call is a no-op, so nobody
 checks whether there are lower tiers.
@@ -77,7 +80,6 @@ class AttachedTier:
     policy: str
     # Every call the link makes goes through here: the tier's faults stay the tier's.
     calls: GuardedTier
-    batch: list[StoreRequest] = field(default_factory=list)  # this step's write-through copies
     stats: LinkStats = field(default_factory=LinkStats)
 
 
@@ -138,10 +140,10 @@ class LowerTierLink:
         self.tiers: list[AttachedTier] = []
         self._wake = wake
         self._on_cpu = pool.device.type == "cpu"
-        # Loaded blocks published this step, with the digest they were published under:
-        # promoted at ``flush``, after the step's forward, so a lower-tier hit's first token
-        # does not wait for its copies off the pool.
-        self._promotions: list[tuple[Block, bytes]] = []
+        # Blocks published this step, with the digest they were published under: stored at
+        # ``flush``, after the step's forward, so a lower-tier hit's first token does not
+        # wait for its copies off the pool.
+        self._published: list[tuple[Block, bytes]] = []
 
     def attach(self, tier: KVTier, policy: str = "write_through") -> None:
         """Add ``tier`` below the ones attached so far (attach the fastest first)."""
@@ -268,37 +270,33 @@ class LowerTierLink:
     # ---- writes ---------------------------------------------------------------------------
 
     def published(self, block: Block) -> None:
-        """A block was registered in RAM (computed, or loaded: then it is promoted into
-        the tiers above the one it came from, at this step's ``flush``)."""
-        if block.loaded_from:
+        """A block was registered in RAM: stored into the write-through tiers (a loaded one
+        only into those above the tier it came from) at this step's ``flush``."""
+        if self.tiers:
             assert block.digest is not None
-            self._promotions.append((block, block.digest))
-            return
-        self._store(block, ("write_through",), batch=True)
+            self._published.append((block, block.digest))
 
     def evicted(self, block: Block) -> None:
         """The RAM tier is about to reuse ``block`` (its data is still intact)."""
         if block.digest is not None:
             # evict_only tiers take it now; write-through ones only if their store was dropped
-            self._store(block, ("evict_only", "write_through"), batch=False)
+            self._store(block, ("evict_only", "write_through"), last_chance=True)
 
     def flush(self) -> None:
-        """Promote the blocks loaded this step (unless the pool reused one meanwhile: its
-        eviction already offered it) and hand this step's write-through copies to the
-        tiers (bounded time). The engine calls it after the step's forward."""
-        if self._promotions:
-            promotions, self._promotions = self._promotions, []
-            for block, digest in promotions:
+        """Store the blocks published this step into the write-through tiers (unless the
+        pool reused one meanwhile: its eviction already offered it), in bounded time. The
+        engine calls it after the step's forward."""
+        if self._published:
+            published, self._published = self._published, []
+            for block, digest in published:
                 if block.digest == digest:
-                    self._store(block, ("write_through",), batch=True)
-        for attached in self.tiers:
-            if attached.batch:
-                batch, attached.batch = attached.batch, []
-                attached.calls.store(batch)
+                    self._store(block, ("write_through",), last_chance=False)
 
-    def _store(self, block: Block, policies: tuple[str, ...], *, batch: bool) -> None:
+    def _store(self, block: Block, policies: tuple[str, ...], *, last_chance: bool) -> None:
         """Store ``block`` into each tier above the one it came from whose policy is in
-        ``policies`` and that ``wants`` it; one copy off the pool serves them all."""
+        ``policies`` and that ``wants`` it; one copy off the pool serves them all.
+        ``last_chance``: RAM is dropping the block (eviction), so a full queue is waited on,
+        up to each tier's ``evict_wait_s``, rather than declined."""
         if not self.tiers:
             return
         assert block.digest is not None and block.token_ids is not None
@@ -308,17 +306,14 @@ class LowerTierLink:
         for i, attached in enumerate(self.tiers[:above]):
             if attached.policy not in policies:
                 continue
-            if not attached.calls.wants(key):
-                if batch:  # on eviction, "already stored" is the normal answer: not a decline
+            if not attached.calls.wants(key, attached.tier.evict_wait_s if last_chance else 0.0):
+                if not last_chance:  # on eviction, "already stored" is the normal answer: not a decline
                     self.tiers[i].stats.declined_blocks += 1
                 continue
             if request is None:
                 request = self._store_request(block, key)
             self.tiers[i].stats.stored_blocks += 1
-            if batch:
-                attached.batch.append(request)
-            else:
-                attached.calls.store([request])
+            attached.calls.store([request])
 
     def _store_request(self, block: Block, key: bytes) -> StoreRequest:
         assert block.digest is not None and block.token_ids is not None
@@ -344,7 +339,7 @@ class LowerTierLink:
 
     def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
         """Flush; offer each write-through tier the ``cached`` RAM blocks whose store it
-        dropped (no step waits on the tiers any more, so wait for a full queue to drain);
+        dropped (no step waits on the tiers any more, so wait for room in a full queue);
         then close every tier, all within ``timeout`` (shared, in order)."""
         deadline = time.monotonic() + timeout
         self.flush()
@@ -363,10 +358,7 @@ class LowerTierLink:
                 continue  # came from this tier or one below it
             assert block.digest is not None
             key = self.key_of(block.digest)
-            if not tier.wants(key):
+            if not tier.wants(key, max(0.0, deadline - time.monotonic())):
                 continue
-            request = self._store_request(block, key)
             self.tiers[index].stats.stored_blocks += 1
-            tier.store([request])
-            if tier.wants(key) and tier.wait_idle(max(0.0, deadline - time.monotonic())):
-                tier.store([request])  # dropped again (queue full): once more, now that it drained
+            tier.store([self._store_request(block, key)])

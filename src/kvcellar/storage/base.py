@@ -20,7 +20,10 @@ Contract every implementation keeps:
   integrity were verified; a block that fails is deleted and counted.
 - ``store`` is called from the engine's step loop and is bounded in time;
   ``wants`` lets the caller skip copying a block off the pool when the store
-  would be dropped anyway.
+  would be dropped anyway (a full queue included). When the caller is about to
+  drop its own copy (RAM evicts the block, or shuts down), it asks ``wants``
+  with a wait: a full queue is then waited on for that long, bounded by the
+  tier (``evict_wait_s``), before the block is given up.
 - A key ``lookup`` answered present is leased until the following ``load`` has
   resolved (a load-scoped lease: ``load`` pins its keys while it reads), so
   this process's own eviction never removes it in between. ``pin``/``unpin``
@@ -139,6 +142,10 @@ class KVTier(ABC):
     call_timeout_s: float = 5.0
     load_timeout_s: float = 30.0
     load_bytes_per_s: float = 0.0
+    # How long ``wants`` may wait for room in a full queue when RAM evicts the block (its
+    # last chance to be stored here); 0: not at all. A ``wants`` call may take this on top
+    # of ``call_timeout_s``.
+    evict_wait_s: float = 0.0
 
     def load_timeout_for(self, nbytes: int) -> float:
         """How long a load of ``nbytes`` may take until its future resolves."""
@@ -174,12 +181,15 @@ class KVTier(ABC):
         """
 
     @abstractmethod
-    def wants(self, key: bytes) -> bool:
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
         """Whether a ``store`` of ``key`` now would write it: False when the tier
-        already holds it or has it queued, is closing, or is backing off after
-        faults. Cheap, without waiting on I/O. The link asks before it copies a
-        block off the pool, for every store, and asks again when RAM evicts a
-        write-through block: a store that was dropped (queue full, fault) then
+        already holds it or has it queued, is closing, is backing off after
+        faults, or its queue is full (that store is dropped and counted here,
+        before the caller copies anything). Cheap, without waiting on I/O,
+        except that with ``wait_s`` a full queue is waited on for up to that
+        long. The link asks before it copies a block off the pool, for every
+        store, and asks again when RAM evicts a write-through block (waiting up
+        to ``evict_wait_s``): a store that was dropped (queue full, fault) then
         gets its second chance, and a block already stored costs no copy.
         Advisory: ``store`` may still drop it."""
 

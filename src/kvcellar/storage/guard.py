@@ -62,7 +62,8 @@ class GuardedTier(KVTier):
         self._faults = {verb: FaultTracker("call", self._c, _log, verb, backoff_initial_s, backoff_max_s,
                                            tier=tier.name) for verb in VERBS}
 
-    def _call(self, verb: str, default: T, fn: Callable[[], T]) -> T:
+    def _call(self, verb: str, default: T, fn: Callable[[], T], waits_s: float = 0.0) -> T:
+        """``waits_s``: how long the verb was allowed to wait, on top of ``call_timeout_s``."""
         faults = self._faults[verb]
         if faults.backing_off():
             self._c.skipped_calls.add()
@@ -73,7 +74,7 @@ class GuardedTier(KVTier):
         except Exception as exc:
             faults.failure(exc, verb)
             return default
-        self._timed(verb, time.monotonic() - t0, self.tier.call_timeout_s)
+        self._timed(verb, time.monotonic() - t0, self.tier.call_timeout_s + waits_s)
         return result
 
     def _timed(self, verb: str, seconds: float, limit: float) -> None:
@@ -142,8 +143,8 @@ class GuardedTier(KVTier):
     def store(self, requests: Sequence[StoreRequest]) -> None:
         self._call("store", None, lambda: self.tier.store(requests))
 
-    def wants(self, key: bytes) -> bool:
-        return bool(self._call("wants", False, lambda: self.tier.wants(key)))
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
+        return bool(self._call("wants", False, lambda: self.tier.wants(key, wait_s), waits_s=wait_s))
 
     def pin(self, keys: Sequence[bytes]) -> None:
         self._call("pin", None, lambda: self.tier.pin(keys))

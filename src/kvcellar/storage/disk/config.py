@@ -42,6 +42,11 @@ class DiskConfig:
     # Writer queue bound, in blocks (each holds its tensor until written:
     # 256 x 368 KiB = 92 MiB for the default model at block size 16).
     queue_blocks: int = field(default=256, metadata={"key": "ssd_queue_blocks"})
+    # How long the engine waits for room in a full queue for a block RAM evicts that is not
+    # on disk yet: its last chance, after which it is lost to the SSD (a new block, still in
+    # RAM, is dropped at once and offered again then). A writer that freed nothing during a
+    # whole wait is not waited on again until it frees a slot: a stalled disk costs one wait.
+    evict_wait_s: float = field(default=0.05, metadata={"key": "ssd_evict_wait_s"})
     # There is no index to flush; last-access times (file atimes, for LRU and
     # TTL across restarts) are written back in batches at this interval and
     # at close, keeping utime() off the read path.

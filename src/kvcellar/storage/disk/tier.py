@@ -93,6 +93,7 @@ class DiskTier(KVTier):
     ) -> None:
         self.spec = spec
         self.config = config = config or DiskConfig()
+        self.evict_wait_s = config.evict_wait_s
         self._ns = ns = OpenNamespace(Path(root), namespace, spec, config, descriptor)
         self.layout = ns.layout
         self.file_size = ns.file_size
@@ -237,13 +238,22 @@ class DiskTier(KVTier):
                 if self._entering == 0:
                     self._no_entering.notify_all()
 
-    def wants(self, key: bytes) -> bool:
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
         """True if a ``store`` of ``key`` now would write it: not known to be on disk, not
-        queued or being written, writes are not backing off, and the limits leave room for
-        a block (state not ``no_space``). The RAM tier asks this
+        queued or being written, writes are not backing off, the limits leave room for a
+        block (state not ``no_space``) and so does the writer's queue, after waiting up to
+        ``wait_s`` for it. A block refused for a full queue is a dropped store, counted
+        (``writer_dropped_queue_full``) before anyone copies it. The RAM tier asks this
         before copying a block it evicts, so a write-through block whose store was dropped
         gets its second chance without a copy of every evicted block."""
-        return not self._closing and self._admission.wants(key)
+        if self._closing or not self._admission.wants(key):
+            return False
+        if self._writer is None or self._writer.wait_for_room(wait_s):
+            return True
+        if not self._closing:
+            self._admission.counters.dropped_queue_full.add()
+            self._admission.dropped.add([key])
+        return False
 
     def _defer_to_reads(self, max_s: float) -> bool:
         """Reads before writes: the writer waits (up to ``max_s``) while loads are in flight."""

@@ -23,7 +23,14 @@ slow as the disk (11 ms per block measured here with fsync; a stalled device
 takes seconds), while a dropped write-through block costs nothing now (it is
 still in RAM). It is not lost: the tier records the key (keys.py) and
 ``DiskTier.wants`` asks for it again when the RAM tier evicts the block or
-shuts down, when no step waits on the queue (cache/tiering.py).
+shuts down (cache/tiering.py). A full queue is refused in ``wants``, before the
+block is copied off the pool. Eviction is the block's last chance: there
+``wants`` waits for room up to ``evict_wait_s`` (``ssd_evict_wait_s``), so
+under sustained overload the engine runs at the disk's pace instead of losing
+blocks; a writer that freed nothing during a whole wait is not waited on again
+until it takes a block (a stalled disk costs one wait). What is still lost
+for good: a block RAM evicts while the queue stays full past that wait, or
+while writes back off after faults.
 
 The queue and its thread are the shared bounded writer (storage/writer.py):
 one non-daemon thread, ``kvcellar-disk-writer-<ns>``, one block at a time,

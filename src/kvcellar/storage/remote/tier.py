@@ -259,11 +259,15 @@ class RemoteTier(KVTier):
                          redacted(self.url), reason, total)
 
     # ------------------------------------------------------------------ store
-    def wants(self, key: bytes) -> bool:
-        if not self._usable() or self._wfault.backing_off() or self._writer.full:
+    def wants(self, key: bytes, wait_s: float = 0.0) -> bool:
+        """A full queue is waited on only when asked (at shutdown): ``evict_wait_s`` stays 0,
+        so serving never waits on Redis (writer.py)."""
+        if not self._usable() or self._wfault.backing_off():
             return False
         with self._known_lock:
-            return key not in self._known and key not in self._claims
+            if key in self._known or key in self._claims:
+                return False
+        return self._writer.wait_for_room(wait_s)
 
     def store(self, requests: Sequence[StoreRequest]) -> None:
         for r in requests:
