@@ -6,6 +6,8 @@ import pytest
 
 from kvcellar.cache.block_manager import BlockManager, OutOfBlocksError
 from kvcellar.cache.hashing import block_digests, chain_digest, root_digest
+from kvcellar.engine.config import EngineConfig
+from kvcellar.settings import load_settings
 
 BS = 4
 
@@ -115,6 +117,27 @@ def test_tiny_key_space_collisions_never_serve_wrong_blocks():
         ds = digests_of(tokens)
         for block, digest, toks in zip(bm.match(ds, blocks_of(tokens)), ds, blocks_of(tokens), strict=False):
             assert block.digest == digest and block.token_ids == toks
+
+
+@pytest.mark.parametrize("key_bytes", [0, 33])
+def test_a_key_outside_the_digest_is_refused(key_bytes):
+    """0 bytes would key every block b"" (which no tier can store); past 32 is no more digest."""
+    with pytest.raises(ValueError, match="key_bytes must be between 1 and 32"):
+        BlockManager(4, BS, key_bytes=key_bytes)
+    with pytest.raises(ValueError, match="key_bytes must be between 1 and 32"):
+        EngineConfig(key_bytes=key_bytes).validate()
+
+
+def test_key_bytes_is_no_setting(tmp_path, monkeypatch):
+    """Nothing but tests needs a shorter key: users cannot set one (a file that tries is told
+    so; the environment is not read for it)."""
+    monkeypatch.delenv("KVCELLAR_CONFIG", raising=False)
+    monkeypatch.setenv("KVCELLAR_KEY_BYTES", "8")
+    assert load_settings().engine.key_bytes == 32
+    conf = tmp_path / "kvcellar.toml"
+    conf.write_text("[engine]\nkey_bytes = 8\n")
+    with pytest.raises(ValueError, match="unknown setting 'key_bytes'"):
+        load_settings(conf)
 
 
 def fill_lenient(bm, tokens):

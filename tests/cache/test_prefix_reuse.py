@@ -15,6 +15,8 @@ import torch
 
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.tokenization import shared_prefix_len
+from kvcellar.storage.disk.config import DiskConfig
+from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     LOGPROB_TOL,
     assert_no_leaks,
@@ -174,6 +176,19 @@ def test_forced_collisions_change_nothing(model):
     assert engine.blocks.stats.collisions > 0
     assert engine.blocks.stats.lookup_hits > 0, "the second round must still hit where keys are intact"
     assert_no_leaks(engine)
+
+
+def test_a_lower_tier_needs_whole_digests_as_keys(model, tmp_path):
+    """Shortened keys are for the RAM table's collision tests only: a tier names block files
+    by the key, so chains sharing one would delete each other's files on every load."""
+    engine = make_engine(model, key_bytes=31)
+    tier = DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0))
+    try:
+        with pytest.raises(ValueError, match="key_bytes = 32"):
+            engine.attach_tier(tier)
+    finally:
+        tier.close(10)
+    assert not engine.lower.tiers
 
 
 def test_two_hundred_mixed_requests_leak_nothing(model):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvcellar.cache.hashing import DIGEST_SIZE
 from kvcellar.stats import Stats, counter, gauge
 
 NULL_BLOCK = 0
@@ -82,6 +83,8 @@ class BlockManager:
     ) -> None:
         if num_blocks < 2:
             raise ValueError("the block pool needs at least 2 blocks (one is the null block)")
+        if not 1 <= key_bytes <= DIGEST_SIZE:  # 0 would key every block b"", which no tier can store
+            raise ValueError(f"key_bytes must be between 1 and {DIGEST_SIZE}, not {key_bytes}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.key_bytes = key_bytes

@@ -6,9 +6,10 @@ the chain starts from a root digest over the model fingerprint and the request's
 equal across restarts and machines, which is what lets the SSD tier (and a future shared
 remote tier) serve blocks computed by another process.
 
-The hash-table key of a block is a prefix of its digest (``key_bytes``, normally all 32
-bytes). Tests shrink the key to force collisions; correctness never rests on the key: a
-hit compares the block's full digest and its token ids.
+The hash-table key of a block is a prefix of its digest (``key_bytes``, all 32 bytes
+unless a test shrinks it to force collisions in RAM; ``EngineConfig.key_bytes``).
+Correctness never rests on the key: a hit compares the block's full digest and its token
+ids. The lower tiers name blocks by the key, so they take only whole digests.
 """
 
 from __future__ import annotations

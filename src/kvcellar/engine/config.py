@@ -9,8 +9,10 @@ imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+from kvcellar.cache.hashing import DIGEST_SIZE
 
 # ``dtype`` values; the short names are the loader's aliases (engine/loader.py resolve_dtype).
 DType = Literal["auto", "bfloat16", "float32", "float16", "bf16", "fp32", "fp16"]
@@ -53,9 +55,12 @@ class EngineConfig:
     max_completion_tokens: int = 0
     # Reuse of cached prefix blocks; off only for comparisons and tests.
     prefix_caching: bool = True
-    # Bytes of the chained digest used as the hash-table key. Tests shrink it to force
-    # collisions; a hit always compares the full digest and the token ids.
-    key_bytes: int = 32
+    # Bytes of the chained digest used as a block's key, 1 to the digest's 32: no setting
+    # (no file key, flag or environment variable). Tests shrink it to force collisions in the
+    # RAM table, where a hit still compares the full digest and the token ids; the lower
+    # tiers name blocks by this key, so two chains sharing one would delete each other's
+    # files, and an engine takes a tier only with the whole digest (``Engine.attach_tier``).
+    key_bytes: int = field(default=DIGEST_SIZE, metadata={"key": None})
     # Prefetch (cache/prefetch.py): a queued request's next blocks in a lower tier are read
     # while it waits, into free or least recently used cached blocks: at most this fraction
     # of the pool read into or held for waiting requests (0 turns prefetch off), by at most
@@ -101,3 +106,5 @@ class EngineConfig:
             raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
+        if not 1 <= self.key_bytes <= DIGEST_SIZE:
+            raise ValueError(f"key_bytes must be between 1 and {DIGEST_SIZE}, not {self.key_bytes}")

@@ -25,7 +25,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvcellar.cache.block_manager import BlockManager
-from kvcellar.cache.hashing import root_digest
+from kvcellar.cache.hashing import DIGEST_SIZE, root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine import native
@@ -223,6 +223,10 @@ class Engine:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
             raise ValueError("a lower tier needs prefix caching")
+        if self.blocks.key_bytes < DIGEST_SIZE:
+            raise ValueError(f"a lower tier needs key_bytes = {DIGEST_SIZE} (the whole digest), not "
+                             f"{self.blocks.key_bytes}: it names blocks by their key, and blocks sharing one "
+                             "would delete each other")
         if native.folds_crc32():  # the tiers' block checksums: the same values, faster
             block_format.use_crc32(native.crc32)
         self.lower.attach(tier, policy)
