@@ -3,7 +3,9 @@
 Chat messages are rendered with the model's chat template to text that already holds every
 special token the template wants (BOS included), then encoded with
 ``add_special_tokens=False``: the tokenizer must not add a second BOS. A plain completion
-prompt is encoded with the tokenizer's own special-token rule.
+prompt is encoded with the tokenizer's own special-token rule (its BOS, where it adds one),
+unless its text already starts with the BOS (a chat rendered by the client). Token prompts
+are the client's exact tokens and are not touched.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_k
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    return list(tokenizer(prompt).input_ids)
+    bos = getattr(tokenizer, "bos_token", None)
+    already = isinstance(bos, str) and bool(bos) and prompt.startswith(bos)
+    return list(tokenizer(prompt, add_special_tokens=not already).input_ids)
 
 
 def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
