@@ -27,11 +27,11 @@ import json
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 
+from kvcellar.engine.grammar_planner import Planner
 from kvcellar.errors import InvalidRequestError
 from kvcellar.stats import Stats, counter
 
@@ -41,13 +41,15 @@ if TYPE_CHECKING:
 # JSON is written the way json.dumps writes it (", " and ": "), with no free whitespace:
 # small models given free whitespace can emit newlines until max_tokens.
 JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The same, where a keyword the engine does not implement (``not``, ``uniqueItems``, ``if``...)
+# constrains nothing instead of failing the compile: tool schemas, whose every other keyword holds.
+LENIENT_JSON_STYLE: JsonCompileOptions = {**JSON_STYLE, "lenient": True}
 _CACHE_SIZE = 256
-# Budget steering (TokenConstraint, _Planner).
+# Budget steering (TokenConstraint, Planner).
 _PLAN_CAP = 2048  # the longest start plan min_tokens looks for
 _PLAN_EXTRA_NODES = 64  # masks a start-plan search may spend improving its first completion
 _PLAN_BRANCH = 3  # alternatives it tries at each choice
 _MIN_JUMP = 32  # the least the checked zone assumes one token may add to the plan's length
-_RANKED = 2048  # how many of the planner's preferred tokens it checks first
 _ALTERNATIVES = 2  # the model's next best tokens tried when its pick cannot end in time
 
 
@@ -78,7 +80,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok: Any = None
-        self._planner: _Planner | None = None
+        self._planner: Planner | None = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
         self._plans: collections.OrderedDict[str, tuple[int, ...] | None] = collections.OrderedDict()
@@ -100,16 +102,18 @@ class GrammarCompiler:
 
                 lltok = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None)
-                self._planner = _Planner(lltok, self.vocab_size)
+                self._planner = Planner(lltok, self.vocab_size)
                 self._lltok = lltok
             return self._lltok
 
-    def json_schema(self, schema: dict[str, Any], *, param: str) -> Grammar:
-        """A grammar for JSON text matching ``schema``; errors name ``param``."""
+    def json_schema(self, schema: dict[str, Any], *, param: str, lenient: bool = False) -> Grammar:
+        """A grammar for JSON text matching ``schema``; errors name ``param``. ``lenient``:
+        keywords llguidance does not implement are not enforced (``LENIENT_JSON_STYLE``)."""
         import llguidance
 
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+            source = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, overrides=LENIENT_JSON_STYLE if lenient else JSON_STYLE)
         except ValueError as exc:
             raise InvalidRequestError(f"Invalid schema for '{param}': {exc}", param=param) from None
         return self._compile(source, "json_schema", param)
@@ -214,7 +218,7 @@ class TokenConstraint:
     A grammar guarantees the shape of a *finished* output; a small model can still loop (one
     more array item, one more tool call, a string that never closes) until ``max_tokens``
     cuts the JSON in half. So, when steering, the constraint keeps a **plan**: a completion
-    of the grammar from the current state, the shortest ``_Planner.search`` finds, and keeps
+    of the grammar from the current state, the shortest ``Planner.search`` finds, and keeps
     the invariant *the plan fits in the budget left*. Whatever the model picks, the output
     then ends accepted (finish_reason ``stop``) whenever the start plan fits in
     ``max_tokens`` (``GrammarCompiler.min_tokens``):
@@ -246,7 +250,7 @@ class TokenConstraint:
     Engine thread only.
     """
 
-    def __init__(self, matcher: Any, planner: _Planner, max_tokens: int | None,
+    def __init__(self, matcher: Any, planner: Planner, max_tokens: int | None,
                  plan: Sequence[int] | None = None) -> None:
         """``max_tokens``: the sequence's budget to steer within; None: no steering.
         ``plan``: a completion of the grammar from its start (the compiler's cached start
@@ -413,125 +417,6 @@ class TokenConstraint:
                 if probe.is_accepting():
                     return plan[:i + 1]
         return self._planner.search(m, limit)
-
-
-class _Planner:
-    """Shortest-completion search over one tokenizer's vocabulary, driven by the matcher.
-
-    From a matcher state, it walks toward an accepting state: forced tokens first (the
-    matcher's fast-forward tokens: keys, ``const`` values, markup), else among the allowed
-    tokens the one that closes the most (made of ``"``, ``]``, ``}`` and spaces, longest
-    first), else the longest allowed token that opens no array or object (so an enum value,
-    a number, a ``minLength`` string take few tokens). That first, greedy completion is
-    usually the shortest; ``search`` can spend extra nodes on a depth-first branch and bound
-    over the next best alternatives at each choice. Deterministic: the result depends only
-    on the grammar state and the arguments.
-    """
-
-    def __init__(self, lltok: Any, vocab_size: int) -> None:
-        n = min(vocab_size, lltok.vocab_size)
-        # float64: ties are broken toward lower ids (more frequent merges), deterministically.
-        score = np.full(n, -np.inf)
-        close = set(b'"]} ')
-        for i in range(n):
-            raw = lltok.decode_bytes([i])
-            if not raw:
-                continue
-            if lltok.is_special_token(i):
-                value = -1e6  # only where the grammar names it (its markup is forced anyway)
-            elif set(raw) <= close and raw.strip():
-                # Inside a string only a quote closes: the others would be content there.
-                value = 1e4 + (1e3 if b'"' in raw else 0) + len(raw)
-            else:
-                opens = max(0, raw.count(b"{") + raw.count(b"[") - raw.count(b"}") - raw.count(b"]"))
-                # a lone escape or minus sign is a value still to finish
-                value = len(raw) - 2 * opens - (8 if raw.endswith((b"\\", b"-")) else 0)
-            score[i] = value - i * 1e-6
-        self.score = score
-        self.ranked = np.argsort(-score, kind="stable")[:_RANKED]  # the best tokens, best first
-        self._lltok = lltok
-        self.eos = [int(t) for t in getattr(lltok, "eos_tokens", None) or [lltok.eos_token]]
-
-    def choices(self, m: Any, k: int) -> list[int]:
-        """The ``k`` best allowed tokens in ``m``'s state, best first."""
-        bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
-        top = self.ranked[bias[self.ranked] != 0][:k]  # cheap where most tokens are allowed (strings)
-        if top.size == k:
-            return cast(list[int], top.tolist())
-        allowed = np.flatnonzero(bias[:self.score.size])
-        if allowed.size <= 1:
-            return allowed.tolist()
-        scores = self.score[allowed]
-        if k == 1:
-            return [int(allowed[np.argmax(scores)])]
-        best = np.argpartition(-scores, k)[:k] if allowed.size > k else np.arange(allowed.size)
-        best = best[np.argsort(-scores[best], kind="stable")]
-        return cast(list[int], allowed[best].tolist())
-
-    def search(self, m: Any, limit: int, *, extra_nodes: int = 0, branch: int = 1) -> list[int] | None:
-        """A completion of at most ``limit`` tokens from ``m``'s state to an accepting one
-        (the shortest found), or None. ``m`` is the caller's copy: it is advanced and may
-        be left anywhere. Spends at most ``limit + extra_nodes`` nodes (mask or forced-token
-        computations); ``branch``: alternatives tried at each choice (1: greedy only)."""
-        if m.is_accepting():
-            return []
-        if m.is_error() or m.is_stopped() or limit <= 0:
-            return None
-
-        def expand() -> list[list[int]]:
-            forced = m.compute_ff_tokens()
-            if forced:
-                return [list(forced)]
-            return [[t] for t in self.choices(m, branch)]
-
-        best: list[int] | None = None
-        path: list[int] = []
-        stack: list[tuple[list[list[int]], int]] = [(expand(), 0)]
-        nodes, max_nodes = 1, limit  # then ``extra_nodes`` more once a first completion is found
-        while stack:
-            moves, depth = stack[-1]
-            if len(path) > depth:
-                m.rollback(len(path) - depth)
-                del path[depth:]
-            if not moves:
-                stack.pop()
-                continue
-            bound = len(best) if best is not None else limit + 1  # a new completion must be shorter
-            done = False
-            for t in moves.pop(0):
-                if len(path) + 1 >= bound:
-                    break
-                if not m.consume_token(t):  # cannot happen: the matcher offered it
-                    return best
-                path.append(t)
-                if m.is_accepting():
-                    if best is None:
-                        max_nodes = nodes + extra_nodes
-                    best, done = path.copy(), True
-                    break
-            if done or len(path) + 1 >= bound or len(path) == depth:
-                continue
-            if nodes >= max_nodes:
-                break
-            nodes += 1
-            stack.append((expand(), len(path)))
-        if best:
-            m.rollback(len(path))
-            best = self._merged(m, best)
-        return best
-
-    def _merged(self, m: Any, plan: list[int]) -> list[int]:
-        """``plan``'s text tokenized as the tokenizer would, where that is shorter and ends
-        accepted too (the search goes token by token: ``"`` then ``,`` where ``",`` is one)."""
-        merged: list[int] = self._lltok.tokenize_bytes(self._lltok.decode_bytes(plan))
-        if len(merged) >= len(plan):
-            return plan
-        for i, t in enumerate(merged):
-            if not m.consume_token(t):
-                return plan
-            if m.is_accepting():
-                return merged[:i + 1]
-        return plan
 
 
 def dumps_schema(schema: Any) -> str:
