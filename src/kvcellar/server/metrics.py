@@ -111,6 +111,10 @@ class ServerStats(Stats):
     anthropic_pseudo_headers_dropped: int = counter()
     # requests naming another model, served with the loaded one (--serve-any-model)
     other_model_names: int = counter()
+    # forced tool calls checked against their tool's full schema, and those that failed it
+    # (a keyword the grammar does not enforce: tools/schemas.py)
+    tool_arguments_checked: int = counter()
+    tool_arguments_invalid: int = counter()
 
 
 @dataclass

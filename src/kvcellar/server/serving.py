@@ -42,10 +42,11 @@ from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker,
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
-from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar, no_call_grammar
-from kvcellar.server.tools.parsers import ToolParser
+from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar, no_call_grammar, parameters_of
+from kvcellar.server.tools.parsers import ParsedCall, ToolParser
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
+from kvcellar.server.tools.schemas import ArgumentsCheck
 
 log = logging.getLogger("kvcellar.server")
 
@@ -288,8 +289,27 @@ class Serving:
         parse_calls = tools is not None and tools.choice != "none"
         if parse_calls and not ireq.explicit_skip_special and self.tool_prompting.markup_is_special:
             params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
-        parser = self.tool_prompting.parser_factory(tools) if parse_calls and tools else None
+        parser = self.tool_prompting.parser_factory(tools, self._arguments_check(tools)) \
+            if parse_calls and tools else None
         return PreparedChat(prompt, params, parser, parallel_calls=tools is None or tools.parallel)
+
+    def _arguments_check(self, tools: ToolPlan) -> Callable[[list[ParsedCall]], None] | None:
+        """For forced calls: each call's arguments checked against its tool's full schema. The
+        grammar enforces all but a few keywords (tools/schemas.py); a call that breaks one is
+        still the model's answer (its arguments may already be streamed), logged and counted."""
+        if not tools.forced:
+            return None
+        check = ArgumentsCheck({t["function"]["name"]: parameters_of(t) for t in tools.forced_tools})
+        stats = self.metrics.stats
+
+        def on_finish(calls: list[ParsedCall]) -> None:
+            for call in calls:
+                stats.tool_arguments_checked += 1
+                problem = check.problem(call.name, call.arguments)
+                if problem is not None:
+                    stats.tool_arguments_invalid += 1
+                    log.warning("forced call of %r: its arguments fail the tool's schema %s", call.name, problem)
+        return on_finish
 
     def _check_room_for_grammar(self, grammar: Grammar, max_tokens: int, ireq: InternalRequest) -> None:
         """A forced call or a schema that cannot end within max_tokens is refused up front, not

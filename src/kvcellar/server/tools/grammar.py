@@ -14,17 +14,25 @@ once ``<tool_call>`` appears (a lazy trigger: it matches wherever the text conta
 the block must be a valid call followed by ``</tool_call>``.
 
 Each call body is an inline JSON schema (``%json``) with one ``anyOf`` branch per allowed
-function, so the name decides which arguments schema applies.
+function, so the name decides which arguments schema applies. Schemas are compiled leniently
+and rewritten first (tools/schemas.py): a keyword the engine does not implement constrains
+nothing. A forced call's schema that the engine cannot compile even so (a pattern with
+look-around, a ``$ref`` to another document) is a 400 naming the tool; under ``auto`` such a
+tool's calls are kept well-formed JSON objects only, and the request goes on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvcellar.engine.constraints import JSON_STYLE, Grammar, GrammarCompiler
+from kvcellar.engine.constraints import LENIENT_JSON_STYLE, Grammar, GrammarCompiler
 from kvcellar.errors import InvalidRequestError
+from kvcellar.server.tools.schemas import for_grammar, standalone
+
+log = logging.getLogger(__name__)
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -34,15 +42,30 @@ def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
     return params if params is not None else EMPTY_PARAMETERS
 
 
-def _call_schema(tools: Sequence[dict[str, Any]], args_key: str) -> dict[str, Any]:
-    branches = [{
-        "type": "object",
-        "properties": {"name": {"const": t["function"]["name"]}, args_key: parameters_of(t)},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    } for t in tools]
+def _call_schema(tools: Sequence[dict[str, Any]], args_key: str,
+                 relaxed: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """One branch per tool; the tools in ``relaxed`` (indexes) take any JSON object."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for i, t in enumerate(tools):
+        slot, more = ({"type": "object"}, {}) if i in relaxed else for_grammar(parameters_of(t), f"tool{i}")
+        defs.update(more)
+        branches.append({
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, args_key: slot},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        })
     schema: dict[str, Any] = branches[0] if len(branches) == 1 else {"anyOf": branches}
-    return {**schema, "x-guidance": JSON_STYLE}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return {**schema, "x-guidance": LENIENT_JSON_STYLE}
+
+
+def _compile_each(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> None:
+    """Each tool's schema alone, so that a failure names its tool."""
+    for i, tool in enumerate(tools):
+        compiler.json_schema(standalone(parameters_of(tool)), param=f"tools[{i}].function.parameters", lenient=True)
 
 
 def _lit(text: str) -> str:
@@ -53,8 +76,7 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
                         parallel: bool, mistral_token_id: int | None = None) -> Grammar:
     """A grammar whose every complete output is one call (or, with ``parallel``, one or
     more calls) of ``tools``."""
-    for i, tool in enumerate(tools):  # blame the right tool for a schema the engine refuses
-        compiler.json_schema(parameters_of(tool), param=f"tools[{i}].function.parameters")
+    _compile_each(compiler, tools)  # blame the right tool for a schema the engine refuses
 
     def calls(separator: str) -> str:
         return f"call ({_lit(separator)} call)*" if parallel else "call"
@@ -77,19 +99,29 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
 
 def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]]) -> Grammar | None:
     """Free text with well-formed calls, or None where the family has no such grammar
-    (llama3 and mistral outputs are parsed only)."""
+    (llama3 and mistral outputs are parsed only). Never fails for a tool's schema: one the
+    engine cannot compile takes any JSON object."""
     if family != "hermes":
         return None
+    relaxed = set()
     for i, tool in enumerate(tools):
-        compiler.json_schema(parameters_of(tool), param=f"tools[{i}].function.parameters")
-    body = json.dumps(_call_schema(tools, "arguments"))
+        try:
+            compiler.json_schema(standalone(parameters_of(tool)), param="tools", lenient=True)
+        except InvalidRequestError as exc:
+            log.warning("tool %r: its calls are kept well-formed JSON only: %s", tool["function"]["name"], exc)
+            relaxed.add(i)
+    body = json.dumps(_call_schema(tools, "arguments", frozenset(relaxed)))
     lark = ("%llguidance {}\n"
             "start: call* TEXT\n"
             f"call: call_trigger {_lit(chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
             f"call_trigger[lazy]: TEXT {_lit('<tool_call>')}\n"
             f"body: %json {body}\n"
             "TEXT: /(.|\\n)*/\n")
-    return compiler.lark(lark, param="tools", description=f"tool_call_auto:{family}", steer_to_end=False)
+    try:
+        return compiler.lark(lark, param="tools", description=f"tool_call_auto:{family}", steer_to_end=False)
+    except InvalidRequestError as exc:  # the tools together (each compiles alone): calls are parsed only
+        log.warning("tools: calls are parsed only, the grammar engine cannot combine their schemas: %s", exc)
+        return None
 
 
 def no_call_grammar(compiler: GrammarCompiler, family: str) -> Grammar | None:

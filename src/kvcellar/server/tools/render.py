@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcellar.engine.tokenization import render_chat
-from kvcellar.server.tools.parsers import ToolParser, parser_for_template
+from kvcellar.server.tools.parsers import ParsedCall, ToolParser, parser_for_template
 
 if TYPE_CHECKING:
     from kvcellar.server.tools.request import ToolPlan
@@ -92,10 +92,17 @@ class ToolPrompting:
         """The family's call markers are special tokens, which plain detokenizing drops."""
         return self.family in ("llama3", "mistral")
 
-    def parser_factory(self, plan: ToolPlan) -> Callable[[], ToolParser]:
+    def parser_factory(self, plan: ToolPlan, on_finish: Callable[[list[ParsedCall]], None] | None = None
+                       ) -> Callable[[], ToolParser]:
+        """Parsers of ``plan``'s calls; ``on_finish`` gets each output's calls as it ends."""
         names = [t["function"]["name"] for t in plan.forced_tools] if plan.forced else \
             [t["function"]["name"] for t in plan.tools]
-        return lambda: self.parser(names)
+
+        def make() -> ToolParser:
+            parser = self.parser(names)
+            parser.on_finish = on_finish
+            return parser
+        return make
 
     def prepare(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -19,6 +19,10 @@ import jsonschema
 from kvcellar.server import errors
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ResponseFormat
 
+# A schema's patterns must compile; the uri-reference format of its ``$ref`` and ``$id`` values is
+# not held against it (with jsonschema's format extras installed, check_schema would).
+_SCHEMA_FORMATS = jsonschema.FormatChecker(["regex"])
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -43,12 +47,12 @@ def check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict):
         raise errors.invalid(f"Invalid schema for '{param}': a JSON Schema must be an object.", param=param,
                              code="invalid_schema")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        raise errors.invalid(f"Invalid schema for '{param}'{f' at {where!r}' if where else ''}: {exc.message}",
-                             param=param, code="invalid_schema") from None
+    cls = jsonschema.validators.validator_for(schema)
+    error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA, format_checker=_SCHEMA_FORMATS).iter_errors(schema))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
+        raise errors.invalid(f"Invalid schema for '{param}'{f' at {where!r}' if where else ''}: {error.message}",
+                             param=param, code="invalid_schema")
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:

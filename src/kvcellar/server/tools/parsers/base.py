@@ -29,6 +29,9 @@ Invariants, for every family:
   whitespace-only stretch after the last call. ``content`` is None when there are calls and nothing else;
   with no calls it is the whole text, unchanged.
 
+``on_finish``, when set, is called once with the output's calls when it ends (``finish``, or
+``parse``'s fresh parser): the server checks a forced call's arguments there.
+
 Not thread-safe: one parser object belongs to one request.
 """
 
@@ -38,7 +41,7 @@ import json
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
@@ -164,9 +167,12 @@ class ToolParser(ABC):
         self._calls = 0
         self._args_sent = False  # the current call has streamed some arguments
         self._out = StreamDelta()
+        self._read: list[ParsedCall] = []  # the calls so far, for on_finish
+        self.on_finish: Callable[[list[ParsedCall]], None] | None = None
 
     def parse(self, text: str) -> ParsedOutput:
         fresh = type(self)(self._tool_names)
+        fresh.on_finish = self.on_finish
         return collect([fresh.feed(text), fresh.finish()])
 
     def feed(self, text: str) -> StreamDelta:
@@ -182,6 +188,8 @@ class ToolParser(ABC):
         if self._ws_pending and not self._after_call:
             self._out.text(self._ws_pending)
         self._ws_pending = ""
+        if self.on_finish is not None:
+            self.on_finish(list(self._read))
         return self._take()
 
     @property
@@ -220,6 +228,7 @@ class ToolParser(ABC):
         self._after_call = True
         self._args_sent = False
         delta = CallFragment(index=self._calls, id=new_call_id(), name=name)
+        self._read.append(ParsedCall(name, "", delta.id or ""))
         self._out.tool_calls.append(delta)
         self._out.items.append(delta)
         self._calls += 1
@@ -228,6 +237,7 @@ class ToolParser(ABC):
         if not fragment:
             return
         self._args_sent = True
+        self._read[-1].arguments += fragment
         last = self._out.items[-1] if self._out.items else None
         if isinstance(last, CallFragment) and last.index == self._calls - 1:
             last.arguments += fragment
