@@ -12,8 +12,8 @@ Admission (``offer``, any thread): an item is queued, or refused and counted
 ``enqueue_wait_s_total``; without one ``offer`` never waits. ``wait_for_room`` asks before
 an item exists (a tier asks it before its caller copies a block off the pool): it waits up
 to its timeout for room, and a writer that freed nothing during a whole wait is not waited
-on again until it takes an item off the queue, so a stalled device costs one wait, not
-one per item.
+on again for as long or less until it takes an item off the queue, so a stalled device
+costs one wait, not one per item (a longer wait, the shutdown's, is still tried).
 
 Accounting: every accepted item (``enqueued``) is passed to ``write_batch``, which counts
 what it wrote, or is counted here: ``error_count`` for a batch whose ``write_batch`` (or
@@ -54,8 +54,9 @@ class WriterCounts(Protocol):
 class BoundedWriter(Generic[T]):
     """The queue and its thread. ``_lock`` protects ``_queue``, ``_closing``, ``_abort``,
     ``_exited``, ``_unfinished`` (items accepted and not yet written or dropped),
-    ``_in_flight`` (of those, inside ``write_batch`` now), ``_stalled`` (a ``wait_for_room``
-    timed out and the thread has taken nothing off the queue since) and ``_failures``. Three
+    ``_in_flight`` (of those, inside ``write_batch`` now), ``_stalled_s`` (the longest
+    ``wait_for_room`` that timed out since the thread last took an item; 0: none) and
+    ``_failures``. Three
     conditions share it: ``_work`` (an item arrived or closing began: the thread),
     ``_space`` (room in the queue or closing began: waiting producers) and ``_settled``
     (``_unfinished`` reached 0 or the thread exited: ``wait_idle``). ``_abort`` only ever
@@ -108,7 +109,7 @@ class BoundedWriter(Generic[T]):
         self._exited = False
         self._unfinished = 0
         self._in_flight = 0
-        self._stalled = False
+        self._stalled_s = 0.0
         self._failures = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
         self._thread.start()
@@ -151,13 +152,14 @@ class BoundedWriter(Generic[T]):
 
     def wait_for_room(self, timeout: float) -> bool:
         """Whether an ``offer`` now would find room, waiting up to ``timeout`` for it (not
-        at all while the writer is stalled, see the module docstring). False once closing.
-        The wait is counted in ``enqueue_wait_s_total``; a refusal is the caller's to count."""
+        at all while the writer is stalled for that long, see the module docstring). False
+        once closing. The wait is counted in ``enqueue_wait_s_total``; a refusal is the
+        caller's to count."""
         with self._lock:
-            if not self._closing and len(self._queue) >= self._capacity and timeout > 0 and not self._stalled:
+            if not self._closing and len(self._queue) >= self._capacity and timeout > self._stalled_s:
                 t0 = time.monotonic()
                 if not self._space.wait_for(lambda: self._closing or len(self._queue) < self._capacity, timeout):
-                    self._stalled = True
+                    self._stalled_s = timeout
                 self._c.enqueue_wait_s_total.add(time.monotonic() - t0)
             return not self._closing and len(self._queue) < self._capacity
 
@@ -178,7 +180,7 @@ class BoundedWriter(Generic[T]):
                         return
                     items = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
                     if items:
-                        self._stalled = False
+                        self._stalled_s = 0.0
                         self._space.notify_all()
                 if items:
                     self._write(items)
