@@ -151,3 +151,17 @@ def test_the_agents_requests_named_only_the_served_model(server: ServerProcess) 
         assert any(f'route="{routes[name]}"' in line for line in answered), (name, answered)
     failed = [line for line in answered if 'status="2' not in line]
     assert not failed, json.dumps(failed)
+
+
+def test_claude_code_2_1_197_first_request_is_served(server: ServerProcess) -> None:
+    """Claude Code 2.1.197's first request, recorded once (tests/server/fixtures/agents/README.md)
+    and sent again as it was: its ``TaskCreate`` and ``TaskUpdate`` declare ``propertyNames``,
+    which made it a 400 ("the grammar engine cannot compile it") and 2.1.197 exit 1. Not every
+    user updates on the day a release comes out."""
+    from tests.server.agent_fixtures import body
+
+    recorded = dict(body("claude_code_2_1_197_messages.json"), model=MODEL)  # recorded as kvcellar-model
+    r = httpx.post(server.url + "/v1/messages?beta=true", json=recorded,
+                   headers={"x-api-key": agents.DEFAULT_API_KEY, "anthropic-version": "2023-06-01"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text[:2000]
+    assert "event: message_stop" in r.text and "event: error" not in r.text, r.text[-2000:]

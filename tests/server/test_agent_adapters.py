@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +22,7 @@ from kvcellar.server.responses.protocol import ResponsesRequest
 from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import plan_tools
-
-FIXTURES = Path(__file__).parent / "fixtures" / "agents"
-
-
-def body(name: str) -> dict[str, Any]:
-    data = json.loads((FIXTURES / name).read_text())
-    return data.get("body", data)
+from tests.server.agent_fixtures import body
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +114,13 @@ def test_opencode_requests_are_valid_chat_requests(name: str) -> None:
     if req.tools:
         plan = plan_tools(req)
         assert plan is not None and len(plan.tools) == len(req.tools)
+
+
+def test_claude_code_2_1_197_request_is_read_whole(tokenizer: Any) -> None:
+    """The older release's first request (recorded once): 24 tools, two with ``propertyNames``."""
+    raw = body("claude_code_2_1_197_messages.json")
+    ireq, dropped = claude("claude_code_2_1_197_messages.json")
+    assert dropped == 1 and ireq.tools is not None and ireq.tools.choice == "auto"
+    assert len(ireq.tools.tools) == len(raw["tools"]) == 24
+    assert "propertyNames" in json.dumps(ireq.tools.tools[14]["function"]["parameters"])
+    assert all(t["name"] in rendered(tokenizer, ireq) for t in raw["tools"])
