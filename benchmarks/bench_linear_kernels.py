@@ -1,6 +1,6 @@
 """One int4 linear of a 7B's shapes on this CPU: kvcellar's kernel (the row kernel below 8
-rows, int4 panels from 8 on) against the dense path in float32 and in bf16 (what a bf16 model
-runs where the CPU computes bf16 natively: AMX).
+rows, int4 panels from 8 on) against the same weights dense (``--weights full``) in float32
+and in bf16 (prepacked for oneDNN where the CPU computes bf16 natively: AMX).
 
     .venv/bin/python benchmarks/bench_linear_kernels.py                       # 2 threads, ~1 min
     .venv/bin/python benchmarks/bench_linear_kernels.py --threads 16,2 --rows 1,8,64,512
@@ -55,21 +55,21 @@ def main() -> None:
         for shape in args.shapes.split(","):
             out, cols = (int(v) for v in shape.split("x"))
             quant = quantize(torch.randn(out, cols, generator=gen) * 0.02, "int4")
-            table = KernelTable(quant_max_rows=1 << 20, kernel_dtype=torch.int8)
             # the weight argument gives the dtype and shape only: lean linears read ``quant``
-            linear = {dtype: FastLinear(torch.zeros(1, 1, dtype=dtype).expand(out, cols), None, quant, table)
-                      for dtype in (torch.float32, torch.bfloat16)}
+            kernel = FastLinear(torch.zeros(1, 1).expand(out, cols), None, quant,
+                                KernelTable(kernel_dtype=torch.int8))
+            # the same weights dense (``--weights full``): float32, and bf16 prepacked where native
+            dense = {dtype: FastLinear(quant.dequantize(dtype), None, None, KernelTable())
+                     for dtype in (torch.float32, torch.bfloat16)}
             for rows in args.rows:
                 x = torch.randn(rows, cols, generator=gen)
                 repeats = 3 if rows >= 64 else 10
                 with torch.inference_mode():
                     timed = {
-                        "kernel": median_ms(linear[torch.float32].quantized_kernel, x, repeats),
-                        "dense float32": median_ms(linear[torch.float32].dense, x, repeats),
-                        # a bf16 model's dense path: bf16 where the CPU has it natively, else float32
-                        "dense, bf16 model, in "
-                        f"{str(linear[torch.bfloat16].native_dense_dtype).removeprefix('torch.')}":
-                            median_ms(linear[torch.bfloat16].dense, x.bfloat16(), repeats),
+                        "kernel": median_ms(kernel.quantized_kernel, x, repeats),
+                        "dense float32": median_ms(dense[torch.float32].dense, x, repeats),
+                        f"dense bf16 ({dense[torch.bfloat16].dense_kind})":
+                            median_ms(dense[torch.bfloat16].dense, x.bfloat16(), repeats),
                     }
                 flops = 2 * rows * out * cols
                 print(f"threads {threads} {out}x{cols} rows {rows}: " + " | ".join(

@@ -103,9 +103,8 @@ def main() -> None:
                        max_num_seqs=16)
     engines = {mode: assemble_engine(ld, cfg) for mode, ld in loaded.items()}
     for mode, engine in engines.items():
-        warm_up(engine)  # as the server does: decode threads and the quantized kernels' cross-over
-        print(f"{mode}: decode on {engine.runner.decode_threads} thread(s), quantized kernel up to "
-              f"{engine.runner.linears.table.quant_max_rows} rows {engine.runner.linears.table.measured or ''}")
+        warm_up(engine)  # as the server does: the decode threads measured
+        print(f"{mode}: decode on {engine.runner.decode_threads} thread(s)")
     result["decode"] = {}
     print(f"\ndecode ms/step (context {args.context}, {args.decode_steps} steps), modes interleaved")
     for batch in [int(b) for b in args.batches.split(",")]:

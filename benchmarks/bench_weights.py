@@ -122,7 +122,7 @@ def main() -> None:
         print(f"\n{name}: transformers (bf16, DynamicCache) {hf['median']:.1f} ms/step "
               f"({1e3 / hf['median']:.1f} tok/s)")
         print(f"{'weights':>8} {'ms/step':>20} {'tok/s':>7} {'vs transformers':>16} {'MB/step':>8} "
-              f"{'floor ms':>9} {'floor/step':>11}  quant rows")
+              f"{'floor ms':>9} {'floor/step':>11}")
         for mode in args.modes.split(","):
             loaded = build(name, tokenizer, mode)
             nbytes = step_bytes(loaded, args.context)
@@ -133,11 +133,10 @@ def main() -> None:
             rows[mode] = {"ms_per_step": ms, "tok_s": 1e3 / ms["median"], "bytes_per_step": nbytes,
                           "floor_ms": floor, "floor_fraction": floor / ms["median"],
                           "speedup_vs_transformers": hf["median"] / ms["median"],
-                          "decode_threads": engine.runner.decode_threads,
-                          "quant_max_rows": engine.runner.linears.table.quant_max_rows}
+                          "decode_threads": engine.runner.decode_threads}
             print(f"{mode:>8} {ms['median']:>8.1f} [{ms['min']:.1f}-{ms['max']:.1f}] {1e3 / ms['median']:>7.1f} "
                   f"{hf['median'] / ms['median']:>15.2f}x {nbytes / 1e6:>8.0f} {floor:>9.1f} "
-                  f"{floor / ms['median']:>10.0%}  {engine.runner.linears.table.quant_max_rows}")
+                  f"{floor / ms['median']:>10.0%}")
             engine.shutdown(5)
             del engine, loaded
             gc.collect()

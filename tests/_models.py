@@ -223,6 +223,15 @@ def assert_same_output(result: Any, reference: Any, tol: float = LOGPROB_TOL) ->
     assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(reference.logprobs), atol=tol)
 
 
+def assert_identical_output(result: Any, reference: Any) -> None:
+    """Greedy tokens, text and every logprob (top ones too) identical to the bit: what a cache
+    hit must give where a token's numbers do not depend on the step it runs in."""
+    assert result.token_ids == reference.token_ids
+    assert result.text == reference.text
+    assert result.logprobs == reference.logprobs
+    assert result.top_logprobs == reference.top_logprobs
+
+
 def assert_equivalent_output(result: Any, reference: Any, tol: float, tie_margin: float = 0.3) -> None:
     """For bf16, where a step's rounding depends on how many rows its matmuls have (a prompt
     prefilled in other chunks, a last token recomputed alone after a hit): logprobs within

@@ -66,7 +66,6 @@ def test_activation_blocks_are_rounded_to_8_bits_with_their_scale():
     assert torch.allclose(natural * xd.double()[..., None], rounded(x).view(3, 10, 32), rtol=0, atol=1e-12)
     assert natural.abs().max() <= 127 and torch.all(natural[0, 0] == 0)
     assert torch.allclose(xs.double(), xd.double() * natural.sum(dim=-1), rtol=1e-6)
-    assert torch.equal(native.round_activations(x, THREADS), rounded(x).float())
 
 
 @needs_native
@@ -177,52 +176,31 @@ def test_int4_dequantization_is_exact():
 
 @needs_native
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_a_linear_on_native_kernels_is_lean_and_both_its_paths_agree(kind):
-    """Decode-sized steps run the kernel, larger ones the dequantized weight over the same
-    8-bit activations: the same products, so the two paths agree to float32 rounding."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_on_native_kernels_is_lean_and_runs_its_kernel_at_every_row_count(kind, dtype):
+    """No dense copy, and every step through the kernel: a row's outputs are the same bits in
+    a one-row step and in a 300-row one (bias added after, in the model's dtype)."""
     q = (quantize_int4 if kind == "int4" else quantize_int8)(torch.randn(200, 320) * 0.05)
-    bias = torch.randn(200)
-    layer = FastLinear(q.dequantize(torch.float32), bias, q, KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
+    bias = torch.randn(200).to(dtype)
+    layer = FastLinear(q.dequantize(dtype), bias, q, KernelTable(kernel_dtype=torch.int8))
     assert layer.native and layer.lean and layer.quant_kind == kind and layer._dense is None
-    x = activations(6, 320)
-    kernel, dense = layer.quantized_kernel(x), layer.dense(x)
-    assert (kernel - dense).abs().max() <= 1e-5 * dense.abs().max()
-    assert torch.equal(layer(x[:4]), layer.quantized_kernel(x[:4])) and torch.equal(layer(x), dense)
-
-
-@needs_native
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_a_bf16_model_on_native_kernels_multiplies_prefill_steps_in_bf16(monkeypatch, kind):
-    """Where the CPU's bf16 matmul is the fast one (AMX: several times float32's at prefill
-    sizes), a bf16 model's larger steps multiply the 8-bit activations and the dequantized
-    weight in bf16; on other CPUs in float32. Both agree with the kernel to bf16 rounding."""
-    import kvcellar.engine.linears as linears
-
-    q = (quantize_int4 if kind == "int4" else quantize_int8)(torch.randn(200, 320) * 0.05)
-    bias = torch.randn(200).to(torch.bfloat16)
-    x = activations(6, 320).to(torch.bfloat16)
-    outputs = {}
-    for fast_bf16 in (True, False):
-        monkeypatch.setattr(linears, "native_bf16_cpu", lambda fast=fast_bf16: fast)
-        layer = FastLinear(q.dequantize(torch.bfloat16), bias, q,
-                           KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
-        assert layer.native and layer.lean
-        assert layer.native_dense_dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
-        assert layer.dequantized().dtype == layer.native_dense_dtype
-        kernel, dense = layer.quantized_kernel(x), layer.dense(x)
-        assert kernel.dtype == dense.dtype == torch.bfloat16
-        assert (kernel.float() - dense.float()).abs().max() <= 2 ** -7 * dense.float().abs().max()
-        outputs[fast_bf16] = dense
-    exact = linears.FastLinear(q.dequantize(torch.float32), bias.float(), q,
-                               KernelTable(quant_max_rows=0, kernel_dtype=torch.int8)).dense(x.float())
-    assert torch.equal(outputs[False], exact.to(torch.bfloat16))  # float32 products, one rounding at the end
+    with pytest.raises(RuntimeError):
+        layer.dense(torch.randn(2, 320))
+    x = activations(300, 320).to(dtype)
+    whole = layer(x)
+    assert whole.dtype == dtype
+    for rows in (1, 3, 8, 37):
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+    want = (rounded(x.float()) @ q.dequantize(torch.float32).double().T).float() + bias.float()
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the output and the bias rounded
+    assert (whole.float() - want).abs().max() <= rtol * want.abs().max()
 
 
 def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):
     without_native_kernels(monkeypatch)
     assert not native.available() and not quant_kernels_run(torch.int8, torch.device("cpu"))
     q = quantize_int4(torch.randn(64, 256) * 0.05)
-    layer = FastLinear(q.dequantize(torch.float32), None, q, KernelTable(quant_max_rows=4, kernel_dtype=torch.int8))
+    layer = FastLinear(q.dequantize(torch.float32), None, q, KernelTable(kernel_dtype=torch.int8))
     assert layer.quant_kind is None and not layer.lean  # the dequantized weight, dense
     x = torch.randn(2, 256)
     assert torch.allclose(layer(x), x @ q.dequantize(torch.float32).T, atol=1e-5)
@@ -312,6 +290,59 @@ def test_attention_over_blocks_where_they_lie_is_sdpa_over_the_gather(dtype, bit
         pool.attend(0, torch.tensor([[80]]), torch.tensor([1]), q[:1], 0.125)
     with pytest.raises(IndexError):
         pool.attend(0, tables[:1, :1], torch.tensor([17]), q[:1], 0.125)
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "bits"), [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 8),
+                                             (torch.bfloat16, 4)])
+def test_attention_gives_a_position_the_same_numbers_in_any_step(dtype, bits):
+    """A prefill chunk's positions attended together (``rows``) get, to the bit, what each gets
+    alone as a decode step over the same blocks: across the kernel's chunks of 256 tokens and
+    its groups of rows, chunks starting inside a block and on top of earlier tokens, two
+    sequences of several rows and one of a single row in one call, at any thread count. And
+    the result is causal attention (SDPA over the gathered context, to float rounding)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from kvcellar.cache.kv_pool import KVLayout, KVPool
+
+    dim, groups = 64, 3
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=dim, block_size=16, dtype=dtype, kv_bits=bits,
+                      kv_group_size=32 if bits < 16 else 64)
+    pool = KVPool(layout, 48, torch.device("cpu"), gather_quantized=native.gather_kv, attend_direct=native.attend_kv)
+    gen = torch.Generator().manual_seed(bits)
+    slots = torch.arange(48 * 16)
+    pool.write(0, slots // 16, slots % 16, (torch.randn(48 * 16, 2, dim, generator=gen) * 3).to(dtype),
+               torch.randn(48 * 16, 2, dim, generator=gen).to(dtype))
+    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(3)])
+    contexts, rows = torch.tensor([600, 37, 300]), torch.tensor([75, 1, 29])
+    q = (torch.randn(int(rows.sum()), 2, groups, dim, generator=gen) * 2).to(dtype)
+    got = pool.attend(0, tables, contexts, q, 0.125, 2, rows)
+    assert torch.equal(pool.attend(0, tables, contexts, q, 0.125, 1, rows), got)
+    wide = pool
+    if bits < 16:
+        wide = KVPool(dataclasses.replace(layout, dtype=torch.float32), 48, torch.device("cpu"))
+        wide.data.copy_(pool.data)
+    k, v = wide.gather(0, tables)
+    first = 0
+    for s in range(3):
+        for r in range(int(rows[s])):
+            context = int(contexts[s]) - int(rows[s]) + 1 + r
+            alone = pool.attend(0, tables[s : s + 1], torch.tensor([context]), q[first + r : first + r + 1], 0.125)
+            assert torch.equal(got[first + r], alone[0]), (s, r)
+        n = int(rows[s])
+        want = F.scaled_dot_product_attention(
+            q[first : first + n].float().reshape(1, n, 2 * groups, dim).transpose(1, 2),
+            k[s : s + 1, :, : int(contexts[s])].float().repeat_interleave(groups, dim=1),
+            v[s : s + 1, :, : int(contexts[s])].float().repeat_interleave(groups, dim=1),
+            attn_mask=torch.ones(n, int(contexts[s]), dtype=torch.bool).tril(int(contexts[s]) - n), scale=0.125)
+        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-3, 8e-3)
+        assert torch.allclose(got[first : first + n].float(), want[0].transpose(0, 1).reshape(n, 2, groups, dim),
+                              atol=atol, rtol=rtol)
+        first += n
+    with pytest.raises(IndexError):  # more rows than the context has positions
+        pool.attend(0, tables[:1], torch.tensor([3]), q[:5], 0.125, 2, torch.tensor([5]))
 
 
 @needs_native

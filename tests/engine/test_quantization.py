@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
-from kvcellar.engine import SamplingParams, native, observability
-from kvcellar.engine import linears as linears_module
+from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
 from kvcellar.engine.warmup import warm_up
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
     assert_equivalent_output,
+    assert_identical_output,
     assert_no_leaks,
     assert_same_output,
     chat_ids,
@@ -111,29 +111,27 @@ def test_quantized_weights_round_trip_through_named_tensors_and_fuse():
 @needs_kernels
 @pytest.mark.parametrize(("kind", "out"), [("int8", 96), ("int4", 128), ("int4", 96)])
 def test_kernels_compute_the_dequantized_weights(kind, out):
-    """Each kernel (quantized, and dense: dequantized on the fly, or prepacked where the int4
-    packing cannot be unpacked for that shape) against ``x @ dequantized.T`` in float32, at
-    every row count a step may have up to the calibration range and beyond."""
+    """torch's kernels against ``x @ dequantized.T`` in float32 at the row counts of decode
+    steps and prefill chunks, and each row's outputs the same bits at every row count: a
+    quantized linear runs its kernel for every step, so its numbers must not depend on it."""
     torch.manual_seed(0)
     weight = torch.randn(out, 128) * 0.05
     bias = torch.randn(out) * 0.1
     q = quantize_int8(weight) if kind == "int8" else quantize_int4(weight)
     deq = q.dequantize(torch.bfloat16)
-    layer = FastLinear(deq, bias.to(torch.bfloat16), q, KernelTable(quant_max_rows=64))
-    assert layer.quant_kind == kind
+    layer = FastLinear(deq, bias.to(torch.bfloat16), q, KernelTable())
+    assert layer.quant_kind == kind and layer.lean and layer._dense is None  # no dense copy
     block = int4_pack_block()  # rows per block of torch's packing: 64 on AVX-512, 32 on AVX2
-    if kind == "int4" and (not block or out % block):  # rows not in whole blocks: the dense copy stays
-        assert layer.dense_kind in ("packed", "plain") and layer._dense is not None
-    else:
-        assert layer.dense_kind == "dequantized" and layer._dense is None  # lean: no dense copy
+    if kind == "int8" or (block and out % block == 0):
         assert torch.equal(layer.dequantized(), deq)  # exactly the numbers of the reference
-    for rows in (1, 2, 3, 5, 8, 16, 40):
-        x = torch.randn(rows, 128).to(torch.bfloat16)
-        want = torch.nn.functional.linear(x.float(), deq.float(), bias.to(torch.bfloat16).float())
+    x = torch.randn(300, 128).to(torch.bfloat16)
+    whole = layer(x.view(1, 300, 128)).view(300, -1)
+    for rows in (1, 2, 3, 5, 8, 16, 40, 300):
+        want = torch.nn.functional.linear(x[:rows].float(), deq.float(), bias.to(torch.bfloat16).float())
         tol = 0.02 * float(want.abs().max())  # bf16 output: 2^-8 relative, plus accumulation order
-        for got in (layer.quantized_kernel(x), layer.dense(x), layer(x.view(1, rows, 128)).view(rows, -1)):
-            assert got.dtype == torch.bfloat16
-            assert float((got.float() - want).abs().max()) <= tol
+        got = layer(x[:rows].view(1, rows, 128)).view(rows, -1)
+        assert got.dtype == torch.bfloat16 and float((got.float() - want).abs().max()) <= tol
+        assert torch.equal(got, whole[:rows]), rows
 
 
 def test_every_linear_is_quantized_and_the_identity_says_so():
@@ -163,7 +161,6 @@ def test_engine_matches_the_dequantized_reference(mode):
     of the tied tokens."""
     loaded = quantized(mode)
     engine = make_engine(loaded)
-    assert engine.runner.linears.table.quant_max_rows > 0
     reference = dequantized_reference(mode)
     prompts = [chat_ids(loaded, "Where are the atlases?", SYSTEM), chat_ids(loaded, "Do you lend e-readers?")]
     for prompt in prompts:
@@ -179,94 +176,26 @@ def test_engine_matches_the_dequantized_reference(mode):
     assert_no_leaks(engine)
 
 
-@needs_kernels
-def test_calibration_picks_the_kernel_where_it_is_faster():
-    loaded = quantized("int4")
-    engine = make_engine(loaded)
-    found = engine.runner.calibrate_kernels(engine.config.max_step_tokens)
-    measured = found["ms_per_pass"]
-    rows = found["quant_max_rows"]
-    assert observability.snapshot(engine)["runner_quant_max_rows"] == rows
-    for r, ms in measured["quantized"].items():
-        if r <= rows:
-            assert ms < measured["dense"][r]
-    assert rows == 0 or measured["quantized"][1] < measured["dense"][1]
-
-
-@pytest.mark.parametrize("faster", ["quantized_kernel", "dense"])
-def test_calibration_runs_a_kernel_faster_at_every_count_on_every_step(faster, monkeypatch):
-    """A kernel faster at every calibrated row count, the largest included, runs steps of up
-    to the engine's largest; one slower everywhere runs none. The slower path here runs the
-    faster one four times, so the order cannot turn on noise."""
-    engine = make_engine(quantized("int4"))
-    slower = "dense" if faster == "quantized_kernel" else "quantized_kernel"
-    fast = getattr(FastLinear, faster)
-
-    def four_times(self, x):
-        for _ in range(3):
-            fast(self, x)
-        return fast(self, x)
-    monkeypatch.setattr(FastLinear, slower, four_times)
-    found = engine.runner.calibrate_kernels(1000)
-    assert found["quant_max_rows"] == (1000 if faster == "quantized_kernel" else 0)
-
-
-def test_warm_up_gives_a_faster_kernel_the_largest_prefill_step(monkeypatch):
-    """A prompt alone is prefilled in steps of ``max_prefill_step_tokens``, more rows than a
-    step beside decodes: a kernel faster at every calibrated count runs those too (it ran
-    only ``max_step_tokens`` rows, and a 7B's 2048-token prefill took the slower dense path)."""
-    engine = make_engine(quantized("int4"), max_step_tokens=256, max_prefill_step_tokens=1024)
-    fast = FastLinear.quantized_kernel
-
-    def four_times(self, x):
-        for _ in range(3):
-            fast(self, x)
-        return fast(self, x)
-    monkeypatch.setattr(FastLinear, "dense", four_times)
-    warm_up(engine)
-    assert engine.runner.linears.table.quant_max_rows == 1024
-
-
-def test_calibration_times_a_long_run_once_after_its_warm_up(monkeypatch):
-    """A linear whose first run is long (a 7B model's gate-up, dequantized) runs twice per row
-    count and kind: its warm-up run and one timed run, not ``repeats`` timed runs. The LM head
-    is not timed (``test_calibration_leaves_the_lm_head_out``)."""
-    engine = make_engine(quantized("int4"))
-    calls = {"quantized_kernel": 0, "dense": 0}
-    def counting(name: str):
-        run = getattr(FastLinear, name)
-
-        def counted(self, x):
-            calls[name] += 1
-            return run(self, x)
-        return counted
-
-    for name in calls:
-        monkeypatch.setattr(FastLinear, name, counting(name))
-    monkeypatch.setattr(linears_module, "LONG_RUN_S", 0.0)
-    engine.runner.calibrate_kernels(engine.config.max_step_tokens)
-    shapes = {(m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size)
-              for m in engine.runner.linears.quantized if m is not engine.runner.linears.head}
-    assert calls["quantized_kernel"] == calls["dense"] == 2 * len(linears_module.CALIBRATION_ROWS) * len(shapes)
-
-
 @pytest.mark.parametrize(("mode", "dtype", "native_kernels"),
                          [("int4", "bfloat16", True), ("int8", "bfloat16", True), ("int8", "float32", True),
                           ("int4", "float32", True), ("int8", "float32", False)])
 def test_prefix_cache_paths_agree_with_quantized_weights(mode, dtype, native_kernels, monkeypatch):
-    """Full, partial and batched prefix hits give what a cache-disabled engine gives: exactly
-    in float32 with no kernel; up to rounding (``assert_equivalent_output``) in bf16, where a
-    prompt prefilled in other chunks rounds differently with full weights too, and under
-    kvcellar's kernels, whose 8-bit activations round differently where the inputs differ in
-    their last float32 bits."""
+    """Full, partial and batched prefix hits give what a cache-disabled engine gives: to the
+    bit where kvcellar's kernels attend (every position by the same arithmetic, and every
+    quantized linear one kernel at every row count); with torch's attention (SDPA, whose
+    sums depend on the step's shape) exactly in float32 with no kernel, and up to rounding
+    (``assert_equivalent_output``) in bf16."""
     if not native_kernels:
         without_native_kernels(monkeypatch)
     loaded = load(mode, dtype)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
+    direct = native_kernels and native.available()
 
     def check(got, prompt):
-        if dtype == "float32" and loaded.kernel_dtype is None:
+        if direct:
+            assert_identical_output(got, uncached(prompt))
+        elif dtype == "float32" and loaded.kernel_dtype is None:
             assert_same_output(got, uncached(prompt))
         else:
             assert_equivalent_output(got, uncached(prompt), BF16_LOGPROB_TOL)
@@ -396,39 +325,43 @@ def test_auto_dtype_without_native_bf16_keeps_float32_and_runs_the_kernels_on_bf
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_a_float32_model_with_bf16_kernels_is_lean_and_every_prefix_path_agrees(mode):
     """The float32 model of a CPU without native bf16 (``resolve_serving``), built here on any
-    CPU: its quantized linears keep no dense copy, decode-sized steps run the kernels on bf16
-    activations, larger ones dequantize to float32; cached runs agree with a cache-disabled
-    engine up to bf16 rounding of the kernels' inputs, and greedy tokens with plain float32
-    transformers over the dequantized weights up to a near-tie."""
+    CPU: its quantized linears keep no dense copy and run the kernels on bf16 activations for
+    every step; cached runs give what a cache-disabled engine gives (to the bit where
+    kvcellar's kernels attend), and greedy tokens agree with plain float32 transformers over
+    the dequantized weights up to a near-tie."""
     loaded = load(mode, "float32")
     loaded.kernel_dtype = torch.bfloat16
     engine = make_engine(loaded, max_step_tokens=64)  # chunked prefill too
     prepared = engine.runner.linears
-    assert prepared.table.kernel_dtype == torch.bfloat16 and prepared.table.quant_max_rows > 0
+    assert prepared.table.kernel_dtype == torch.bfloat16
     assert all(m.quant_kind == ("int8" if m is prepared.linears[-1] else mode) for m in prepared.linears)
     lean = [m for m in prepared.linears if m.lean]
     assert lean and all(m._dense is None and m.kernel_dtype == torch.bfloat16 for m in lean)
     x = torch.randn(3, lean[0].in_features)
-    assert lean[0].quantized_kernel(x).dtype == torch.float32 and lean[0].dense(x).dtype == torch.float32
-    assert lean[0].dequantized().dtype == torch.float32
-    warm_up(engine)  # calibrates on this thread: its scratch (the LM head's size) is released after
-    assert not getattr(linears_module._scratch, "buffers", None)
+    assert lean[0].quantized_kernel(x).dtype == torch.float32 and lean[0](x).dtype == torch.float32
+    warm_up(engine)
 
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
     first = chat_ids(loaded, "Where are the atlases?", SYSTEM)
+
+    def check(result, prompt):
+        if engine.runner.pool.attends:
+            assert_identical_output(result, uncached(prompt))
+        else:
+            assert_equivalent_output(result, uncached(prompt), BF16_LOGPROB_TOL)
     got = engine.generate([first], params)[0]
-    assert_equivalent_output(got, uncached(first), BF16_LOGPROB_TOL)
+    check(got, first)
     tokens, _ = reference_greedy(dequantized_reference(mode, "float32"), first, params.max_tokens)
     agree = next((i for i in range(len(got.token_ids)) if got.token_ids[i] != tokens[i]), len(got.token_ids))
     assert agree >= 3
     again = engine.generate([first], params)[0]  # full hit: only the last token computed, by the kernel
     assert again.num_cached_tokens == expected_cached(len(first), len(first))
-    assert_equivalent_output(again, uncached(first), BF16_LOGPROB_TOL)
+    check(again, first)
     others = [chat_ids(loaded, q, SYSTEM) for q in ("Is there a quiet room?", "How long can I keep a DVD?")]
     for result, prompt in zip(engine.generate(others, params), others, strict=True):  # partial hits, batched
         assert result.num_cached_tokens > 0
-        assert_equivalent_output(result, uncached(prompt), BF16_LOGPROB_TOL)
+        check(result, prompt)
     assert_no_leaks(engine)
 
 
@@ -470,26 +403,8 @@ def test_an_int8_weight_read_at_an_unaligned_address_is_copied_for_the_kernel():
     unaligned.copy_(q.qweight)
     assert unaligned.data_ptr() % 64 != 0
     layer = FastLinear(q.dequantize(torch.bfloat16), None, QuantizedWeight("int8", unaligned, q.scales),
-                       KernelTable(quant_max_rows=64))
+                       KernelTable())
     assert layer._q is not None and layer._q.data_ptr() % 64 == 0
     x = torch.randn(3, 256).to(torch.bfloat16)
-    assert torch.allclose(layer.quantized_kernel(x).float(), layer.dense(x).float(), atol=0.05)
-
-
-@pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
-def test_calibration_leaves_the_lm_head_out():
-    """The LM head runs on a step's last tokens only: calibration times the other linears and
-    never dequantizes the head, the largest weight, into the scratch buffer. On kvcellar's
-    kernels whether or not the loader finds they pay here (an AMX host's float32 does not)."""
-    loaded = load("int8", "float32")
-    prepared = prepare_model(loaded.model, loaded.quantized, kernel_dtype=torch.int8)
-    head = prepared.head
-    assert head is not None and head is loaded.model.lm_head and head.quantized
-    others = [m for m in prepared.quantized if m is not head]
-    assert others
-    linears_module.release_scratch()
-    linears_module.calibrate(prepared, lambda rows: 1, repeats=1)
-    largest = max(m.out_features * m.in_features for m in others)
-    held = getattr(linears_module._scratch, "buffers", {}).values()
-    assert held and max(b.numel() for b in held) <= largest < head.out_features * head.in_features
-    linears_module.release_scratch()
+    want = x.float() @ q.dequantize(torch.float32).T
+    assert torch.allclose(layer.quantized_kernel(x).float(), want, atol=0.05)

@@ -50,7 +50,7 @@ def test_warmup_leaves_no_cold_path_and_no_trace(model, tmp_path: Path):
         assert seconds > 0 and after["engine_warmup_steps"] >= 4 and after["engine_warmup_left_out"] == 0
         assert engine.grammars.prepared  # the first constrained request does not build it
         # every attention path the engine has was run
-        assert engine.runner.paths_seen >= attention_paths(engine.runner.device)
+        assert engine.runner.paths_seen >= attention_paths(engine.runner.device, engine.runner.pool.attends)
         # no trace: no blocks kept, nothing sent to the SSD, counters as before
         assert after["kv_blocks_cached"] == 0 and after["kv_blocks_used"] == 0
         assert not list(tmp_path.rglob("*.kvb"))

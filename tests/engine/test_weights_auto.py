@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams, loader, native
-from kvcellar.engine.linears import FastLinear, int4_pack_block, prepare_model, quant_kernels_run
+from kvcellar.engine.linears import FastLinear, prepare_model, quant_kernels_run
 from kvcellar.engine.loader import (
     LoadedModel,
     gguf_weights_mode,
@@ -285,14 +285,10 @@ def test_linear_kernels_say_which_linears_run_which_kernel(dtype: torch.dtype) -
     assert linear_kernels(model) == {}  # not prepared yet
     prepare_model(model, quantize_model(model, "int4"))
     if quant_kernels_run(dtype, CPU):  # decoder linears int4, the LM head int8
-        # lean (no dense copy): the LM head, and the int4 linears whose rows are whole blocks of
-        # torch's int4 packing (64 rows on AVX-512: all but k/v_proj's 32; 32 on AVX2: all)
-        block = int4_pack_block()
-        rows = [64, 32, 32, 64, 128, 128, 64] * 2  # q, k, v, o, gate, up, down of each layer
-        lean = 1 + sum(1 for r in rows if block and r % block == 0)
-        want = {"int4": 14, "int8": 1, "dense": 0, "lean": lean, "quant_max_rows": 4}
+        # every one runs its kernel for every step and keeps no dense copy
+        want = {"int4": 14, "int8": 1, "dense": 0, "lean": 15}
     else:
-        want = {"int4": 0, "int8": 0, "dense": 15, "lean": 0, "quant_max_rows": 0}
+        want = {"int4": 0, "int8": 0, "dense": 15, "lean": 0}
     assert linear_kernels(model) == want
 
 

@@ -164,8 +164,8 @@ QuantizedWrite = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor, torch
 # engine where it has a kernel for the layout: (pool data, layout, layer, block tables [n, w],
 # contexts [n], q [n, kv_heads, groups, head_dim], scale, threads (0: torch's count)) ->
 # [n, kv_heads, groups, head_dim].
-DirectAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float, int],
-                        torch.Tensor]
+DirectAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float, int,
+                         torch.Tensor | None], torch.Tensor]
 
 
 class KVPool:
@@ -245,13 +245,15 @@ class KVPool:
         return self._attend_direct is not None
 
     def attend(self, layer: int, block_tables: torch.Tensor, contexts: torch.Tensor, q: torch.Tensor,
-               scale: float, threads: int = 0) -> torch.Tensor:
-        """Attention of one query position per sequence (``q [n, kv_heads, groups, head_dim]``,
-        the query heads of each KV head) over the first ``contexts[i]`` tokens of
-        ``block_tables[i]``, without a gathered (or dequantized) copy of the context, on
-        ``threads`` threads (0: torch's count). Only where ``attends``."""
+               scale: float, threads: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of ``rows[i]`` query positions per sequence (default one; ``q
+        [sum(rows), kv_heads, groups, head_dim]``, the query heads of each KV head), the last
+        over the first ``contexts[i]`` tokens of ``block_tables[i]``, without a gathered (or
+        dequantized) copy of the context, on ``threads`` threads (0: torch's count). A
+        position's result does not depend on the other positions of the call. Only where
+        ``attends``."""
         assert self._attend_direct is not None
-        return self._attend_direct(self.data, self.layout, layer, block_tables, contexts, q, scale, threads)
+        return self._attend_direct(self.data, self.layout, layer, block_tables, contexts, q, scale, threads, rows)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])

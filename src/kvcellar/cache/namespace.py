@@ -2,9 +2,11 @@
 
 Two engines share blocks only if their fingerprints are equal: same weights, tokenizer and
 chat template, compute dtype, KV dtype, block size and KV quantization (bits and group
-size; 16-bit KV adds neither, so its fingerprints are those of before quantized KV). The RAM tier folds it into the root
-of every digest chain; the SSD tier uses it as its directory name (adding its own format
-version), so a mismatch is a miss, never an error.
+size; 16-bit KV adds neither, so its fingerprints are those of before quantized KV), and the
+revision of kvcellar's own kernels' arithmetic where they compute the KV (``arithmetic``:
+another revision computes other bits, and a hit must give the bits recomputing gives). The
+RAM tier folds it into the root of every digest chain; the SSD tier uses it as its directory
+name (adding its own format version), so a mismatch is a miss, never an error.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def kv_descriptor(
     *, weights_id: str, tokenizer_id: str, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
-    model_name: str = "", kv_bits: int = 16, kv_group_size: int = 0,
+    model_name: str = "", kv_bits: int = 16, kv_group_size: int = 0, arithmetic: str = "",
 ) -> dict[str, Any]:
     quantized = {"kv_bits": kv_bits, "kv_group_size": kv_group_size} if kv_bits != 16 else {}
+    own = {"arithmetic": arithmetic} if arithmetic else {}
     return {
         "weights": weights_id,
         "tokenizer": tokenizer_id,
@@ -32,6 +35,7 @@ def kv_descriptor(
         "kv_dtype": dtype_name(kv_dtype),
         "block_size": block_size,
         **quantized,
+        **own,
         "model_name": model_name,  # informational; not part of the fingerprint
     }
 

@@ -9,13 +9,17 @@ Packed order: decode tokens first (one per sequence), then one span per prefilli
 sequence. For each layer the function
 
 1. writes this step's K/V (post-RoPE) into the pool at the step's slots,
-2. decodes: gathers each decode sequence's blocks into one padded batch and runs one SDPA
+2. with kvcellar's CPU kernels (``KVPool.attends``, a layer without sliding window or
+   soft-cap): every decode token and every prefill position attends by one kernel that
+   reads the blocks where they lie (``KVPool.attend``), each position by the same
+   operations in the same order whatever else its step holds: a token's numbers do not
+   depend on whether a cache hit or a cold prefill, a chunk of 13 or of 512, computed it;
+3. otherwise decodes gather each decode sequence's blocks into one padded batch for one SDPA
    call with a key-length mask (GQA folded into the query axis: measured 5-8x faster in
-   bf16 on CPU than ``enable_gqa``); with kvcellar's CPU kernels the blocks are read where
-   they lie instead (``KVPool.attend``), as for the one-token tail of a full prefix hit,
-3. prefills: one SDPA call per span over its gathered context, with a bottom-right
-   causal mask when the span sits on top of earlier tokens (SDPA's ``is_causal`` is
-   top-left aligned, right only when query length equals key length).
+   bf16 on CPU than ``enable_gqa``), and prefills make one SDPA call per span over its
+   gathered context, with a bottom-right causal mask when the span sits on top of earlier
+   tokens (SDPA's ``is_causal`` is top-left aligned, right only when query length equals
+   key length). These agree with the kernel to float rounding, not to the bit.
 """
 
 from __future__ import annotations
@@ -38,13 +42,18 @@ FOLD_GQA_MAX_QUERIES = 32
 # (``_chunk_over_past``): 15 % faster at 4096 earlier tokens, no gain below a few hundred.
 SPLIT_MIN_PAST = 256
 
-PATHS = frozenset({"decode", "decode_masked", "prefill_folded", "prefill_split", "prefill_causal", "prefill_masked"})
+SDPA_PATHS = frozenset({"decode", "decode_masked", "prefill_folded", "prefill_split", "prefill_causal",
+                        "prefill_masked"})
+DIRECT_PATHS = frozenset({"decode", "decode_masked", "prefill_direct"})
 
 
-def attention_paths(device: torch.device) -> frozenset[str]:
-    """The paths ``paged_attention`` can take on ``device``: the split prefill calls CPU's
-    flash kernel, so it is CPU's alone."""
-    return PATHS if device.type == "cpu" else PATHS - {"prefill_split"}
+def attention_paths(device: torch.device, direct: bool) -> frozenset[str]:
+    """The paths ``paged_attention`` takes on ``device`` for a model without sliding windows
+    or soft-capping: over a pool that attends in place (``direct``: kvcellar's kernel) one for
+    prefill; otherwise SDPA's, of which the split prefill calls CPU's flash kernel."""
+    if direct:
+        return DIRECT_PATHS
+    return SDPA_PATHS if device.type == "cpu" else SDPA_PATHS - {"prefill_split"}
 
 
 @dataclass
@@ -166,12 +175,14 @@ def paged_attention(
         out[:n] = o.reshape(n, n_q_heads, head_dim)
 
     for i, span in enumerate(meta.prefills):
-        if direct and span.length == 1 and groups > 1:  # the tail of a full prefix hit, folded
-            record("prefill_folded")
-            qp = q[:, span.start : span.start + 1].reshape(1, n_kv_heads, groups, head_dim)
+        if direct:  # every position by a decode step's arithmetic, however the prompt was cut
+            record("prefill_direct")
+            n = span.length
+            qp = q[:, span.start : span.start + n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
             contexts = torch.full((1,), span.context, dtype=torch.int64)
-            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads)
-            out[span.start] = o.reshape(n_q_heads, head_dim)
+            rows = torch.full((1,), n, dtype=torch.int64)
+            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads, rows)
+            out[span.start : span.start + n] = o.reshape(n, n_q_heads, head_dim)
             continue
         k, v = pool.gather(layer, span.block_table)
         k = k[:, :, : span.context]

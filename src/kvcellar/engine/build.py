@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
@@ -65,6 +67,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         model_name=loaded.name,
         kv_bits=layout.kv_bits,
         kv_group_size=layout.kv_group_size,
+        arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 else "",
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
                        max_model_len, wake)

@@ -1,22 +1,15 @@
-"""The model's linears as kvcellar runs them: prepacked, fused, quantized, chosen per step.
-
-Measured on the 2-core AVX-512/AMX dev VM (docs/performance.md, bf16, one thread), the 211
-linears of a SmolLM2 decode step: plain ``F.linear`` 37.7 ms, oneDNN with weights prepacked
-once (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``) 25.5 ms, int8
-(``aten._weight_int8pack_mm``) 18.3 ms, int4 (``aten._weight_int4pack_mm_for_cpu``) 9.8 ms
-at one row; at 8 rows int8 42.8 and int4 28.3 against 25.5 prepacked, at 16 rows 72 and 53
-against 26. So:
+"""The model's linears as kvcellar runs them: prepacked, fused, quantized.
 
 * dense weights are prepacked for oneDNN where that is faster (bf16 on a CPU with native
-  bf16: every row count measured, 1 to 2048; fp32 stays on ``F.linear``, which was faster
-  at 1-2 rows; fp16 on CPU was not measured and stays there too);
-* a quantized linear runs its int8/int4 kernel for steps of at most ``quant_max_rows``
-  rows (decodes; with kvcellar's own kernels on AVX2, prefill chunks too) and its
-  dequantized weight, dense, above (prefill chunks, big batches).
-  Where the cross-over lies depends on the CPU, so warm-up (``engine/warmup.py``) measures it over the
-  model's own linears (``calibrate``); until then a default per device and dtype holds;
+  bf16; fp32 stays on ``F.linear``; docs/performance.md);
+* a quantized linear runs its int8/int4 kernel for every step, whatever its row count, and
+  keeps no dense copy ("lean"). A token's numbers must not depend on the step it runs in
+  (a cache hit computes a prompt's last tokens in a small step, a cold start in a large
+  one): kvcellar's kernels (``engine/native``) give each row the same bits at every row
+  count, and so do torch's int4/int8 kernels, where a dense path for large steps would round
+  the activations and weights otherwise (docs/performance.md, "One kernel per linear");
 * QKV and gate-up projections of supported architectures are fused into one linear each
-  (12-15 % less matmul time at 1-64 rows, 90 fewer calls per step).
+  (fewer calls a step, the same numbers).
 
 ``prepare_model`` does this once per model object, in place: every ``nn.Linear`` becomes a
 ``FastLinear`` (fused ones a ``FusedPart`` of a shared ``FastLinear``), so transformers'
@@ -27,11 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,17 +33,6 @@ from kvcellar.quantization import QuantizedWeight, dequantize_int4
 
 log = logging.getLogger(__name__)
 
-# Row counts at which ``calibrate`` compares a quantized kernel with the dense weights (for
-# a lean linear: dequantizing them first, which the kernel beats at more rows). 512 is a
-# default prefill chunk: kvcellar's kernels multiply such chunks too (``engine/native``).
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 512)
-# A linear whose first calibration run takes this long (a 7B model's LM head dequantized) is
-# timed once more instead of ``repeats`` times: its noise is small beside it, and repeats of
-# it made most of a 7B model's start.
-LONG_RUN_S = 0.1
-# Before calibration: steps of up to this many rows use the quantized kernel where one is
-# fast at all (the measured cross-over above lies between 4 and 8).
-DEFAULT_QUANT_MAX_ROWS = 4
 # The row count oneDNN packs the weights for: packing for one row slows large prefill matmuls,
 # and 64 costs decode nothing (docs/performance.md).
 PACK_ROWS_HINT = 64
@@ -72,38 +52,27 @@ def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     int8/int4 kernels bf16 on CPU, with or without native bf16 (fp32 activations run them
     3-50x slower than fp32 ``F.linear``); kvcellar's own (``engine/native``) ``int8``, the
     activations quantized to 8 bits, where they were built. On other devices the dequantized
-    weights run. Whether they pay is measured (``loader.quantized_mode_pays``, ``calibrate``)."""
+    weights run. Whether they pay is measured (``loader.quantized_mode_pays``)."""
     if device.type != "cpu":
         return False
     return dtype == torch.bfloat16 or (dtype == torch.int8 and native.available())
 
 
-def upcasts_dense(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a lean linear's dequantized weight is multiplied in float32: bf16 matmuls on a
-    CPU without native bf16 are several times slower than float32 ones."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_cpu()
-
-
 @dataclass
 class KernelTable:
-    """The per-step kernel choice shared by every linear of one model."""
+    """What every linear of one model shares about its quantized kernels."""
 
-    quant_max_rows: int
     # The activations' dtype in the quantized kernels; None: the model's own. bf16 under a
-    # float32 model where the CPU has no native bf16 (``loader.resolve_serving``): the kernels
-    # run decode steps, float32 runs everything else. int8: kvcellar's own kernels
-    # (``engine/native``), which quantize the activations to 8 bits.
+    # float32 model where the CPU has no native bf16 (``loader.resolve_serving``). int8:
+    # kvcellar's own kernels (``engine/native``), which quantize the activations to 8 bits.
     kernel_dtype: torch.dtype | None = None
-    # Row count -> ms of one pass over the model's quantized linears, per kernel; set by ``calibrate``.
-    measured: dict[str, dict[int, float]] = field(default_factory=dict)
-    calibrated: bool = False
 
 
 # Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
 _DEQUANT_ROWS = 1024
 # Rows per block of torch's CPU int4 packing, by vector width (AVX-512: 64, AVX2: 32).
 _INT4_BLOCKS = (64, 32, 16)
-_scratch = threading.local()  # per thread: the engine's and a calibrating or testing one never share
+_scratch = threading.local()  # per thread: the engine's and a testing one never share
 
 
 def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -120,9 +89,8 @@ def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tor
 
 
 def release_scratch() -> None:
-    """Drop this thread's scratch buffers. Calibration sizes them for the largest linear it
-    times, the LM head (a 7B's in float32: 2.2 GB), which serving steps rarely dequantize;
-    the engine thread grows its own to what its steps need."""
+    """Drop this thread's scratch buffers (``FastLinear.dequantized``'s: the size of the
+    largest weight dequantized on this thread)."""
     _scratch.buffers = {}
 
 
@@ -163,10 +131,8 @@ class FastLinear(nn.Module):
     ``weight`` is the dense weight (for a quantized linear: its dequantized weight, which
     is what the quantized kernel computes too); ``quant`` the quantized form, if any.
 
-    A quantized linear whose kernel runs keeps no dense copy ("lean"): steps of more rows
-    than the kernel is fast for dequantize the weight into a scratch buffer shared by every
-    linear (one layer's weight at a time), from the kernel's own packing, to exactly the
-    numbers ``QuantizedWeight.dequantize`` gives."""
+    A quantized linear whose kernel runs keeps no dense copy ("lean") and runs the kernel for
+    every step (see the module's docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantizedWeight | None,
                  table: KernelTable) -> None:
@@ -190,19 +156,13 @@ class FastLinear(nn.Module):
                 log.warning("no %s kernel for a %dx%d linear (%s); it runs dense", self.quant_kind,
                             self.out_features, self.in_features, exc)
                 self.quant_kind = None
-        self.lean = self.quant_kind == "int8" or (self.quant_kind == "int4" and (self.native or (
-            int4_pack_block() > 0 and self.out_features % int4_pack_block() == 0)))
-        self.dense_kind = "dequantized" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
-        self.upcast = self.lean and upcasts_dense(dtype, device)
-        # What kvcellar's kernels' dense path multiplies in: a bf16 model's dtype where the CPU's
-        # bf16 matmul is the fast one (AMX: 4-6x float32's at prefill sizes), else float32.
-        self.native_dense_dtype = torch.bfloat16 if dtype == torch.bfloat16 and not upcasts_dense(dtype, device) \
-            else torch.float32
+        self.lean = self.quant_kind is not None
+        self.dense_kind = "none" if self.lean else "packed" if packs_dense(dtype, device) else "plain"
         self._dense: torch.Tensor | None = None
         if quant is not None and not self.lean:
-            # The model's weights may be as loaded (``quantize_model(materialize=False)``) or
-            # placeholders (``loader.linear_placeholder``): the dense path must compute what
-            # the kernel does.
+            # No kernel here: the model's weights may be as loaded (``quantize_model(materialize=
+            # False)``) or placeholders (``loader.linear_placeholder``), and the dense weights
+            # must be what the quantized ones hold.
             weight = quant.dequantize(dtype).to(device)
         if self.dense_kind == "packed":
             self._dense = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
@@ -273,11 +233,12 @@ class FastLinear(nn.Module):
         return n
 
     def dequantized(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in the compute dtype (``native_dense_dtype`` for kvcellar's
-        kernels), dequantized into the scratch buffer (valid until the next call on this thread)."""
+        """The quantized weight ``[out, in]`` as the kernel multiplies it, in the compute dtype
+        (float32 for kvcellar's kernels), dequantized into the scratch buffer (valid until the
+        next call on this thread)."""
         assert self._q is not None
         rows, cols = self.out_features, self.in_features
-        dtype = self.native_dense_dtype if self.native else self.dtype
+        dtype = torch.float32 if self.native else self.dtype
         out = _scratch_buffer(rows * cols, dtype, self.device).view(rows, cols)
         if self.native and self.quant_kind == "int4":
             assert self._scale is not None and self._zero is not None
@@ -291,24 +252,19 @@ class FastLinear(nn.Module):
             else:
                 assert self._zero is not None
                 params = self._zero[:, start:end].to(self.dtype)  # the kernel's scales, in the compute dtype
+                if int4_pack_block() == 0 or rows % int4_pack_block():
+                    raise RuntimeError("torch's int4 packing of this linear is not one kvcellar unpacks")
                 values = _unpack_int4(self._q, start, end, cols, int4_pack_block())
                 dequantize_int4(values, params[..., 0].t(), params[..., 1].t(), self.group_size, out=out[start:end])
         return out
 
     def dense(self, x2d: torch.Tensor) -> torch.Tensor:
+        """``x2d`` times the dense weight; a linear that runs a quantized kernel has none."""
         if self.dense_kind == "packed":
             packed: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x2d, self._dense, self.bias, "none", [], "")
             return packed
-        if self.dense_kind == "dequantized":
-            if self.native:  # the kernels' 8-bit activations: the same products at every step size
-                x8 = native.round_activations(x2d.float(), torch.get_num_threads()).to(self.native_dense_dtype)
-                bias = None if self.bias is None else self.bias.to(self.native_dense_dtype)
-                return F.linear(x8, self.dequantized(), bias).to(self.dtype)
-            if self.upcast:
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x2d.float(), self.dequantized().float(), bias).to(self.dtype)
-            return F.linear(x2d, self.dequantized(), self.bias)
-        assert self._dense is not None  # "plain" always keeps its dense weight (__init__)
+        if self._dense is None:
+            raise RuntimeError("a quantized linear keeps no dense weight: it runs its kernel")
         return F.linear(x2d, self._dense, self.bias)
 
     def quantized_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -333,15 +289,12 @@ class FastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if self.quant_kind is not None and x2d.shape[0] <= self.table.quant_max_rows:
-            out = self.quantized_kernel(x2d)
-        else:
-            out = self.dense(x2d)
+        out = self.quantized_kernel(x2d) if self.quant_kind is not None else self.dense(x2d)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        quant = f", {self.quant_kind} up to {self.table.quant_max_rows} rows" if self.quant_kind else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.dense_kind}{quant}"
+        kind = self.quant_kind or self.dense_kind
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 class FusedPart(nn.Module):
@@ -388,7 +341,7 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     quantized = quantized or {}
     param = next(model.parameters())
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
-    table = KernelTable(DEFAULT_QUANT_MAX_ROWS if kernels else 0, kernel_dtype=kernel_dtype)
+    table = KernelTable(kernel_dtype=kernel_dtype)
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8
@@ -421,62 +374,3 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     prepared = PreparedModel(table, fused, linears, head if isinstance(head, FastLinear) else None)
     model._kvcellar_prepared = prepared  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
     return prepared
-
-
-def calibrate(prepared: PreparedModel, threads_for: Callable[[int], int], repeats: int = 3,
-              max_rows: int = CALIBRATION_ROWS[-1]) -> KernelTable:
-    """Time one pass over the model's quantized linears with their quantized kernel and with
-    their dense weights, at each of ``CALIBRATION_ROWS`` rows (``threads_for(rows)`` torch
-    threads, as steps of that size run), and use the kernel up to the largest row count from
-    which on it is no longer faster; where it is faster at every count, for steps of up to
-    ``max_rows`` (the engine's largest step). Returns the table, updated in place.
-
-    Linears of one shape and kind take the same time, so one of each is timed and counted
-    as many times as the model holds it: a 7B model's ~200 quantized linears are 5 shapes,
-    and dequantizing every one at every row count took minutes. The LM head is left out where
-    other linears are timed: it runs on a step's last tokens, a few rows, and its dense run
-    would dequantize the largest weight (a 7B's: 2.2 GB in float32) for a choice it never faces."""
-    table = prepared.table
-    layers = [m for m in prepared.quantized if m is not prepared.head] or prepared.quantized
-    if not layers:
-        return table
-    dtype, device = layers[0].dtype, layers[0].device
-    shapes: dict[tuple[int, int, str | None, bool, int], list[FastLinear]] = {}
-    for m in layers:
-        shapes.setdefault((m.out_features, m.in_features, m.quant_kind, m.lean, m.group_size), []).append(m)
-    sample = [(group[0], len(group)) for group in shapes.values()]
-    widths = sorted({m.in_features for m, _ in sample})
-    measured: dict[str, dict[int, float]] = {"quantized": {}, "dense": {}}
-    before = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            for rows in CALIBRATION_ROWS:
-                threads = threads_for(rows)
-                if torch.get_num_threads() != threads:
-                    torch.set_num_threads(threads)
-                inputs = {w: torch.randn(rows, w, dtype=dtype, device=device) for w in widths}
-                for kind in ("quantized", "dense"):
-                    total = 0.0
-                    for m, count in sample:
-                        run = m.quantized_kernel if kind == "quantized" else m.dense
-                        times = []
-                        for i in range(repeats + 1):  # the first run warms up
-                            t0 = time.perf_counter()
-                            run(inputs[m.in_features])
-                            times.append(time.perf_counter() - t0)
-                            if i == 1 and times[0] >= LONG_RUN_S:
-                                break  # a run this long times itself: one after the warm-up is enough
-                        total += statistics.median(times[1:]) * count
-                    measured[kind][rows] = total * 1e3
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-    best = 0
-    for rows in CALIBRATION_ROWS:
-        if measured["quantized"][rows] >= measured["dense"][rows]:
-            break
-        best = rows
-    table.quant_max_rows = max(best, max_rows) if best == CALIBRATION_ROWS[-1] else best
-    table.measured = measured
-    table.calibrated = True
-    return table

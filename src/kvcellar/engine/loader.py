@@ -322,10 +322,10 @@ def _time_probe_linear(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype, 
         q = dataclasses.replace(quant, qweight=quant.qweight.clone(), scales=quant.scales.clone(),
                                 offsets=None if quant.offsets is None else quant.offsets.clone())
         # a quantized FastLinear takes only the shape and dtype of ``weight`` (its values come from ``q``)
-        quantized = FastLinear(weight, None, q, KernelTable(quant_max_rows=1, kernel_dtype=kernel_dtype))
+        quantized = FastLinear(weight, None, q, KernelTable(kernel_dtype=kernel_dtype))
         if quantized.quantized:
             runs["quantized"].append(quantized.quantized_kernel)
-        runs["dense"].append(FastLinear(weight.clone(), None, None, KernelTable(quant_max_rows=0)).dense)
+        runs["dense"].append(FastLinear(weight.clone(), None, None, KernelTable()).dense)
     if runs["quantized"]:
         runs["batch"] = runs["quantized"]
     x = torch.randn(PROBE_BATCH_ROWS, PROBE_FEATURES, generator=gen).to(dtype=dense_dtype, device=device)
@@ -367,10 +367,8 @@ def requested_mode(weights: str, source: ModelSource) -> str:
 
 def linear_kernels(model: Any) -> dict[str, int]:
     """Which kernel runs the linears of a model the engine prepared (``linears.prepare_model``),
-    for ``/health``: how many run their int4 / int8 kernel for steps of up to
-    ``quant_max_rows`` rows (their dense weights above: ``lean`` ones dequantize them for the
-    step, keeping no dense copy), how many always run dense weights. Empty before the engine
-    prepared the model."""
+    for ``/health``: how many run their int4 / int8 kernel (for every step; ``lean``: keeping no
+    dense copy), how many run dense weights. Empty before the engine prepared the model."""
     prepared = getattr(model, "_kvcellar_prepared", None)
     if prepared is None:
         return {}
@@ -378,7 +376,6 @@ def linear_kernels(model: Any) -> dict[str, int]:
     for linear in prepared.linears:
         counts[linear.quant_kind or "dense"] += 1
         counts["lean"] += int(linear.lean)
-    counts["quant_max_rows"] = prepared.table.quant_max_rows
     return counts
 
 

@@ -23,7 +23,7 @@ from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
-from kvcellar.engine.linears import calibrate, prepare_model
+from kvcellar.engine.linears import prepare_model
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.quantization import QuantizedWeight
 from kvcellar.stats import Stats, counter, gauge
@@ -40,7 +40,6 @@ class RunnerStats(Stats):
     PREFIX: ClassVar[str] = "runner_"
     cold_paths: int = counter()  # attention paths first run by a request (see ``paths_seen``)
     decode_threads: int = gauge()
-    quant_max_rows: int = gauge()
 
 
 class ModelRunner:
@@ -66,7 +65,7 @@ class ModelRunner:
         self.paths_seen: set[str] = set()
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads
-        self.stats = RunnerStats(decode_threads=self.threads, quant_max_rows=self.linears.table.quant_max_rows)
+        self.stats = RunnerStats(decode_threads=self.threads)
 
     def set_decode_threads(self, n: int) -> None:
         self.decode_threads = max(1, min(n, self.threads))
@@ -95,18 +94,6 @@ class ModelRunner:
         best = min(times, key=lambda n: statistics.median(times[n]))
         self.set_decode_threads(best)
         return best
-
-    def calibrate_kernels(self, max_rows: int) -> dict[str, Any]:
-        """Measure where the quantized kernels stop paying (``linears.calibrate``), with the
-        threads steps of each size run on; ``max_rows``: the largest step's tokens. Returns
-        what was measured (empty if nothing is quantized)."""
-        if not self.linears.quantized:
-            return {}
-        table = calibrate(self.linears,
-                          lambda rows: self.decode_threads if rows <= SMALL_STEP_TOKENS else self.threads,
-                          max_rows=max_rows)
-        self.stats.quant_max_rows = table.quant_max_rows
-        return {"quant_max_rows": table.quant_max_rows, "ms_per_pass": table.measured}
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -7,7 +7,8 @@ of ms later. A restart is exactly when users look at time to first token, so the
 runs these before ``/health`` turns 200 (``warm_up``).
 
 The plan covers every attention path of ``engine.attention`` (fresh causal prefill, a long
-chunk over a cached prefix, a short folded tail, a masked chunk over a short prefix, masked
+chunk over a cached prefix, a short folded tail; on CPU with kvcellar's kernels all of them
+are one path, the kernel reading the blocks where they lie, a masked chunk over a short prefix, masked
 and unmasked decode, batched decode beside a prefill) and both samplers (greedy; temperature
 with top-k/top-p, penalties and logprobs). Its prompts carry their own cache salt, so no
 client request can match them, and the engine drops their blocks afterwards.
@@ -113,7 +114,7 @@ class _Budget:
 def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
     """Run every code path a first request needs on ``engine`` (idle, not started), so the
     first request after a start is not the one paying one-off costs, within ``budget_s``
-    (see the module's docstring; the kernel calibration comes first and is not counted).
+    (see the module's docstring).
     Leaves no trace: its blocks are dropped, nothing reaches a lower tier, counters are
     restored (but ``engine_warmup_*``). Returns the seconds it took."""
     if engine.threaded or engine.num_active():
@@ -126,14 +127,6 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
     steps = skipped = 0
     with engine.lower.suspended():  # until its blocks are dropped too
         try:
-            # First: the waves' short chunks then run the kernel they will run when serving
-            # (a chunk on the dense path dequantizes every lean linear: seconds on a 7B model).
-            # Up to the largest step the scheduler makes: a prompt alone goes in chunks of
-            # ``max_prefill_step_tokens``, which the kernel, where faster, must run too.
-            kernels = engine.runner.calibrate_kernels(engine.scheduler.max_prefill_step_tokens)
-            if kernels:
-                log.info("quantized kernels run steps of up to %d rows (measured: %s)", kernels["quant_max_rows"],
-                         kernels["ms_per_pass"])
             # llguidance's view of the tokenizer, which the first constrained request would
             # otherwise build (without warm-up it does)
             engine.grammars.prepare()

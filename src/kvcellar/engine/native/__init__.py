@@ -1,15 +1,16 @@
 """kvcellar's own CPU kernels for quantized linears (``q8_kernels.c``), built on first use.
 
-On an x86-64 CPU with AVX2, FMA and F16C, a decode step's int4/int8 linears quantize their
-activations to 8 bits per block of 32 and multiply in 8-bit dot products (``int8``
-activations in ``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every
-weight to float first and stays well below memory speed on such a CPU
-(docs/performance.md). Prefill-sized steps of int4 weights multiply panels of 8 weight rows
-(``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot product where the CPU has it,
-``WIDE_PANEL_MIN_ROWS`` rows on), which on an AVX2 CPU outrun float32 matmuls of the
-dequantized weights; where they do not (bf16 on AMX), calibration keeps those steps on the
-dense path, for which the same library dequantizes int4 weights. The library also reads
-quantized KV blocks where they lie (``attend_kv``) and checksums block files (``crc32``).
+On an x86-64 CPU with AVX2, FMA and F16C, int4/int8 linears quantize their activations to 8
+bits per block of 32 and multiply in 8-bit dot products (``int8`` activations in
+``KernelTable.kernel_dtype`` terms); torch's int4 kernel converts every weight to float
+first and stays well below memory speed on such a CPU (docs/performance.md). Decode-sized
+steps of int4 weights read each weight row as it lies; prefill-sized ones multiply panels
+of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot product
+where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Every int4 kernel sums each output
+in the same order, so a row's outputs are the same bits whatever the step's row count.
+The library also attends over KV blocks where they lie (``attend_kv``: every query position
+by the same arithmetic, a decode step's or a prefill chunk's), reads and writes quantized KV
+blocks and checksums block files (``crc32``).
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
@@ -58,6 +59,10 @@ WIDE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 # There the wide panels overtake the row kernel from 5 rows on, not 8 (docs/performance.md).
 WIDE_PANEL_MIN_ROWS = 5
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
+# The revision of the numbers these kernels compute (part of the KV namespace where they
+# compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
+# sums as the panels do, and attention gives every position the decode step's arithmetic.
+ARITHMETIC = "kvc-2"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -69,10 +74,10 @@ _SIGNATURES = {
     "kvc_gemm_q4_panels16": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
-    "kvc_round_q8": [_P, _I, _I, _P, _N],
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
     "kvc_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _N, _P, _N, _N],
-    "kvc_attend_kv": [_P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P, _N],
+    "kvc_attend_kv": [_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P,
+                      _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
 _RESULTS = {"kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
@@ -157,16 +162,6 @@ def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, t
     xs = torch.empty(rows, cols // BLOCK)
     _lib().kvc_quantize_q8(x.data_ptr(), rows, cols, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), threads)
     return xq, xd, xs
-
-
-def round_activations(x: torch.Tensor, threads: int) -> torch.Tensor:
-    """``x`` float32 ``[rows, cols]`` rounded to the 8-bit blocks the kernels multiply, in
-    float32: a step over dequantized weights computes the kernels' products."""
-    rows, cols = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _lib().kvc_round_q8(x.data_ptr(), rows, cols, out.data_ptr(), threads)
-    return out
 
 
 @functools.cache
@@ -278,19 +273,24 @@ def attends_kv(layout: KVLayout, device: torch.device) -> bool:
 
 
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
-              q: torch.Tensor, scale: float, threads: int = 0) -> torch.Tensor:
-    """Attention of one query position per sequence over a KV pool's blocks, read where they
-    lie: ``q [n, kv_heads, groups, head_dim]`` (the query heads of each KV head), ``tables
-    [n, width]`` block ids, ``contexts [n]`` tokens each sequence sees. Returns ``[n, kv_heads,
-    groups, head_dim]`` in ``q``'s dtype. Computed in float32 from the stored values (packed
-    ones dequantized as ``gather_kv`` does in float32), with its own order of sums: within
-    float32 rounding of SDPA over the gathered context, not bit for bit."""
+              q: torch.Tensor, scale: float, threads: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of query positions over a KV pool's blocks, read where they lie:
+    sequence ``i`` has ``rows[i]`` query positions (default one each), the last seeing the
+    first ``contexts[i]`` tokens of ``tables[i]`` (``[n, width]`` block ids) and each earlier
+    one a token fewer; ``q [sum(rows), kv_heads, groups, head_dim]`` (the query heads of each
+    KV head; a sequence's positions one after the other). Returns ``q``'s shape and dtype.
+    Computed in float32 from the stored values (packed ones dequantized as ``gather_kv``
+    does in float32), with its own order of sums: within float32 rounding of SDPA over the
+    gathered context, not bit for bit; but a position's result is the same to the bit
+    whatever the other positions of its call (a decode step, a prefill chunk of any size)."""
+    total, kv_heads, groups, head_dim = q.shape
     assert pool.is_contiguous() and pool.dtype == layout.storage_dtype and pool.shape[1:] == layout.storage_shape
-    n, kv_heads, groups, head_dim = q.shape
     assert kv_heads == layout.num_kv_heads and head_dim == layout.head_dim and head_dim % 16 == 0
+    n = contexts.shape[0]
     tables = tables.to(torch.int64).contiguous()
     contexts = contexts.to(torch.int64).contiguous()
-    assert tables.shape[0] == contexts.shape[0] == n
+    rows = torch.ones(n, dtype=torch.int64) if rows is None else rows.to(torch.int64).contiguous()
+    assert tables.shape[0] == rows.shape[0] == n and int(rows.sum()) == total
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     if layout.quantized:
@@ -301,11 +301,11 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
         values_bytes, bits = 0, layout.dtype.itemsize * 8
     status = _lib().kvc_attend_kv(pool.data_ptr(), pool.shape[0], layout.bytes_per_block, layer * 2 * layer_bytes,
                                   (layer * 2 + 1) * layer_bytes, values_bytes, tables.data_ptr(),
-                                  tables.shape[1], contexts.data_ptr(), n, layout.block_size, kv_heads, head_dim,
-                                  layout.kv_group_size, bits, qf.data_ptr(), groups, scale,
+                                  tables.shape[1], contexts.data_ptr(), rows.data_ptr(), n, layout.block_size,
+                                  kv_heads, head_dim, layout.kv_group_size, bits, qf.data_ptr(), groups, scale,
                                   out.data_ptr(), threads or torch.get_num_threads())
     if status == -2:
-        raise IndexError("a block outside the pool, or a context longer than its block table")
+        raise IndexError("a block outside the pool, or a context longer than its block table or shorter than its rows")
     if status != 0:
         raise MemoryError("no scratch memory for attention over the pool")
     return out.to(q.dtype)

@@ -572,23 +572,6 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
     }
 }
 
-/* x [rows, cols] float32 as the 8-bit blocks the kernels multiply, in float32 and in the
- * inputs' own order (d * round(x / d)), for steps multiplied by dequantized weights: both
- * paths then compute the same products, and a prompt's KV does not depend on its chunks. */
-void kvc_round_q8(const float *x, int64_t rows, int64_t cols, float *dst, int threads) {
-    const int64_t blocks = cols / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
-    for (int64_t i = 0; i < rows * blocks; i++) {
-        const float *v = x + i * BLOCK;
-        float *o = dst + i * BLOCK;
-        float amax = 0.0f;
-        for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(v[k]));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int k = 0; k < BLOCK; k++) o[k] = d * nearbyintf(v[k] * id);
-    }
-}
-
 static inline float round_bf16_1(float x) {
     return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
 }
@@ -776,16 +759,21 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* One task: tokens t0..t1-1 of one sequence, every KV head (a token's heads lie side by side,
- * so the task reads its blocks front to back). Query head (head, j) is row head * gq + j of
- * q, acc [.., head_dim], m_out, l_out and scores [.., t1 - t0]. */
+/* One task: tokens t0..t1-1 of one sequence's blocks, every KV head (a token's heads lie side
+ * by side, so the task reads its blocks front to back), for R query rows of that sequence:
+ * row r sees the tokens before ends[r] (a row whose end is at or before t0 has nothing here and
+ * is left alone). Query head (head, j) of row r is row r * heads + head * gq + j of q, acc
+ * [.., head_dim], m_out, l_out and scores [.., ATTEND_CHUNK]. Each (row, query head) is
+ * computed by the same operations in the same order whatever the other rows: a query's
+ * numbers do not depend on how many rows a step attends with it (the K and V tiles are only
+ * read once for all of them). */
 static inline __attribute__((always_inline)) void attend_chunk(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
-        const float *q, int64_t gq, float scale, int64_t t0, int64_t t1,
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t t0, int64_t t1,
         float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros, const int BITS) {
     /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused) */
-    const int64_t n = t1 - t0, heads = kv_heads * gq;
+    const int64_t heads = kv_heads * gq;
     const float *rows[ATTEND_TILE];
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
@@ -793,96 +781,168 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
                       t, m, t1, tile, zeros, rows, BITS);
-            for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
-                __m256 a[ATTEND_TILE];
-                for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
-                for (int64_t k = 0; k < head_dim; k += 8) {
-                    const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
-                    for (int i = 0; i < ATTEND_TILE; i++)
-                        a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
-                }
-                const __m256 s = _mm256_mul_ps(hsum8x8(a), vscale);
-                if (m == ATTEND_TILE) {
-                    _mm256_storeu_ps(scores + j * n + (t - t0), s);
-                } else {
-                    float part[ATTEND_TILE];
-                    _mm256_storeu_ps(part, s);
-                    memcpy(scores + j * n + (t - t0), part, m * sizeof(float));
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t e = ends[r] < t1 ? ends[r] : t1;
+                if (t >= e) continue;
+                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
+                    __m256 a[ATTEND_TILE];
+                    for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
+                    for (int64_t k = 0; k < head_dim; k += 8) {
+                        const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
+                        for (int i = 0; i < ATTEND_TILE; i++)
+                            a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
+                    }
+                    const __m256 sv = _mm256_mul_ps(hsum8x8(a), vscale);
+                    if (mr == ATTEND_TILE) {
+                        _mm256_storeu_ps(scores + j * ATTEND_CHUNK + (t - t0), sv);
+                    } else {
+                        float part[ATTEND_TILE];
+                        _mm256_storeu_ps(part, sv);
+                        memcpy(scores + j * ATTEND_CHUNK + (t - t0), part, mr * sizeof(float));
+                    }
                 }
             }
         }
     }
-    for (int64_t j = 0; j < heads; j++) {
-        float *s = scores + j * n;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; i++) m = fmaxf(m, s[i]);
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 sum = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-            _mm256_storeu_ps(s + i, p);
-            sum = _mm256_add_ps(sum, p);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = (ends[r] < t1 ? ends[r] : t1) - t0;
+        if (n <= 0) continue;
+        for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
+            float *s = scores + j * ATTEND_CHUNK;
+            float m = -INFINITY;
+            for (int64_t i = 0; i < n; i++) m = fmaxf(m, s[i]);
+            const __m256 vm = _mm256_set1_ps(m);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+                _mm256_storeu_ps(s + i, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float l = hsum(sum);
+            for (; i < n; i++) { s[i] = expf(s[i] - m); l += s[i]; }
+            m_out[j] = m;
+            l_out[j] = l;
+            memset(acc + j * head_dim, 0, head_dim * sizeof(float));
         }
-        float l = hsum(sum);
-        for (; i < n; i++) { s[i] = expf(s[i] - m); l += s[i]; }
-        m_out[j] = m;
-        l_out[j] = l;
-        memset(acc + j * head_dim, 0, head_dim * sizeof(float));
     }
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
                       t, m, t1, tile, zeros, rows, BITS);
-            for (int64_t j = head * gq; j < (head + 1) * gq; j++) {
-                __m256 p[ATTEND_TILE];
-                for (int i = 0; i < ATTEND_TILE; i++)
-                    p[i] = _mm256_set1_ps(i < m ? scores[j * n + (t - t0) + i] : 0.0f);
-                float *a = acc + j * head_dim;
-                for (int64_t k = 0; k < head_dim; k += 8) {
-                    __m256 x = _mm256_loadu_ps(a + k);
-                    for (int i = 0; i < ATTEND_TILE; i++) x = _mm256_fmadd_ps(p[i], _mm256_loadu_ps(rows[i] + k), x);
-                    _mm256_storeu_ps(a + k, x);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t e = ends[r] < t1 ? ends[r] : t1;
+                if (t >= e) continue;
+                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
+                    __m256 p[ATTEND_TILE];
+                    for (int i = 0; i < ATTEND_TILE; i++)
+                        p[i] = _mm256_set1_ps(i < mr ? scores[j * ATTEND_CHUNK + (t - t0) + i] : 0.0f);
+                    float *a = acc + j * head_dim;
+                    for (int64_t k = 0; k < head_dim; k += 8) {
+                        __m256 x = _mm256_loadu_ps(a + k);
+                        for (int i = 0; i < mr; i++) x = _mm256_fmadd_ps(p[i], _mm256_loadu_ps(rows[i] + k), x);
+                        _mm256_storeu_ps(a + k, x);
+                    }
                 }
             }
         }
     }
 }
 
-/* Attention of one query position per sequence over its KV blocks, read where they lie (no
+/* A task's chunk: attend_chunk at the pool's bits (the compiler specialises each). */
+static void attend_chunk_bits(
+        const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
+        const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t t0, int64_t t1,
+        float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros) {
+    if (bits == 8)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 8);
+    else if (bits == 4)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 4);
+    else if (bits == 16)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 16);
+    else
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 32);
+}
+
+/* One query head's output from its chunks' partial softmaxes (chunk c: maximum m[c * stride],
+ * sum l[c * stride], weighted values a + c * astride), merged in chunk order. */
+static void merge_chunks(const float *m, const float *l, int64_t stride, const float *a, int64_t astride,
+                         int64_t chunks, int64_t head_dim, float *o) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, m[c * stride]);
+    memset(o, 0, head_dim * sizeof(float));
+    for (int64_t c = 0; c < chunks; c++) {
+        const float w = expf(m[c * stride] - top);
+        total += l[c * stride] * w;
+        const float *ac = a + c * astride;
+        for (int64_t k = 0; k < head_dim; k++) o[k] += ac[k] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
+    for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
+}
+
+/* Query rows of one sequence attended together by one task of kvc_attend_kv: their K and V
+ * tiles are read once for all of them. */
+#define ATTEND_ROWS 8
+
+/* Attention of query positions over their sequence's KV blocks, read where they lie (no
  * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout),
- * 16 or 32 (bf16 or float32 blocks, [layers, 2, block_size, kv_heads, head_dim]): q float32 [n_seq, kv_heads, gq, head_dim] (the gq
- * query heads of each KV head), out the same shape; sequence s sees the first contexts[s]
- * tokens of the blocks in tables[s * table_width ...]. Each (sequence, chunk of ATTEND_CHUNK
- * tokens) is a task with its own softmax per query head; the chunks merge through their
- * maxima and sums. Layout as kvc_gather_kv's; head_dim a multiple of 16. Returns 0; -1 if
- * scratch memory could not be had, -2 if a block it would read lies outside the pool's
- * n_blocks or a context outside its table (out untouched). */
+ * 16 or 32 (bf16 or float32 blocks, [layers, 2, block_size, kv_heads, head_dim]). Sequence s
+ * has rows[s] query rows (its decode token: 1; a prefill chunk: its tokens), the last one
+ * seeing the first contexts[s] tokens of the blocks in tables[s * table_width ...] and each
+ * earlier one a token fewer (causal). q float32 [sum of rows, kv_heads, gq, head_dim] (the gq
+ * query heads of each KV head; a sequence's rows one after the other), out the same shape.
+ * Every (query row, chunk of ATTEND_CHUNK tokens) has its own softmax per query head, and the
+ * chunks merge through their maxima and sums in order, by the same operations for every row
+ * however many rows its sequence has: a token's attention does not depend on the step it runs
+ * in. A one-row sequence's chunks are tasks of their own (a long context keeps every thread
+ * busy); a longer sequence's rows go ATTEND_ROWS at a time, each task taking its chunks in
+ * turn. head_dim a multiple of 16. Returns 0; -1 if scratch memory could not be had, -2 if a
+ * block it would read lies outside the pool's n_blocks or a context outside its table (out
+ * untouched). */
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
                   int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
-                  int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
-                  const float *q, int64_t gq, float scale, float *out, int threads) {
+                  const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim,
+                  int64_t group, int bits, const float *q, int64_t gq, float scale, float *out, int threads) {
     for (int64_t s = 0; s < n_seq; s++) {  /* every block read inside the pool */
-        if (contexts[s] < 0 || contexts[s] > table_width * block_size) return -2;
+        if (contexts[s] < 0 || contexts[s] > table_width * block_size || rows[s] < 1 || rows[s] > contexts[s] + 1)
+            return -2;
         for (int64_t i = 0; i < (contexts[s] + block_size - 1) / block_size; i++)
             if (tables[s * table_width + i] < 0 || tables[s * table_width + i] >= n_blocks) return -2;
     }
     const int64_t heads = kv_heads * gq;  /* query heads */
-    int64_t *first = malloc((n_seq + 1) * sizeof(int64_t));
-    if (!first) return -1;
-    first[0] = 0;
-    for (int64_t s = 0; s < n_seq; s++)
-        first[s + 1] = first[s] + (contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+    /* tasks: a one-row sequence's chunks, then a longer one's groups of rows */
+    int64_t *first = malloc((n_seq + 1) * sizeof(int64_t)), *row0 = malloc((n_seq + 1) * sizeof(int64_t));
+    if (!first || !row0) { free(first); free(row0); return -1; }
+    first[0] = row0[0] = 0;
+    int64_t chunk_tasks = 0;
+    for (int64_t s = 0; s < n_seq; s++) {
+        const int64_t chunks = (contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+        first[s + 1] = first[s] + (rows[s] == 1 ? chunks : (rows[s] + ATTEND_ROWS - 1) / ATTEND_ROWS);
+        row0[s + 1] = row0[s] + rows[s];
+        if (rows[s] == 1) chunk_tasks += chunks;
+    }
     const int64_t tasks = first[n_seq];
-    float *part = malloc(tasks * heads * (head_dim + 2) * sizeof(float));
-    if (!part) { free(first); return -1; }
-    float *ml = part + tasks * heads * head_dim;  /* per task: the query heads' maxima, then their sums */
+    /* the one-row sequences' partials: per chunk task, heads x head_dim values, then maxima and sums */
+    float *part = malloc((chunk_tasks * heads * (head_dim + 2) + 1) * sizeof(float));
+    int64_t *slot = malloc((tasks + 1) * sizeof(int64_t));  /* a chunk task's place in part */
+    if (!part || !slot) { free(first); free(row0); free(part); free(slot); return -1; }
+    for (int64_t s = 0, next = 0; s < n_seq; s++)
+        for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
+    float *ml = part + chunk_tasks * heads * head_dim;
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
-        /* scores of the chunk, a tile of dequantized rows, a row of zeros */
-        float *scores = calloc(heads * ATTEND_CHUNK + (ATTEND_TILE + 1) * head_dim, sizeof(float));
+        /* scores of a chunk for up to ATTEND_ROWS rows, a tile of dequantized rows, a row of zeros */
+        float *scores = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (ATTEND_TILE + 1) * head_dim, sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -892,49 +952,66 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             if (!scores) continue;
             int64_t s = 0;
             while (first[s + 1] <= task) s++;
-            const int64_t c = task - first[s];
-            const int64_t t0 = c * ATTEND_CHUNK, t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
-            const float *qs = q + s * heads * head_dim;
-            float *m = ml + task * heads * 2, *l = m + heads, *acc = part + task * heads * head_dim;
-            float *tile = scores + heads * ATTEND_CHUNK;
+            float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
             const float *zeros = tile + ATTEND_TILE * head_dim;
             const int64_t *table = tables + s * table_width;
-            if (bits == 8)
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 8);
-            else if (bits == 4)
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 4);
-            else if (bits == 16)
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 16);
-            else
-                attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size,
-                             kv_heads, head_dim, group, qs, gq, scale, t0, t1, m, l, acc, scores, tile, zeros, 32);
+            if (rows[s] == 1) {
+                const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
+                const int64_t t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
+                float *m = ml + slot[task] * heads * 2;
+                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                                  head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
+                                  t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile, zeros);
+                continue;
+            }
+            /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
+            const int64_t r0 = (task - first[s]) * ATTEND_ROWS;
+            const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
+            int64_t ends[ATTEND_ROWS];
+            for (int64_t r = 0; r < R; r++) ends[r] = contexts[s] - rows[s] + 1 + r0 + r;
+            const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+            /* per chunk: R x heads x head_dim values, then R x heads maxima and R x heads sums */
+            const int64_t per = R * heads * (head_dim + 2);
+            float *own = malloc(chunks * per * sizeof(float));
+            if (!own) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t t0 = c * ATTEND_CHUNK;
+                const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
+                float *cp = own + c * per, *m = cp + R * heads * head_dim;
+                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                                  head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
+                                  t0, t1, m, m + R * heads, cp, scores, tile, zeros);
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+                for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
+                    const float *m = own + R * heads * head_dim + j;
+                    merge_chunks(m, m + R * heads, per, own + j * head_dim, per, mine, head_dim,
+                                 out + ((row0[s] + r0) * heads + j) * head_dim);
+                }
+            }
+            free(own);
         }
         free(scores);
     }
     if (!failed) {
-        #pragma omp parallel for schedule(static) num_threads(threads) if (tasks * heads * head_dim > 65536)
+        #pragma omp parallel for schedule(static) num_threads(threads) if (chunk_tasks * heads * head_dim > 65536)
         for (int64_t sj = 0; sj < n_seq * heads; sj++) {
             const int64_t s = sj / heads, j = sj % heads;
-            float top = -INFINITY, total = 0.0f;
-            for (int64_t task = first[s]; task < first[s + 1]; task++) top = fmaxf(top, ml[task * heads * 2 + j]);
-            float *o = out + sj * head_dim;
-            memset(o, 0, head_dim * sizeof(float));
-            for (int64_t task = first[s]; task < first[s + 1]; task++) {
-                const float *mt = ml + task * heads * 2;
-                const float w = expf(mt[j] - top);
-                total += mt[heads + j] * w;
-                const float *a = part + (task * heads + j) * head_dim;
-                for (int64_t k = 0; k < head_dim; k++) o[k] += a[k] * w;
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
-            for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
+            if (rows[s] != 1) continue;
+            const float *m = ml + slot[first[s]] * heads * 2 + j;
+            merge_chunks(m, m + heads, heads * 2, part + (slot[first[s]] * heads + j) * head_dim, heads * head_dim,
+                         first[s + 1] - first[s], head_dim, out + (row0[s] * heads + j) * head_dim);
         }
     }
     free(part);
+    free(slot);
     free(first);
+    free(row0);
     return failed ? -1 : 0;
 }
 
