@@ -738,10 +738,12 @@ static inline __attribute__((always_inline)) void tile_rows(
                       t + 2 * ATTEND_TILE, t1, BITS);
     const int64_t packed = head_dim * BITS / 8;
     const int64_t per = BITS == 4 ? 2 : 1, groups = BITS >= 16 ? 1 : head_dim / group;
-    for (int64_t i = 0; i < ATTEND_TILE; i++) {
+    int64_t blk = t / block_size, off = t % block_size;  /* one division a tile, not two a row */
+    for (int64_t i = 0; i < ATTEND_TILE; i++, off++) {
+        if (off == block_size) { blk++; off = 0; }
         if (i >= m) { rows[i] = zeros; continue; }
-        const int64_t r = ((t + i) % block_size) * kv_heads + head;
-        const uint8_t *base = pool + table[(t + i) / block_size] * block_bytes + region;
+        const int64_t r = off * kv_heads + head;
+        const uint8_t *base = pool + table[blk] * block_bytes + region;
         if (BITS == 32) {
             rows[i] = (const float *)(base + r * packed);
         } else if (BITS == 16) {  /* bf16: the upper half of a float32 */
@@ -811,7 +813,15 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
             float *s = scores + j * ATTEND_CHUNK;
             float m = -INFINITY;
-            for (int64_t i = 0; i < n; i++) m = fmaxf(m, s[i]);
+            {  /* a maximum is exact in any order: 8 lanes, then the rest */
+                __m256 vmax = _mm256_set1_ps(-INFINITY);
+                int64_t i = 0;
+                for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+                float lanes[8];
+                _mm256_storeu_ps(lanes, vmax);
+                for (int k = 0; k < 8; k++) m = fmaxf(m, lanes[k]);
+                for (; i < n; i++) m = fmaxf(m, s[i]);
+            }
             const __m256 vm = _mm256_set1_ps(m);
             __m256 sum = _mm256_setzero_ps();
             int64_t i = 0;
