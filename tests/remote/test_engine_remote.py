@@ -12,19 +12,22 @@ from typing import Any
 
 import pytest
 
-from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine import SamplingParams, native, observability
 from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from tests._models import (
+    assert_identical_output,
     assert_no_leaks,
     assert_same_output,
     chat_ids,
+    embedded,
     expected_cached,
     make_engine,
     stand_in,
+    uncached_runner,
 )
 from tests.helpers import free_port
 
@@ -99,6 +102,24 @@ def test_replica_b_serves_what_a_computed_and_promotes_it_to_its_ssd(model, unca
     s = observability.snapshot(again)
     assert s["ssd_link_loaded_blocks"] == -(-result.num_cached_tokens // BS) and s["remote_link_loaded_blocks"] == 0
     again.shutdown(30)
+
+
+@pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
+def test_a_redis_hit_under_the_default_weights_gives_the_uncached_bits(redis_server, tmp_path):
+    """The embedded model as ``--weights auto`` serves it (int4 on kvcellar's kernels): the
+    prefix another replica computed in chunks of 64, loaded from Redis, and the last token
+    computed alone give the cache-disabled engine's tokens and logprobs to the bit."""
+    loaded = embedded("auto", "auto")
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5)
+    prompt = chat_ids(loaded, "Can a refund reference an authorized intent?", DOC)
+    a = replica(loaded, redis_server.url, None, engine_config={"max_step_tokens": 64})
+    a.generate([prompt], params)
+    assert a.shutdown(30)
+    b = replica(loaded, redis_server.url, None)
+    result = b.generate([prompt], params)[0]
+    assert result.cached_tokens_by_tier == {"ram": 0, "remote": expected_cached(len(prompt), len(prompt))}
+    assert_identical_output(result, uncached_runner(loaded, params)(prompt))
+    b.shutdown(30)
 
 
 def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached, redis_server, tmp_path):
