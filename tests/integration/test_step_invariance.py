@@ -20,6 +20,7 @@ from kvcellar.engine import SamplingParams, native
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
+    TEST_DEVICE,
     assert_equivalent_output,
     assert_identical_output,
     assert_no_leaks,
@@ -31,7 +32,8 @@ from tests._models import (
     without_native_kernels,
 )
 
-needs_native = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
+needs_native = pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu",
+                                  reason="kvcellar's CPU kernels: not built here, or the tests run on a GPU")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5)
 SYSTEM = ("You answer questions about a city library's opening hours, loans and rooms in one short sentence. "
           "Atlases are on the second floor; the quiet room opens at nine; DVDs go out for a week. ") * 8
@@ -100,6 +102,7 @@ def test_a_restart_serves_from_ssd_the_uncached_bits(weights, tmp_path: Path):
     assert second.shutdown(30)
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="torch's CPU kernels")
 def test_with_torchs_kernels_every_step_agrees_to_float_rounding(monkeypatch):
     """kvcellar's kernels not built: the quantized linears of a bf16 model run torch's kernels
     (also for every step: their rows' numbers do not depend on the row count either, tested

@@ -19,6 +19,7 @@ from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.tier import RemoteTier
 from tests._models import (
+    TEST_DEVICE,
     assert_identical_output,
     assert_no_leaks,
     assert_same_output,
@@ -104,7 +105,7 @@ def test_replica_b_serves_what_a_computed_and_promotes_it_to_its_ssd(model, unca
     again.shutdown(30)
 
 
-@pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built on this machine")
+@pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu", reason="kvcellar's CPU kernels")
 def test_a_redis_hit_under_the_default_weights_gives_the_uncached_bits(redis_server, tmp_path):
     """The embedded model as ``--weights auto`` serves it (int4 on kvcellar's kernels): the
     prefix another replica computed in chunks of 64, loaded from Redis, and the last token
