@@ -139,9 +139,13 @@ def test_every_ram_path_equals_an_uncached_run_under_the_same_setting(model, bit
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_attention_over_packed_blocks_agrees_with_the_dequantized_gather(model, monkeypatch, bits: int) -> None:
-    """Decode and a full hit's last token on kvcellar's kernel that reads the packed blocks
-    give what the dequantized gather + SDPA gives (the path of CUDA and of CPUs without the
-    kernels), within the setting's tolerance."""
+    """Every attention (prefill chunks, decode, a full hit's last token) on kvcellar's kernel
+    that reads the packed blocks gives what the dequantized gather + SDPA gives (the path of
+    CUDA and of CPUs without the kernels), within the setting's tolerance: two arithmetics over
+    the whole prompt, so at 4 bits, where a K or V value on a rounding edge moves a whole step,
+    logprobs within CUDA's chunking tolerance and a fork among the reference's top choices
+    (measured: the first token's logprob 0.35 apart, the fork at token 4 1.7 below the other's
+    pick). The kernel itself is checked against SDPA to float rounding in test_native_kernels."""
     if TEST_DEVICE != "cpu" or not native.available():
         pytest.skip("kvcellar's CPU kernels do not run here")
     prompt = chat_ids(model, "Can I bring my dog to the reading room?", SYSTEM)
@@ -152,8 +156,9 @@ def test_attention_over_packed_blocks_agrees_with_the_dequantized_gather(model, 
     assert direct.pool.attends and not gathered.pool.attends
     got = gathered.generate([prompt, prompt], GREEDY)
     assert got[1].num_cached_tokens == want[1].num_cached_tokens > 0
+    tolerance = TOLERANCE[bits] if bits == 8 else (1.5, 2.5)
     for a, b in zip(got, want, strict=True):
-        assert_equivalent_output(a, b, *TOLERANCE[bits])
+        assert_equivalent_output(a, b, *tolerance)
 
 
 def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) -> None:
