@@ -1,7 +1,7 @@
 """A token's numbers do not depend on the step it runs in, under the settings users run.
 
 The embedded model served as ``--weights auto`` picks (int4 from its Q4_1 GGUF), int4 and
-int8, with kvcellar's kernels on: a cold prompt prefilled in chunks of 13, 64 or 512 tokens, a
+int8, with kvcellar's kernels on: a cold prompt prefilled in chunks of 13 or 64 tokens, a
 RAM hit (the whole prompt cached but its last token, or a shared prefix with another tail),
 a batch beside another request, and an SSD hit after a restart all give the cache-disabled
 engine's greedy tokens and logprobs to the bit. Each int4 kernel path this CPU has is forced
@@ -57,12 +57,14 @@ def force(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("weights", ["auto", "int4", "int8"])
 def test_every_step_shape_and_ram_hit_gives_the_uncached_bits(weights, path, monkeypatch):
     force(path, monkeypatch)
+    if weights == "int4" and embedded("auto", "auto").weights == "int4":
+        pytest.skip("--weights auto serves int4 here: its case ran these steps")
     loaded = embedded("auto", weights)
     assert loaded.weights in ("int4", "int8")
     uncached = uncached_runner(loaded, PARAMS)  # whole prompts in one step of up to 512 tokens
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS]
     assert all(len(p) > 300 for p in prompts)  # past the attention kernel's chunk of 256
-    for chunk in (13, 64, 512):
+    for chunk in (13, 64):  # and the reference's one step of 512
         engine = make_engine(loaded, max_step_tokens=chunk)
         cold = engine.generate([prompts[0]], PARAMS)[0]
         assert_identical_output(cold, uncached(prompts[0]))
@@ -77,9 +79,8 @@ def test_every_step_shape_and_ram_hit_gives_the_uncached_bits(weights, path, mon
 
 
 @needs_native
-@pytest.mark.parametrize("weights", ["auto", "int8"])
-def test_a_restart_serves_from_ssd_the_uncached_bits(weights, tmp_path: Path):
-    loaded = embedded("auto", weights)
+def test_a_restart_serves_from_ssd_the_uncached_bits(tmp_path: Path):
+    loaded = embedded("auto", "auto")
     uncached = uncached_runner(loaded, PARAMS)
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS[:2]]
 
