@@ -7,7 +7,7 @@
   (a cache hit computes a prompt's last tokens in a small step, a cold start in a large
   one): kvcellar's kernels (``engine/native``) give each row the same bits at every row
   count, and so do torch's int4/int8 kernels, where a dense path for large steps would round
-  the activations and weights otherwise (docs/performance.md, "One kernel per linear");
+  the activations and weights otherwise (docs/performance.md, "One arithmetic per token");
 * QKV and gate-up projections of supported architectures are fused into one linear each
   (fewer calls a step, the same numbers).
 

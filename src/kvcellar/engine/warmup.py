@@ -6,10 +6,10 @@ prompt took 0.24 s (bf16) / 0.91 s (fp32) as the first request after a start aga
 of ms later. A restart is exactly when users look at time to first token, so the server
 runs these before ``/health`` turns 200 (``warm_up``).
 
-The plan covers every attention path of ``engine.attention`` (fresh causal prefill, a long
-chunk over a cached prefix, a short folded tail; on CPU with kvcellar's kernels all of them
-are one path, the kernel reading the blocks where they lie, a masked chunk over a short prefix, masked
-and unmasked decode, batched decode beside a prefill) and both samplers (greedy; temperature
+The plan covers every attention path of ``engine.attention`` (SDPA's: fresh causal prefill,
+a long chunk over a cached prefix, a short folded tail, a masked chunk over a short prefix,
+masked and unmasked decode, batched decode beside a prefill; with kvcellar's CPU kernels the
+prefills are one path, the decodes two) and both samplers (greedy; temperature
 with top-k/top-p, penalties and logprobs). Its prompts carry their own cache salt, so no
 client request can match them, and the engine drops their blocks afterwards.
 
