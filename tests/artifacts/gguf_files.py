@@ -1,8 +1,8 @@
 """Small real GGUF files of any tensor types, for the conversion tests (``test_gguf_streamed``).
 
 ``write_gguf`` writes a llama, qwen2 (q/k/v biases), qwen3 (q/k norms), gemma3 (q/k norms,
-norms after attention and MLP, sliding-window layers) or qwen2moe (experts stacked per layer,
-a shared expert) model with a byte-level BPE vocabulary, each tensor in the GGUF type
+norms after attention and MLP, sliding-window layers), qwen2moe (experts stacked per layer,
+a shared expert) or qwen3moe (q/k norms, experts stacked per layer, no shared one) model with a byte-level BPE vocabulary, each tensor in the GGUF type
 ``types`` gives it (default: a Q4_K_M-like mix). The ``gguf``
 package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants: ``quantize_q4_k``
 and ``quantize_q6_k`` make valid blocks of those (simple encoders, not llama.cpp's search;
@@ -33,11 +33,13 @@ def q4_k_m_types(name: str) -> str:
 
 def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
-               types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05) -> Path:
+               types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05, expert_ffn: int = 256,
+               experts_used: int = 2) -> Path:
     """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
     (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
     ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
-    ``experts``: per qwen2moe layer; ``head_scale``: the deviation of the output matrix (the
+    ``experts``: per MoE layer, ``experts_used`` of them routed a token, each of ``expert_ffn``
+    (qwen3moe; qwen2moe's are transformers' defaults, ``MOE_FFN``); ``head_scale``: the deviation of the output matrix (the
     embedding if tied): random weights give near-uniform logits, a larger scale sharper
     ones, so that greedy tokens are no near-ties."""
     import gguf
@@ -62,15 +64,17 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(hidden // heads)
-    if arch in ("qwen3", "gemma3"):  # their configs default to another head size
+    if arch in ("qwen3", "qwen3moe", "gemma3"):  # their configs default to another head size
         w.add_key_length(hidden // heads)
         w.add_value_length(hidden // heads)
     if arch == "gemma3":
         w.add_sliding_window(64)
     w.add_vocab_size(vocab)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(experts)
-        w.add_expert_used_count(2)
+        w.add_expert_used_count(experts_used)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(expert_ffn)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "smollm")
     w.add_token_list(tokens)
@@ -104,7 +108,7 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
             tensor(f"blk.{i}.attn_q.bias", (hidden,))
             tensor(f"blk.{i}.attn_k.bias", (kv_heads * head_dim,))
             tensor(f"blk.{i}.attn_v.bias", (kv_heads * head_dim,))
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             tensor(f"blk.{i}.attn_q_norm.weight", (head_dim,))
             tensor(f"blk.{i}.attn_k_norm.weight", (head_dim,))
         tensor(f"blk.{i}.attn_output.weight", (hidden, hidden))
@@ -121,6 +125,12 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
             tensor(f"blk.{i}.ffn_gate_shexp.weight", (MOE_SHARED_FFN, hidden))
             tensor(f"blk.{i}.ffn_up_shexp.weight", (MOE_SHARED_FFN, hidden))
             tensor(f"blk.{i}.ffn_down_shexp.weight", (hidden, MOE_SHARED_FFN))
+            continue
+        if arch == "qwen3moe":
+            tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden), 0.5)  # routers that pick clear winners
+            tensor(f"blk.{i}.ffn_gate_exps.weight", (experts, expert_ffn, hidden))
+            tensor(f"blk.{i}.ffn_up_exps.weight", (experts, expert_ffn, hidden))
+            tensor(f"blk.{i}.ffn_down_exps.weight", (experts, hidden, expert_ffn))
             continue
         tensor(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
         tensor(f"blk.{i}.ffn_up.weight", (ffn, hidden))

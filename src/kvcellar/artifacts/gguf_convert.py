@@ -57,6 +57,8 @@ INDEX_FILE = "model.safetensors.index.json"
 INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+# A MoE layer's experts stacked in one tensor per projection (llama.cpp's ``ffn_*_exps``).
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps$")
 # The ggml types gguf's reader gives as values (numpy types); the others are bytes of blocks.
 _VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}
@@ -181,12 +183,26 @@ def gguf_config_dict(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return copy.deepcopy(parsed), copy.deepcopy(unused)
 
 
+def gguf_config(path: Path) -> Any:
+    """transformers' config of the GGUF at ``path`` (``gguf_config_dict``), as an object."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    parsed, unused = gguf_config_dict(path)
+    return CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed, **unused)
+
+
 @functools.lru_cache(maxsize=4)
 def _config_dict(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     from transformers import PreTrainedConfig
 
     p = Path(path)
     parsed, unused = PreTrainedConfig.get_config_dict(str(p.parent), gguf_file=p.name)
+    # transformers reads no expert size from a qwen3moe file: its config's default (a 30B-A3B's
+    # 768) would stand for every model, and any other would not load.
+    info = read_gguf_info(p)
+    expert_ffn = info.metadata.get(f"{info.architecture}.expert_feed_forward_length")
+    if parsed.get("model_type") == "qwen3_moe" and isinstance(expert_ffn, int):
+        parsed["moe_intermediate_size"] = expert_ffn
     return parsed, unused
 
 
@@ -199,7 +215,6 @@ class GgufFile:
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         self.path = path
         info = read_gguf_info(path)
@@ -211,16 +226,22 @@ class GgufFile:
         try:
             # What ``AutoConfig.from_pretrained(gguf_file=...)`` does, keeping the metadata dict
             # on the way: transformers hands that to the processor, not the config object.
-            parsed, unused = gguf_config_dict(path)
+            parsed, _ = gguf_config_dict(path)
             processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)
             self.processor = processor_class(config=copy.deepcopy(parsed))
-            config = CONFIG_MAPPING[parsed["model_type"]].from_dict(parsed, **unused)
+            config = gguf_config(path)
             with torch.device("meta"):
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             self.key_map: dict[str, str] = _weights_map(self.model, self.processor)
         except Exception as exc:
             raise ModelLoadError(f"Could not read the model configuration of {path}: {exc}") from exc
         self._tensors = {t.name: t for t in self.stored}
+        # Expert tensors: GGUF name -> (the HF stacked weight, its role: gate, up or down).
+        # Served as one linear per expert (``engine/experts.py``), quantized from them.
+        self.experts: dict[str, tuple[str, str]] = {}
+        for key, hf_name in self.key_map.items():
+            if m := _EXPERTS.match(key.removesuffix(".weight")):
+                self.experts[key.removesuffix(".weight") + ".weight"] = (hf_name, m[1])
         # A tied weight is loaded under its first name (transformers ties the others to it).
         self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
         self._fd = os.open(path, os.O_RDONLY)
@@ -265,8 +286,45 @@ class GgufFile:
 
     def linear_weights(self) -> set[str]:
         """The HF names of the weights only linears use (a tied LM head's is the embedding's:
-        not one of them), which ``--weights int8|int4`` serves from the quantized entry."""
-        return {weight for weight, (linear, _) in self.linears("int8").items() if weight == f"{linear}.weight"}
+        not one of them), which ``--weights int8|int4`` serves from the quantized entry;
+        stacked experts among them."""
+        linears = {weight for weight, (linear, _) in self.linears("int8").items() if weight == f"{linear}.weight"}
+        return linears | {hf_name for hf_name, _ in self.experts.values()}
+
+    def expert_linears(self, mode: str) -> Iterator[tuple[str, QuantizedWeight]]:
+        """Every expert's linears quantized under ``mode``, one expert at a time, as
+        ``engine/experts.py`` names them: ``<experts>.gate_up.<e>`` (the gate's rows, then the
+        up projection's) and ``<experts>.down.<e>``. Q4_0/Q4_1/Q4_K blocks are taken as
+        they are for int4; a layer's gate projections are held until its up ones are read."""
+        import gguf
+
+        held: dict[tuple[str, int], tuple[str, QuantizedWeight]] = {}
+        for t in self.stored:
+            if t.name not in self.experts:
+                continue
+            hf_name, role = self.experts[t.name]
+            module = hf_name.rpartition(".")[0]
+            kind = "int4" if mode == "int4" and t.cols % INT4_GROUP == 0 else "int8"
+            for e in range(t.shape[0]):
+                raw = self._read(t, e, e + 1)[0]
+                if kind == "int4" and t.type.name in INT4_BLOCK_TYPES:
+                    q = int4_from_blocks(raw, t.type.name)
+                else:
+                    rows = gguf.quants.dequantize(raw, t.type)
+                    q = quantize(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), kind)
+                if role == "down":
+                    yield f"{module}.down.{e}", q
+                    continue
+                other = held.pop((module, e), None)
+                if other is None:
+                    held[(module, e)] = (role, q)
+                    continue
+                gate, up = (q, other[1]) if role == "gate" else (other[1], q)
+                yield f"{module}.gate_up.{e}", QuantizedWeight.concat([gate, up])
+        if held:
+            module, e = next(iter(held))
+            raise ModelLoadError(f"{self.path.name} holds a gate or an up projection of expert {e} of {module}, "
+                                 f"not both")
 
     def tensors(self, wanted: Callable[[str], bool] | None = None) -> Iterator[TensorSource]:
         """The file's tensors under their HF names, in file order, one at a time; ``wanted``
@@ -285,7 +343,9 @@ class GgufFile:
         for i, t in enumerate(self.stored):
             block = _block(t.name)
             rows = self._row_map(t) if len(t.shape) == 2 else None
-            if rows is not None:
+            if t.name in self.experts and not keep(self.experts[t.name][0]):
+                pass  # unread: a layer's experts are gigabytes
+            elif rows is not None:
                 name, perm = rows
                 if keep(name):
                     yield TensorSource(name, t.name, t.type.name, (t.shape[0], t.cols), self, perm=perm)
@@ -478,6 +538,7 @@ def iter_quantized(source: GgufFile, mode: str) -> Iterator[tuple[str, Quantized
     for weight, (name, _) in linears.items():
         if name not in done:
             raise ModelLoadError(f"{source.path.name} holds no tensor for {weight}")
+    yield from source.expert_linears(mode)
 
 
 def write_quantized(weights: Iterable[tuple[str, QuantizedWeight]], out_dir: Path, *,

@@ -94,7 +94,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 # in (``gguf_weights_mode``). Only their weights count, by parameters; biases, norms, the
 # embeddings and the output matrix never do.
 _LINEAR_GGUF_TENSORS = frozenset({"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up",
-                                  "ffn_down", "ffn_gate_up"})
+                                  "ffn_down", "ffn_gate_up", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 # At most 5 bits a weight: the 4- and 5-bit types, and those below 4 bits (int4 is no coarser).
 LOW_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS",
                                 "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
@@ -505,11 +505,18 @@ def _load_weights_and_tokenizer(
     from kvcellar.engine.attention import ATTENTION_NAME
 
     kwargs: dict[str, Any] = {}
+    model_kwargs: dict[str, Any] = {}
     if folder is not None:
         load_dir = str(folder)
     elif source.kind == "gguf":
+        from kvcellar.artifacts.gguf_convert import gguf_config
+
         load_dir = str(source.path.parent)
         kwargs["gguf_file"] = source.path.name
+        try:
+            model_kwargs["config"] = gguf_config(source.path)  # with what transformers leaves out (expert sizes)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not read the model configuration of {source.name}: {exc}") from exc
     else:
         load_dir = str(source.path)
 
@@ -536,9 +543,11 @@ def _load_weights_and_tokenizer(
                 dtype=torch_dtype,
                 attn_implementation=attn_implementation or ATTENTION_NAME,
                 **kwargs,
+                **model_kwargs,
             )
     except Exception as exc:
         raise ModelLoadError(f"Could not load the weights of {source.name} from {load_dir}: {exc}") from exc
+    _split_experts(hf_model, source.name)
     hf_model.to(dev).eval()
     hf_model.requires_grad_(False)
     timings["weights"] = timings.get("weights", 0.0) + time.perf_counter() - t0
@@ -564,6 +573,7 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    _split_experts(model, folder.name)  # experts become linears, which the entry leaves out too
     modules = dict(model.named_modules())
     apart = set()
     for name, param in list(model.named_parameters()):  # a tied weight under its first name only
@@ -597,12 +607,25 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     return model
 
 
+def _split_experts(model: Any, name: str) -> None:
+    """MoE blocks as kvcellar runs them (``engine/experts.py``), before anything quantizes
+    or prepares the linears: the experts are linears from here on."""
+    from kvcellar.engine.experts import split_experts
+
+    try:
+        split_experts(model)
+    except ValueError as exc:
+        raise ModelLoadError(f"{name}: {exc}") from exc
+
+
 def wrap_model(
     hf_model: Any, tokenizer: Any, *, name: str = "in-memory", weights_id: str | None = None
 ) -> LoadedModel:
-    """A ``LoadedModel`` around a model object built in memory (tests, small random configs)."""
+    """A ``LoadedModel`` around a model object built in memory (tests, small random configs);
+    its MoE blocks become kvcellar's (``engine/experts.py``), in place."""
     from kvcellar.engine.attention import ATTENTION_NAME
 
+    _split_experts(hf_model, name)
     hf_model.set_attn_implementation(ATTENTION_NAME)
     hf_model.eval().requires_grad_(False)
     param = next(hf_model.parameters())

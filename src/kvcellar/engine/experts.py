@@ -1,0 +1,165 @@
+"""Mixture-of-experts blocks as kvcellar runs them: experts as linears, routers row-invariant.
+
+transformers keeps a MoE block's experts as two 3-D parameters (``gate_up_proj``,
+``down_proj``: every expert's weights stacked) and multiplies them with ``F.linear`` a slice
+at a time. ``split_experts`` turns each MoE block's experts into ``RoutedExperts``: one
+``nn.Linear`` per expert and projection (views of the stacked weights, no copy), so that
+quantization (``kvcellar.quantization``) and ``engine/linears.py`` treat them as any other
+linear — quantized, on kvcellar's kernels, mapped from the artifact cache — and the block's
+router into a ``Router`` that computes its logits in float64.
+
+Both serve the promise that a token's numbers do not depend on the step it runs in (a cache
+hit computes a prompt's tail in a small step, a cold prompt in a large one):
+
+* an expert's rows run through its linears grouped by expert; kvcellar's kernels give each
+  row the same bits whatever the group's size, and each token's routed outputs are summed
+  in its own top-k order, whatever other tokens share the step;
+* a router's logits are a float32 rounding of a float64 product, so the summation order a
+  BLAS picks for the step's row count (one row: a matrix-vector product) does not reach
+  them, and a near-tie between two experts cannot flip with the step.
+
+A step reads each routed expert's weights once, however many of its tokens chose it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    """A MoE router: logits ``h @ W.T (+ b)`` in float64, rounded to float32, then the
+    family's choice of experts and weights (``order``):
+
+    * ``softmax_topk`` (Qwen MoE): softmax over all experts, the top k, renormalized to sum
+      to 1 where ``normalize``;
+    * ``topk_softmax`` (gpt-oss): the top k logits, softmax over those.
+
+    ``forward`` returns what transformers' routers return: (logits, weights, indices)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, order: str,
+                 normalize: bool = False) -> None:
+        super().__init__()
+        if order not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unknown router order {order!r}")
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.top_k, self.order, self.normalize = top_k, order, normalize
+        self.num_experts, self.hidden_dim = weight.shape
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.reshape(-1, self.hidden_dim).to(torch.float64)
+        bias = None if self.bias is None else self.bias.to(torch.float64)
+        return F.linear(h, self.weight.to(torch.float64), bias).to(torch.float32)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.logits(hidden)
+        if self.order == "topk_softmax":
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1), index
+        probs = torch.softmax(logits, dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top, index
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` over ``weight`` ``[out, in]`` as it is (a view: no copy)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
+class RoutedExperts(nn.Module):
+    """A MoE block's experts, one gate-up and one down linear each (``gate_up[e]``,
+    ``down[e]``), with transformers' ``Experts.forward`` signature: ``hidden [T, H]``, the
+    routed experts ``index [T, K]`` and their weights ``[T, K]``.
+
+    ``glu`` turns an expert's gate-up output ``[n, 2I]`` into its down projection's input
+    ``[n, I]`` (the family's gating: which half is the gate, the activation, clamps)."""
+
+    def __init__(self, gate_up: list[nn.Linear], down: list[nn.Linear],
+                 glu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        if len(gate_up) != len(down):
+            raise ValueError("an expert needs a gate-up and a down projection")
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+        self.glu = glu
+        self.num_experts = len(gate_up)
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, k) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = hidden[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                end = start + n
+                out[start:end] = self.down[expert](self.glu(self.gate_up[expert](rows[start:end])))
+                start = end
+        slots = torch.empty_like(out)
+        slots[order] = out
+        # Summed over k in each token's own order, whatever else shares the step.
+        weighted = slots.view(tokens, k, -1) * weights.to(out.dtype).unsqueeze(-1)
+        return weighted.sum(dim=1)
+
+
+def _halves_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Qwen MoE's and Gemma 4's gating: the gate is the first half, ``act(gate) * up``."""
+
+    def glu(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return glu
+
+
+def _stacked_halves(experts: Any) -> RoutedExperts:
+    """Qwen MoE's experts: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, no biases."""
+    gate_up = [_linear(experts.gate_up_proj[e], None) for e in range(experts.num_experts)]
+    down = [_linear(experts.down_proj[e], None) for e in range(experts.num_experts)]
+    return RoutedExperts(gate_up, down, _halves_glu(experts.act_fn))
+
+
+# transformers' experts class -> how its weights become linears.
+_EXPERTS: dict[str, Callable[[Any], RoutedExperts]] = {
+    "Qwen3MoeExperts": _stacked_halves,
+}
+# transformers' router class -> how it becomes a ``Router``.
+_ROUTERS: dict[str, Callable[[Any], Router]] = {
+    "Qwen3MoeTopKRouter": lambda r: Router(r.weight, None, r.top_k, "softmax_topk", bool(r.norm_topk_prob)),
+}
+
+
+def split_experts(model: nn.Module) -> int:
+    """Turn every MoE block of ``model`` into kvcellar's (see the module docstring), in
+    place; how many experts modules it turned. An experts or router class not known here is
+    a ``ValueError``: run by transformers' own code it would not keep kvcellar's promises."""
+    done = 0
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        make: Callable[[Any], nn.Module] | None = _EXPERTS.get(kind) or _ROUTERS.get(kind)
+        if make is None:
+            if kind.endswith(("Experts", "Router")) and not isinstance(module, (RoutedExperts, Router)):
+                raise ValueError(f"{name}: kvcellar does not run {kind} modules")
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, make(module))
+        done += kind in _EXPERTS
+    return done
+
+
+def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
