@@ -176,6 +176,41 @@ def served_stand_in() -> LoadedModel:
     return prepare_and_load(str(server_stand_in()), dtype="float32", device=TEST_DEVICE)
 
 
+def moe_q4_k_m_types(name: str) -> str:
+    """A Qwen3-30B-A3B Q4_K_M-like mix: experts Q4_K but layer 0's down projections (Q6_K, as
+    llama.cpp gives every other layer's), attention Q4_K, the router and norms F32, the output
+    matrix Q6_K."""
+    role = name.split(".")[-2]
+    if role == "ffn_gate_inp":
+        return "F32"
+    if name == "output.weight" or name.startswith("blk.0.ffn_down_exps"):
+        return "Q6_K"
+    return "Q4_K"
+
+
+@functools.cache
+def moe_gguf() -> Path:
+    """A small random-weight qwen3moe GGUF (the architecture of Qwen3-30B-A3B and
+    Qwen3-Coder-30B-A3B: 8 experts of 256, 2 routed a token, q/k norms; ``moe_q4_k_m_types``),
+    written once per test process with the ``gguf`` package, removed at exit."""
+    from tests.artifacts.gguf_files import write_gguf
+
+    folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-moe-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return write_gguf(folder / "tiny-qwen3moe.gguf", arch="qwen3moe", seed=7, hidden=256, layers=3, heads=4,
+                      kv_heads=2, experts=8, experts_used=2, expert_ffn=256, types=moe_q4_k_m_types, context=4096,
+                      head_scale=0.5)
+
+
+@functools.cache
+def served_moe(weights: str = "auto") -> LoadedModel:
+    """``moe_gguf()`` loaded as a server loads it (through the artifact cache), in float32."""
+    from kvcellar.artifacts.store import ArtifactCache
+
+    return prepare_and_load(str(moe_gguf()), dtype="float32", device=TEST_DEVICE, weights=weights,
+                            artifacts=ArtifactCache(shared_models_dir()))
+
+
 def expected_cached(prompt_len: int, common: int, computed: int | None = None, block_size: int = 16) -> int:
     """Prompt tokens a prefix hit reuses: the whole blocks of the shared prefix (``common``
     tokens, of which ``computed`` hold KV), except that the last prompt token is always

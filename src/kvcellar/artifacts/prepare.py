@@ -32,6 +32,7 @@ from kvcellar.artifacts.gguf_convert import (
     SHARD_BYTES,
     GgufFile,
     NotStreamable,
+    gguf_config,
     iter_quantized,
     quantize_streamed,
     write_dense,
@@ -92,6 +93,7 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
 
     try:
         return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype,
+                                                    config=gguf_config(gguf_path),
                                                     quantization_config=GgufConfig(dequantize=True))
     except Exception as exc:
         raise ModelLoadError(f"Could not read the weights of {gguf_path}: {exc}") from exc
