@@ -22,6 +22,7 @@ from kvcellar.server.tools.parsers import (
     ParsedOutput,
     StreamDelta,
     ToolParser,
+    XmlFunctionParser,
     new_call_id,
     parser_for_template,
 )
@@ -380,12 +381,86 @@ def test_mistral_every_split_agrees_with_parse(text: str) -> None:
     assert_all_splits(MistralParser, text, TOOLS)
 
 
+# -- xml_function (Qwen3-Coder, Qwen3.5) --
+
+XML_EDIT = ("<tool_call>\n<function=edit_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n"
+            "<parameter=line>\n12\n</parameter>\n<parameter=text>\nfn main() {\n    println!(\"<hi>\");\n}\n"
+            "</parameter>\n</function>\n</tool_call>")
+XML_SCHEMAS = {"edit_file": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "text": {"type": "string"},
+    "force": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}}}}
+XML_SAMPLES = [
+    XML_EDIT,
+    "Let me fix that.\n\n" + XML_EDIT + "\n<tool_call>\n<function=search>\n</function>\n</tool_call>",
+    ("<tool_call>\n<function=get_time>\n<parameter=zone>\n{\"tz\": [\"UTC\"]}\n</parameter>\n</function>\n"
+     "</tool_call> done"),
+    "<tool_call>\n<function=nope>\n</function>\n</tool_call> after",  # unknown tool: content
+    "<tool_call>\n<function=get_time\n>oops</tool_call> text",  # a broken tag: content
+    "<tool_call>\n<function=search>\n<parameter=q>\nunfinished",  # the output ended in a value
+    "<tool_call>\n<function=search>\n<param broken</tool_call> after",  # broken after the call
+    "no calls at all, <function= mentioned </parameter> in text",
+]
+
+
+def test_xml_function_values_are_typed_by_the_tools_schema() -> None:
+    parsed = XmlFunctionParser(["edit_file"], XML_SCHEMAS).parse("Fixing.\n" + XML_EDIT)
+    assert parsed.content == "Fixing."
+    ((name, arguments),) = calls(parsed)
+    assert name == "edit_file"
+    assert json.loads(arguments) == {"path": "src/main.rs", "line": 12,
+                                     "text": 'fn main() {\n    println!("<hi>");\n}'}
+    more = ("<tool_call>\n<function=edit_file>\n<parameter=path>\n12\n</parameter>\n<parameter=force>\nTrue\n"
+            "</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n<parameter=line>\nnot a number\n"
+            "</parameter>\n</function>\n</tool_call>")
+    ((_, arguments),) = calls(XmlFunctionParser(None, XML_SCHEMAS).parse(more))
+    # a string stays a string however it looks; Python's True (the template's ``| string``)
+    # is true; a value of the wrong type is kept as text for the schema check to refuse
+    assert json.loads(arguments) == {"path": "12", "force": True, "tags": ["a", "b"], "line": "not a number"}
+
+
+def test_xml_function_without_a_schema_reads_json_values_and_keeps_text() -> None:
+    text = ("<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=s>\nhello world\n"
+            "</parameter>\n<parameter=o>\n{\"k\": null}\n</parameter>\n</function>\n</tool_call>")
+    ((_, arguments),) = calls(XmlFunctionParser().parse(text))
+    assert arguments == '{"n": 3, "s": "hello world", "o": {"k": null}}'
+
+
+@pytest.mark.parametrize("text", XML_SAMPLES[3:5] + XML_SAMPLES[7:])
+def test_xml_function_not_a_call_is_content_unchanged(text: str) -> None:
+    parsed = XmlFunctionParser(TOOLS).parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_xml_function_truncated_or_broken_call_stands() -> None:
+    ((name, arguments),) = calls(XmlFunctionParser(TOOLS).parse(XML_SAMPLES[5]))
+    assert (name, json.loads(arguments)) == ("search", {"q": "unfinished"})
+    parsed = XmlFunctionParser(TOOLS).parse(XML_SAMPLES[6])
+    assert calls(parsed) == [("search", "{}")] and parsed.content == " after"
+
+
+def test_xml_function_emits_the_call_at_its_function_tag() -> None:
+    parser = XmlFunctionParser(TOOLS)
+    first = parser.feed("Sure. <tool_call>\n<function=search>\n<parameter=q>\nkv")
+    assert first.content == "Sure." and [(t.name, t.arguments) for t in first.tool_calls] == [("search", "")]
+    second = parser.feed(" cache\n</parameter>\n</fun")
+    assert second.content == "" and [t.arguments for t in second.tool_calls] == ['{"q": "kv cache"']
+    last = parser.feed("ction>\n</tool_call>")
+    assert [t.arguments for t in last.tool_calls] == ["}"]
+
+
+@pytest.mark.parametrize("text", XML_SAMPLES)
+def test_xml_function_every_split_agrees_with_parse(text: str) -> None:
+    assert_all_splits(XmlFunctionParser, text, TOOLS)
+    assert_all_splits(XmlFunctionParser, text, None)
+
+
 # -- random multi-way splits, every family --
 
 ALL_SAMPLES = (
     [(HermesParser, t) for t in HERMES_SAMPLES]
     + [(Llama3Parser, t) for t in LLAMA_SAMPLES]
     + [(MistralParser, t) for t in MISTRAL_SAMPLES]
+    + [(XmlFunctionParser, t) for t in XML_SAMPLES]
 )
 
 
@@ -405,6 +480,7 @@ def test_random_splits_agree_with_parse(data: st.DataObject, tools_given: bool) 
     ("template", "family"),
     [
         ("{% for tool in tools %}...<tools>{{ tool }}</tools> <tool_call>{...}</tool_call>{% endfor %}", "hermes"),
+        ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "xml_function"),
         ("{% if message.tool_calls %}[TOOL_CALLS]{{ message.tool_calls | tojson }}{% endif %}", "mistral"),
         ("<|start_header_id|>ipython<|end_header_id|>{% if builtin_tools %}<|python_tag|>{% endif %}", "llama3"),
         ('<|start_header_id|>assistant<|end_header_id|> {"name": function name, "parameters": ...}', "llama3"),

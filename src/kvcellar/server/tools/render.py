@@ -97,9 +97,10 @@ class ToolPrompting:
         """Parsers of ``plan``'s calls; ``on_finish`` gets each output's calls as it ends."""
         names = [t["function"]["name"] for t in plan.forced_tools] if plan.forced else \
             [t["function"]["name"] for t in plan.tools]
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in plan.tools}
 
         def make() -> ToolParser:
-            parser = self.parser(names)
+            parser = self.parser(names, schemas)
             parser.on_finish = on_finish
             return parser
         return make

@@ -1,5 +1,5 @@
 """Per-family parsers that turn a model's raw output text into content and OpenAI ``tool_calls``:
-one module per family (``hermes``, ``llama3``, ``mistral``) on the shared machinery in ``base``,
+one module per family (``hermes``, ``llama3``, ``mistral``, ``xml_function``) on the shared machinery in ``base``,
 whose docstring states the invariants every family keeps. ``parser_for_template`` picks the family.
 """
 
@@ -18,6 +18,7 @@ from kvcellar.server.tools.parsers.base import (
 from kvcellar.server.tools.parsers.hermes import HermesParser
 from kvcellar.server.tools.parsers.llama3 import Llama3Parser
 from kvcellar.server.tools.parsers.mistral import MistralParser
+from kvcellar.server.tools.parsers.xml_function import XmlFunctionParser
 
 __all__ = [
     "PARSERS",
@@ -29,22 +30,27 @@ __all__ = [
     "ParsedOutput",
     "StreamDelta",
     "ToolParser",
+    "XmlFunctionParser",
     "collect",
     "new_call_id",
     "parser_for_template",
     "random_id",
 ]
 
-PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.family: p for p in (HermesParser, Llama3Parser, MistralParser,
+                                                               XmlFunctionParser)}
 
 
 def parser_for_template(chat_template: str | None) -> type[ToolParser]:
     """The parser family a chat template's model writes, decided from the template text, first rule
-    that holds: ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_tag|>``, or
-    ``<|start_header_id|>`` together with ``parameters`` -> llama3; anything else (no template, or one
-    without tool markup) -> hermes, because kvcellar's own fallback tool prompt asks for hermes markup.
+    that holds: ``<function=`` (Qwen3-Coder, Qwen3.5) -> xml_function; ``<tool_call>`` -> hermes;
+    ``[TOOL_CALLS]`` -> mistral; ``<|python_tag|>``, or ``<|start_header_id|>`` together with
+    ``parameters`` -> llama3; anything else (no template, or one without tool markup) -> hermes,
+    because kvcellar's own fallback tool prompt asks for hermes markup.
     """
     template = chat_template or ""
+    if "<function=" in template:
+        return XmlFunctionParser
     if "<tool_call>" in template:
         return HermesParser
     if "[TOOL_CALLS]" in template:

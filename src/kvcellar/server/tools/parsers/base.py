@@ -41,10 +41,10 @@ import json
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 _JSON_WS = " \t\n\r"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -158,8 +158,12 @@ class ToolParser(ABC):
 
     family: ClassVar[str]
 
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+    def __init__(self, tool_names: Collection[str] | None = None,
+                 schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self._tool_names = frozenset(tool_names) if tool_names is not None else None
+        # Each tool's ``parameters`` schema by name: a family whose markup writes arguments
+        # as text, not JSON, types their values by it.
+        self._schemas: Mapping[str, Mapping[str, Any]] = schemas or {}
         self._buf = ""  # received, not yet consumed
         self._held = ""  # consumed markup of a block not yet decided: content if it is not a call
         self._ws_pending = ""  # trailing whitespace of the content so far, not yet emitted
@@ -171,7 +175,7 @@ class ToolParser(ABC):
         self.on_finish: Callable[[list[ParsedCall]], None] | None = None
 
     def parse(self, text: str) -> ParsedOutput:
-        fresh = type(self)(self._tool_names)
+        fresh = type(self)(self._tool_names, self._schemas)
         fresh.on_finish = self.on_finish
         return collect([fresh.feed(text), fresh.finish()])
 

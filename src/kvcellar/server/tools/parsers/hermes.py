@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import ClassVar
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 from kvcellar.server.tools.parsers.base import ToolParser, _CallObject, _Literal, _partial_tail, _Status
 
@@ -24,8 +24,9 @@ class HermesParser(ToolParser):
     OPEN: ClassVar[str] = "<tool_call>"
     CLOSE: ClassVar[str] = "</tool_call>"
 
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: Collection[str] | None = None,
+                 schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        super().__init__(tool_names, schemas)
         self._state = "content"
         self._obj = _CallObject(self)
 

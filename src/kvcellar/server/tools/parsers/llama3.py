@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import ClassVar
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 from kvcellar.server.tools.parsers.base import ToolParser, _CallObject, _Literal, _Status
 
@@ -22,8 +22,9 @@ class Llama3Parser(ToolParser):
     family = "llama3"
     PYTHON_TAG: ClassVar[str] = "<|python_tag|>"
 
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: Collection[str] | None = None,
+                 schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        super().__init__(tool_names, schemas)
         self._state = "start"
         self._obj = _CallObject(self)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import string
-from collections.abc import Collection
-from typing import ClassVar
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 from kvcellar.server.tools.parsers.base import (
     _ID_ALPHABET,
@@ -31,8 +31,9 @@ class MistralParser(ToolParser):
     CALL_ID: ClassVar[str] = "[CALL_ID]"
     _NAME_CHARS: ClassVar[frozenset[str]] = frozenset(string.ascii_letters + string.digits + "_-.")
 
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: Collection[str] | None = None,
+                 schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        super().__init__(tool_names, schemas)
         self._state = "content"
         self._obj = _CallObject(self)
         self._nesting = _NestingScanner()
