@@ -223,3 +223,60 @@ def test_a_schema_the_engine_cannot_compile(compiler: GrammarCompiler) -> None:
     with pytest.raises(InvalidRequestError) as err:
         forced_call_grammar(compiler, "hermes", [TOOLS[0], LOOKBEHIND], parallel=False)
     assert err.value.param == "tools[1].function.parameters"
+
+
+# ---- Qwen3-Coder's and Qwen3.5's markup (xml_function) --------------------------------------
+
+EDIT = tool("edit", {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer", "minimum": 1},
+    "mode": {"type": "string", "enum": ["replace", "insert"]}, "dry_run": {"type": "boolean"},
+    "range": {"$ref": "#/$defs/Range"}},
+    "required": ["path", "line"], "$defs": {"Range": {"type": "object", "properties": {
+        "start": {"type": "integer"}, "end": {"type": "integer"}}, "required": ["start", "end"]}}})
+
+
+def xml_call(name: str, **values: str) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_xml_forced_grammar_is_the_markup_the_parser_reads(compiler: GrammarCompiler) -> None:
+    from kvcellar.server.tools.parsers import XmlFunctionParser
+
+    grammar = forced_call_grammar(compiler, "xml_function", [EDIT, TOOLS[1]], parallel=True)
+    good = xml_call("edit", path="src/lib.rs\nwith a newline </param>", line="12", mode="insert",
+                    range='{"start": 1, "end": 2}')
+    assert complete(compiler, grammar, good)
+    assert complete(compiler, grammar, good + "\n" + xml_call("ping"))
+    for bad in (xml_call("edit", line="12", path="a"),  # out of the schema's order
+                xml_call("edit", path="a"),  # a required parameter missing
+                xml_call("edit", path="a", line="zero"),  # not an integer
+                xml_call("edit", path="a", line="0"),  # below the minimum
+                xml_call("edit", path="a", line="3", mode="append"),  # not one of the enum
+                xml_call("edit", path="a", line="3", range='{"start": 1}'),  # the $ref's required
+                xml_call("nope"), "Sure. " + good):
+        assert not complete(compiler, grammar, bad), bad
+    parser = XmlFunctionParser(["edit", "ping"], {"edit": EDIT["function"]["parameters"]})
+    ((name, arguments),) = [(c.name, c.arguments) for c in parser.parse(good).tool_calls]
+    assert name == "edit"
+    validate(json.loads(arguments), EDIT["function"]["parameters"])
+    assert json.loads(arguments)["path"] == "src/lib.rs\nwith a newline </param>"
+    plan = compiler.start_plan(forced_call_grammar(compiler, "xml_function", [EDIT], parallel=False))
+    assert plan is not None
+    (shortest,) = parser.parse(embedded().tokenizer.decode(list(plan))).tool_calls
+    validate(json.loads(shortest.arguments), EDIT["function"]["parameters"])
+
+
+def test_xml_auto_grammar_lets_text_through_and_keeps_calls_well_formed(compiler: GrammarCompiler) -> None:
+    from kvcellar.server.tools.grammar import no_call_grammar
+
+    grammar = auto_call_grammar(compiler, "xml_function", [EDIT, TOOLS[1]])
+    assert grammar is not None and not grammar.steer_to_end
+    call_text = xml_call("edit", path="a.py", line="3")
+    for ok_text in ("Plain text with <function=x> and {json}.", f"Let me edit.\n{call_text}", call_text + call_text):
+        assert walk(compiler, grammar, ok_text)[0], ok_text
+    for bad in ("<tool_call>\n<function=nope>", "<tool_call>\n<function=edit>\n<parameter=line>\n",
+                "<tool_call>\nplain words"):
+        assert not walk(compiler, grammar, bad)[0], bad
+    none = no_call_grammar(compiler, "xml_function")
+    assert none is not None and not walk(compiler, none, "text " + call_text)[0]

@@ -25,6 +25,11 @@ _QUOTE = 1e3  # added where it holds a quote: the one closer inside a string
 FORMAT_ENDINGS = ('2000-01-01T00:00:00Z"', '2000-01-01"', '00:00:00Z"', 'P0D"', '::"', ':"', '@a"', 'a"', '0"',
                   '0D"', 'a:"', 'a@a"', '.a"', 'a.a"')
 
+# Closing markup of a value that is free text (the XML tool-call markup's string parameters):
+# tried first wherever it fits, since a free-text value takes any token, closers included, and
+# the walk would extend it to the cap. Never inside a JSON string, which holds no raw newline.
+MARKUP_ENDINGS = ("\n</parameter>\n",)
+
 
 class Planner:
     """Shortest-completion search over one tokenizer's vocabulary, driven by the matcher.
@@ -63,6 +68,7 @@ class Planner:
         self._lltok = lltok
         # fewest tokens first: where several fit, the shortest is the plan's
         self._endings = sorted((list(lltok.tokenize_bytes(text.encode())) for text in FORMAT_ENDINGS), key=len)
+        self._markup = [list(lltok.tokenize_bytes(text.encode())) for text in MARKUP_ENDINGS]
         self.eos = [int(t) for t in getattr(lltok, "eos_tokens", None) or [lltok.eos_token]]
 
     def choices(self, m: Any, k: int) -> list[int]:
@@ -96,6 +102,9 @@ class Planner:
             if forced:
                 return [list(forced)]
             picks = [[t] for t in self.choices(m, branch)]
+            markup = [e for e in self._markup if m.validate_tokens(e) == len(e)]
+            if markup:
+                return markup + picks
             if picks and self.score[picks[0][0]] >= _CLOSER + _QUOTE:
                 return picks
             return [e for e in self._endings if m.validate_tokens(e) == len(e)] + picks

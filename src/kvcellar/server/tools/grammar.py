@@ -6,10 +6,15 @@ The output must be exactly what the model family's parser reads back as calls, w
 * ``hermes`` (and the fallback format): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   blocks separated by a newline when parallel calls are allowed;
 * ``llama3``: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
-* ``mistral``: the ``[TOOL_CALLS]`` special token, then a JSON array of ``{"name", "arguments"}``.
+* ``mistral``: the ``[TOOL_CALLS]`` special token, then a JSON array of ``{"name", "arguments"}``;
+* ``xml_function`` (Qwen3-Coder, Qwen3.5): ``<tool_call>\n<function=NAME>\n``, then per parameter
+  ``<parameter=P>\nVALUE\n</parameter>\n`` in the schema's order (required ones always,
+  others optional), then ``</function>\n</tool_call>``; a string value is free text up to its
+  closing tag (one of its ``enum`` where it has one), any other value JSON valid against its
+  schema.
 
-With ``tool_choice: "auto"`` the model decides; for the Hermes markup (and so the fallback
-format) ``auto_call_grammar`` still keeps what it decides well-formed: text is free, but
+With ``tool_choice: "auto"`` the model decides; for the Hermes and XML markups (and so the
+fallback format) ``auto_call_grammar`` still keeps what it decides well-formed: text is free, but
 once ``<tool_call>`` appears (a lazy trigger: it matches wherever the text contains it),
 the block must be a valid call followed by ``</tool_call>``.
 
@@ -89,6 +94,10 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
             raise InvalidRequestError("this model's tokenizer has no [TOOL_CALLS] token", param="tool_choice")
         body = json.dumps(_call_schema(tools, "arguments"))
         lark = f"start: <[{mistral_token_id}]> {_lit('[')} {calls(', ')} {_lit(']')}\ncall: %json {body}\n"
+    elif family == "xml_function":
+        lark = (f"start: {calls(chr(10))}\n"
+                f"call: {_lit('<tool_call>' + chr(10))} function {_lit('</tool_call>')}\n"
+                + _xml_functions(tools))
     else:  # hermes and the fallback format
         body = json.dumps(_call_schema(tools, "arguments"))
         lark = (f"start: {calls(chr(10))}\n"
@@ -97,10 +106,53 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
     return compiler.lark(lark, param="tools", description=f"tool_call:{family}")
 
 
+def _xml_functions(tools: Sequence[dict[str, Any]], relaxed: frozenset[int] = frozenset()) -> str:
+    """The ``function`` rule of the XML markup (and its parts): one branch per tool; the
+    tools in ``relaxed`` (indexes) take any parameters with text values."""
+    rules = [f"function: {' | '.join(f'function{i}' for i in range(len(tools)))}",
+             # A string value: any text up to the first closing tag, where the parser ends it too
+             # (a lazy lexeme ends there); the template's newline before the tag is the value's.
+             f"text_value[lazy]: /(.|\\n)*/ {_lit('</parameter>')}"]
+    for i, tool in enumerate(tools):
+        head = _lit(f"<function={tool['function']['name']}>\n")
+        if i in relaxed:
+            rules.append(f"function{i}: {head} any_parameter* {_lit('</function>' + chr(10))}")
+            continue
+        schema = parameters_of(tool)
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        parts = []
+        for j, (name, prop) in enumerate(properties.items()):
+            rule = f"p{i}_{j}"
+            rules.append(f"{rule}: {_lit(f'<parameter={name}>' + chr(10))} {_xml_value(schema, prop)}")
+            parts.append(rule if name in required else f"{rule}?")
+        rules.append(f"function{i}: {head} {' '.join(parts)} {_lit('</function>' + chr(10))}")
+    if relaxed:
+        rules.append(f"any_parameter: {_lit('<parameter=')} /[^>\\n]+/ {_lit('>' + chr(10))} text_value "
+                     f"{_lit(chr(10))}")
+    return "\n".join(rules) + "\n"
+
+
+def _xml_value(root: dict[str, Any], prop: Any) -> str:
+    """A parameter's value and closing tag: text for a string, else JSON of its schema."""
+    prop = prop if isinstance(prop, dict) else {}
+    enum = prop.get("enum")
+    if prop.get("type") == "string" or (isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum)):
+        if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+            options = " | ".join(_lit(e) for e in enum)
+            return f"({options}) {_lit(chr(10) + '</parameter>' + chr(10))}"
+        return f"text_value {_lit(chr(10))}"
+    defs = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
+    slot = standalone({**prop, **defs})
+    return f"%json {json.dumps({**slot, 'x-guidance': LENIENT_JSON_STYLE})} {_lit(chr(10) + '</parameter>' + chr(10))}"
+
+
 def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]]) -> Grammar | None:
     """Free text with well-formed calls, or None where the family has no such grammar
     (llama3 and mistral outputs are parsed only). Never fails for a tool's schema: one the
-    engine cannot compile takes any JSON object."""
+    engine cannot compile takes any JSON object (any parameters, in the XML markup)."""
+    if family == "xml_function":
+        return _auto_xml(compiler, tools)
     if family != "hermes":
         return None
     relaxed = set()
@@ -124,11 +176,33 @@ def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[di
         return None
 
 
+def _auto_xml(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> Grammar | None:
+    relaxed = set()
+    for i, tool in enumerate(tools):
+        try:
+            compiler.lark(f"start: function\n{_xml_functions([tool])}", param="tools",
+                          description="tool_call_check:xml_function")
+        except InvalidRequestError as exc:
+            log.warning("tool %r: its calls are kept well-formed markup only: %s", tool["function"]["name"], exc)
+            relaxed.add(i)
+    lark = ("%llguidance {}\n"
+            "start: call* TEXT\n"
+            f"call: call_trigger {_lit(chr(10))} function {_lit('</tool_call>')}\n"
+            f"call_trigger[lazy]: TEXT {_lit('<tool_call>')}\n"
+            + _xml_functions(tools, frozenset(relaxed)) +
+            "TEXT: /(.|\\n)*/\n")
+    try:
+        return compiler.lark(lark, param="tools", description="tool_call_auto:xml_function", steer_to_end=False)
+    except InvalidRequestError as exc:
+        log.warning("tools: calls are parsed only, the grammar engine cannot combine their schemas: %s", exc)
+        return None
+
+
 def no_call_grammar(compiler: GrammarCompiler, family: str) -> Grammar | None:
     """``tool_choice: "none"`` with the tools still in the prompt (so the cached prefix is the
     one ``auto`` requests share): free text that never holds the call marker, or None where the
     family's markup is not plain text (llama3, mistral)."""
-    if family != "hermes":
+    if family not in ("hermes", "xml_function"):
         return None
     lark = "start: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n"
     return compiler.lark(lark, param="tool_choice", description=f"no_tool_call:{family}", steer_to_end=False)
