@@ -191,15 +191,16 @@ def moe_q4_k_m_types(name: str) -> str:
 @functools.cache
 def moe_gguf() -> Path:
     """A small random-weight qwen3moe GGUF (the architecture of Qwen3-30B-A3B and
-    Qwen3-Coder-30B-A3B: 8 experts of 256, 2 routed a token, q/k norms; ``moe_q4_k_m_types``),
-    written once per test process with the ``gguf`` package, removed at exit."""
-    from tests.artifacts.gguf_files import write_gguf
+    Qwen3-Coder-30B-A3B: 8 experts of 256, 2 routed a token, q/k norms; ``moe_q4_k_m_types``;
+    Qwen3-Coder's tool markup in its chat template), written once per test process with the
+    ``gguf`` package, removed at exit."""
+    from tests.artifacts.gguf_files import QWEN3_CODER_TEMPLATE, write_gguf
 
     folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-moe-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return write_gguf(folder / "tiny-qwen3moe.gguf", arch="qwen3moe", seed=7, hidden=256, layers=3, heads=4,
                       kv_heads=2, experts=8, experts_used=2, expert_ffn=256, types=moe_q4_k_m_types, context=4096,
-                      head_scale=0.5)
+                      head_scale=0.5, chat_template=QWEN3_CODER_TEMPLATE)
 
 
 @functools.cache

@@ -19,6 +19,68 @@ import numpy as np
 
 from tests.artifacts.helpers import CHAT_TEMPLATE
 
+# A chat template with Qwen3-Coder's tool markup (tools listed as XML in the system turn, calls
+# as ``<function=NAME><parameter=P>`` blocks, results as ``<tool_response>``), written for the
+# tests in the same shape as the model's own.
+QWEN3_CODER_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You have access to the following functions:
+
+<tools>
+{%- for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}
+<function>
+<name>{{ f.name }}</name>
+<description>{{ f.description | default('') }}</description>
+<parameters>
+{%- for name, p in (f.parameters.properties | default({})) | items %}
+<parameter>
+<name>{{ name }}</name>
+<type>{{ p.type | default('string') }}</type>
+</parameter>
+{%- endfor %}
+</parameters>
+</function>
+{%- endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format:
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}
+{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}
+{% endif %}
+{%- for tc in m.tool_calls %}{% set c = tc.function if tc.function is defined else tc %}<tool_call>
+<function={{ c.name }}>
+{% for k, v in c.arguments | items %}<parameter={{ k }}>
+{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 # transformers reads neither expert size from a qwen2moe file: its config defaults.
 MOE_FFN, MOE_SHARED_FFN = 1408, 5632
 
@@ -35,15 +97,15 @@ def q4_k_m_types(name: str) -> str:
 def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
                types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05, expert_ffn: int = 256,
-               experts_used: int = 2, context: int = 256) -> Path:
+               experts_used: int = 2, context: int = 256, chat_template: str = CHAT_TEMPLATE) -> Path:
     """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
     (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
     ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
     ``experts``: per MoE layer, ``experts_used`` of them routed a token, each of ``expert_ffn``
     (qwen3moe; qwen2moe's are transformers' defaults, ``MOE_FFN``); ``context``: the
-    context length it declares; ``head_scale``: the deviation of the output matrix (the
-    embedding if tied): random weights give near-uniform logits, a larger scale sharper
-    ones, so that greedy tokens are no near-ties."""
+    context length it declares; ``chat_template``: the one it carries; ``head_scale``: the
+    deviation of the output matrix (the embedding if tied): random weights give near-uniform
+    logits, a larger scale sharper ones, so that greedy tokens are no near-ties."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -85,7 +147,7 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     w.add_bos_token_id(len(tokens) - 2)
     w.add_eos_token_id(len(tokens) - 1)
     w.add_pad_token_id(len(tokens) - 1)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     def tensor(name: str, shape: tuple[int, ...], scale: float = 0.05) -> None:
         data = (rng.standard_normal(shape) * scale).astype(np.float32)

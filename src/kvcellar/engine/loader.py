@@ -368,7 +368,11 @@ def requested_mode(weights: str, source: ModelSource) -> str:
 def linear_kernels(model: Any) -> dict[str, int]:
     """Which kernel runs the linears of a model the engine prepared (``linears.prepare_model``),
     for ``/health``: how many run their int4 / int8 kernel (for every step; ``lean``: keeping no
-    dense copy), how many run dense weights. Empty before the engine prepared the model."""
+    dense copy), how many run dense weights; of a mixture-of-experts model, how many of them
+    are experts' and which kernels those run (``experts_int4`` ...). Empty before the engine
+    prepared the model."""
+    from kvcellar.engine.experts import moe_blocks
+
     prepared = getattr(model, "_kvcellar_prepared", None)
     if prepared is None:
         return {}
@@ -376,6 +380,10 @@ def linear_kernels(model: Any) -> dict[str, int]:
     for linear in prepared.linears:
         counts[linear.quant_kind or "dense"] += 1
         counts["lean"] += int(linear.lean)
+    for block in moe_blocks(model):
+        for linear in (*block.gate_up, *block.down):
+            kind = f"experts_{getattr(linear, 'quant_kind', None) or 'dense'}"
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 
