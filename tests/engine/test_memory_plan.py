@@ -84,3 +84,18 @@ def test_serve_refuses_before_loading_and_models_plan_says_why(tmp_path):
     assert refused.returncode != 0
     assert "will not fit" in refused.stderr and "--max-memory-gb is 1.5 GB" in refused.stderr
     assert not (tmp_path / "models").exists() or not any((tmp_path / "models").rglob("*.safetensors"))
+
+
+def test_the_plan_of_a_mixture_of_experts_gguf_is_what_the_engine_holds():
+    """The experts count as linears (quantized: their int4/int8 bytes, not float32's)."""
+    from tests._models import moe_gguf, served_moe
+
+    loaded = served_moe("auto")
+    plan = plan_memory(resolve_source(str(moe_gguf())), loaded.weights, loaded.dtype, 0)
+    assert plan.linear_params > 0.9 * (plan.linear_params + plan.other_params)  # experts are most of it
+    engine = make_engine(loaded)
+    linears = sum(m.nbytes for m in engine.runner.linears.linears)
+    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
+    held = linears + rest
+    assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
+    engine.shutdown(10)

@@ -31,8 +31,10 @@ OVERHEAD_BYTES = 1 * GIB
 # Bytes a weight of a decoder linear keeps, by mode (full: the dtype's size).
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                 "ffn_gate_up")
+                 "ffn_gate_up", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A MoE block's experts, stacked (engine/experts.py serves them as linears).
+_HF_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def _hf_param_counts(folder: Path) -> tuple[int, int, int, bool]:
             n = 1
             for d in meta["shape"]:
                 n *= int(d)
-            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _HF_LINEARS:
+            if (name.endswith(".weight") and name.rsplit(".", 2)[-2] in _HF_LINEARS) or name.endswith(_HF_EXPERTS):
                 linear += n
             elif name == "lm_head.weight":
                 head += n
