@@ -142,7 +142,7 @@ def _xml_value(root: dict[str, Any], prop: Any) -> str:
             options = " | ".join(_lit(e) for e in enum)
             return f"({options}) {_lit(chr(10) + '</parameter>' + chr(10))}"
         return f"text_value {_lit(chr(10))}"
-    defs = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
+    defs: dict[str, Any] = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
     slot = standalone({**prop, **defs})
     return f"%json {json.dumps({**slot, 'x-guidance': LENIENT_JSON_STYLE})} {_lit(chr(10) + '</parameter>' + chr(10))}"
 
