@@ -1,7 +1,10 @@
 """A 7-8B 4-bit GGUF served by kvcellar beside llama.cpp's own ``llama-server`` (issue 25).
 
-Writes a GGUF with the real shapes of Qwen2.5-7B (``--arch qwen2``, the default) or
-Llama-3.1-8B (``--arch llama``) and random weights, then measures both servers on that very
+Writes a GGUF with the real shapes of Qwen2.5-7B (``--arch qwen2``, the default),
+Llama-3.1-8B (``--arch llama``) or the mixture-of-experts Qwen3-30B-A3B / Qwen3-Coder-30B-A3B
+(``--arch qwen3moe``: 128 experts of 768, 8 routed a token, q/k norms; ~17 GB in Q4_K with
+``--mix q4_k_m``, whose ``ffn_down_exps`` are Q6_K in llama.cpp's "more bits" layers) and
+random weights, then measures both servers on that very
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
 
@@ -93,7 +96,7 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # GGUF architecture: qwen2 (q/k/v biases) or llama
+    arch: str  # GGUF architecture: qwen2 (q/k/v biases), llama or qwen3moe (q/k norms, experts)
     hidden: int
     ffn: int
     layers: int
@@ -104,16 +107,21 @@ class Shape:
     rms_eps: float
     context: int
     name: str
+    experts: int = 0  # per layer, each of ``ffn`` (a MoE shape has no dense MLP)
+    experts_used: int = 0
+    head_size: int = 0  # where it is not hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 SHAPES = {
     "qwen2": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 1e6, 1e-6, 32768, "Qwen2.5-7B-shaped"),
     # Llama-3.1's rope scaling (rope_freqs) is left out: RoPE frequencies do not change the cost.
     "llama": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 5e5, 1e-5, 32768, "Llama-3.1-8B-shaped"),
+    "qwen3moe": Shape("qwen3moe", 2048, 768, 48, 32, 4, 151936, 1e7, 1e-6, 40960, "Qwen3-30B-A3B-shaped",
+                      experts=128, experts_used=8, head_size=128),
 }
 SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
 
@@ -148,20 +156,30 @@ def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple
     """(GGUF name, numpy shape (rows, cols), type) in the order llama.cpp's converter writes them.
     ``mix``: q4_0 (every linear and the embedding Q4_0) or q4_k_m (Q4_K, with attn_v and
     ffn_down in Q6_K in llama.cpp's "more bits" layers)."""
-    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
     four = "Q4_0" if mix == "q4_0" else "Q4_K"
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
     for i in range(shape.layers):
         b = f"blk.{i}."
         wide = "Q6_K" if mix == "q4_k_m" and more_bits(i, shape.layers) else four
         plan += [(b + "attn_norm.weight", (h,), "F32"),
-                 (b + "attn_q.weight", (h, h), four), (b + "attn_k.weight", (kv, h), four),
+                 (b + "attn_q.weight", (q, h), four), (b + "attn_k.weight", (kv, h), four),
                  (b + "attn_v.weight", (kv, h), wide)]
         if shape.arch == "qwen2":
             plan += [(b + "attn_q.bias", (h,), "F32"), (b + "attn_k.bias", (kv,), "F32"),
                      (b + "attn_v.bias", (kv,), "F32")]
-        plan += [(b + "attn_output.weight", (h, h), four), (b + "ffn_norm.weight", (h,), "F32"),
-                 (b + "ffn_gate.weight", (shape.ffn, h), four), (b + "ffn_up.weight", (shape.ffn, h), four),
+        if shape.arch == "qwen3moe":
+            plan += [(b + "attn_q_norm.weight", (shape.head_dim,), "F32"),
+                     (b + "attn_k_norm.weight", (shape.head_dim,), "F32")]
+        plan += [(b + "attn_output.weight", (h, q), four), (b + "ffn_norm.weight", (h,), "F32")]
+        if shape.experts:
+            e = shape.experts
+            plan += [(b + "ffn_gate_inp.weight", (e, h), "F32"),
+                     (b + "ffn_gate_exps.weight", (e, shape.ffn, h), four),
+                     (b + "ffn_up_exps.weight", (e, shape.ffn, h), four),
+                     (b + "ffn_down_exps.weight", (e, h, shape.ffn), wide)]
+            continue
+        plan += [(b + "ffn_gate.weight", (shape.ffn, h), four), (b + "ffn_up.weight", (shape.ffn, h), four),
                  (b + "ffn_down.weight", (h, shape.ffn), wide)]
     plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
     return plan
@@ -205,6 +223,13 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_rope_dimension_count(shape.head_dim)
     w.add_vocab_size(shape.vocab)
+    if shape.head_size:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.ffn)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     tokens, types = tokenizer_tokens(shape.vocab)
     w.add_tokenizer_model("gpt2")
@@ -222,18 +247,21 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
     plan = tensor_plan(shape, output_type, mix)
     for name, dims, kind in plan:
         if kind == "F32":
-            w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
             per, nbytes = BLOCKS[kind]
-            byte_dims = (dims[0], dims[1] // per * nbytes)
-            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), byte_dims[0] * byte_dims[1],
+            byte_dims = (*dims[:-1], dims[-1] // per * nbytes)
+            w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), int(np.prod(byte_dims)),
                               raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, dims, kind in plan:
         if kind != "F32":
-            w.write_tensor_data(random_blocks(rng, dims[0], dims[1], kind))
+            rows = int(np.prod(dims[:-1]))
+            w.write_tensor_data(random_blocks(rng, rows, dims[-1], kind).reshape(*dims[:-1], -1))
+        elif len(dims) == 2:  # a router: logits of std ~1, so that tokens spread over the experts
+            w.write_tensor_data((rng.standard_normal(dims) * (1 / dims[1] ** 0.5)).astype(np.float32))
         elif name.endswith(".bias"):
             w.write_tensor_data((rng.standard_normal(dims[0]) * WEIGHT_STD).astype(np.float32))
         else:  # norms: ~1
@@ -631,7 +659,8 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2", help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B")
+    p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2",
+                   help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B")
     p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run: " + json.dumps(SMALL))
     for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
