@@ -5,7 +5,7 @@ whose chat template writes Qwen3-Coder's tool markup, under the default weights 
 a call forced in that markup on each API is valid against its tool's schema; turn 2 of a
 conversation (system + tools + the call and its result fed back) reads at least 80 % of its
 prompt from the cache, in the same server and after a restart (from the SSD), and gives what
-a server without any cache gives."""
+the same computed cold gives (a request whose cache salt no block carries)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import pytest
 
 from tests._models import moe_gguf
 from tests.helpers import ServerProcess
@@ -62,27 +61,19 @@ def chat(server: ServerProcess, messages: list[dict[str, Any]], **kwargs: Any) -
                                                    **kwargs)
 
 
-@pytest.fixture(scope="module")
-def uncached(tmp_path_factory: pytest.TempPathFactory, models_dir: Path):
-    server = serve(tmp_path_factory.mktemp("uncached"), "--no-prefix-caching", "--ssd-policy", "off",
-                   models_dir=models_dir)
-    yield server
-    server.stop()
-
-
-def test_forced_calls_in_qwen3_coders_markup_on_every_api(uncached: ServerProcess) -> None:
-    health = uncached.health()
+def forced_calls_on_every_api(server: ServerProcess) -> None:
+    health = server.health()
     experts = sum(v for k, v in health["linears"].items() if k.startswith("experts_"))
     assert experts == 3 * 8 * 2  # every layer's 8 experts, a gate-up and a down linear each
     if health["weights"] != "full":
         assert health["linears"][f"experts_{health['weights']}"] == experts
-    r = chat(uncached, first_turn(), tool_choice="required", max_tokens=FORCED_TOKENS)
+    r = chat(server, first_turn(), tool_choice="required", max_tokens=FORCED_TOKENS)
     assert r.choices[0].finish_reason == "tool_calls", r
     ((call),) = r.choices[0].message.tool_calls
     valid(call.function.name, call.function.arguments)
     assert r.choices[0].message.content is None
 
-    named = uncached.client().responses.create(
+    named = server.client().responses.create(
         model=MODEL, input=ASK, instructions=SYSTEM, temperature=0, max_output_tokens=FORCED_TOKENS,
         tools=[{"type": "function", **t["function"]} for t in TOOLS],
         tool_choice={"type": "function", "name": "edit_file"})
@@ -92,7 +83,7 @@ def test_forced_calls_in_qwen3_coders_markup_on_every_api(uncached: ServerProces
 
     import anthropic
 
-    client = anthropic.Anthropic(base_url=uncached.url, api_key="unused", max_retries=0)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     message = client.messages.create(
         model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": ASK}], max_tokens=FORCED_TOKENS,
         extra_body={"temperature": 0}, tool_choice={"type": "any"},
@@ -103,11 +94,12 @@ def test_forced_calls_in_qwen3_coders_markup_on_every_api(uncached: ServerProces
     valid(uses[0].name, uses[0].input)
 
 
-def test_turn_two_reads_its_prompt_from_the_cache_and_after_a_restart(tmp_path: Path, models_dir: Path,
-                                                                      uncached: ServerProcess) -> None:
+def test_forced_calls_and_turn_two_from_the_cache_in_the_server_and_after_a_restart(tmp_path: Path,
+                                                                                    models_dir: Path) -> None:
     cache = tmp_path / "cache"
     server = serve(cache, models_dir=models_dir)
     try:
+        forced_calls_on_every_api(server)
         r1 = chat(server, first_turn(), tool_choice="required", max_tokens=FORCED_TOKENS)
         ((call),) = r1.choices[0].message.tool_calls
         turn2 = second_turn(call.id, call.function.name, call.function.arguments)
@@ -120,10 +112,11 @@ def test_turn_two_reads_its_prompt_from_the_cache_and_after_a_restart(tmp_path: 
         again = chat(restarted, turn2, max_tokens=8)
         assert again.usage.prompt_tokens_details.cached_tokens >= 0.8 * again.usage.prompt_tokens
         assert restarted.health()["tiers"]["ssd"]["counters"]["ssd_load_hits"] > 0
+        # Computed cold: a salt no cached block carries (what a server without a cache computes).
+        reference = chat(restarted, turn2, max_tokens=8, extra_body={"cache_salt": "uncached reference"})
+        assert reference.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         assert restarted.stop() == 0
-    reference = chat(uncached, turn2, max_tokens=8)
-    assert reference.usage.prompt_tokens_details.cached_tokens == 0
     for got in (r2, again):
         assert got.choices[0].message.content == reference.choices[0].message.content
         assert got.choices[0].message.tool_calls == reference.choices[0].message.tool_calls
