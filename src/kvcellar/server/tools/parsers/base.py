@@ -291,6 +291,48 @@ class ToolParser(ABC):
         return out
 
 
+class BlockParser(ToolParser):
+    """A family whose calls sit in ``OPEN ... CLOSE`` blocks among the text (Hermes, the XML
+    markup): what follows a call's end, and what becomes of a block that is no call."""
+
+    OPEN: ClassVar[str]
+    CLOSE: ClassVar[str]
+
+    def _next_after_call(self, final: bool) -> str | None:
+        """After a call's end: its ``CLOSE`` (consumed) or the next ``OPEN`` leads back to
+        ``"content"``, anything else to ``"swallow"``; None while more text may decide."""
+        self._skip_ws(hold=False)
+        if not self._buf:
+            return None
+        closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
+        if closing is _Literal.MATCH:
+            self._consume(len(self.CLOSE), hold=False)
+            return "content"
+        if opening is _Literal.MATCH:
+            return "content"
+        if _Literal.PARTIAL in (closing, opening):
+            return None
+        return "swallow"
+
+    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
+        """Pass the rest of a block that is not (or no longer) a call, up to and including its
+        ``CLOSE``, or up to an ``OPEN`` that opens the next block, whichever comes first.
+        True when the block's end was found; otherwise holds back a tail that may be either tag."""
+        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
+        found = close >= 0 or open_ >= 0
+        if open_ >= 0 and (close < 0 or open_ < close):
+            end = open_
+        elif close >= 0:
+            end = close + len(self.CLOSE)
+        else:
+            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
+            end = len(self._buf) - keep
+        passed = self._consume(end, hold=False)
+        if keep_text:
+            self._content(passed)
+        return found
+
+
 def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
     """Rebuild a whole output from its stream: content concatenated, calls joined by index."""
     content = "".join(d.content for d in deltas)

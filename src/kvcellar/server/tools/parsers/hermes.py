@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
-from kvcellar.server.tools.parsers.base import ToolParser, _CallObject, _Literal, _partial_tail, _Status
+from kvcellar.server.tools.parsers.base import BlockParser, _CallObject, _Status
 
 
-class HermesParser(ToolParser):
+class HermesParser(BlockParser):
     """Hermes, Qwen2/2.5/3 and kvcellar's fallback format: any number of
     ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` blocks anywhere in the output
     (whitespace inside the tags optional); the text around them is content.
@@ -44,42 +44,15 @@ class HermesParser(ToolParser):
                 self._release_held()
             self._state = {_Status.DONE: "close", _Status.INVALID: "invalid", _Status.MALFORMED: "swallow"}[status]
         elif state == "close":
-            self._skip_ws(hold=False)
-            if not self._buf:
+            after = self._next_after_call(final)
+            if after is None:
                 return False
-            closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
-            if closing is _Literal.MATCH:
-                self._consume(len(self.CLOSE), hold=False)
-                self._state = "content"
-            elif opening is _Literal.MATCH:
-                self._state = "content"
-            elif _Literal.PARTIAL in (closing, opening):
-                return False
-            else:
-                self._state = "swallow"
+            self._state = after
         else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
             if not self._finish_block(keep_text=state == "invalid", final=final):
                 return False
             self._state = "content"
         return True
-
-    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
-        """Pass the rest of a block that is not (or no longer) a call, up to and including its
-        ``</tool_call>``, or up to a ``<tool_call>`` that opens the next block, whichever comes first.
-        True when the block's end was found; otherwise holds back a tail that may be either tag."""
-        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
-        found = close >= 0 or open_ >= 0
-        if open_ >= 0 and (close < 0 or open_ < close):
-            end = open_
-        elif close >= 0:
-            end = close + len(self.CLOSE)
-        else:
-            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
-            end = len(self._buf) - keep
-        passed = self._consume(end, hold=False)
-        if keep_text:
-            self._content(passed)
-        return found
 
     def _end(self) -> None:
         if self._state == "object" and self._obj.end() is _Status.INVALID:

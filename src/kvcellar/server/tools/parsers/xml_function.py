@@ -6,7 +6,7 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
-from kvcellar.server.tools.parsers.base import ToolParser, _Literal, _partial_tail
+from kvcellar.server.tools.parsers.base import BlockParser, _Literal
 
 # Longest function or parameter name read before a tag is taken for text.
 _MAX_NAME = 256
@@ -40,7 +40,7 @@ def parameter_value(raw: str, schema: Mapping[str, Any] | None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-class XmlFunctionParser(ToolParser):
+class XmlFunctionParser(BlockParser):
     """Qwen3-Coder and Qwen3.5: any number of blocks
 
     ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``
@@ -118,19 +118,10 @@ class XmlFunctionParser(ToolParser):
                 self._close_call()
             self._state = "parameters" if i >= 0 else "content"
         elif state == "close":
-            self._skip_ws(hold=False)
-            if not self._buf:
+            after = self._next_after_call(final)
+            if after is None:
                 return False
-            closing, opening = self._literal(self.CLOSE, final), self._literal(self.OPEN, final)
-            if closing is _Literal.MATCH:
-                self._consume(len(self.CLOSE), hold=False)
-                self._state = "content"
-            elif opening is _Literal.MATCH:
-                self._state = "content"
-            elif _Literal.PARTIAL in (closing, opening):
-                return False
-            else:
-                self._state = "swallow"
+            self._state = after
         else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
             if not self._finish_block(keep_text=state == "invalid", final=final):
                 return False
@@ -167,23 +158,6 @@ class XmlFunctionParser(ToolParser):
         if self._written:
             self._args("}")
         self._end_call()
-
-    def _finish_block(self, *, keep_text: bool, final: bool) -> bool:
-        """The rest of a block that is not (or no longer) a call, up to and including its
-        ``</tool_call>``, or up to a ``<tool_call>`` opening the next one; True when found."""
-        close, open_ = self._buf.find(self.CLOSE), self._buf.find(self.OPEN)
-        found = close >= 0 or open_ >= 0
-        if open_ >= 0 and (close < 0 or open_ < close):
-            end = open_
-        elif close >= 0:
-            end = close + len(self.CLOSE)
-        else:
-            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
-            end = len(self._buf) - keep
-        passed = self._consume(end, hold=False)
-        if keep_text:
-            self._content(passed)
-        return found or final
 
     def _end(self) -> None:
         if self._state == "function":
