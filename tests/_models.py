@@ -212,6 +212,20 @@ def served_moe(weights: str = "auto") -> LoadedModel:
                             artifacts=ArtifactCache(shared_models_dir()))
 
 
+def tiered(model: LoadedModel, root: Path, policy: str = "write_through", tier_config: Any = None,
+           **overrides: Any) -> Engine:
+    """An engine (``make_engine``) over an SSD tier at ``root`` (no free-space floor unless
+    ``tier_config`` says otherwise): another one over the same ``root`` is a restart."""
+    from kvcellar.storage.disk.config import DiskConfig
+    from kvcellar.storage.disk.tier import DiskTier
+
+    engine = make_engine(model, **overrides)
+    cfg = tier_config or DiskConfig(min_free_bytes=0)
+    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, cfg, descriptor=engine.descriptor),
+                       policy)
+    return engine
+
+
 def expected_cached(prompt_len: int, common: int, computed: int | None = None, block_size: int = 16) -> int:
     """Prompt tokens a prefix hit reuses: the whole blocks of the shared prefix (``common``
     tokens, of which ``computed`` hold KV), except that the last prompt token is always

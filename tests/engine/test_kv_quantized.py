@@ -22,8 +22,6 @@ import torch
 from kvcellar.cache.kv_pool import KVLayout, KVPool, dequantize_kv, quantize_kv
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.engine import SamplingParams, native, observability
-from kvcellar.storage.disk.config import DiskConfig
-from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     TEST_DEVICE,
     assert_equivalent_output,
@@ -31,6 +29,7 @@ from tests._models import (
     chat_ids,
     expected_cached,
     make_engine,
+    tiered,
     uncached_runner,
     without_native_kernels,
 )
@@ -175,15 +174,9 @@ def test_preemption_under_a_small_quantized_pool_gives_the_same_tokens(model) ->
 
 
 def test_ssd_restart_serves_8bit_blocks_and_another_setting_starts_empty(model, tmp_path: Path) -> None:
-    def tiered(bits: int):
-        engine = make_engine(model, kv_bits=bits)
-        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
-                                    descriptor=engine.descriptor), "write_through")
-        return engine
-
     prompt = chat_ids(model, "How many books can I borrow at once?", SYSTEM)
     uncached = uncached_runner(model, GREEDY, kv_bits=8)
-    first = tiered(8)
+    first = tiered(model, tmp_path, kv_bits=8)
     a = first.generate([prompt], GREEDY)[0]
     assert_equivalent_output(a, uncached(prompt), *TOLERANCE[8])
     assert first.shutdown(30)
@@ -192,7 +185,7 @@ def test_ssd_restart_serves_8bit_blocks_and_another_setting_starts_empty(model, 
     (eight_dir, eight_files), = dirs.items()
     assert eight_files and all(f.stat().st_size <= 4096 + 0.53 * 46_080 * BS for f in eight_files)  # float32 KV
 
-    restarted = tiered(8)  # empty RAM: the prefix comes from the SSD, 8-bit blocks as they are
+    restarted = tiered(model, tmp_path, kv_bits=8)  # empty RAM: the prefix comes from the SSD, 8-bit blocks as they are
     b = restarted.generate([prompt], GREEDY)[0]
     assert b.num_cached_tokens == expected_cached(len(prompt), len(prompt))
     assert b.cached_tokens_by_tier == {"ram": 0, "ssd": b.num_cached_tokens}
@@ -201,7 +194,7 @@ def test_ssd_restart_serves_8bit_blocks_and_another_setting_starts_empty(model, 
     assert b.token_ids == a.token_ids
     assert restarted.shutdown(30)
 
-    other = tiered(16)  # another setting: its own namespace, empty; the 8-bit one untouched
+    other = tiered(model, tmp_path, kv_bits=16)  # another setting: its own namespace, empty; the 8-bit one untouched
     c = other.generate([prompt], GREEDY)[0]
     assert c.num_cached_tokens == 0
     assert other.fingerprint != restarted.fingerprint
@@ -209,7 +202,7 @@ def test_ssd_restart_serves_8bit_blocks_and_another_setting_starts_empty(model, 
     assert sorted((tmp_path / eight_dir).rglob("*.kvb")) == eight_files
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
 
-    back = tiered(8)
+    back = tiered(model, tmp_path, kv_bits=8)
     assert back.generate([prompt], GREEDY)[0].num_cached_tokens == b.num_cached_tokens
     assert back.shutdown(30)
 

@@ -19,7 +19,6 @@ from kvcellar.runtime import attach_disk_tier
 from kvcellar.settings import Settings
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.disk.config import DiskConfig
-from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     assert_no_leaks,
     assert_same_output,
@@ -28,6 +27,7 @@ from tests._models import (
     expected_cached,
     make_engine,
     stand_in,
+    tiered,
     tiny_model,
 )
 from tests.helpers import wait_until
@@ -41,14 +41,6 @@ SYSTEM = ("You review pull requests for a payments company. Flag anything that t
 @pytest.fixture(scope="module")
 def model():
     return stand_in()
-
-
-def tiered(model, root: Path, policy: str = "write_through", tier_config: DiskConfig | None = None, **kw):
-    engine = make_engine(model, **kw)
-    cfg = tier_config or DiskConfig(min_free_bytes=0)
-    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, cfg, descriptor=engine.descriptor),
-                       policy)
-    return engine
 
 
 

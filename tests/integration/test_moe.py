@@ -22,8 +22,6 @@ from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.experts import RoutedExperts, Router, split_experts
 from kvcellar.engine.linears import prepare_model
 from kvcellar.quantization import quantize_model
-from kvcellar.storage.disk.config import DiskConfig
-from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     TEST_DEVICE,
     assert_identical_output,
@@ -36,6 +34,7 @@ from tests._models import (
     moe_gguf,
     reference_greedy,
     served_moe,
+    tiered,
     uncached_runner,
 )
 
@@ -250,16 +249,10 @@ def test_a_restart_serves_from_ssd_the_uncached_bits(tmp_path: Path):
     uncached = uncached_runner(loaded, PARAMS)
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS[:2]]
 
-    def tiered():
-        engine = make_engine(loaded, max_step_tokens=64)
-        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
-                                    descriptor=engine.descriptor), "write_through")
-        return engine
-
-    first = tiered()
+    first = tiered(loaded, tmp_path, max_step_tokens=64)
     first.generate([prompts[0]], PARAMS)
     assert first.shutdown(30)
-    second = tiered()
+    second = tiered(loaded, tmp_path, max_step_tokens=64)
     got = second.generate([prompts[0]], PARAMS)[0]
     assert got.cached_tokens_by_tier.get("ssd", 0) == expected_cached(len(prompts[0]), len(prompts[0]))
     assert_identical_output(got, uncached(prompts[0]))

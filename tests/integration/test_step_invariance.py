@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 
 from kvcellar.engine import SamplingParams, native
-from kvcellar.storage.disk.config import DiskConfig
-from kvcellar.storage.disk.tier import DiskTier
 from tests._models import (
     TEST_DEVICE,
     assert_equivalent_output,
@@ -28,6 +26,7 @@ from tests._models import (
     embedded,
     expected_cached,
     make_engine,
+    tiered,
     uncached_runner,
     without_native_kernels,
 )
@@ -84,16 +83,10 @@ def test_a_restart_serves_from_ssd_the_uncached_bits(tmp_path: Path):
     uncached = uncached_runner(loaded, PARAMS)
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS[:2]]
 
-    def tiered():
-        engine = make_engine(loaded, max_step_tokens=64)
-        engine.attach_tier(DiskTier(tmp_path, engine.fingerprint, engine.block_spec, DiskConfig(min_free_bytes=0),
-                                    descriptor=engine.descriptor), "write_through")
-        return engine
-
-    first = tiered()
+    first = tiered(loaded, tmp_path, max_step_tokens=64)
     first.generate([prompts[0]], PARAMS)
     assert first.shutdown(30)
-    second = tiered()  # empty RAM, the same directory
+    second = tiered(loaded, tmp_path, max_step_tokens=64)  # empty RAM, the same directory
     got = second.generate([prompts[0]], PARAMS)[0]  # all but the last token from the SSD
     assert got.cached_tokens_by_tier.get("ssd", 0) == expected_cached(len(prompts[0]), len(prompts[0]))
     assert_identical_output(got, uncached(prompts[0]))
