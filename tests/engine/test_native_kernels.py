@@ -3,6 +3,7 @@ arithmetic: 8-bit activation blocks times the int4/int8 weights."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 
@@ -119,6 +120,42 @@ def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols
     whole = native.matmul_int8(x, q.qweight, q.scales, THREADS)
     for start, end in ((0, 1), (1, 4), (4, 9), (9, 23)):
         assert torch.equal(native.matmul_int8(x[start:end], q.qweight, q.scales, 1), whole[start:end])
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize(("out", "cols"), [(40, 256), (33, 320)])
+def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out, cols):
+    """``moe_matmul`` runs a MoE layer's experts in one call: each expert's rows (none, one,
+    a tile and a tail, a panel's worth and more) get the bits its linear gives them alone,
+    so a token's numbers do not depend on which other tokens share its step or its experts."""
+    counts = [0, 1, 3, 0, 5, 8, 13, 0]
+    x = activations(sum(counts), cols)
+    if kind == "int4":
+        quants = [quantize_int4(torch.randn(out, cols, generator=torch.Generator().manual_seed(e)) * 0.05)
+                  for e in range(len(counts))]
+        parts = [(q.qweight, q.scales.half(), q.offsets.half()) for q in quants]
+        experts = native.expert_weights("int4", [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
+
+        def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
+            return native.matmul_int4(rows, *parts[e], 1)
+    else:
+        quants = [quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(e)) * 0.05)
+                  for e in range(len(counts))]
+        experts = native.expert_weights("int8", [q.qweight for q in quants], [q.scales for q in quants])
+
+        def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
+            return native.matmul_int8(rows, quants[e].qweight, quants[e].scales, 1)
+    starts = torch.tensor([0, *itertools.accumulate(counts)])
+    got = native.moe_matmul(x, experts, starts, THREADS)
+    assert got.shape == (sum(counts), out)
+    for e in range(len(counts)):
+        a, b = int(starts[e]), int(starts[e + 1])
+        if b > a:
+            assert torch.equal(got[a:b], alone(x[a:b], e)), e
+            assert torch.equal(got[a:a + 1], alone(x[a:a + 1], e)), e  # its first row in a step of its own
+    with pytest.raises(ValueError):
+        native.moe_matmul(x, experts, starts[:-1], THREADS)
 
 
 @needs_native

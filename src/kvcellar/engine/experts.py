@@ -13,7 +13,10 @@ hit computes a prompt's tail in a small step, a cold prompt in a large one):
 
 * an expert's rows run through its linears grouped by expert; kvcellar's kernels give each
   row the same bits whatever the group's size, and each token's routed outputs are summed
-  in its own top-k order, whatever other tokens share the step;
+  in its own top-k order, whatever other tokens share the step. Where every expert's
+  linears run kvcellar's kernels, all routed experts of a projection run in one native call
+  (``native.moe_matmul``: one wake-up of the threads a layer and projection, not one per
+  expert), with the numbers each expert's linear gives alone;
 * a router's logits are a float32 rounding of a float64 product, so the summation order a
   BLAS picks for the step's row count (one row: a matrix-vector product) does not reach
   them, and a near-tie between two experts cannot flip with the step.
@@ -23,12 +26,16 @@ A step reads each routed expert's weights once, however many of its tokens chose
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvcellar.engine import native
 
 
 class Router(nn.Module):
@@ -50,11 +57,16 @@ class Router(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.top_k, self.order, self.normalize = top_k, order, normalize
         self.num_experts, self.hidden_dim = weight.shape
+        # (the weight it was made from, its version, weight and bias in float64)
+        self._wide: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, self.hidden_dim).to(torch.float64)
-        bias = None if self.bias is None else self.bias.to(torch.float64)
-        return F.linear(h, self.weight.to(torch.float64), bias).to(torch.float32)
+        w = self.weight  # converted once, not every step (again where it was changed)
+        if self._wide is None or self._wide[0] is not w or self._wide[1] != w._version:
+            bias = None if self.bias is None else self.bias.to(torch.float64)
+            self._wide = (w, w._version, w.to(torch.float64), bias)
+        return F.linear(h, self._wide[2], self._wide[3]).to(torch.float32)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.logits(hidden)
@@ -95,6 +107,8 @@ class RoutedExperts(nn.Module):
         self.down = nn.ModuleList(down)
         self.glu = glu
         self.num_experts = len(gate_up)
+        self._fused_for: nn.Module | None = None
+        self._fused_plan: _Fused | None = None
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         tokens, k = index.shape
@@ -102,18 +116,72 @@ class RoutedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, k) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = hidden[order // k]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                end = start + n
-                out[start:end] = self.down[expert](self.glu(self.gate_up[expert](rows[start:end])))
-                start = end
+        fused = self._fused()
+        if fused is not None:
+            out = self._run_fused(fused, rows, flat[order], counts)
+        else:
+            out = torch.empty_like(rows)
+            start = 0
+            for expert, n in enumerate(counts):
+                if n:
+                    end = start + n
+                    out[start:end] = self.down[expert](self.glu(self.gate_up[expert](rows[start:end])))
+                    start = end
         slots = torch.empty_like(out)
         slots[order] = out
         # Summed over k in each token's own order, whatever else shares the step.
         weighted = slots.view(tokens, k, -1) * weights.to(out.dtype).unsqueeze(-1)
         return weighted.sum(dim=1)
+
+    def _fused(self) -> _Fused | None:
+        """Both projections of every expert as one call each (``native.moe_matmul``), where
+        every expert's linears run kvcellar's kernels; found once per set of linears (they are
+        replaced when ``linears.prepare_model`` prepares the model)."""
+        first = self.gate_up[0]
+        if self._fused_for is not first:
+            self._fused_for, self._fused_plan = first, _Fused.of(self)
+        return self._fused_plan
+
+    def _run_fused(self, fused: _Fused, rows: torch.Tensor, experts: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        starts = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+        threads = torch.get_num_threads()
+        dtype = rows.dtype
+        gate_up = native.moe_matmul(rows.float(), fused.gate_up, starts, threads).to(dtype)
+        if fused.gate_up_bias is not None:
+            gate_up = gate_up + fused.gate_up_bias[experts]
+        out = native.moe_matmul(self.glu(gate_up).float(), fused.down, starts, threads).to(dtype)
+        return out if fused.down_bias is None else out + fused.down_bias[experts]
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A ``RoutedExperts``' projections as ``native.moe_matmul`` takes them, and their biases
+    ``[experts, out]`` (or None)."""
+
+    gate_up: native.ExpertWeights
+    down: native.ExpertWeights
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, block: RoutedExperts) -> _Fused | None:
+        if not native.available():
+            return None
+        parts = []
+        for linears in (block.gate_up, block.down):
+            found = [getattr(m, "native_weight", lambda: None)() for m in linears]
+            if any(f is None for f in found) or len({(f[0], f[1].shape) for f in found}) != 1:
+                return None
+            kind = found[0][0]
+            experts = native.expert_weights(kind, [f[1] for f in found], [f[2] for f in found],
+                                            [f[3] for f in found] if kind == "int4" else None)
+            biases = [m.bias for m in linears]
+            if any(b is not None for b in biases) and any(b is None for b in biases):
+                return None
+            bias = torch.stack(biases) if biases[0] is not None else None
+            parts.append((experts, bias))
+        (gate_up, gate_up_bias), (down, down_bias) = parts
+        return cls(gate_up, down, gate_up_bias, down_bias)
 
 
 def _halves_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

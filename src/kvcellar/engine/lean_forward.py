@@ -10,9 +10,10 @@ Python per step. The linears are those ``engine/linears.py`` prepared (prepacked
 QKV and gate-up fused into one call each: the module path calls the same fused linear and
 slices it, so both paths still give the same numbers).
 
-Supported: the Llama and Qwen2 families (``SUPPORTED``), whose decoder layer is
-norm -> attention -> residual -> norm -> gated MLP -> residual. Anything else, or a model
-whose parts differ from what this file expects, runs through transformers' modules
+Supported: the Llama, Qwen2, Qwen3 and Qwen3-MoE families (``SUPPORTED``), whose decoder
+layer is norm -> attention -> residual -> norm -> gated MLP or routed experts -> residual
+(Qwen3's attention normalizes each query and key head before RoPE). Anything else, or a
+model whose parts differ from what this file expects, runs through transformers' modules
 (``lean_forward = false`` in ``[engine]``, or ``KVCELLAR_LEAN_FORWARD=0``, forces that).
 """
 
@@ -27,10 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
+from kvcellar.engine.experts import Router, RoutedExperts
 from kvcellar.engine.linears import FusedPart
 
 # CausalLM class -> the decoder layer class it must hold.
-SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer"}
+SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
+             "Qwen3ForCausalLM": "Qwen3DecoderLayer", "Qwen3MoeForCausalLM": "Qwen3MoeDecoderLayer"}
 
 
 def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -58,13 +61,16 @@ def fusion_groups(model: Any) -> list[tuple[str, list[str]]]:
     for i in range(len(model.model.layers)):
         path = f"model.layers.{i}"
         groups.append((f"{path}.self_attn.qkv", [f"{path}.self_attn.{p}_proj" for p in "qkv"]))
-        groups.append((f"{path}.mlp.gate_up", [f"{path}.mlp.gate_proj", f"{path}.mlp.up_proj"]))
+        if hasattr(model.model.layers[i].mlp, "gate_proj"):  # routed experts have their own linears
+            groups.append((f"{path}.mlp.gate_up", [f"{path}.mlp.gate_proj", f"{path}.mlp.up_proj"]))
     return groups
 
 
-def _rms_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' LlamaRMSNorm/Qwen2RMSNorm forward, op for op."""
-    weight: torch.Tensor = module.weight
+def _rms_norm(module: Any, weight: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op; ``weight``:
+    another than the module's that broadcasts the same way (every element gets the same
+    operations)."""
+    weight = module.weight if weight is None else weight
     eps: float = module.variance_epsilon
 
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +99,28 @@ class _Layer:
         self.q_heads: int = q.out_features // self.head_dim
         self.q, self.k, self.v = _linear(q), _linear(k), _linear(v)
         self.o = _linear(attn.o_proj)
-        gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = (
-            gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None)
-        self.gate_up_sizes: list[int] = [gate.out_features, up.out_features]
-        self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
-        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        # Qwen3: each query and key head RMS-normalized before RoPE; side by side (joint RoPE)
+        # as one norm over the heads, whose weights are the two norms' own.
+        self.q_norm = self.k_norm = self.qk_norm = None
+        if hasattr(attn, "q_norm"):
+            self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
+            if attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
+                kv_heads = k.out_features // self.head_dim
+                joint = torch.cat([attn.q_norm.weight.expand(self.q_heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+                self.qk_norm = _rms_norm(attn.q_norm, joint)
+        # Routed experts (Qwen3-MoE) or a gated MLP.
+        self.router: Router | None = None
+        self.experts: RoutedExperts | None = None
+        if isinstance(getattr(mlp, "experts", None), RoutedExperts):
+            self.router, self.experts = mlp.gate, mlp.experts
+            fused_gate_up = None
+        else:
+            gate, up = mlp.gate_proj, mlp.up_proj
+            fused_gate_up = gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None
+            self.gate_up_sizes: list[int] = [gate.out_features, up.out_features]
+            self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
+            self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = fused_gate_up
         self.input_norm = _rms_norm(layer.input_layernorm)
         self.post_norm = _rms_norm(layer.post_attention_layernorm)
 
@@ -114,7 +136,15 @@ def lean_forward_for(model: Any) -> LeanForward | None:
     if any(type(layer).__name__ != layer_class for layer in layers):
         return None
     rope = getattr(sys.modules[type(layers[0]).__module__], "apply_rotary_pos_emb", None)
-    norms = [inner.norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    norms = [inner.norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)),
+             *(getattr(layer.self_attn, n) for layer in layers for n in ("q_norm", "k_norm")
+               if hasattr(layer.self_attn, n))]
+    for layer in layers:  # a MoE block runs as kvcellar's (``engine/experts.py``) or not here
+        mlp = layer.mlp
+        if hasattr(mlp, "experts") and not (isinstance(mlp.experts, RoutedExperts) and isinstance(mlp.gate, Router)):
+            return None
+        if not hasattr(mlp, "experts") and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return None
     if rope is None or not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
         return None
     if len(layers) != model.config.get_text_config().num_hidden_layers:
@@ -146,10 +176,12 @@ class LeanForward:
         for layer in self.layers:
             x = layer.input_norm(h)
             shape = (*lead, -1, layer.head_dim)
-            if layer.qkv is not None and self.joint_rope:
+            if layer.qkv is not None and self.joint_rope and (layer.q_norm is None or layer.qk_norm is not None):
                 qkv = layer.qkv(x)
-                qk = _rotate_joint(qkv[..., : layer.qk_heads * layer.head_dim].view(shape).transpose(1, 2),
-                                   cos_h, sin_h)
+                qk = qkv[..., : layer.qk_heads * layer.head_dim].view(shape)
+                if layer.qk_norm is not None:
+                    qk = layer.qk_norm(qk)
+                qk = _rotate_joint(qk.transpose(1, 2), cos_h, sin_h)
                 q, k = qk[:, : layer.q_heads], qk[:, layer.q_heads :]
                 v = qkv[..., layer.qk_heads * layer.head_dim :].view(shape).transpose(1, 2)
             else:
@@ -157,14 +189,20 @@ class LeanForward:
                     q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
                 else:
                     q, k, v = layer.q(x), layer.k(x), layer.v(x)
-                q = q.view(shape).transpose(1, 2)
-                k = k.view(shape).transpose(1, 2)
-                v = v.view(shape).transpose(1, 2)
+                q, k, v = q.view(shape), k.view(shape), v.view(shape)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    q, k = layer.q_norm(q), layer.k_norm(k)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 q, k = rope(q, k, cos, sin)
             o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.sliding_window,
                              kvcellar_meta=meta)
             h = h + layer.o(o.reshape(*lead, -1).contiguous())
             x = layer.post_norm(h)
+            if layer.experts is not None and layer.router is not None:
+                flat = x.view(-1, x.shape[-1])
+                _, weights, index = layer.router.forward(flat)
+                h = h + layer.experts.forward(flat, index, weights).view(h.shape)
+                continue
             if layer.gate_up is not None:
                 gate, up = layer.gate_up(x).split(layer.gate_up_sizes, dim=-1)
             else:

@@ -232,6 +232,14 @@ class FastLinear(nn.Module):
             n += self.out_features * self.in_features * self.dtype.itemsize
         return n
 
+    def native_weight(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``(kind, weight, scales, offsets)`` as kvcellar's kernels read them (``engine/native``),
+        where this linear runs them; else None."""
+        if not self.native or self.quant_kind is None:
+            return None
+        assert self._q is not None and self._scale is not None
+        return self.quant_kind, self._q, self._scale, self._zero
+
     def dequantized(self) -> torch.Tensor:
         """The quantized weight ``[out, in]`` as the kernel multiplies it, in the compute dtype
         (float32 for kvcellar's kernels), dequantized into the scratch buffer (valid until the

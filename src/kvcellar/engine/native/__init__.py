@@ -8,7 +8,8 @@ steps of int4 weights read each weight row as it lies; prefill-sized ones multip
 of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot product
 where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Every int4 kernel sums each output
 in the same order, so a row's outputs are the same bits whatever the step's row count.
-The library also attends over KV blocks where they lie (``attend_kv``: every query position
+``moe_matmul`` runs all routed experts of a MoE layer's projection in one call, each
+expert's rows by the same arithmetic. The library also attends over KV blocks where they lie (``attend_kv``: every query position
 by the same arithmetic, a decode step's or a prefill chunk's), reads and writes quantized KV
 blocks and checksums block files (``crc32``).
 
@@ -32,6 +33,8 @@ import shutil
 import subprocess
 import tempfile
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy
@@ -73,6 +76,8 @@ _SIGNATURES = {
     "kvc_gemm_q4_panels": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q4_panels16": [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _N],
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
+    "kvc_moe_q4": [_P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _N],
+    "kvc_moe_q8": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
     "kvc_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _N, _P, _N, _N],
@@ -80,7 +85,7 @@ _SIGNATURES = {
                       _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
-_RESULTS = {"kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
+_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
 # The CPU flags ``kvc_crc32`` needs beyond ``CPU_FLAGS`` (carry-less multiplication).
 CRC_FLAGS = frozenset({"pclmulqdq", "sse4_1"})
 # Below this many bytes zlib's CRC-32 is as quick as a call into the library.
@@ -206,6 +211,68 @@ def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, th
     y = torch.empty(rows, out)
     _lib().kvc_gemm_q8(qweight.data_ptr(), scales.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
                        y.data_ptr(), threads)
+    return y
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of every expert of a MoE layer, as ``moe_matmul`` reads it: the
+    addresses of each expert's quantized weight (``kind`` int4 or int8, laid out as
+    ``matmul_int4``'s or ``matmul_int8``'s), its scales and (int4) offsets, int64
+    ``[experts]``; ``keep`` holds the tensors they point into."""
+
+    kind: str
+    out: int
+    cols: int
+    weights: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    keep: tuple[torch.Tensor, ...]
+
+
+def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                   offsets: Sequence[torch.Tensor] | None = None) -> ExpertWeights:
+    """``ExpertWeights`` over per-expert tensors (all of one shape and layout)."""
+    if kind not in ("int4", "int8") or (kind == "int4") != (offsets is not None):
+        raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
+    out, packed = weights[0].shape
+    cols = packed * 2 if kind == "int4" else packed
+    tensors = [*weights, *scales, *(offsets or ())]
+    if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError("experts' weights must be contiguous CPU tensors")
+    if any(w.shape != weights[0].shape for w in weights):
+        raise ValueError("experts of one projection must share a shape")
+
+    def addresses(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+
+    return ExpertWeights(kind, out, cols, addresses(weights), addresses(scales),
+                         None if offsets is None else addresses(offsets), tuple(tensors))
+
+
+def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, threads: int) -> torch.Tensor:
+    """Rows ``starts[e]:starts[e + 1]`` of ``x`` float32 ``[slots, cols]`` times expert ``e``'s
+    weight, every expert in one call: ``[slots, out]`` float32, each row the same bits as
+    ``matmul_int4``/``matmul_int8`` over that expert's weight give it (at any row count)."""
+    rows, cols = x.shape
+    n_experts = experts.weights.shape[0]
+    starts = starts.to(torch.int64).contiguous()
+    if cols != experts.cols or starts.shape != (n_experts + 1,) or int(starts[0]) != 0 or int(starts[-1]) != rows:
+        raise ValueError("activations and expert groups do not match the experts' weights")
+    if bool((starts[1:] < starts[:-1]).any()):
+        raise ValueError("expert groups must be in order")
+    xq, xd, xs = quantize_activations(x, threads)
+    y = torch.empty(rows, experts.out)
+    if experts.kind == "int4":
+        assert experts.offsets is not None
+        status = _lib().kvc_moe_q4(experts.weights.data_ptr(), experts.scales.data_ptr(), experts.offsets.data_ptr(),
+                                   starts.data_ptr(), n_experts, experts.out, cols, xq.data_ptr(), xd.data_ptr(),
+                                   xs.data_ptr(), y.data_ptr(), threads)
+    else:
+        status = _lib().kvc_moe_q8(experts.weights.data_ptr(), experts.scales.data_ptr(), starts.data_ptr(),
+                                   n_experts, experts.out, cols, xq.data_ptr(), xd.data_ptr(), y.data_ptr(), threads)
+    if status != 0:
+        raise MemoryError("no memory for the experts' work list")
     return y
 
 
