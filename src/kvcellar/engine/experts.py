@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcellar.engine import native
+from kvcellar.engine.linears import FastLinear
 
 
 class Router(nn.Module):
@@ -169,17 +170,19 @@ class _Fused:
             return None
         parts = []
         for linears in (block.gate_up, block.down):
-            found = [getattr(m, "native_weight", lambda: None)() for m in linears]
-            if any(f is None for f in found) or len({(f[0], f[1].shape) for f in found}) != 1:
+            fast = [m for m in linears if isinstance(m, FastLinear)]
+            found = [m.native_weight() for m in fast]
+            weights = [f for f in found if f is not None]
+            if len(weights) != len(linears) or len({(f[0], f[1].shape) for f in weights}) != 1:
                 return None
-            kind = found[0][0]
-            experts = native.expert_weights(kind, [f[1] for f in found], [f[2] for f in found],
-                                            [f[3] for f in found] if kind == "int4" else None)
-            biases = [m.bias for m in linears]
-            if any(b is not None for b in biases) and any(b is None for b in biases):
+            kind = weights[0][0]
+            offsets = [f[3] for f in weights if f[3] is not None]
+            experts = native.expert_weights(kind, [f[1] for f in weights], [f[2] for f in weights],
+                                            offsets if kind == "int4" else None)
+            biases = [m.bias for m in fast if m.bias is not None]
+            if biases and len(biases) != len(fast):
                 return None
-            bias = torch.stack(biases) if biases[0] is not None else None
-            parts.append((experts, bias))
+            parts.append((experts, torch.stack(biases) if biases else None))
         (gate_up, gate_up_bias), (down, down_bias) = parts
         return cls(gate_up, down, gate_up_bias, down_bias)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
-from kvcellar.engine.experts import Router, RoutedExperts
+from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import FusedPart
 
 # CausalLM class -> the decoder layer class it must hold.
@@ -106,7 +106,8 @@ class _Layer:
             self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
             if attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
                 kv_heads = k.out_features // self.head_dim
-                joint = torch.cat([attn.q_norm.weight.expand(self.q_heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+                joint = torch.cat([attn.q_norm.weight.expand(self.q_heads, -1),
+                                   attn.k_norm.weight.expand(kv_heads, -1)])
                 self.qk_norm = _rms_norm(attn.q_norm, joint)
         # Routed experts (Qwen3-MoE) or a gated MLP.
         self.router: Router | None = None

@@ -9,9 +9,9 @@ of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit dot p
 where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Every int4 kernel sums each output
 in the same order, so a row's outputs are the same bits whatever the step's row count.
 ``moe_matmul`` runs all routed experts of a MoE layer's projection in one call, each
-expert's rows by the same arithmetic. The library also attends over KV blocks where they lie (``attend_kv``: every query position
-by the same arithmetic, a decode step's or a prefill chunk's), reads and writes quantized KV
-blocks and checksums block files (``crc32``).
+expert's rows by the same arithmetic. The library also attends over KV blocks where they lie
+(``attend_kv``: every query position by the same arithmetic, a decode step's or a prefill
+chunk's), reads and writes quantized KV blocks and checksums block files (``crc32``).
 
 The C file is compiled once per source, compiler and flags with the system C compiler into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
@@ -85,7 +85,8 @@ _SIGNATURES = {
                       _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
-_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
+_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_attend_kv": ctypes.c_int,
+            "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
 # The CPU flags ``kvc_crc32`` needs beyond ``CPU_FLAGS`` (carry-less multiplication).
 CRC_FLAGS = frozenset({"pclmulqdq", "sse4_1"})
 # Below this many bytes zlib's CRC-32 is as quick as a call into the library.
