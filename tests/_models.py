@@ -77,8 +77,9 @@ def chat_ids(loaded: LoadedModel, user: str, system: str | None = None) -> list[
 
 @contextlib.contextmanager
 def reference_attention(model: Any) -> Iterator[None]:
-    """Temporarily run the model with transformers' own SDPA attention."""
-    model.set_attn_implementation("sdpa")
+    """Temporarily run the model with transformers' own SDPA attention (eager where the
+    family has no SDPA path: gpt-oss's sinks)."""
+    model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
     try:
         yield
     finally:
@@ -121,7 +122,11 @@ def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any
     base.update(config)
     cfg = AutoConfig.for_model(arch, **base)
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError:  # a family without an SDPA path (gpt-oss's sinks): its eager attention
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     # Random weights produce near-uniform logits; sharpen them so greedy paths are stable.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)

@@ -330,6 +330,50 @@ def test_attention_over_blocks_where_they_lie_is_sdpa_over_the_gather(dtype, bit
 
 
 @needs_native
+@pytest.mark.parametrize("window", [40, 300])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sliding_windows_and_sinks_attend_in_the_kernel(window, sinks):
+    """A sliding-window layer (each position sees its last ``window`` keys) and gpt-oss's sinks
+    (a logit per query head in each softmax) in the kernel: a position gets, to the bit, what
+    it gets alone; the result is windowed attention with the sink's share (float rounding)."""
+    from kvcellar.cache.kv_pool import KVLayout, KVPool
+    from kvcellar.engine.attention import _attend_with_sinks
+
+    dim, groups = 32, 3
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=dim, block_size=16, dtype=torch.float32)
+    pool = KVPool(layout, 48, torch.device("cpu"), attend_direct=native.attend_kv)
+    gen = torch.Generator().manual_seed(window)
+    slots = torch.arange(48 * 16)
+    pool.write(0, slots // 16, slots % 16, torch.randn(48 * 16, 2, dim, generator=gen) * 3,
+               torch.randn(48 * 16, 2, dim, generator=gen))
+    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(3)])
+    contexts, rows = torch.tensor([600, 37, 300]), torch.tensor([75, 1, 29])
+    q = torch.randn(int(rows.sum()), 2, groups, dim, generator=gen) * 2
+    sink = torch.randn(2 * groups, generator=gen) * 3 if sinks else None
+    got = pool.attend(0, tables, contexts, q, 0.125, 2, rows, sink, window)
+    assert torch.equal(pool.attend(0, tables, contexts, q, 0.125, 1, rows, sink, window), got)
+    k, v = pool.gather(0, tables)
+    none = torch.full((1, 2 * groups, 1, 1), float("-inf"))
+    first = 0
+    for s in range(3):
+        n, context = int(rows[s]), int(contexts[s])
+        for r in range(n):
+            alone = pool.attend(0, tables[s : s + 1], torch.tensor([context - n + 1 + r]), q[first + r : first + r + 1],
+                                0.125, sinks=sink, window=window)
+            assert torch.equal(got[first + r], alone[0]), (s, r)
+        q_pos = torch.arange(context - n, context)[:, None]
+        k_pos = torch.arange(context)[None, :]
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        want = _attend_with_sinks(q[first : first + n].reshape(1, n, 2 * groups, dim).transpose(1, 2),
+                                  k[s : s + 1, :, :context].repeat_interleave(groups, dim=1),
+                                  v[s : s + 1, :, :context].repeat_interleave(groups, dim=1), visible, 0.125,
+                                  none if sink is None else sink.view(1, -1, 1, 1), causal=False)
+        torch.testing.assert_close(got[first : first + n], want[0].transpose(0, 1).reshape(n, 2, groups, dim),
+                                   rtol=1e-5, atol=1e-5)
+        first += n
+
+
+@needs_native
 @pytest.mark.parametrize(("dtype", "bits"), [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 8),
                                              (torch.bfloat16, 4)])
 def test_attention_gives_a_position_the_same_numbers_in_any_step(dtype, bits):

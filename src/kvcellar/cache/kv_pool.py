@@ -165,7 +165,7 @@ QuantizedWrite = Callable[[torch.Tensor, KVLayout, int, int, torch.Tensor, torch
 # contexts [n], q [n, kv_heads, groups, head_dim], scale, threads (0: torch's count)) ->
 # [n, kv_heads, groups, head_dim].
 DirectAttend = Callable[[torch.Tensor, KVLayout, int, torch.Tensor, torch.Tensor, torch.Tensor, float, int,
-                         torch.Tensor | None], torch.Tensor]
+                         torch.Tensor | None, torch.Tensor | None, int], torch.Tensor]
 
 
 class KVPool:
@@ -245,15 +245,18 @@ class KVPool:
         return self._attend_direct is not None
 
     def attend(self, layer: int, block_tables: torch.Tensor, contexts: torch.Tensor, q: torch.Tensor,
-               scale: float, threads: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, threads: int = 0, rows: torch.Tensor | None = None,
+               sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """Causal attention of ``rows[i]`` query positions per sequence (default one; ``q
         [sum(rows), kv_heads, groups, head_dim]``, the query heads of each KV head), the last
         over the first ``contexts[i]`` tokens of ``block_tables[i]``, without a gathered (or
         dequantized) copy of the context, on ``threads`` threads (0: torch's count). A
         position's result does not depend on the other positions of the call. Only where
-        ``attends``."""
+        ``attends``. ``sinks``: per query head, an attention sink's logit (gpt-oss); ``window``:
+        each position sees its last ``window`` keys (0: all)."""
         assert self._attend_direct is not None
-        return self._attend_direct(self.data, self.layout, layer, block_tables, contexts, q, scale, threads, rows)
+        return self._attend_direct(self.data, self.layout, layer, block_tables, contexts, q, scale, threads, rows,
+                                   sinks, window)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[dst].copy_(self.data[src])

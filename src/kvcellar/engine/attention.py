@@ -9,9 +9,9 @@ Packed order: decode tokens first (one per sequence), then one span per prefilli
 sequence. For each layer the function
 
 1. writes this step's K/V (post-RoPE) into the pool at the step's slots,
-2. with kvcellar's CPU kernels (``KVPool.attends``, a layer without sliding window or
-   soft-cap): every decode token and every prefill position attends by one kernel that
-   reads the blocks where they lie (``KVPool.attend``), each position by the same
+2. with kvcellar's CPU kernels (``KVPool.attends``, a layer without soft-cap; sliding windows
+   and gpt-oss's attention sinks included): every decode token and every prefill position
+   attends by one kernel that reads the blocks where they lie (``KVPool.attend``), each position by the same
    operations in the same order whatever else its step holds: a token's numbers do not
    depend on whether a cache hit or a cold prefill, a chunk of 13 or of 512, computed it;
 3. otherwise decodes gather each decode sequence's blocks into one padded batch for one SDPA
@@ -138,8 +138,7 @@ def paged_attention(
             f"attention {ATTENTION_NAME!r} needs the kvcellar engine's step metadata; "
             "run this model through kvcellar.engine.Engine"
         )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by kvcellar's paged attention")
+    sinks: torch.Tensor | None = kwargs.get("s_aux")  # gpt-oss: a sink logit per query head
     window = kwargs.get("sliding_window") or None
     layer: int = module.layer_idx
     pool = meta.pool
@@ -157,7 +156,7 @@ def paged_attention(
     # A kernel that reads the blocks where they lie (kvcellar's CPU kernels): one query
     # position attends without a gathered copy of its context, which SDPA would read again
     # (quantized: several times the packed blocks' bytes).
-    direct = pool.attends and window is None and kwargs.get("softcap") is None
+    direct = pool.attends and kwargs.get("softcap") is None
     scale = scaling if scaling is not None else head_dim ** -0.5
 
     batch = meta.decode
@@ -168,7 +167,11 @@ def paged_attention(
         mask = meta.decode_mask(window)
         record("decode" if mask is None else "decode_masked")
         if direct:
-            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale, meta.attend_threads)
+            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale, meta.attend_threads, sinks=sinks,
+                            window=window or 0)
+        elif sinks is not None:
+            k, v = pool.gather(layer, batch.block_tables)
+            o = _attend_with_sinks(qd, k, v, mask, scale, sinks.view(1, n_kv_heads, groups, 1), causal=False)
         else:
             k, v = pool.gather(layer, batch.block_tables)  # [n, Hkv, L, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling)
@@ -181,7 +184,8 @@ def paged_attention(
             qp = q[:, span.start : span.start + n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
             contexts = torch.full((1,), span.context, dtype=torch.int64)
             rows = torch.full((1,), n, dtype=torch.int64)
-            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads, rows)
+            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads, rows, sinks,
+                            window or 0)
             out[span.start : span.start + n] = o.reshape(n, n_q_heads, head_dim)
             continue
         k, v = pool.gather(layer, span.block_table)
@@ -190,7 +194,12 @@ def paged_attention(
         n = span.length
         qp = q[None, :, span.start : span.start + n]  # [1, Hq, n, D]
         mask = meta.span_mask(i, window)
-        if groups > 1 and n <= FOLD_GQA_MAX_QUERIES:
+        if sinks is not None:
+            record("prefill_sinks")
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            o = _attend_with_sinks(qp, k, v, mask, scale, sinks.view(1, n_q_heads, 1, 1), causal=mask is None)
+        elif groups > 1 and n <= FOLD_GQA_MAX_QUERIES:
             # Short spans (the tail after a prefix hit): fold the query heads of each KV head
             # into the query rows, as for decode; a causal mask is repeated per head.
             record("prefill_folded")
@@ -217,6 +226,34 @@ def paged_attention(
 
 def _ignore(_path: str) -> None:
     pass
+
+
+# Query rows per pass of ``_attend_with_sinks`` (bounds its float32 scores: rows x heads x keys).
+SINK_ROWS = 32
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                       sinks: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention with a sink (gpt-oss): ``q [B, H, n, D]`` over ``k``/``v [B, H, L, D]`` whose
+    softmax also holds each row's ``sinks`` logit (broadcast to ``[B, H, n, 1]``), a key
+    without a value; ``mask`` (True: visible) or ``causal`` (bottom-right) as SDPA takes them.
+    In float32, as transformers' eager attention for gpt-oss computes it."""
+    n, length = q.shape[2], k.shape[2]
+    kf, vf = k.float(), v.float()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for start in range(0, n, SINK_ROWS):
+        end = min(n, start + SINK_ROWS)
+        scores = (q[:, :, start:end].float() @ kf.transpose(-1, -2)) * scale
+        if mask is not None:
+            rows_mask = mask if mask.shape[-2] == 1 else mask[..., start:end, :]
+            scores = scores.masked_fill(~rows_mask, float("-inf"))
+        elif causal:
+            rows = torch.arange(start, end, device=q.device)[:, None] + (length - n)
+            scores = scores.masked_fill(torch.arange(length, device=q.device)[None, :] > rows, float("-inf"))
+        sink = sinks.float().expand(*scores.shape[:2], end - start, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[:, :, start:end] = (probs @ vf).to(q.dtype)
+    return out
 
 
 def _chunk_over_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, n_kv_heads: int,

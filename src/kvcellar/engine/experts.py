@@ -204,13 +204,36 @@ def _stacked_halves(experts: Any) -> RoutedExperts:
     return RoutedExperts(gate_up, down, _halves_glu(experts.act_fn))
 
 
+def _clamped_glu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gpt-oss's gating, as transformers' ``GptOssExperts._apply_gate``: gate and up interleaved
+    (even and odd outputs), both clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def glu(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu
+
+
+def _stacked_inputs_first(experts: Any) -> RoutedExperts:
+    """gpt-oss's experts: ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` stored inputs
+    first (each expert's linear is the transpose: a view), with biases."""
+    gate_up = [_linear(experts.gate_up_proj[e].t(), experts.gate_up_proj_bias[e]) for e in range(experts.num_experts)]
+    down = [_linear(experts.down_proj[e].t(), experts.down_proj_bias[e]) for e in range(experts.num_experts)]
+    return RoutedExperts(gate_up, down, _clamped_glu(float(experts.alpha), float(experts.limit)))
+
+
 # transformers' experts class -> how its weights become linears.
 _EXPERTS: dict[str, Callable[[Any], RoutedExperts]] = {
     "Qwen3MoeExperts": _stacked_halves,
+    "GptOssExperts": _stacked_inputs_first,
 }
 # transformers' router class -> how it becomes a ``Router``.
 _ROUTERS: dict[str, Callable[[Any], Router]] = {
     "Qwen3MoeTopKRouter": lambda r: Router(r.weight, None, r.top_k, "softmax_topk", bool(r.norm_topk_prob)),
+    "GptOssTopKRouter": lambda r: Router(r.weight, r.bias, r.top_k, "topk_softmax"),
 }
 
 

@@ -65,7 +65,8 @@ ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
 # The revision of the numbers these kernels compute (part of the KV namespace where they
 # compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
 # sums as the panels do, and attention gives every position the decode step's arithmetic.
-ARITHMETIC = "kvc-2"
+# 3: sliding-window layers attend by the kernel too (they ran SDPA).
+ARITHMETIC = "kvc-3"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -82,7 +83,7 @@ _SIGNATURES = {
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
     "kvc_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _N, _P, _N, _N],
     "kvc_attend_kv": [_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _N, _P, _I, ctypes.c_float, _P,
-                      _N],
+                      _I, _P, _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
 _RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_attend_kv": ctypes.c_int,
@@ -341,7 +342,8 @@ def attends_kv(layout: KVLayout, device: torch.device) -> bool:
 
 
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
-              q: torch.Tensor, scale: float, threads: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
+              q: torch.Tensor, scale: float, threads: int = 0, rows: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of query positions over a KV pool's blocks, read where they lie:
     sequence ``i`` has ``rows[i]`` query positions (default one each), the last seeing the
     first ``contexts[i]`` tokens of ``tables[i]`` (``[n, width]`` block ids) and each earlier
@@ -350,7 +352,10 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     Computed in float32 from the stored values (packed ones dequantized as ``gather_kv``
     does in float32), with its own order of sums: within float32 rounding of SDPA over the
     gathered context, not bit for bit; but a position's result is the same to the bit
-    whatever the other positions of its call (a decode step, a prefill chunk of any size)."""
+    whatever the other positions of its call (a decode step, a prefill chunk of any size).
+    ``sinks``: per query head, an attention sink's logit (gpt-oss): a key without a value that
+    takes its share of each position's softmax. ``window``: each position sees its last
+    ``window`` keys only (a sliding-window layer; 0: all of its context)."""
     total, kv_heads, groups, head_dim = q.shape
     assert pool.is_contiguous() and pool.dtype == layout.storage_dtype and pool.shape[1:] == layout.storage_shape
     assert kv_heads == layout.num_kv_heads and head_dim == layout.head_dim and head_dim % 16 == 0
@@ -361,6 +366,9 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
     assert tables.shape[0] == rows.shape[0] == n and int(rows.sum()) == total
     qf = q.to(torch.float32).contiguous()
     out = torch.empty_like(qf)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        assert sinks.shape == (kv_heads * groups,)
     if layout.quantized:
         layer_bytes, values_bytes, bits = layout.storage_shape[-1], layout.values_bytes, layout.kv_bits
     else:  # float32 or bf16 blocks: 32 or 16 bits as stored
@@ -371,7 +379,8 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
                                   (layer * 2 + 1) * layer_bytes, values_bytes, tables.data_ptr(),
                                   tables.shape[1], contexts.data_ptr(), rows.data_ptr(), n, layout.block_size,
                                   kv_heads, head_dim, layout.kv_group_size, bits, qf.data_ptr(), groups, scale,
-                                  out.data_ptr(), threads or torch.get_num_threads())
+                                  None if sinks is None else sinks.data_ptr(), window, out.data_ptr(),
+                                  threads or torch.get_num_threads())
     if status == -2:
         raise IndexError("a block outside the pool, or a context longer than its block table or shorter than its rows")
     if status != 0:

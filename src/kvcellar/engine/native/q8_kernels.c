@@ -857,9 +857,11 @@ static inline __attribute__((always_inline)) void tile_rows(
 static inline __attribute__((always_inline)) void attend_chunk(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
-        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t t0, int64_t t1,
-        float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros, const int BITS) {
-    /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused) */
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
+        const int BITS) {
+    /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused). window:
+     * a row sees its last `window` keys only (0: all); keys before them score -inf here. */
     const int64_t heads = kv_heads * gq;
     const float *rows[ATTEND_TILE];
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -870,7 +872,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
                       t, m, t1, tile, zeros, rows, BITS);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
-                if (t >= e) continue;
+                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
                     __m256 a[ATTEND_TILE];
@@ -895,8 +897,19 @@ static inline __attribute__((always_inline)) void attend_chunk(
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = (ends[r] < t1 ? ends[r] : t1) - t0;
         if (n <= 0) continue;
+        /* keys before the row's window: none of the softmax (all of them: a chunk that adds nothing) */
+        int64_t hidden = window > 0 && ends[r] - window > t0 ? ends[r] - window - t0 : 0;
+        if (hidden > n) hidden = n;
         for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
             float *s = scores + j * ATTEND_CHUNK;
+            if (hidden == n) {
+                memset(s, 0, n * sizeof(float));
+                m_out[j] = -INFINITY;
+                l_out[j] = 0.0f;
+                memset(acc + j * head_dim, 0, head_dim * sizeof(float));
+                continue;
+            }
+            for (int64_t i = 0; i < hidden; i++) s[i] = -INFINITY;
             float m = -INFINITY;
             {  /* a maximum is exact in any order: 8 lanes, then the rest */
                 __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -929,7 +942,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
                       t, m, t1, tile, zeros, rows, BITS);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
-                if (t >= e) continue;
+                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
                     __m256 p[ATTEND_TILE];
@@ -951,28 +964,31 @@ static inline __attribute__((always_inline)) void attend_chunk(
 static void attend_chunk_bits(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
-        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t t0, int64_t t1,
-        float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros) {
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros) {
     if (bits == 8)
         attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 8);
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 8);
     else if (bits == 4)
         attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 4);
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 4);
     else if (bits == 16)
         attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 16);
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 16);
     else
         attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, t0, t1, m_out, l_out, acc, scores, tile, zeros, 32);
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 32);
 }
 
 /* One query head's output from its chunks' partial softmaxes (chunk c: maximum m[c * stride],
  * sum l[c * stride], weighted values a + c * astride), merged in chunk order. */
+/* sink: an attention sink's logit (gpt-oss), a key without a value that takes its share of
+ * the softmax; -INFINITY where the model has none (then it changes no bit). */
 static void merge_chunks(const float *m, const float *l, int64_t stride, const float *a, int64_t astride,
-                         int64_t chunks, int64_t head_dim, float *o) {
-    float top = -INFINITY, total = 0.0f;
+                         int64_t chunks, int64_t head_dim, float sink, float *o) {
+    float top = sink, total = 0.0f;
     for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, m[c * stride]);
+    if (sink > -INFINITY) total = expf(sink - top);
     memset(o, 0, head_dim * sizeof(float));
     for (int64_t c = 0; c < chunks; c++) {
         const float w = expf(m[c * stride] - top);
@@ -1006,7 +1022,8 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
                   int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
                   const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-                  int64_t group, int bits, const float *q, int64_t gq, float scale, float *out, int threads) {
+                  int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks,
+                  int64_t window, float *out, int threads) {
     for (int64_t s = 0; s < n_seq; s++) {  /* every block read inside the pool */
         if (contexts[s] < 0 || contexts[s] > table_width * block_size || rows[s] < 1 || rows[s] > contexts[s] + 1)
             return -2;
@@ -1056,7 +1073,8 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
                 float *m = ml + slot[task] * heads * 2;
                 attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
                                   head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
-                                  t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile, zeros);
+                                  window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
+                                  zeros);
                 continue;
             }
             /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
@@ -1079,14 +1097,14 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
                 float *cp = own + c * per, *m = cp + R * heads * head_dim;
                 attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
                                   head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
-                                  t0, t1, m, m + R * heads, cp, scores, tile, zeros);
+                                  window, t0, t1, m, m + R * heads, cp, scores, tile, zeros);
             }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
                 for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
                     const float *m = own + R * heads * head_dim + j;
                     merge_chunks(m, m + R * heads, per, own + j * head_dim, per, mine, head_dim,
-                                 out + ((row0[s] + r0) * heads + j) * head_dim);
+                                 sinks ? sinks[j - r * heads] : -INFINITY, out + ((row0[s] + r0) * heads + j) * head_dim);
                 }
             }
             free(own);
@@ -1100,7 +1118,8 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             if (rows[s] != 1) continue;
             const float *m = ml + slot[first[s]] * heads * 2 + j;
             merge_chunks(m, m + heads, heads * 2, part + (slot[first[s]] * heads + j) * head_dim, heads * head_dim,
-                         first[s + 1] - first[s], head_dim, out + (row0[s] * heads + j) * head_dim);
+                         first[s + 1] - first[s], head_dim, sinks ? sinks[j] : -INFINITY,
+                         out + (row0[s] * heads + j) * head_dim);
         }
     }
     free(part);
