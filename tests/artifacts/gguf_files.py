@@ -81,6 +81,52 @@ value_1
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# A thinking model's template in the manner of Qwen3's thinking releases: the generation prompt
+# opens the reasoning block, an assistant turn's ``reasoning_content`` is rendered back inside
+# it, calls in Hermes markup.
+THINKING_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+Call a function as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}
+{%- elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content.strip('\\n') }}
+</think>
+
+{% endif %}{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+
 # transformers reads neither expert size from a qwen2moe file: its config defaults.
 MOE_FFN, MOE_SHARED_FFN = 1408, 5632
 

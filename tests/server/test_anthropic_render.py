@@ -125,7 +125,8 @@ def streamed(evs: Sequence[TokenEvent], tools: bool = True) -> tuple[dict[str, A
             assert data["index"] == len(message["content"])
             open_index = data["index"]
             block = dict(data["content_block"])
-            assert block in ({"type": "text", "text": ""}, {**block, "type": "tool_use", "input": {}}), block
+            assert block in ({"type": "text", "text": ""}, {"type": "thinking", "thinking": "", "signature": ""},
+                             {**block, "type": "tool_use", "input": {}}), block
             message["content"].append(block)
             partial[open_index] = ""
         elif name == "content_block_delta":
@@ -134,6 +135,12 @@ def streamed(evs: Sequence[TokenEvent], tools: bool = True) -> tuple[dict[str, A
             if delta["type"] == "text_delta":
                 assert block["type"] == "text" and delta["text"]
                 block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                assert block["type"] == "thinking" and delta["thinking"]
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                assert block["type"] == "thinking"
+                block["signature"] = delta["signature"]
             else:
                 assert delta["type"] == "input_json_delta" and block["type"] == "tool_use"
                 partial[open_index] += delta["partial_json"]

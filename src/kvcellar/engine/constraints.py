@@ -123,6 +123,19 @@ class GrammarCompiler:
 
         return self._compile(llguidance.LLMatcher.grammar_from_lark(lark), description, param, steer_to_end)
 
+    def after(self, prefix: str, grammar: Grammar) -> Grammar:
+        """``grammar`` with the literal text ``prefix`` first (a thinking model's empty
+        reasoning block closed before a forced output)."""
+        try:  # llguidance takes a serialized grammar list or plain Lark text
+            top = json.loads(grammar.source)
+        except ValueError:
+            top = {"grammars": [{"lark_grammar": grammar.source}]}
+        body = top["grammars"]
+        name = body[0].setdefault("name", "kvcellar_body")
+        start = {"lark_grammar": f"start: {json.dumps(prefix)} @{name}"}
+        source = json.dumps({**top, "grammars": [start, *body]})
+        return self._compile(source, grammar.description, "", grammar.steer_to_end)
+
     def _compile(self, source: str, description: str, param: str, steer_to_end: bool = True) -> Grammar:
         import time
 

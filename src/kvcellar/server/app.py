@@ -127,6 +127,10 @@ class ServerState:
             # The activations' dtype in the quantized kernels, where it is not ``dtype``.
             "kernel_dtype": (str(self.engine.loaded.kernel_dtype).removeprefix("torch.")
                              if self.engine.loaded.kernel_dtype is not None else None),
+            # How the chat template writes tool calls and reasoning, as the server reads them.
+            "chat_format": {"tool_calls": self.serving.tool_prompting.family,
+                            "reasoning": "harmony" if self.serving.tool_prompting.harmony else
+                            "think" if self.serving.reasons else None},
             "version": kvcellar.__version__,
             "pid": os.getpid(),  # which process answered: a launcher checks it is the one it started
             "uptime_s": round(time.time() - self.started, 3),

@@ -47,7 +47,7 @@ from kvcellar.server.protocol import (
     Usage,
 )
 from kvcellar.server.streaming import DONE, sse
-from kvcellar.server.tools.parsers import CallFragment, ParsedCall, StreamDelta, ToolParser
+from kvcellar.server.tools.parsers import CallFragment, OutputReader, ParsedCall, StreamDelta
 
 RawLogprob = tuple[int, float, list[tuple[int, float]] | None]
 
@@ -122,7 +122,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] | None = None
-    parser: ToolParser | None = None  # streamed chat with tools: this choice's call parser
+    parser: OutputReader | None = None  # streamed chat with tools or reasoning: this choice's reader
 
 
 @dataclass
@@ -138,7 +138,7 @@ class RequestShape:
     top_logprobs: int
     include_usage: bool
     echo_texts: Sequence[str] | None = None  # completions with echo: each prompt's text
-    tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: reads calls out of the text
+    tool_parser: Callable[[], OutputReader] | None = None  # chat with tools or reasoning: reads the text
 
 
 def tool_call(call: ParsedCall) -> ToolCall:
@@ -263,10 +263,12 @@ class ResponseBuilder:
             called = False
             if c.parser is not None:
                 parsed = c.parser.parse(text)
+                message = AssistantMessage(role="assistant", content=parsed.content, refusal=None)
                 if parsed.tool_calls:
-                    message = AssistantMessage(role="assistant", content=parsed.content, refusal=None,
-                                               tool_calls=[tool_call(call) for call in parsed.tool_calls])
+                    message.tool_calls = [tool_call(call) for call in parsed.tool_calls]
                     called = True
+                if parsed.reasoning is not None:
+                    message.reasoning_content = parsed.reasoning
             finish = final_reason(c.finish_reason, called)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
                                       logprobs=self._chat_logprobs(c.logprobs) if self.shape.logprobs else None))
@@ -330,13 +332,16 @@ class ResponseBuilder:
         out: list[dict[str, Any]] = []
         if self.shape.kind == "chat":
             delta = self._chat_delta(c, ev.text, final)
-            if delta.content or delta.tool_calls or (final and c.pending):
+            if delta.content or delta.tool_calls or delta.reasoning or (final and c.pending):
                 logprobs = self._chat_logprobs(c.pending) if self.shape.logprobs else None
                 c.pending = []
                 calls = [tool_call_delta(d) for d in delta.tool_calls]
-                # A delta of tool calls only carries no content key, as OpenAI sends it.
+                # A delta of tool calls (or reasoning) only carries no content key, as OpenAI sends it.
                 body = ChatDelta(content=delta.content, tool_calls=calls) if delta.content and calls else \
-                    ChatDelta(tool_calls=calls) if calls else ChatDelta(content=delta.content)
+                    ChatDelta(tool_calls=calls) if calls else \
+                    ChatDelta() if delta.reasoning and not delta.content else ChatDelta(content=delta.content)
+                if delta.reasoning:
+                    body.reasoning_content = delta.reasoning
                 out.append(self._chunk([ChatChunkChoice(index=index, delta=body, logprobs=logprobs,
                                                         finish_reason=None)]))
             if final:
@@ -360,14 +365,15 @@ class ResponseBuilder:
         delta = c.parser.feed(text) if text else StreamDelta()
         if final:
             end = c.parser.finish()
-            delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls)
+            delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls,
+                                reasoning=delta.reasoning + end.reasoning)
         merged: list[CallFragment] = []
         for d in delta.tool_calls:  # one entry per call and chunk, as OpenAI sends them
             if merged and merged[-1].index == d.index:
                 merged[-1].arguments += d.arguments
             else:
                 merged.append(CallFragment(d.index, d.id, d.name, d.arguments))
-        return StreamDelta(delta.content, merged)
+        return StreamDelta(delta.content, merged, reasoning=delta.reasoning)
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._chunk([], self.usage())

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from kvcellar.engine import SamplingParams, TokenEvent
 from kvcellar.server.errors import APIError
-from kvcellar.server.tools.parsers import CallFragment, ToolParser
+from kvcellar.server.tools.parsers import CallFragment, OutputReader, Thought
 from kvcellar.server.tools.request import ToolPlan
 
 
@@ -83,7 +83,14 @@ class CallArgs:
     text: str
 
 
-Piece = Text | CallStart | CallArgs
+@dataclass
+class Reasoning:
+    """The model's reasoning (server/reasoning.py), before the content it came before."""
+
+    text: str
+
+
+Piece = Text | CallStart | CallArgs | Reasoning
 
 
 @dataclass
@@ -92,9 +99,10 @@ class OutputTracker:
 
     Fed every event of the choice (in order); ``feed`` yields what became certain. With a
     tool parser, text that may still be call markup is held back until decided; the pieces
-    of a whole output equal those of the same output streamed (the parser's invariant)."""
+    of a whole output equal those of the same output streamed (the parser's invariant). A
+    thinking model's reasoning comes as ``Reasoning`` pieces."""
 
-    parser: ToolParser | None = None
+    parser: OutputReader | None = None
     max_calls: int = 1 << 30
     finish_reason: str | None = None
     stop_string: str | None = None
@@ -121,17 +129,20 @@ class OutputTracker:
             if ev.text:
                 yield Text(ev.text)
             return
-        items: list[str | CallFragment] = []
+        items: list[str | CallFragment | Thought] = []
         if ev.text:
             items += self.parser.feed(ev.text).items
         if final:
             items += self.parser.finish().items
         yield from self._pieces(items)
 
-    def _pieces(self, items: list[str | CallFragment]) -> Iterator[Piece]:
+    def _pieces(self, items: list[str | CallFragment | Thought]) -> Iterator[Piece]:
         for d in items:
             if isinstance(d, str):
                 yield Text(d)
+                continue
+            if isinstance(d, Thought):
+                yield Reasoning(d.text)
                 continue
             if d.index >= self.max_calls:
                 continue  # one call only (parallel calls off): later ones are dropped

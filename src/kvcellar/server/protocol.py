@@ -79,6 +79,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, as this server returned it: rendered back where the
+    # model's template renders reasoning, so the next turn's prompt repeats what was generated.
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(_Request):
@@ -212,6 +215,7 @@ class AssistantMessage(_Response):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a thinking model's reasoning (server/reasoning.py)
 
 
 class ChatChoice(_Response):
@@ -246,6 +250,7 @@ class ToolCallDelta(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

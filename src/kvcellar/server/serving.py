@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -41,9 +42,10 @@ from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, 
 from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker, Renderer
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvcellar.server.reasoning import CLOSE, EMPTY_CLOSE, OPEN, reader_factory, starts_inside, template_reasons
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
 from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar, no_call_grammar, parameters_of
-from kvcellar.server.tools.parsers import ParsedCall, ToolParser
+from kvcellar.server.tools.parsers import OutputReader, ParsedCall
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import ToolPlan, check_tool_messages, plan_tools, response_schema
 from kvcellar.server.tools.schemas import ArgumentsCheck
@@ -95,6 +97,7 @@ class Serving:
         self.inflight = Inflight()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
+        self.reasons = template_reasons(getattr(engine.tokenizer, "chat_template", None))
         self._unknown_models_logged: set[str] = set()
 
     def close(self) -> None:
@@ -178,6 +181,8 @@ class Serving:
             out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             out["tool_call_id"] = m.tool_call_id
+        if m.role == "assistant" and m.reasoning_content:
+            out["reasoning_content"] = m.reasoning_content
         return out
 
     # ---- OpenAI chat and legacy completions ---------------------------------------------
@@ -284,14 +289,32 @@ class Serving:
         except InvalidRequestError as exc:
             exc.param = "input" if ireq.api == "responses" else "messages"
             raise
+        inside = self.reasons and starts_inside(
+            await self.on_tokenizer_thread(self.engine.tokenizer.decode, prompt[-8:]))
+        if inside and params.grammar is not None:  # a forced output closes the reasoning block first
+            params.grammar = await self.on_tokenizer_thread(self.engine.grammars.after, EMPTY_CLOSE, params.grammar)
         if params.grammar is not None:
             await self.on_tokenizer_thread(self._check_room_for_grammar, params.grammar, params.max_tokens, ireq)
         parse_calls = tools is not None and tools.choice != "none"
         if parse_calls and not ireq.explicit_skip_special and self.tool_prompting.markup_is_special:
             params.skip_special_tokens = False  # the call markup is made of special tokens: keep it to parse
-        parser = self.tool_prompting.parser_factory(tools, self._arguments_check(tools)) \
-            if parse_calls and tools else None
+        parser: Callable[[], OutputReader] | None = self.tool_prompting.parser_factory(
+            tools, self._arguments_check(tools)) if parse_calls and tools else None
+        if self.tool_prompting.harmony:  # channels (reasoning), content and calls are all markup
+            if not ireq.explicit_skip_special:
+                params.skip_special_tokens = False
+            if parser is None:
+                parser = self.tool_prompting.parser_factory(None)
+        elif self.reasons:
+            if not ireq.explicit_skip_special and self._think_is_special:
+                params.skip_special_tokens = False
+            parser = reader_factory(bool(inside), parser)
         return PreparedChat(prompt, params, parser, parallel_calls=tools is None or tools.parallel)
+
+    @functools.cached_property
+    def _think_is_special(self) -> bool:
+        """The reasoning tags are special tokens, which plain detokenizing drops."""
+        return bool({OPEN, CLOSE} & set(getattr(self.engine.tokenizer, "all_special_tokens", ())))
 
     def _arguments_check(self, tools: ToolPlan) -> Callable[[list[ParsedCall]], None] | None:
         """For forced calls: each call's arguments checked against its tool's full schema. The
@@ -332,7 +355,8 @@ class Serving:
         if tools is not None and tools.forced:
             return forced_call_grammar(self.engine.grammars, family, tools.forced_tools,
                                        parallel=tools.parallel and tools.choice == "required",
-                                       mistral_token_id=self.tool_prompting.mistral_token_id)
+                                       mistral_token_id=self.tool_prompting.mistral_token_id,
+                                       harmony_ids=self.tool_prompting.harmony_ids)
         if output is None and tools is not None and tools.choice == "auto":
             return auto_call_grammar(self.engine.grammars, family, tools.tools)
         if output is None and tools is not None and tools.choice == "none":
@@ -451,7 +475,7 @@ class Serving:
 class PreparedChat:
     prompt: list[int]
     params: SamplingParams
-    tool_parser: Callable[[], ToolParser] | None
+    tool_parser: Callable[[], OutputReader] | None
     parallel_calls: bool = True
 
     def tracker(self) -> OutputTracker:

@@ -8,7 +8,9 @@
 * ``user`` turns: ``tool_result`` blocks become ``tool`` messages (in block order, before the
   turn's text); text blocks join with newlines; ``image``/``document`` are a 400.
 * ``assistant`` turns: text, and ``tool_use`` blocks as ``tool_calls`` (arguments as
-  ``json.dumps`` of the input); ``thinking`` and server-tool blocks are skipped.
+  ``json.dumps`` of the input); ``thinking`` blocks as the turn's reasoning (rendered back
+  where the model's template renders it); ``redacted_thinking`` and server-tool blocks are
+  skipped.
 * ``system`` entries inside ``messages`` stay system messages where they are.
 * Client tools become functions (``input_schema`` as ``parameters``); server tools
   (``web_search`` and the like: a ``type`` and no schema) are ignored, logged once.
@@ -35,6 +37,7 @@ from kvcellar.server.anthropic.protocol import (
     Message,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -96,10 +99,14 @@ def convert_messages(messages: list[Message]) -> list[dict[str, Any]]:
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for j, block in enumerate(m.content):
             at = f"{where}.content[{j}]"
             if isinstance(block, TextBlock):
                 texts.append(block.text)
+            elif isinstance(block, ThinkingBlock):
+                if m.role == "assistant":
+                    thoughts.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
                 if m.role != "assistant":
                     raise errors.invalid("tool_use blocks belong in assistant turns.", param=at)
@@ -122,8 +129,10 @@ def convert_messages(messages: list[Message]) -> list[dict[str, Any]]:
         out.extend(results)
         if calls:
             out.append({"role": "assistant", "content": "\n".join(texts), "tool_calls": calls})
-        elif texts or not results:
+        elif texts or thoughts or not results:
             out.append({"role": m.role, "content": "\n".join(texts)})
+        if thoughts and out and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = "".join(thoughts)
     return out
 
 

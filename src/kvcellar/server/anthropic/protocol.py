@@ -17,7 +17,7 @@ from kvcellar.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, Int, _Req
 
 UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 # Blocks of an assistant turn that carry nothing we render (our replies never hold them).
-SKIPPED_BLOCKS = ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result",
+SKIPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result",
                   "web_fetch_tool_result", "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
 
 
@@ -40,13 +40,23 @@ class ToolResultBlock(_Request):
     is_error: bool | None = None
 
 
+class ThinkingBlock(_Request):
+    """An assistant turn's reasoning, as this server returned it (rendered back where the
+    model's template renders reasoning). The signature is not checked: there is none to check."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
 class OtherBlock(_Request):
     """A block type we recognise but do not serve, or skip (see the module docstring)."""
 
     type: Literal[UNSUPPORTED_BLOCKS + SKIPPED_BLOCKS]  # type: ignore[valid-type]  # built from tuples at runtime
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | OtherBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Request):

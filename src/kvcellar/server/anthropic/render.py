@@ -8,10 +8,14 @@ those served from any cache tier (RAM, SSD, Redis), so their sum is the prompt;
 ``stop_sequence``) when one of the request's ended it, ``max_tokens`` when the budget (or the
 context) ran out, else ``end_turn``.
 
+A thinking model's reasoning is a ``thinking`` block before the text it came before (its
+``signature`` is empty: nothing here can sign it).
+
 Stream: ``message_start`` and a ``ping`` once the first token exists, then per content block
-``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``) /
-``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``. A
-failure after the start is an ``error`` event, and the stream ends.
+``content_block_start`` / ``content_block_delta`` (``thinking_delta`` and a closing
+``signature_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``, then
+``message_delta`` (stop reason, usage) and ``message_stop``. A failure after the start is an
+``error`` event, and the stream ends.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
-from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Text
+from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Reasoning, Text
 from kvcellar.server.streaming import sse_event
 from kvcellar.server.tools.parsers import random_id
 
@@ -70,6 +74,12 @@ class MessagesRenderer:
 
     def _apply(self, piece: Piece) -> tuple[bool, int]:
         """Add ``piece`` to the blocks; (whether it opened a new block, the block's index)."""
+        if isinstance(piece, Reasoning):
+            if self.blocks and self.blocks[-1]["type"] == "thinking":
+                self.blocks[-1]["thinking"] += piece.text
+                return False, len(self.blocks) - 1
+            self.blocks.append({"type": "thinking", "thinking": piece.text, "signature": ""})
+            return True, len(self.blocks) - 1
         if isinstance(piece, Text):
             if self.blocks and self.blocks[-1]["type"] == "text":
                 self.blocks[-1]["text"] += piece.text
@@ -86,8 +96,8 @@ class MessagesRenderer:
 
     @staticmethod
     def _final_block(block: dict[str, Any]) -> dict[str, Any]:
-        if block["type"] == "text":
-            return {"type": "text", "text": block["text"]}
+        if block["type"] in ("text", "thinking"):
+            return dict(block)
         return {"type": "tool_use", "id": block["id"], "name": block["name"],
                 "input": parse_input(block["_args"] or "{}")}
 
@@ -129,10 +139,13 @@ class MessagesRenderer:
                 self._open = at
                 block = self.blocks[at]
                 first = {"type": "text", "text": ""} if block["type"] == "text" else \
+                    {"type": "thinking", "thinking": "", "signature": ""} if block["type"] == "thinking" else \
                     {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
                 out.append(sse_event("content_block_start",
                                      {"type": "content_block_start", "index": at, "content_block": first}))
-            if isinstance(piece, Text):
+            if isinstance(piece, Reasoning):
+                delta = {"type": "thinking_delta", "thinking": piece.text}
+            elif isinstance(piece, Text):
                 delta = {"type": "text_delta", "text": piece.text}
             elif isinstance(piece, CallArgs):
                 delta = {"type": "input_json_delta", "partial_json": piece.text}
@@ -145,7 +158,11 @@ class MessagesRenderer:
         if self._open < 0:
             return []
         at, self._open = self._open, -1
-        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": at})]
+        out = []
+        if self.blocks[at]["type"] == "thinking":
+            out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": at,
+                                                         "delta": {"type": "signature_delta", "signature": ""}}))
+        return [*out, sse_event("content_block_stop", {"type": "content_block_stop", "index": at})]
 
     def close_stream(self) -> list[bytes]:
         reason, sequence = self.stop_reason()

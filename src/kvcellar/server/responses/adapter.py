@@ -6,7 +6,9 @@
 * ``function_call`` items join the assistant message before them as ``tool_calls``;
   ``function_call_output`` items become ``tool`` messages; ``custom_tool_call`` /
   ``custom_tool_call_output`` likewise (the call's ``input`` as its ``{"input": ...}``
-  arguments). ``reasoning`` items and the outputs of hosted tools are skipped.
+  arguments). A ``reasoning`` item's ``reasoning_text`` becomes the next assistant turn's
+  reasoning (rendered back where the model's template renders it); the outputs of hosted
+  tools are skipped.
 * Item ``id``s, ``status``, ``prompt_cache_key``, ``client_metadata`` and ``include`` are
   metadata: none of them reaches the prompt, so a client that sends new ids with the same
   conversation (Codex does, every request) still hits the cached prefix.
@@ -38,7 +40,7 @@ from kvcellar.server.tools.request import ToolPlan, check_schema, make_tool_plan
 
 log = logging.getLogger("kvcellar.server")
 
-SKIPPED_ITEMS = frozenset({"reasoning", "web_search_call", "file_search_call", "image_generation_call",
+SKIPPED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_generation_call",
                            "code_interpreter_call", "mcp_list_tools", "compaction"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text"})
 _logged_hosted: set[str] = set()
@@ -81,6 +83,14 @@ def convert_input(items: str | list[dict[str, Any]] | None, names: ToolNames) ->
     out: list[dict[str, Any]] = []
     known_calls: set[str] = set()
     flat = {v: k for k, v in names.namespaced.items()}
+    reasoning: list[str] = []  # of a reasoning item, for the assistant turn it preceded
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+            reasoning.clear()
+        return message
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -91,8 +101,9 @@ def convert_input(items: str | list[dict[str, Any]] | None, names: ToolNames) ->
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise errors.invalid(f"Invalid value for '{where}.role': {role!r}.", param=f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{where}.content")})
+            message = {"role": "system" if role == "developer" else role,
+                       "content": _text(item.get("content"), f"{where}.content")}
+            out.append(assistant(message) if role == "assistant" else message)
         elif kind in ("function_call", "custom_tool_call"):
             call_id = _required(item, "call_id", where)
             name = _required(item, "name", where)
@@ -109,8 +120,10 @@ def convert_input(items: str | list[dict[str, Any]] | None, names: ToolNames) ->
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
                 prev.setdefault("tool_calls", []).append(call)
+                if reasoning and "reasoning_content" not in prev:
+                    assistant(prev)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _required(item, "call_id", where)
             if call_id not in known_calls:
@@ -118,6 +131,11 @@ def convert_input(items: str | list[dict[str, Any]] | None, names: ToolNames) ->
                                      param=f"{where}.call_id")
             output = _text(item.get("output"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":  # its summary and encrypted_content are not the reasoning itself
+            parts = item.get("content")
+            if isinstance(parts, list):
+                reasoning.extend(part["text"] for part in parts if isinstance(part, dict)
+                                 and part.get("type") == "reasoning_text" and isinstance(part.get("text"), str))
         elif kind in SKIPPED_ITEMS:
             continue
         else:

@@ -1,8 +1,9 @@
 """Engine events -> a Responses API response object, or its event stream.
 
-Output items in the order the model wrote them: a ``message`` (one ``output_text`` part) for
-text, a ``function_call`` (``call_id``, ``name``, ``arguments``; plus ``namespace`` for a
-flattened namespace tool) or ``custom_tool_call`` (``input``) per call. ``status`` is
+Output items in the order the model wrote them: a ``reasoning`` item (one ``reasoning_text``
+part) for a thinking model's reasoning, a ``message`` (one ``output_text`` part) for text, a
+``function_call`` (``call_id``, ``name``, ``arguments``; plus ``namespace`` for a flattened
+namespace tool) or ``custom_tool_call`` (``input``) per call. ``status`` is
 ``completed``, or ``incomplete`` with ``incomplete_details.reason: max_output_tokens`` when the
 budget or the context ran out. ``usage.input_tokens_details.cached_tokens`` counts the prompt
 tokens served from any cache tier.
@@ -10,7 +11,8 @@ tokens served from any cache tier.
 Stream (every event with ``type`` and a ``sequence_number``): ``response.created``,
 ``response.in_progress``, then per item ``response.output_item.added``, for a message
 ``response.content_part.added``, ``response.output_text.delta`` ... ``.done``,
-``response.content_part.done``, for a call ``response.function_call_arguments.delta`` ...
+``response.content_part.done``, for reasoning ``response.reasoning_text.delta`` ... ``.done``,
+for a call ``response.function_call_arguments.delta`` ...
 ``.done`` (``response.custom_tool_call_input.*`` for custom tools), then
 ``response.output_item.done``; last ``response.completed`` or ``response.incomplete``. A
 failure after the start is ``response.failed`` with the error, and the stream ends.
@@ -26,7 +28,7 @@ from typing import Any
 
 from kvcellar.engine import TokenEvent
 from kvcellar.server.errors import APIError
-from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Text
+from kvcellar.server.internal import CallArgs, CallStart, OutputTracker, Piece, Reasoning, Text
 from kvcellar.server.streaming import sse_event
 from kvcellar.server.tools.parsers import random_id
 
@@ -67,6 +69,13 @@ class ResponsesRenderer:
     def _apply(self, piece: Piece) -> tuple[bool, int]:
         """Add ``piece`` to the items; (whether it opened a new item, the item's index)."""
         last = self.items[-1] if self.items else None
+        if isinstance(piece, Reasoning):
+            if last is not None and last["type"] == "reasoning":
+                last["content"][0]["text"] += piece.text
+                return False, len(self.items) - 1
+            self.items.append({"type": "reasoning", "id": random_id("rs_"), "summary": [], "status": "in_progress",
+                               "content": [{"type": "reasoning_text", "text": piece.text}]})
+            return True, len(self.items) - 1
         if isinstance(piece, Text):
             if self.names.forced_custom is not None and last is not None:
                 last["input"] += piece.text
@@ -123,7 +132,9 @@ class ResponsesRenderer:
 
     def usage(self) -> dict[str, Any]:
         t = self.tracker
-        return {"input_tokens": t.num_prompt_tokens, "input_tokens_details": {"cached_tokens": t.num_cached_tokens},
+        # cache_write_tokens 0: blocks are cached as a side effect, at no charge (as on Anthropic's API)
+        return {"input_tokens": t.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": t.num_cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": t.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": t.num_prompt_tokens + t.num_output_tokens}
 
@@ -137,10 +148,12 @@ class ResponsesRenderer:
 
     def reply_messages(self) -> list[dict[str, Any]]:
         """The reply as internal chat messages, for the next turn (``previous_response_id``)."""
-        content, calls = [], []
+        content, calls, reasoning = [], [], []
         for item in (self._final(i) for i in self.items):
             if item["type"] == "message":
                 content.append(item["content"][0]["text"])
+            elif item["type"] == "reasoning":
+                reasoning.append(item["content"][0]["text"])
             else:
                 name = item["name"] if "namespace" not in item else f"{item['namespace']}.{item['name']}"
                 arguments = item["arguments"] if item["type"] == "function_call" else \
@@ -150,6 +163,8 @@ class ResponsesRenderer:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
         if calls:
             message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
         return [message]
 
     def add(self, index: int, ev: TokenEvent) -> None:
@@ -185,6 +200,9 @@ class ResponsesRenderer:
             return [self._event("response.output_item.added", output_index=at, item=first),
                     self._event("response.content_part.added", item_id=item["id"], output_index=at, content_index=0,
                                 part=part)]
+        if item["type"] == "reasoning":
+            return [self._event("response.output_item.added", output_index=at,
+                                item={**first, "content": [{"type": "reasoning_text", "text": ""}]})]
         first = {**first, "arguments": ""} if item["type"] == "function_call" else {**first, "input": ""}
         return [self._event("response.output_item.added", output_index=at, item=first)]
 
@@ -200,6 +218,9 @@ class ResponsesRenderer:
                                 text=part["text"], logprobs=[]),
                     self._event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                                 part=part)]
+        elif item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=at,
+                                   content_index=0, text=item["content"][0]["text"]))
         elif item["type"] == "function_call":
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                    name=item["name"], arguments=item["arguments"]))
@@ -218,7 +239,10 @@ class ResponsesRenderer:
             if opened:
                 out += self._closed() + self._opened(at)
             item = self.items[at]
-            if isinstance(piece, Text) and item["type"] == "message":
+            if isinstance(piece, Reasoning):
+                out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=at,
+                                       content_index=0, delta=piece.text))
+            elif isinstance(piece, Text) and item["type"] == "message":
                 out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=at,
                                        content_index=0, delta=piece.text, logprobs=[]))
             elif isinstance(piece, Text):  # a forced custom call's input

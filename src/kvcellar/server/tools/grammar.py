@@ -7,6 +7,8 @@ The output must be exactly what the model family's parser reads back as calls, w
   blocks separated by a newline when parallel calls are allowed;
 * ``llama3``: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
 * ``mistral``: the ``[TOOL_CALLS]`` special token, then a JSON array of ``{"name", "arguments"}``;
+* ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``
+  then the arguments (one call: its ``<|call|>`` token ends the output);
 * ``xml_function`` (Qwen3-Coder, Qwen3.5): ``<tool_call>\n<function=NAME>\n``, then per parameter
   ``<parameter=P>\nVALUE\n</parameter>\n`` in the schema's order (required ones always,
   others optional), then ``</function>\n</tool_call>``; a string value is free text up to its
@@ -78,9 +80,11 @@ def _lit(text: str) -> str:
 
 
 def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]], *,
-                        parallel: bool, mistral_token_id: int | None = None) -> Grammar:
+                        parallel: bool, mistral_token_id: int | None = None,
+                        harmony_ids: tuple[int, int, int] | None = None) -> Grammar:
     """A grammar whose every complete output is one call (or, with ``parallel``, one or
-    more calls) of ``tools``."""
+    more calls) of ``tools``. ``harmony_ids``: gpt-oss's <|channel|>, <|constrain|> and
+    <|message|> tokens (a harmony output holds one call: its end token ends the output)."""
     _compile_each(compiler, tools)  # blame the right tool for a schema the engine refuses
 
     def calls(separator: str) -> str:
@@ -94,6 +98,10 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
             raise InvalidRequestError("this model's tokenizer has no [TOOL_CALLS] token", param="tool_choice")
         body = json.dumps(_call_schema(tools, "arguments"))
         lark = f"start: <[{mistral_token_id}]> {_lit('[')} {calls(', ')} {_lit(']')}\ncall: %json {body}\n"
+    elif family == "harmony":
+        if harmony_ids is None:
+            raise InvalidRequestError("this model's tokenizer has no harmony tokens", param="tool_choice")
+        lark = _harmony_call(tools, *harmony_ids)
     elif family == "xml_function":
         lark = (f"start: {calls(chr(10))}\n"
                 f"call: {_lit('<tool_call>' + chr(10))} function {_lit('</tool_call>')}\n"
@@ -104,6 +112,19 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
                 f"call: {_lit('<tool_call>' + chr(10))} body {_lit(chr(10) + '</tool_call>')}\n"
                 f"body: %json {body}\n")
     return compiler.lark(lark, param="tools", description=f"tool_call:{family}")
+
+
+def _harmony_call(tools: Sequence[dict[str, Any]], channel: int, constrain: int, message: int) -> str:
+    """One call in gpt-oss's harmony format: ``<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>`` and the arguments, JSON valid against NAME's schema."""
+    rules = [f"start: <[{channel}]> {_lit('commentary to=functions.')} function",
+             f"function: {' | '.join(f'function{i}' for i in range(len(tools)))}"]
+    for i, tool in enumerate(tools):
+        slot, defs = for_grammar(parameters_of(tool), f"tool{i}")
+        schema = {**slot, **({"$defs": defs} if defs else {}), "x-guidance": LENIENT_JSON_STYLE}
+        rules.append(f"function{i}: {_lit(tool['function']['name'] + ' ')} <[{constrain}]> {_lit('json')} "
+                     f"<[{message}]> %json {json.dumps(schema)}")
+    return "\n".join(rules) + "\n"
 
 
 def _xml_functions(tools: Sequence[dict[str, Any]], relaxed: frozenset[int] = frozenset()) -> str:

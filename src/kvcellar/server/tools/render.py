@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcellar.engine.tokenization import render_chat
-from kvcellar.server.tools.parsers import ParsedCall, ToolParser, parser_for_template
+from kvcellar.server.harmony import CHANNEL, CONSTRAIN, MESSAGE, template_is_harmony
+from kvcellar.server.harmony import reader_factory as harmony_reader_factory
+from kvcellar.server.tools.parsers import OutputReader, ParsedCall, ToolParser, parser_for_template
 
 if TYPE_CHECKING:
     from kvcellar.server.tools.request import ToolPlan
@@ -63,6 +65,9 @@ class ToolPrompting:
     template_renders_tools: bool
     parser: type[ToolParser]
     mistral_token_id: int | None = None  # the [TOOL_CALLS] special token, for forced calls
+    # gpt-oss's harmony format (server/harmony.py): the ids of <|channel|>, <|constrain|> and
+    # <|message|>, for forced calls; None for every other template.
+    harmony_ids: tuple[int, int, int] | None = None
 
     @classmethod
     def probe(cls, tokenizer: Any) -> ToolPrompting:
@@ -81,22 +86,35 @@ class ToolPrompting:
         if parser.family == "mistral":
             found = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
             mistral_id = found if isinstance(found, int) and found != tokenizer.unk_token_id else None
-        return cls(renders, parser, mistral_id)
+        harmony_ids = None
+        if template_is_harmony(template):
+            ids = [tokenizer.convert_tokens_to_ids(t) for t in (CHANNEL, CONSTRAIN, MESSAGE)]
+            if all(isinstance(i, int) and i != tokenizer.unk_token_id for i in ids):
+                harmony_ids = (ids[0], ids[1], ids[2])
+        return cls(renders, parser, mistral_id, harmony_ids)
+
+    @property
+    def harmony(self) -> bool:
+        return self.harmony_ids is not None
 
     @property
     def family(self) -> str:
-        return self.parser.family
+        return "harmony" if self.harmony else self.parser.family
 
     @property
     def markup_is_special(self) -> bool:
         """The family's call markers are special tokens, which plain detokenizing drops."""
-        return self.family in ("llama3", "mistral")
+        return self.family in ("llama3", "mistral", "harmony")
 
-    def parser_factory(self, plan: ToolPlan, on_finish: Callable[[list[ParsedCall]], None] | None = None
-                       ) -> Callable[[], ToolParser]:
-        """Parsers of ``plan``'s calls; ``on_finish`` gets each output's calls as it ends."""
-        names = [t["function"]["name"] for t in plan.forced_tools] if plan.forced else \
+    def parser_factory(self, plan: ToolPlan | None, on_finish: Callable[[list[ParsedCall]], None] | None = None
+                       ) -> Callable[[], OutputReader]:
+        """Readers of ``plan``'s calls; ``on_finish`` gets each output's calls as it ends. For
+        harmony (which also reads the reasoning) ``plan`` may be None: no calls to read."""
+        names = [] if plan is None else [t["function"]["name"] for t in plan.forced_tools] if plan.forced else \
             [t["function"]["name"] for t in plan.tools]
+        if self.harmony:
+            return harmony_reader_factory(names, on_finish)
+        assert plan is not None
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in plan.tools}
 
         def make() -> ToolParser:
@@ -115,6 +133,9 @@ class ToolPrompting:
 
 
 def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("reasoning_content") and "thinking" not in message:
+        # gpt-oss's template reads an assistant turn's reasoning as ``thinking``
+        message = {**message, "thinking": message["reasoning_content"]}
     calls = message.get("tool_calls")
     if not calls:
         return message

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from kvcellar.server.tools.parsers.base import (
     CallFragment,
+    OutputReader,
     ParsedCall,
     ParsedOutput,
     StreamDelta,
+    Thought,
     ToolParser,
     collect,
     new_call_id,
+    partial_tail,
     random_id,
 )
 from kvcellar.server.tools.parsers.hermes import HermesParser
@@ -26,14 +29,17 @@ __all__ = [
     "HermesParser",
     "Llama3Parser",
     "MistralParser",
+    "OutputReader",
     "ParsedCall",
     "ParsedOutput",
     "StreamDelta",
+    "Thought",
     "ToolParser",
     "XmlFunctionParser",
     "collect",
     "new_call_id",
     "parser_for_template",
+    "partial_tail",
     "random_id",
 ]
 

@@ -44,7 +44,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 _JSON_WS = " \t\n\r"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -67,6 +67,7 @@ class ParsedCall:
 class ParsedOutput:
     content: str | None  # text outside the markup; None when there are calls and nothing else
     tool_calls: list[ParsedCall]
+    reasoning: str | None = None  # the model's reasoning, where its family writes some (server/reasoning.py)
 
 
 @dataclass
@@ -81,12 +82,20 @@ class CallFragment:
 
 
 @dataclass
+class Thought:
+    """Reasoning text (server/reasoning.py), an entry of ``StreamDelta.items``."""
+
+    text: str
+
+
+@dataclass
 class StreamDelta:
     content: str = ""
     tool_calls: list[CallFragment] = field(default_factory=list)
-    # The same content and call fragments in the order they were written (text after a call
-    # stays after it), for APIs whose output is a list of blocks.
-    items: list[str | CallFragment] = field(default_factory=list)
+    # The same content and call fragments (and reasoning) in the order they were written
+    # (text after a call stays after it), for APIs whose output is a list of blocks.
+    items: list[str | CallFragment | Thought] = field(default_factory=list)
+    reasoning: str = ""
 
     def text(self, piece: str) -> None:
         if piece:
@@ -145,6 +154,17 @@ class _NestingScanner:
                 if self.depth == 0:
                     return i + 1
         return -1
+
+
+class OutputReader(Protocol):
+    """What reads one output for the server: a ``ToolParser``, or a reader that also takes the
+    model's reasoning out of it (server/reasoning.py)."""
+
+    @property
+    def called(self) -> bool: ...
+    def feed(self, text: str) -> StreamDelta: ...
+    def finish(self) -> StreamDelta: ...
+    def parse(self, text: str) -> ParsedOutput: ...
 
 
 class ToolParser(ABC):
@@ -282,7 +302,7 @@ class ToolParser(ABC):
             self._content(self._consume(i, hold=False))
             self._consume(len(marker), hold=True)
             return True
-        keep = 0 if final else _partial_tail(self._buf, marker)
+        keep = 0 if final else partial_tail(self._buf, marker)
         self._content(self._consume(len(self._buf) - keep, hold=False))
         return False
 
@@ -325,7 +345,7 @@ class BlockParser(ToolParser):
         elif close >= 0:
             end = close + len(self.CLOSE)
         else:
-            keep = 0 if final else max(_partial_tail(self._buf, self.CLOSE), _partial_tail(self._buf, self.OPEN))
+            keep = 0 if final else max(partial_tail(self._buf, self.CLOSE), partial_tail(self._buf, self.OPEN))
             end = len(self._buf) - keep
         passed = self._consume(end, hold=False)
         if keep_text:
@@ -345,7 +365,7 @@ def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
     return ParsedOutput(content=None if calls and not content.strip() else content, tool_calls=calls)
 
 
-def _partial_tail(text: str, marker: str) -> int:
+def partial_tail(text: str, marker: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
