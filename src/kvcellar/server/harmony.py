@@ -26,13 +26,12 @@ from collections.abc import Callable, Collection
 from enum import Enum
 
 from kvcellar.server.tools.parsers import (
-    CallFragment,
+    CallReporter,
     ParsedCall,
     ParsedOutput,
     StreamDelta,
     Thought,
     collect,
-    new_call_id,
     partial_tail,
 )
 
@@ -57,7 +56,7 @@ class _State(Enum):
     PLAIN = "plain"  # not harmony: all content
 
 
-class HarmonyReader:
+class HarmonyReader(CallReporter):
     """Reads one gpt-oss output (an ``OutputReader``): ``feed`` pieces, then ``finish``; or
     ``parse`` a whole text. ``tool_names``: the tools its calls may name (None: any)."""
 
@@ -182,34 +181,6 @@ class HarmonyReader:
                 self._out.items.append(Thought(text))
         else:
             self._out.text(text)
-
-    def _start_call(self, name: str) -> None:
-        delta = CallFragment(index=self._calls, id=new_call_id(), name=name)
-        self._read.append(ParsedCall(name, "", delta.id or ""))
-        self._out.tool_calls.append(delta)
-        self._out.items.append(delta)
-        self._calls += 1
-        self._args_sent = False
-
-    def _args(self, fragment: str) -> None:
-        self._args_sent = True
-        self._read[-1].arguments += fragment
-        last = self._out.items[-1] if self._out.items else None
-        if isinstance(last, CallFragment) and last.index == self._calls - 1:
-            last.arguments += fragment
-        else:
-            delta = CallFragment(index=self._calls - 1, arguments=fragment)
-            self._out.tool_calls.append(delta)
-            self._out.items.append(delta)
-
-    def _end_call(self) -> None:
-        if not self._args_sent:
-            self._args("{}")
-        self._args_sent = True
-
-    def _take(self) -> StreamDelta:
-        out, self._out = self._out, StreamDelta()
-        return out
 
 
 def reader_factory(tool_names: Collection[str] | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvcellar.server.tools.parsers.base import (
     CallFragment,
+    CallReporter,
     OutputReader,
     ParsedCall,
     ParsedOutput,
@@ -26,6 +27,7 @@ from kvcellar.server.tools.parsers.xml_function import XmlFunctionParser
 __all__ = [
     "PARSERS",
     "CallFragment",
+    "CallReporter",
     "HermesParser",
     "Llama3Parser",
     "MistralParser",

@@ -167,7 +167,47 @@ class OutputReader(Protocol):
     def parse(self, text: str) -> ParsedOutput: ...
 
 
-class ToolParser(ABC):
+class CallReporter:
+    """How a reader of outputs reports calls, as deltas: a call's first fragment (index, id,
+    name), its arguments as they come, ``"{}"`` for a call that gave none. Shared by the tool
+    parsers and the harmony reader (server/harmony.py)."""
+
+    _out: StreamDelta
+    _read: list[ParsedCall]  # the calls so far, for on_finish
+    _calls: int
+    _args_sent: bool  # the current call has streamed some arguments
+
+    def _start_call(self, name: str) -> None:
+        self._args_sent = False
+        delta = CallFragment(index=self._calls, id=new_call_id(), name=name)
+        self._read.append(ParsedCall(name, "", delta.id or ""))
+        self._out.tool_calls.append(delta)
+        self._out.items.append(delta)
+        self._calls += 1
+
+    def _args(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self._args_sent = True
+        self._read[-1].arguments += fragment
+        last = self._out.items[-1] if self._out.items else None
+        if isinstance(last, CallFragment) and last.index == self._calls - 1:
+            last.arguments += fragment
+        else:
+            delta = CallFragment(index=self._calls - 1, arguments=fragment)
+            self._out.tool_calls.append(delta)
+            self._out.items.append(delta)
+
+    def _end_call(self) -> None:
+        if not self._args_sent:
+            self._args("{}")
+
+    def _take(self) -> StreamDelta:
+        out, self._out = self._out, StreamDelta()
+        return out
+
+
+class ToolParser(CallReporter, ABC):
     """Reads one output. ``feed`` the pieces in order, then ``finish`` once; or ``parse`` a whole text
     (a fresh parser with the same ``tool_names``; this object's stream is untouched).
 
@@ -250,29 +290,7 @@ class ToolParser(ABC):
         self._held = ""
         self._ws_pending = ""
         self._after_call = True
-        self._args_sent = False
-        delta = CallFragment(index=self._calls, id=new_call_id(), name=name)
-        self._read.append(ParsedCall(name, "", delta.id or ""))
-        self._out.tool_calls.append(delta)
-        self._out.items.append(delta)
-        self._calls += 1
-
-    def _args(self, fragment: str) -> None:
-        if not fragment:
-            return
-        self._args_sent = True
-        self._read[-1].arguments += fragment
-        last = self._out.items[-1] if self._out.items else None
-        if isinstance(last, CallFragment) and last.index == self._calls - 1:
-            last.arguments += fragment
-        else:
-            delta = CallFragment(index=self._calls - 1, arguments=fragment)
-            self._out.tool_calls.append(delta)
-            self._out.items.append(delta)
-
-    def _end_call(self) -> None:
-        if not self._args_sent:
-            self._args("{}")
+        super()._start_call(name)
 
     # -- buffer helpers --
 
@@ -305,11 +323,6 @@ class ToolParser(ABC):
         keep = 0 if final else partial_tail(self._buf, marker)
         self._content(self._consume(len(self._buf) - keep, hold=False))
         return False
-
-    def _take(self) -> StreamDelta:
-        out, self._out = self._out, StreamDelta()
-        return out
-
 
 class BlockParser(ToolParser):
     """A family whose calls sit in ``OPEN ... CLOSE`` blocks among the text (Hermes, the XML
