@@ -79,8 +79,9 @@ def test_generate_honours_the_files_artifacts_table(tiny_ggufs: list[Path], tmp_
 def test_a_running_server_uses_the_files_artifacts_table(tiny_ggufs: list[Path], tmp_path: Path) -> None:
     config = tmp_path / "kvcellar.toml"
     config.write_text("[artifacts]\nmax_gb = 3\n")
-    server = ServerProcess(tmp_path / "cache", "--model", str(tiny_ggufs[0]), "--ssd-policy", "off",
-                           env={"KVCELLAR_CONFIG": str(config)})
+    # full weights: one entry (auto keeps a quantized form beside the dense one)
+    server = ServerProcess(tmp_path / "cache", "--model", str(tiny_ggufs[0]), "--ssd-policy", "off", "--weights",
+                           "full", env={"KVCELLAR_CONFIG": str(config)})
     server.start()
     try:
         artifact = server.health()["artifact"]
