@@ -283,6 +283,10 @@ def test_a_forced_call_or_schema_closes_the_reasoning_block_the_prompt_opened(th
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": city}})
     assert r.choices[0].finish_reason == "stop" and "reasoning_content" not in (r.choices[0].message.model_extra or {})
     assert isinstance(json.loads(r.choices[0].message.content)["city"], str)
+    # tool_choice auto: the calls' grammar leaves the text free, reasoning included
+    r = thinker.client().chat.completions.create(model=THINKER, messages=[{"role": "user", "content": ASK}],
+                                                 tools=[WEATHER], **LONG)
+    assert r.choices[0].message.model_extra["reasoning_content"]
 
 
 def test_reasoning_sent_back_reaches_the_messages_of_every_api() -> None:

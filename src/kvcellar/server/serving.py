@@ -291,7 +291,9 @@ class Serving:
             raise
         inside = self.reasons and starts_inside(
             await self.on_tokenizer_thread(self.engine.tokenizer.decode, prompt[-8:]))
-        if inside and params.grammar is not None:  # a forced output closes the reasoning block first
+        if inside and params.grammar is not None and params.grammar.steer_to_end:
+            # A forced output (a call, a schema) closes the reasoning block first; free text
+            # with well-formed calls (``auto``) may reason.
             params.grammar = await self.on_tokenizer_thread(self.engine.grammars.after, EMPTY_CLOSE, params.grammar)
         if params.grammar is not None:
             await self.on_tokenizer_thread(self._check_room_for_grammar, params.grammar, params.max_tokens, ireq)
