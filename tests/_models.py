@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
@@ -51,6 +52,9 @@ def shared_models_dir() -> Path:
 # The engine tests' device: ``KVCELLAR_TEST_DEVICE=cuda`` runs them on a GPU (server tests
 # follow ``--device auto``).
 TEST_DEVICE = os.environ.get("KVCELLAR_TEST_DEVICE", "cpu")
+# Tests of what kvcellar's CPU kernels compute (bit-identical hits, fused experts).
+needs_native = pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu",
+                                  reason="kvcellar's CPU kernels: not built here, or the tests run on a GPU")
 
 
 @functools.cache

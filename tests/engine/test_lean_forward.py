@@ -9,15 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import native
 from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
-from tests._models import chat_ids, embedded, make_engine, served_moe, tiny_model
+from tests._models import chat_ids, embedded, make_engine, needs_native, served_moe, tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
-needs_native = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels cannot be built here")
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import native
 from kvcellar.engine.attention import _attend_with_sinks
 from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.sampling import SamplingParams
@@ -27,12 +26,11 @@ from tests._models import (
     chat_ids,
     embedded,
     make_engine,
+    needs_native,
     reference_greedy,
     uncached_runner,
 )
 
-needs_native = pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu",
-                                  reason="kvcellar's CPU kernels: not built here, or the tests run on a GPU")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
 SYSTEM = "You are a coding agent. Read the file before you edit it; run the tests after each edit. " * 4
 QUESTIONS = ("Which file defines the parser?", "Where are the tests?", "What does make check run?")

@@ -32,14 +32,13 @@ from tests._models import (
     expected_cached,
     make_engine,
     moe_gguf,
+    needs_native,
     reference_greedy,
     served_moe,
     tiered,
     uncached_runner,
 )
 
-needs_native = pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu",
-                                  reason="kvcellar's CPU kernels: not built here, or the tests run on a GPU")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
 SYSTEM = ("You review pull requests. The repository is a storage engine in C; tests run with `make check`. "
           "Answer with the file and the line. ") * 6

@@ -26,13 +26,12 @@ from tests._models import (
     embedded,
     expected_cached,
     make_engine,
+    needs_native,
     tiered,
     uncached_runner,
     without_native_kernels,
 )
 
-needs_native = pytest.mark.skipif(not native.available() or TEST_DEVICE != "cpu",
-                                  reason="kvcellar's CPU kernels: not built here, or the tests run on a GPU")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5)
 SYSTEM = ("You answer questions about a city library's opening hours, loans and rooms in one short sentence. "
           "Atlases are on the second floor; the quiet room opens at nine; DVDs go out for a week. ") * 8

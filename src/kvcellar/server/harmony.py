@@ -79,10 +79,7 @@ class HarmonyReader(CallReporter):
 
     def parse(self, text: str) -> ParsedOutput:
         fresh = HarmonyReader(self._names, self.on_finish)
-        parts = [fresh.feed(text), fresh.finish()]
-        parsed = collect(parts)
-        parsed.reasoning = "".join(p.reasoning for p in parts) or None
-        return parsed
+        return collect([fresh.feed(text), fresh.finish()])
 
     def feed(self, text: str) -> StreamDelta:
         self._buf += text

@@ -127,10 +127,7 @@ class ReasoningReader:
     def parse(self, text: str) -> ParsedOutput:
         """The whole ``text`` read by a fresh reader (this one's stream is untouched)."""
         fresh = ReasoningReader(self._make_splitter, self._make_calls)
-        parts = [fresh.feed(text), fresh.finish()]
-        parsed = collect(parts)
-        parsed.reasoning = "".join(p.reasoning for p in parts) or None
-        return parsed
+        return collect([fresh.feed(text), fresh.finish()])
 
     def _delta(self, reasoning: str, content: str, final: bool) -> StreamDelta:
         out = StreamDelta()

@@ -367,7 +367,8 @@ class BlockParser(ToolParser):
 
 
 def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
-    """Rebuild a whole output from its stream: content concatenated, calls joined by index."""
+    """Rebuild a whole output from its stream: content and reasoning concatenated, calls joined
+    by index."""
     content = "".join(d.content for d in deltas)
     calls: list[ParsedCall] = []
     for d in deltas:
@@ -375,7 +376,8 @@ def collect(deltas: Collection[StreamDelta]) -> ParsedOutput:
             if t.index == len(calls):
                 calls.append(ParsedCall(name=t.name or "", arguments="", id=t.id or ""))
             calls[t.index].arguments += t.arguments
-    return ParsedOutput(content=None if calls and not content.strip() else content, tool_calls=calls)
+    return ParsedOutput(content=None if calls and not content.strip() else content, tool_calls=calls,
+                        reasoning="".join(d.reasoning for d in deltas) or None)
 
 
 def partial_tail(text: str, marker: str) -> int:
