@@ -27,6 +27,9 @@ import torch
 from torch import nn
 
 INT4_GROUP = 32
+# MXFP4: inputs per E8M0 exponent, and the numbers its E2M1 codes stand for.
+MXFP4_GROUP = 32
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 LM_HEAD = "lm_head"
 # What each mode stores, as the artifact cache keys it: change the string when the rules of
 # ``kind_for`` or a quantizer change, and older entries become misses.
@@ -45,7 +48,11 @@ class QuantizedWeight:
     * int8: ``qweight`` int8 ``[out, in]``, float32 ``scales [out]``, ``w = q * scale``;
     * int4: ``qweight`` uint8 ``[out, in / 2]`` (input ``2j`` in the low nibble, ``2j + 1`` in
       the high one), float16 ``scales``/``offsets [out, in / group]``, ``w = q * scale + offset``
-      (in float32).
+      (in float32);
+    * mxfp4 (OCP microscaling, gpt-oss's experts as GGUF stores them): ``qweight`` as int4's,
+      each nibble an E2M1 code (``MXFP4_VALUES``), uint8 E8M0 ``scales [out, in / 32]``:
+      ``w = value * 2^(scale - 127)``; no offsets. Read from GGUF blocks as they are
+      (``artifacts/gguf_convert.py``), never made from float weights.
     """
 
     kind: str
@@ -57,7 +64,7 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         out, cols = self.qweight.shape
-        return out, cols * 2 if self.kind == "int4" else cols
+        return out, cols if self.kind == "int8" else cols * 2
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +89,8 @@ class QuantizedWeight:
         """The weight the kernels compute with, from the scales rounded to ``dtype`` as the
         kernels take them: int8 ``q * scale``, int4 ``dequantize_int4`` (what a lean linear
         computes, ``engine/linears.py``)."""
+        if self.kind == "mxfp4":
+            return dequantize_mxfp4(self.qweight, self.scales).to(dtype)
         scale, zero = self.kernel_params(dtype)
         if self.kind == "int8":
             return (self.qweight.float() * scale.float()[:, None]).to(dtype)
@@ -101,9 +110,11 @@ class QuantizedWeight:
         offsets = tensors.get(f"{prefix}.offsets")
         if q.dtype == torch.int8:
             return cls("int8", q, tensors[f"{prefix}.scales"])
+        scales = tensors[f"{prefix}.scales"]
+        if q.dtype == torch.uint8 and offsets is None and scales.dtype == torch.uint8:
+            return cls("mxfp4", q, scales, group_size=MXFP4_GROUP)
         if q.dtype != torch.uint8 or offsets is None:
             raise ValueError(f"{prefix}: not a quantized weight this version reads")
-        scales = tensors[f"{prefix}.scales"]
         return cls("int4", q, scales, offsets, group_size=(q.shape[1] * 2) // scales.shape[1])
 
     @staticmethod
@@ -117,6 +128,18 @@ class QuantizedWeight:
                    else torch.cat([p.offsets for p in parts]))  # type: ignore[misc]  # one kind: all have offsets
         return QuantizedWeight(parts[0].kind, torch.cat([p.qweight for p in parts]),
                                torch.cat([p.scales for p in parts]), offsets, parts[0].group_size)
+
+
+def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 weight (``QuantizedWeight`` layout) as float32 ``[out, in]``: each code's value
+    times its block's power of two, both exact in float32 (the kernels' numbers)."""
+    rows = nibbles.shape[0]
+    codes = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(rows, -1, MXFP4_GROUP).long()
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=nibbles.device)[codes]
+    e = exponents.to(torch.int32)
+    # 2^(e - 127): the float whose exponent field is e (e = 0: the subnormal 2^-127)
+    bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
+    return (values * bits.view(torch.float32)[:, :, None]).reshape(rows, -1)
 
 
 def dequantize_int4(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,

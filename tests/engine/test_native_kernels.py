@@ -7,12 +7,14 @@ import itertools
 import random
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from kvcellar.engine import native
 from kvcellar.engine.linears import FastLinear, KernelTable, quant_kernels_run
-from kvcellar.quantization import quantize_int4, quantize_int8
+from kvcellar.artifacts.gguf_convert import mxfp4_from_blocks
+from kvcellar.quantization import QuantizedWeight, dequantize_mxfp4, quantize_int4, quantize_int8
 from kvcellar.storage import block_format
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
@@ -49,6 +51,18 @@ def int4_weight(out: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     values = q.int4_values().double().view(out, cols // 32, 32)
     weight = (values * scales.double()[..., None] + offsets.double()[..., None]).view(out, cols)
     return q.qweight, scales, offsets, weight
+
+
+def mxfp4_weight(out: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    """Random weights as GGUF's MXFP4 blocks (the gguf package's encoder), read as kvcellar
+    reads a file's; exponents spread over many powers of two, a block with exponent 0."""
+    import gguf
+
+    w = torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)).numpy()
+    w *= np.exp2(np.random.default_rng(seed).integers(-12, 4, size=(out, cols // 32, 1))).repeat(32, 2).reshape(out, cols)
+    q = mxfp4_from_blocks(gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType.MXFP4))
+    q.scales[0, 0] = 0  # 2^-127: a subnormal block scale
+    return q
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -123,7 +137,7 @@ def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4"])
 @pytest.mark.parametrize(("out", "cols"), [(40, 256), (33, 320)])
 def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out, cols):
     """``moe_matmul`` runs a MoE layer's experts in one call: each expert's rows (none, one,
@@ -139,13 +153,19 @@ def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out
 
         def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
             return native.matmul_int4(rows, *parts[e], 1)
-    else:
+    elif kind == "int8":
         quants = [quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(e)) * 0.05)
                   for e in range(len(counts))]
         experts = native.expert_weights("int8", [q.qweight for q in quants], [q.scales for q in quants])
 
         def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
             return native.matmul_int8(rows, quants[e].qweight, quants[e].scales, 1)
+    else:
+        quants = [mxfp4_weight(out, cols, seed=e) for e in range(len(counts))]
+        experts = native.expert_weights("mxfp4", [q.qweight for q in quants], [q.scales for q in quants])
+
+        def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
+            return native.matmul_mxfp4(rows, quants[e].qweight, quants[e].scales, 1)
     starts = torch.tensor([0, *itertools.accumulate(counts)])
     got = native.moe_matmul(x, experts, starts, THREADS)
     assert got.shape == (sum(counts), out)
@@ -156,6 +176,35 @@ def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out
             assert torch.equal(got[a:a + 1], alone(x[a:a + 1], e)), e  # its first row in a step of its own
     with pytest.raises(ValueError):
         native.moe_matmul(x, experts, starts[:-1], THREADS)
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols"), SHAPES)
+def test_mxfp4_matmul_is_the_8_bit_activations_times_the_weight_at_any_row_count(out, cols):
+    """The E2M1 codes, their blocks' powers of two (subnormal too) and the 8-bit activations:
+    each row's numbers alone are the ones it gets in any step."""
+    q = mxfp4_weight(out, cols, seed=cols)
+    weight = dequantize_mxfp4(q.qweight, q.scales).double()
+    assert torch.equal(weight.float(), q.dequantize(torch.float32))
+    x = activations(23, cols)
+    whole = native.matmul_mxfp4(x, q.qweight, q.scales, THREADS)
+    assert_close(whole, rounded(x) @ weight.T)
+    for start, end in ((0, 1), (1, 4), (4, 9), (9, 23)):
+        assert torch.equal(native.matmul_mxfp4(x[start:end], q.qweight, q.scales, 1), whole[start:end])
+    out_rows = torch.empty(3, cols)
+    assert torch.equal(native.dequantize_mxfp4(q.qweight, q.scales, 2, 5, out_rows, THREADS), weight[2:5].float())
+
+
+@needs_native
+def test_mxfp4_sums_the_largest_products_exactly():
+    """Every code 6.0 (doubled: 12), activations at their blocks' maximum."""
+    out, cols = 8, 4096
+    nibbles = torch.full((out, cols // 2), 0x77, dtype=torch.uint8)
+    exponents = torch.full((out, cols // 32), 127, dtype=torch.uint8)  # 2^0
+    x = torch.ones(2, cols)
+    x[1] = -1.0
+    y = native.matmul_mxfp4(x, nibbles, exponents, THREADS)
+    assert torch.equal(y[0], torch.full((out,), 6.0 * cols)) and torch.equal(y[1], torch.full((out,), -6.0 * cols))
 
 
 @needs_native

@@ -44,7 +44,7 @@ import torch
 from kvcellar.errors import ModelLoadError
 from kvcellar.gguf_info import GGUFInfo, GGUFTensor, read_gguf_info
 from kvcellar.model_source import MOE_GGUF_ARCHITECTURES
-from kvcellar.quantization import INT4_GROUP, QuantizedWeight, kind_for, quantize
+from kvcellar.quantization import INT4_GROUP, MXFP4_GROUP, QuantizedWeight, kind_for, quantize
 
 log = logging.getLogger(__name__)
 
@@ -593,6 +593,19 @@ def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:
                            torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float16)),
                            torch.from_numpy(np.ascontiguousarray(offsets.reshape(rows, -1), dtype=np.float16)),
                            INT4_GROUP)
+
+
+def mxfp4_from_blocks(raw: np.ndarray) -> QuantizedWeight:
+    """Rows of MXFP4 blocks (uint8 ``[rows, bytes]``: per 32 values an E8M0 byte, then 16
+    bytes whose low nibbles are codes 0..15 and high nibbles 16..31) as kvcellar's ``mxfp4``
+    weight, code for code: the nibbles regrouped as int4's (input 2j low, 2j + 1 high)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 17)
+    qs = blocks[:, 1:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1).reshape(rows, -1)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return QuantizedWeight("mxfp4", torch.from_numpy(np.ascontiguousarray(packed)),
+                           torch.from_numpy(np.ascontiguousarray(blocks[:, 0].reshape(rows, -1))), None, MXFP4_GROUP)
 
 
 def _half(two_bytes: np.ndarray) -> np.ndarray:

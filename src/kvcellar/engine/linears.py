@@ -143,7 +143,9 @@ class FastLinear(nn.Module):
         self.dtype, self.device = dtype, device = weight.dtype, weight.device
         self.kernel_dtype = table.kernel_dtype or dtype
         self.native = self.kernel_dtype == torch.int8
-        self.quant_kind = quant.kind if quant is not None and quant_kernels_run(self.kernel_dtype, device) else None
+        runs = quant is not None and quant_kernels_run(self.kernel_dtype, device)
+        # MXFP4 has only kvcellar's kernel: elsewhere its dequantized weight runs
+        self.quant_kind = quant.kind if runs and (quant.kind != "mxfp4" or self.native) else None
         self._q: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
@@ -177,6 +179,8 @@ class FastLinear(nn.Module):
             self.group_size = quant.group_size
             if quant.kind == "int8":
                 self._scale = quant.scales.float().contiguous()
+            elif quant.kind == "mxfp4":
+                self._scale = quant.scales.contiguous()  # E8M0 exponents, as mapped
             else:
                 assert quant.offsets is not None
                 self._scale = quant.scales.to(torch.float16).contiguous()  # float16 already: as mapped
@@ -251,6 +255,9 @@ class FastLinear(nn.Module):
         if self.native and self.quant_kind == "int4":
             assert self._scale is not None and self._zero is not None
             return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads())
+        if self.quant_kind == "mxfp4":
+            assert self._scale is not None
+            return native.dequantize_mxfp4(self._q, self._scale, 0, rows, out, torch.get_num_threads())
         for start in range(0, rows, _DEQUANT_ROWS):
             end = min(rows, start + _DEQUANT_ROWS)
             if self.quant_kind == "int8":
@@ -282,6 +289,8 @@ class FastLinear(nn.Module):
             x32, threads = x2d.float(), torch.get_num_threads()
             if self.quant_kind == "int8":
                 out = native.matmul_int8(x32, self._q, self._scale, threads)
+            elif self.quant_kind == "mxfp4":
+                out = native.matmul_mxfp4(x32, self._q, self._scale, threads)
             else:
                 assert self._zero is not None
                 out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads)

@@ -79,6 +79,9 @@ _SIGNATURES = {
     "kvc_gemm_q8": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
     "kvc_moe_q4": [_P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _N],
     "kvc_moe_q8": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _N],
+    "kvc_gemm_mxfp4": [_P, _P, _I, _I, _P, _P, _I, _P, _N],
+    "kvc_moe_mxfp4": [_P, _P, _P, _I, _I, _I, _P, _P, _P, _N],
+    "kvc_dequantize_mxfp4": [_P, _P, _I, _I, _I, _P, _N],
     "kvc_dequantize_q4": [_P, _P, _P, _I, _I, _I, _P, _N, _N],
     "kvc_gather_kv": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _N, _P, _N, _N],
     "kvc_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _N, _P, _N, _N],
@@ -86,7 +89,7 @@ _SIGNATURES = {
                       _I, _P, _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
-_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_attend_kv": ctypes.c_int,
+_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_moe_mxfp4": ctypes.c_int, "kvc_attend_kv": ctypes.c_int,
             "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
 # The CPU flags ``kvc_crc32`` needs beyond ``CPU_FLAGS`` (carry-less multiplication).
 CRC_FLAGS = frozenset({"pclmulqdq", "sse4_1"})
@@ -216,11 +219,33 @@ def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, th
     return y
 
 
+def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> torch.Tensor:
+    """``x @ w.T`` in float32 for MXFP4 ``w`` (``nibbles`` uint8 ``[out, in / 2]`` as int4's, each
+    an E2M1 code; ``exponents`` uint8 E8M0 ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
+    out = nibbles.shape[0]
+    rows, cols = x.shape
+    xq, xd, _ = quantize_activations(x, threads)
+    y = torch.empty(rows, out)
+    _lib().kvc_gemm_mxfp4(nibbles.data_ptr(), exponents.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
+                          y.data_ptr(), threads)
+    return y
+
+
+def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, start: int, end: int, out: torch.Tensor,
+                     threads: int) -> torch.Tensor:
+    """Rows ``start:end`` of an MXFP4 weight (layout as ``matmul_mxfp4``) into float32 ``out``."""
+    cols = nibbles.shape[1] * 2
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (end - start, cols)
+    _lib().kvc_dequantize_mxfp4(nibbles.data_ptr(), exponents.data_ptr(), start, end, cols, out.data_ptr(), threads)
+    return out
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """One projection of every expert of a MoE layer, as ``moe_matmul`` reads it: the
-    addresses of each expert's quantized weight (``kind`` int4 or int8, laid out as
-    ``matmul_int4``'s or ``matmul_int8``'s), its scales and (int4) offsets, int64
+    addresses of each expert's quantized weight (``kind`` int4, int8 or mxfp4, laid out as
+    ``matmul_int4``'s, ``matmul_int8``'s or ``matmul_mxfp4``'s), its scales (mxfp4: exponents)
+    and (int4) offsets, int64
     ``[experts]``; ``keep`` holds the tensors they point into."""
 
     kind: str
@@ -235,10 +260,10 @@ class ExpertWeights:
 def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                    offsets: Sequence[torch.Tensor] | None = None) -> ExpertWeights:
     """``ExpertWeights`` over per-expert tensors (all of one shape and layout)."""
-    if kind not in ("int4", "int8") or (kind == "int4") != (offsets is not None):
+    if kind not in ("int4", "int8", "mxfp4") or (kind == "int4") != (offsets is not None):
         raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
     out, packed = weights[0].shape
-    cols = packed * 2 if kind == "int4" else packed
+    cols = packed if kind == "int8" else packed * 2
     tensors = [*weights, *scales, *(offsets or ())]
     if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         raise ValueError("experts' weights must be contiguous CPU tensors")
@@ -255,7 +280,8 @@ def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[
 def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, threads: int) -> torch.Tensor:
     """Rows ``starts[e]:starts[e + 1]`` of ``x`` float32 ``[slots, cols]`` times expert ``e``'s
     weight, every expert in one call: ``[slots, out]`` float32, each row the same bits as
-    ``matmul_int4``/``matmul_int8`` over that expert's weight give it (at any row count)."""
+    ``matmul_int4``/``matmul_int8``/``matmul_mxfp4`` over that expert's weight give it (at any
+    row count)."""
     rows, cols = x.shape
     n_experts = experts.weights.shape[0]
     starts = starts.to(torch.int64).contiguous()
@@ -271,8 +297,9 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
                                    starts.data_ptr(), n_experts, experts.out, cols, xq.data_ptr(), xd.data_ptr(),
                                    xs.data_ptr(), y.data_ptr(), threads)
     else:
-        status = _lib().kvc_moe_q8(experts.weights.data_ptr(), experts.scales.data_ptr(), starts.data_ptr(),
-                                   n_experts, experts.out, cols, xq.data_ptr(), xd.data_ptr(), y.data_ptr(), threads)
+        kernel = _lib().kvc_moe_q8 if experts.kind == "int8" else _lib().kvc_moe_mxfp4
+        status = kernel(experts.weights.data_ptr(), experts.scales.data_ptr(), starts.data_ptr(), n_experts,
+                        experts.out, cols, xq.data_ptr(), xd.data_ptr(), y.data_ptr(), threads)
     if status != 0:
         raise MemoryError("no memory for the experts' work list")
     return y
