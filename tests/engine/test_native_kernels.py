@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvcellar.artifacts.gguf_convert import mxfp4_from_blocks
 from kvcellar.engine import native
 from kvcellar.engine.linears import FastLinear, KernelTable, quant_kernels_run
-from kvcellar.artifacts.gguf_convert import mxfp4_from_blocks
 from kvcellar.quantization import QuantizedWeight, dequantize_mxfp4, quantize_int4, quantize_int8
 from kvcellar.storage import block_format
 from kvcellar.storage.disk.config import DiskConfig
@@ -59,7 +59,8 @@ def mxfp4_weight(out: int, cols: int, seed: int = 0) -> QuantizedWeight:
     import gguf
 
     w = torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)).numpy()
-    w *= np.exp2(np.random.default_rng(seed).integers(-12, 4, size=(out, cols // 32, 1))).repeat(32, 2).reshape(out, cols)
+    powers = np.random.default_rng(seed).integers(-12, 4, size=(out, cols // 32, 1))
+    w *= np.exp2(powers).repeat(32, 2).reshape(out, cols)
     q = mxfp4_from_blocks(gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType.MXFP4))
     q.scales[0, 0] = 0  # 2^-127: a subnormal block scale
     return q

@@ -145,7 +145,7 @@ class FastLinear(nn.Module):
         self.native = self.kernel_dtype == torch.int8
         runs = quant is not None and quant_kernels_run(self.kernel_dtype, device)
         # MXFP4 has only kvcellar's kernel: elsewhere its dequantized weight runs
-        self.quant_kind = quant.kind if runs and (quant.kind != "mxfp4" or self.native) else None
+        self.quant_kind = quant.kind if quant is not None and runs and (quant.kind != "mxfp4" or self.native) else None
         self._q: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None

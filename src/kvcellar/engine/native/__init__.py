@@ -89,8 +89,8 @@ _SIGNATURES = {
                       _I, _P, _N],
     "kvc_crc32": [_P, _I, ctypes.c_uint32],
 }
-_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_moe_mxfp4": ctypes.c_int, "kvc_attend_kv": ctypes.c_int,
-            "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
+_RESULTS = {"kvc_moe_q4": ctypes.c_int, "kvc_moe_q8": ctypes.c_int, "kvc_moe_mxfp4": ctypes.c_int,
+            "kvc_attend_kv": ctypes.c_int, "kvc_write_kv": ctypes.c_int, "kvc_crc32": ctypes.c_uint32}
 # The CPU flags ``kvc_crc32`` needs beyond ``CPU_FLAGS`` (carry-less multiplication).
 CRC_FLAGS = frozenset({"pclmulqdq", "sse4_1"})
 # Below this many bytes zlib's CRC-32 is as quick as a call into the library.
