@@ -3,7 +3,9 @@
 Writes a GGUF with the real shapes of Qwen2.5-7B (``--arch qwen2``, the default),
 Llama-3.1-8B (``--arch llama``) or the mixture-of-experts Qwen3-30B-A3B / Qwen3-Coder-30B-A3B
 (``--arch qwen3moe``: 128 experts of 768, 8 routed a token, q/k norms; ~17 GB in Q4_K with
-``--mix q4_k_m``, whose ``ffn_down_exps`` are Q6_K in llama.cpp's "more bits" layers) and
+``--mix q4_k_m``, whose ``ffn_down_exps`` are Q6_K in llama.cpp's "more bits" layers) or
+gpt-oss-20b (``--arch gpt-oss``: 32 experts of 2880 in MXFP4, 4 routed a token, attention
+sinks, 128-token windows every other layer, Q8_0 attention and embedding; ~12 GB) and
 random weights, then measures both servers on that very
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
@@ -122,12 +124,16 @@ SHAPES = {
     "llama": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 5e5, 1e-5, 32768, "Llama-3.1-8B-shaped"),
     "qwen3moe": Shape("qwen3moe", 2048, 768, 48, 32, 4, 151936, 1e7, 1e-6, 40960, "Qwen3-30B-A3B-shaped",
                       experts=128, experts_used=8, head_size=128),
+    # every other layer a 128-token window; YaRN x32 over 4096 (llama.cpp's gpt-oss metadata)
+    "gpt-oss": Shape("gpt-oss", 2880, 2880, 24, 64, 8, 201088, 150000.0, 1e-5, 131072, "gpt-oss-20b-shaped",
+                     experts=32, experts_used=4, head_size=64),
 }
+GPT_OSS_WINDOW = 128
 SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
 
 WEIGHT_STD = 0.02
 # Per-type block layout: (values per block, bytes per block).
-BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "MXFP4": (32, 17)}
 
 
 def tokenizer_tokens(vocab: int) -> tuple[list[str], list[int]]:
@@ -157,6 +163,8 @@ def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple
     ``mix``: q4_0 (every linear and the embedding Q4_0) or q4_k_m (Q4_K, with attn_v and
     ffn_down in Q6_K in llama.cpp's "more bits" layers)."""
     h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
+    if shape.arch == "gpt-oss":
+        return gpt_oss_plan(shape, output_type)
     four = "Q4_0" if mix == "q4_0" else "Q4_K"
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
     for i in range(shape.layers):
@@ -185,6 +193,27 @@ def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple
     return plan
 
 
+def gpt_oss_plan(shape: Shape, output_type: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """gpt-oss as llama.cpp's gpt-oss GGUFs hold it: experts in MXFP4 (whatever the label),
+    attention and the embedding in Q8_0, biases on the attention, router and experts, a sink
+    per head, the norm after attention named ``post_attention_norm``."""
+    h, kv, q, e, f = (shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim, shape.experts,
+                      shape.ffn)
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), "Q8_0")]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", (h,), "F32")]
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            plan += [(b + name + ".weight", (rows, h), "Q8_0"), (b + name + ".bias", (rows,), "F32")]
+        plan += [(b + "attn_output.weight", (h, q), "Q8_0"), (b + "attn_output.bias", (h,), "F32"),
+                 (b + "attn_sinks.weight", (shape.heads,), "F32"), (b + "post_attention_norm.weight", (h,), "F32"),
+                 (b + "ffn_gate_inp.weight", (e, h), "F32"), (b + "ffn_gate_inp.bias", (e,), "F32")]
+        for name, dims in (("ffn_gate_exps", (e, f, h)), ("ffn_up_exps", (e, f, h)), ("ffn_down_exps", (e, h, f))):
+            plan += [(b + name + ".weight", dims, "MXFP4"), (b + name + ".bias", dims[:2], "F32")]
+    plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
+    return plan
+
+
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
     """``rows x cols`` weights of GGUF type ``kind`` as random block bytes, values of std ~0.02."""
     per, nbytes = BLOCKS[kind]
@@ -195,6 +224,8 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
         raw[:, :2] = (jitter * (WEIGHT_STD / 4.6)).astype(np.float16).view(np.uint8).reshape(n, 2)
     elif kind == "Q8_0":  # d (fp16), 32 int8: w = d * q, q uniform -128..127 (std 74)
         raw[:, :2] = (jitter * (WEIGHT_STD / 74)).astype(np.float16).view(np.uint8).reshape(n, 2)
+    elif kind == "MXFP4":  # E8M0 e, 16 bytes of E2M1 codes: w = value * 2^(e - 127), values of std 2.93
+        raw[:, 0] = rng.integers(119, 122, n, dtype=np.uint8)  # 2^-8 .. 2^-6: std ~0.02
     elif kind == "Q4_K":  # d, dmin (fp16), 12 bytes of 6-bit sc and m, nibbles: w = d * sc * q - dmin * m
         d = jitter * (WEIGHT_STD / (4.6 * 31.5))  # sc and m uniform 0..63 (mean 31.5), q 0..15 (std 4.6)
         raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
@@ -230,7 +261,14 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.ffn)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    if shape.arch == "gpt-oss":
+        w.add_sliding_window(GPT_OSS_WINDOW)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    else:
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     tokens, types = tokenizer_tokens(shape.vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "llama-bpe")
@@ -260,10 +298,10 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
         if kind != "F32":
             rows = int(np.prod(dims[:-1]))
             w.write_tensor_data(random_blocks(rng, rows, dims[-1], kind).reshape(*dims[:-1], -1))
+        elif name.endswith(".bias"):
+            w.write_tensor_data((rng.standard_normal(dims) * WEIGHT_STD).astype(np.float32))
         elif len(dims) == 2:  # a router: logits of std ~1, so that tokens spread over the experts
             w.write_tensor_data((rng.standard_normal(dims) * (1 / dims[1] ** 0.5)).astype(np.float32))
-        elif name.endswith(".bias"):
-            w.write_tensor_data((rng.standard_normal(dims[0]) * WEIGHT_STD).astype(np.float32))
         else:  # norms: ~1
             w.write_tensor_data((1.0 + 0.05 * rng.standard_normal(dims[0])).astype(np.float32))
     w.close()
@@ -660,11 +698,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2",
-                   help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B")
+                   help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B, gpt-oss: gpt-oss-20b "
+                   "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix)")
     p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run: " + json.dumps(SMALL))
     for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
-    p.add_argument("--output-type", choices=("Q6_K", "Q8_0", "Q4_0"), default="Q6_K")
+    p.add_argument("--output-type", choices=("Q6_K", "Q8_0", "Q4_0"),
+                   help="default Q6_K; gpt-oss: Q8_0 (its 2880 inputs are no multiple of Q6_K's 256)")
     p.add_argument("--mix", choices=("q4_0", "q4_k_m"), default="q4_0",
                    help="the linears' and embedding's types: all Q4_0, or a Q4_K_M-like mix (Q4_K, some Q6_K)")
     p.add_argument("--gguf", type=Path, help="the model file: reused if it exists, else written there "
@@ -704,6 +744,7 @@ def interrupted(signum: int, _frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    args.output_type = args.output_type or ("Q8_0" if args.arch == "gpt-oss" else "Q6_K")
     signal.signal(signal.SIGTERM, interrupted)
     shape = replace(SHAPES[args.arch], **(SMALL if args.small else {}))
     shape = replace(shape, **{k: v for k in SMALL if (v := getattr(args, k)) is not None})

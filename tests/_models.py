@@ -213,11 +213,34 @@ def moe_gguf() -> Path:
 
 
 @functools.cache
+def gpt_oss_gguf() -> Path:
+    """A small random-weight gpt-oss GGUF as llama.cpp writes gpt-oss-20b (``gpt_oss_types``:
+    MXFP4 experts with biases, Q8_0 attention with biases and sinks, 16-token windows every
+    other layer, YaRN rope), written once per test process, removed at exit."""
+    from tests.artifacts.gguf_files import gpt_oss_types, write_gguf
+
+    folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-gpt-oss-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return write_gguf(folder / "tiny-gpt-oss.gguf", arch="gpt-oss", seed=5, hidden=256, layers=2, heads=4,
+                      kv_heads=2, experts=8, experts_used=2, expert_ffn=128, types=gpt_oss_types, context=4096,
+                      head_scale=0.5)
+
+
+@functools.cache
 def served_moe(weights: str = "auto") -> LoadedModel:
     """``moe_gguf()`` loaded as a server loads it (through the artifact cache), in float32."""
     from kvcellar.artifacts.store import ArtifactCache
 
     return prepare_and_load(str(moe_gguf()), dtype="float32", device=TEST_DEVICE, weights=weights,
+                            artifacts=ArtifactCache(shared_models_dir()))
+
+
+@functools.cache
+def served_gpt_oss(weights: str = "auto") -> LoadedModel:
+    """``gpt_oss_gguf()`` loaded as a server loads it (through the artifact cache), in float32."""
+    from kvcellar.artifacts.store import ArtifactCache
+
+    return prepare_and_load(str(gpt_oss_gguf()), dtype="float32", device=TEST_DEVICE, weights=weights,
                             artifacts=ArtifactCache(shared_models_dir()))
 
 

@@ -131,6 +131,11 @@ Call a function as <tool_call>
 MOE_FFN, MOE_SHARED_FFN = 1408, 5632
 
 
+# gpt-oss's head size (64 in the real models: not the hidden size over the heads) and window.
+GPT_OSS_HEAD_DIM = 32
+GPT_OSS_WINDOW = 16
+
+
 def q4_k_m_types(name: str) -> str:
     """A Q4_K_M-like mix: Q6_K for the output and every other layer's attn_v/ffn_down."""
     if name == "output.weight":
@@ -168,22 +173,28 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
+    w.add_feed_forward_length(ffn if arch != "gpt-oss" else expert_ffn)  # llama.cpp's gpt-oss: the expert size
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(hidden // heads)
-    if arch in ("qwen3", "qwen3moe", "gemma3"):  # their configs default to another head size
-        w.add_key_length(hidden // heads)
-        w.add_value_length(hidden // heads)
+    head_dim = hidden // heads if arch != "gpt-oss" else GPT_OSS_HEAD_DIM
+    if arch in ("qwen3", "qwen3moe", "gemma3", "gpt-oss"):  # their configs default to another head size
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     if arch == "gemma3":
         w.add_sliding_window(64)
+    if arch == "gpt-oss":
+        w.add_sliding_window(GPT_OSS_WINDOW)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(context // 4)
     w.add_vocab_size(vocab)
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "gpt-oss"):
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_feed_forward_length(expert_ffn)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "smollm")
@@ -207,9 +218,11 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
         else:
             w.add_tensor(name, ENCODERS.get(kind, lambda x, t=qtype: gguf.quants.quantize(x, t))(data), raw_dtype=qtype)
 
-    head_dim = hidden // heads
     tensor("token_embd.weight", (vocab, hidden), head_scale if tied else 0.05)
-    for i in range(layers):
+    if arch == "gpt-oss":
+        for i in range(layers):
+            gpt_oss_layer(tensor, i, hidden, heads, kv_heads, experts, expert_ffn)
+    for i in range(layers if arch != "gpt-oss" else 0):
         tensor(f"blk.{i}.attn_norm.weight", (hidden,))
         tensor(f"blk.{i}.attn_q.weight", (hidden, hidden))
         tensor(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
@@ -253,6 +266,34 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gpt_oss_layer(tensor: Callable[..., None], i: int, hidden: int, heads: int, kv_heads: int, experts: int,
+                  expert_ffn: int) -> None:
+    """A gpt-oss layer as llama.cpp writes it: attention with biases and a sink per head,
+    routed experts with biases (gate and up de-interleaved into tensors of their own)."""
+    q_dim, kv_dim = heads * GPT_OSS_HEAD_DIM, kv_heads * GPT_OSS_HEAD_DIM
+    tensor(f"blk.{i}.attn_norm.weight", (hidden,))
+    for name, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+        tensor(f"blk.{i}.{name}.weight", (rows, hidden))
+        tensor(f"blk.{i}.{name}.bias", (rows,))
+    tensor(f"blk.{i}.attn_output.weight", (hidden, q_dim))
+    tensor(f"blk.{i}.attn_output.bias", (hidden,))
+    tensor(f"blk.{i}.attn_sinks.weight", (heads,), 1.0)
+    tensor(f"blk.{i}.post_attention_norm.weight", (hidden,))
+    tensor(f"blk.{i}.ffn_gate_inp.weight", (experts, hidden), 0.5)
+    tensor(f"blk.{i}.ffn_gate_inp.bias", (experts,))
+    inward, outward = (experts, expert_ffn, hidden), (experts, hidden, expert_ffn)
+    for name, shape in (("ffn_gate_exps", inward), ("ffn_up_exps", inward), ("ffn_down_exps", outward)):
+        tensor(f"blk.{i}.{name}.weight", shape, 0.5)
+        tensor(f"blk.{i}.{name}.bias", shape[:2])
+
+
+def gpt_oss_types(name: str) -> str:
+    """What llama.cpp's gpt-oss GGUFs hold: MXFP4 experts, the rest Q8_0 (F32 the router)."""
+    if name.endswith(".bias") or "ffn_gate_inp" in name:
+        return "F32"
+    return "MXFP4" if "_exps" in name else "Q8_0"
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ their per-tensor steps are another API. prepare.py loads those whole, as before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
+from unittest import mock
 
 import numpy as np
 import torch
@@ -60,6 +62,8 @@ INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # A MoE layer's experts stacked in one tensor per projection (llama.cpp's ``ffn_*_exps``).
 _EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps$")
+# gpt-oss's expert tensors and their biases (``GgufFile._gpt_oss_tensors``).
+_GPT_OSS_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # The ggml types gguf's reader gives as values (numpy types); the others are bytes of blocks.
 _VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}
@@ -197,14 +201,60 @@ def _config_dict(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any],
     from transformers import PreTrainedConfig
 
     p = Path(path)
-    parsed, unused = PreTrainedConfig.get_config_dict(str(p.parent), gguf_file=p.name)
+    with transformers_reads_gguf(p):
+        parsed, unused = PreTrainedConfig.get_config_dict(str(p.parent), gguf_file=p.name)
     # transformers reads no expert size from a qwen3moe file: its config's default (a 30B-A3B's
     # 768) would stand for every model, and any other would not load.
     info = read_gguf_info(p)
-    expert_ffn = info.metadata.get(f"{info.architecture}.expert_feed_forward_length")
+    meta = info.metadata
+    expert_ffn = meta.get(f"{info.architecture}.expert_feed_forward_length")
     if parsed.get("model_type") == "qwen3_moe" and isinstance(expert_ffn, int):
         parsed["moe_intermediate_size"] = expert_ffn
+    if parsed.get("model_type") == "gpt_oss":
+        parsed.update(_gpt_oss_config(meta))
     return parsed, unused
+
+
+def _gpt_oss_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """What transformers' GGUF reading leaves out of, or defaults in, a gpt-oss config: the
+    head size, window, expert size and YaRN rope as llama.cpp writes them."""
+    out: dict[str, Any] = {}
+    for key, field in (("attention.key_length", "head_dim"), ("attention.sliding_window", "sliding_window"),
+                       ("expert_feed_forward_length", "intermediate_size")):
+        if isinstance(meta.get(f"gpt-oss.{key}"), int):
+            out[field] = meta[f"gpt-oss.{key}"]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("gpt-oss.rope.freq_base", 150000.0))}
+    if meta.get("gpt-oss.rope.scaling.type") == "yarn":
+        # gpt-oss's own config: beta_fast 32, beta_slow 1, not truncated (llama.cpp's YaRN
+        # takes the correction range as it is too)
+        rope.update(rope_type="yarn", factor=float(meta.get("gpt-oss.rope.scaling.factor", 1.0)),
+                    original_max_position_embeddings=int(meta.get("gpt-oss.rope.scaling.original_context_length",
+                                                                  4096)),
+                    beta_fast=float(meta.get("gpt-oss.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get("gpt-oss.rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    out["rope_parameters"] = rope
+    return out
+
+
+@contextlib.contextmanager
+def transformers_reads_gguf(path: Path) -> Iterator[None]:
+    """Around a transformers call that reads the GGUF at ``path`` (its config, tokenizer):
+    transformers 5.23 reads a gpt-oss file's ``rope.scaling`` keys by the wrong part of each
+    field and fails on every file that has them, so it is handed the file's reader without
+    them (``_gpt_oss_config`` sets the rope from the metadata)."""
+    if read_gguf_info(path).architecture != "gpt-oss":
+        yield
+        return
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+
+    with mock.patch.object(gguf, "GGUFReader", Reader):
+        yield
 
 
 class GgufFile:
@@ -244,6 +294,17 @@ class GgufFile:
             m = _EXPERTS.match(key.removesuffix(".weight"))
             if m and self.architecture in MOE_GGUF_ARCHITECTURES:
                 self.experts[key.removesuffix(".weight") + ".weight"] = (hf_name, m[1])
+        # gpt-oss: names transformers' map does not give (see ``_gpt_oss_tensors``)
+        self.gpt_oss = self.architecture == "gpt-oss"
+        if self.gpt_oss:
+            for t in self.stored:
+                block = _block(t.name)
+                if t.name.endswith(".attn_sinks.weight"):
+                    self.key_map[t.name] = f"model.layers.{block}.self_attn.sinks"
+                m = _EXPERTS.match(t.name.removesuffix(".weight"))
+                if m:
+                    stacked = "gate_up_proj" if m[1] in ("gate", "up") else "down_proj"
+                    self.experts[t.name] = (f"model.layers.{block}.mlp.experts.{stacked}", m[1])
         # A tied weight is loaded under its first name (transformers ties the others to it).
         self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
         self._fd = os.open(path, os.O_RDONLY)
@@ -309,7 +370,9 @@ class GgufFile:
             kind = "int4" if mode == "int4" and t.cols % INT4_GROUP == 0 else "int8"
             for e in range(t.shape[0]):
                 raw = self._read(t, e, e + 1)[0]
-                if kind == "int4" and t.type.name in INT4_BLOCK_TYPES:
+                if t.type.name == "MXFP4":  # kept as stored under every quantized mode: exact and smallest
+                    q = mxfp4_from_blocks(raw)
+                elif kind == "int4" and t.type.name in INT4_BLOCK_TYPES:
                     q = int4_from_blocks(raw, t.type.name)
                 else:
                     rows = gguf.quants.dequantize(raw, t.type)
@@ -322,7 +385,9 @@ class GgufFile:
                     held[(module, e)] = (role, q)
                     continue
                 gate, up = (q, other[1]) if role == "gate" else (other[1], q)
-                yield f"{module}.gate_up.{e}", QuantizedWeight.concat([gate, up])
+                # gpt-oss's gating takes gate and up outputs interleaved (``experts._clamped_glu``)
+                fused = _interleaved(gate, up) if self.gpt_oss else QuantizedWeight.concat([gate, up])
+                yield f"{module}.gate_up.{e}", fused
         if held:
             module, e = next(iter(held))
             raise ModelLoadError(f"{self.path.name} holds a gate or an up projection of expert {e} of {module}, "
@@ -342,8 +407,12 @@ class GgufFile:
         # after the block's last tensor.
         held: dict[int | None, dict[str, torch.Tensor]] = {}
         origin: dict[str, StoredTensor] = {}
+        gpt_oss_held: dict[str, tuple[str, torch.Tensor]] = {}  # a layer's gate or up part, until the other
         for i, t in enumerate(self.stored):
             block = _block(t.name)
+            if self.gpt_oss and _GPT_OSS_EXPERTS.match(t.name):
+                yield from self._gpt_oss_tensors(t, keep, gpt_oss_held)
+                continue
             rows = self._row_map(t) if len(t.shape) == 2 else None
             if t.name in self.experts and not keep(self.experts[t.name][0]):
                 pass  # unread: a layer's experts are gigabytes
@@ -366,6 +435,36 @@ class GgufFile:
                     if keep(name):
                         yield TensorSource(name, origin[name].name, origin[name].type.name, tuple(tensor.shape), self,
                                            whole=tensor)
+
+    def _gpt_oss_tensors(self, t: StoredTensor, keep: Callable[[str | None], bool],
+                         held: dict[str, tuple[str, torch.Tensor]]) -> Iterator[TensorSource]:
+        """A gpt-oss expert tensor (weight or bias) as transformers' model holds it: gate and
+        up projections de-interleaved by llama.cpp are interleaved again (``gate_up_proj``
+        ``[E, H, 2I]``, its bias ``[E, 2I]``), the stacked weights stored inputs first; read
+        only where wanted (the weights are gigabytes, ``--weights full`` only)."""
+        import gguf
+
+        m = _GPT_OSS_EXPERTS.match(t.name)
+        assert m is not None
+        block, role, part = m[1], m[2], m[3]
+        stacked = "gate_up_proj" if role in ("gate", "up") else "down_proj"
+        name = f"model.layers.{block}.mlp.experts.{stacked}" + ("_bias" if part == "bias" else "")
+        if not keep(name):
+            return
+        values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(self._read(t), t.type),
+                                                       dtype=np.float32))
+        if part == "weight":
+            values = values.transpose(1, 2)  # [E, out, in] -> inputs first
+        if role == "down":
+            yield TensorSource(name, t.name, t.type.name, tuple(values.shape), self, whole=values.contiguous())
+            return
+        other = held.pop(f"{block}.{part}", None)
+        if other is None:
+            held[f"{block}.{part}"] = (role, values)
+            return
+        gate, up = (other[1], values) if other[0] == "gate" else (values, other[1])
+        both = torch.stack([gate, up], dim=-1).flatten(-2)  # gate at even outputs, up at odd
+        yield TensorSource(name, t.name, t.type.name, tuple(both.shape), self, whole=both)
 
     def read_rows(self, gguf_name: str) -> Iterator[tuple[int, np.ndarray]]:
         t = self._tensors[gguf_name]
@@ -606,6 +705,20 @@ def mxfp4_from_blocks(raw: np.ndarray) -> QuantizedWeight:
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return QuantizedWeight("mxfp4", torch.from_numpy(np.ascontiguousarray(packed)),
                            torch.from_numpy(np.ascontiguousarray(blocks[:, 0].reshape(rows, -1))), None, MXFP4_GROUP)
+
+
+def _interleaved(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeight:
+    """Rows of ``a`` and ``b`` alternating (a's at even rows): each row is quantized on its own,
+    so any row order keeps every value."""
+
+    def mix(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None or y is None else torch.stack([x, y], dim=1).flatten(0, 1)
+
+    if (a.kind, a.group_size) != (b.kind, b.group_size):
+        raise ModelLoadError("gate and up projections of an expert are quantized differently")
+    qweight, scales = mix(a.qweight, b.qweight), mix(a.scales, b.scales)
+    assert qweight is not None and scales is not None
+    return QuantizedWeight(a.kind, qweight, scales, mix(a.offsets, b.offsets), a.group_size)
 
 
 def _half(two_bytes: np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ from kvcellar.artifacts.gguf_convert import (
     gguf_config,
     iter_quantized,
     quantize_streamed,
+    transformers_reads_gguf,
     write_dense,
     write_quantized,
 )
@@ -92,9 +93,10 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM, GgufConfig
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype,
-                                                    config=gguf_config(gguf_path),
-                                                    quantization_config=GgufConfig(dequantize=True))
+        with transformers_reads_gguf(gguf_path):
+            return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype,
+                                                        config=gguf_config(gguf_path),
+                                                        quantization_config=GgufConfig(dequantize=True))
     except Exception as exc:
         raise ModelLoadError(f"Could not read the weights of {gguf_path}: {exc}") from exc
 
@@ -168,7 +170,8 @@ def _gguf_tokenizer(path: str, _mtime_ns: int, _size: int) -> Any:
     from transformers import AutoTokenizer
 
     p = Path(path)
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    with transformers_reads_gguf(p):
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
 # Saved as this class, an entry's tokenizer is read back from ``tokenizer.json`` as it is.

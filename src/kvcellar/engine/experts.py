@@ -255,5 +255,25 @@ def split_experts(model: nn.Module) -> int:
     return done
 
 
+# A stacked experts' biases -> the ``RoutedExperts`` linears that hold them, one row each.
+_STACKED_BIASES = {"gate_up_proj_bias": "gate_up", "down_proj_bias": "down"}
+
+
+def split_stacked_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict written for transformers' experts (gpt-oss's ``gate_up_proj_bias [E, 2I]``,
+    ``down_proj_bias [E, H]``) as the model ``split_experts`` made loads it: each expert's
+    row as its linear's bias (views, no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        owner, _, leaf = key.rpartition(".")
+        linears = _STACKED_BIASES.get(leaf)
+        if linears is None:
+            out[key] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            out[f"{owner}.{linears}.{e}.bias"] = tensor[e]
+    return out
+
+
 def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]

@@ -180,11 +180,20 @@ def gguf_weights_mode(info: GGUFInfo) -> str:
       the parameters; the rest is 6/8-bit, as K-quant mixes keep some linears (Q4_K_M:
       ``attn_v`` and ``ffn_down`` of some layers in Q6_K);
     * ``int8`` otherwise: mostly 6/8-bit (``EIGHT_BIT_GGUF_TYPES``: Q6_K, Q8_0, Q8_1, Q8_K).
+
+    MXFP4 experts (``ffn_*_exps``: every gpt-oss file, whatever its label) are served as
+    stored in every quantized mode and do not vote; where the other linears would make the
+    mode ``full`` (an F16 gpt-oss), it is ``int8``: ``full`` would hold the experts in floats
+    (gpt-oss-20b: 84 GB of float32).
     """
     low = high = other = 0
+    mxfp4_experts = False
     for t in info.tensors:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEAR_GGUF_TENSORS or parts[3] != "weight":
+            continue
+        if t.type == "MXFP4" and parts[2].endswith("_exps"):
+            mxfp4_experts = True
             continue
         if t.type in LOW_BIT_GGUF_TYPES:
             low += t.params
@@ -193,7 +202,7 @@ def gguf_weights_mode(info: GGUFInfo) -> str:
         else:
             other += t.params
     if other or not low + high:
-        return "full"
+        return "int8" if mxfp4_experts else "full"
     return "int4" if low >= high else "int8"
 
 
@@ -378,7 +387,8 @@ def linear_kernels(model: Any) -> dict[str, int]:
         return {}
     counts = {"int4": 0, "int8": 0, "dense": 0, "lean": 0}
     for linear in prepared.linears:
-        counts[linear.quant_kind or "dense"] += 1
+        kind = linear.quant_kind or "dense"
+        counts[kind] = counts.get(kind, 0) + 1  # mxfp4 where a model has it
         counts["lean"] += int(linear.lean)
     for block in moe_blocks(model):
         for linear in (*block.gate_up, *block.down):
@@ -578,6 +588,8 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from kvcellar.engine.experts import split_stacked_biases
+
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -594,7 +606,7 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device=str(dev)) as f:
             state.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
-    result = model.load_state_dict(state, strict=False, assign=True)
+    result = model.load_state_dict(split_stacked_biases(state), strict=False, assign=True)
     if result.unexpected_keys:
         raise ModelLoadError(f"{folder} holds weights the model does not have: {', '.join(result.unexpected_keys)}")
     model.tie_weights()

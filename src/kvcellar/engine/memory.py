@@ -30,6 +30,8 @@ GIB = 1 << 30
 OVERHEAD_BYTES = 1 * GIB
 # Bytes a weight of a decoder linear keeps, by mode (full: the dtype's size).
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 32, "int8": 1.0}
+# A GGUF's MXFP4 experts, kept as stored under both quantized modes: 17 bytes per 32 weights.
+MXFP4_BYTES_PER_WEIGHT = 17 / 32
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                  "ffn_gate_up", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,6 +49,7 @@ class MemoryPlan:
     kv_pool_bytes: int
     overhead_bytes: int = OVERHEAD_BYTES
     embedding_int4_params: int = 0  # of ``other_params``: a GGUF's int4 embedding, kept as its blocks
+    mxfp4_params: int = 0  # of ``linear_params``: a GGUF's MXFP4 experts, kept as stored
 
     @property
     def total_bytes(self) -> int:
@@ -62,22 +65,32 @@ class MemoryPlan:
                 "kv_pool_bytes": self.kv_pool_bytes, "overhead_bytes": self.overhead_bytes,
                 "total_bytes": self.total_bytes, "linear_params": self.linear_params,
                 "head_params": self.head_params, "other_params": self.other_params,
-                "embedding_int4_params": self.embedding_int4_params}
+                "embedding_int4_params": self.embedding_int4_params, "mxfp4_params": self.mxfp4_params}
 
 
 def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int) -> MemoryPlan:
     """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4)."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
-    embedding = 0
+    embedding = mxfp4 = 0
     if weights_mode == "full":  # a tied LM head is the embedding itself
         weights = (linear + (0 if tied else head) + other) * itemsize
     else:
         embedding = _int4_embedding_params(source)
-        weights = int(linear * BYTES_PER_WEIGHT[weights_mode] + embedding * BYTES_PER_WEIGHT["int4"])
+        mxfp4 = _mxfp4_expert_params(source)
+        weights = int((linear - mxfp4) * BYTES_PER_WEIGHT[weights_mode] + mxfp4 * MXFP4_BYTES_PER_WEIGHT
+                      + embedding * BYTES_PER_WEIGHT["int4"])
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
-                      embedding_int4_params=embedding)
+                      embedding_int4_params=embedding, mxfp4_params=mxfp4)
+
+
+def _mxfp4_expert_params(source: ModelSource) -> int:
+    """The parameters of a GGUF's experts stored in MXFP4 (gpt-oss), else 0."""
+    if source.kind != "gguf":
+        return 0
+    return sum(t.params for t in read_gguf_info(source.path).tensors
+               if t.type == "MXFP4" and t.name.split(".")[-2].endswith("_exps"))
 
 
 def _int4_embedding_params(source: ModelSource) -> int:
