@@ -13,7 +13,7 @@ from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
-from tests._models import chat_ids, embedded, make_engine, needs_native, served_moe, tiny_model
+from tests._models import chat_ids, embedded, make_engine, needs_native, served_gpt_oss, served_moe, tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
@@ -73,6 +73,8 @@ def test_embedded_model_logits_are_bitwise_the_module_path(model: Any, dtype: st
     # routed experts in layers 0 and 2, a dense MLP in layer 1
     ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
                    "mlp_only_layers": [1]}),
+    # sinks, 16-token windows in layers 0 and 2, biased router and experts, YaRN
+    ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
 ])
 def test_supported_architectures_are_bitwise_the_module_path(model: Any, arch: str, extra: dict) -> None:
     tiny = tiny_model(arch, model.tokenizer, **extra)
@@ -128,11 +130,11 @@ def test_fused_and_unfused_linears_give_the_same_outputs_on_every_cache_path(dty
 
 
 @needs_native
-@pytest.mark.parametrize(("weights", "kind"), [("auto", "int4"), ("int8", "int8")])
+@pytest.mark.parametrize(("weights", "kind"), [("auto", "int4"), ("int8", "int8"), ("gpt-oss", "mxfp4")])
 def test_a_moe_gguf_on_kvcellars_kernels_is_bitwise_the_module_path(weights: str, kind: str) -> None:
-    """Qwen3-MoE from a Q4_K_M-like GGUF: its experts run in one call a projection and layer
-    (``native.moe_matmul``), on both paths."""
-    loaded = served_moe(weights)
+    """Qwen3-MoE from a Q4_K_M-like GGUF and gpt-oss's MXFP4 experts: they run in one call a
+    projection and layer (``native.moe_matmul``), on both paths."""
+    loaded = served_gpt_oss("auto") if weights == "gpt-oss" else served_moe(weights)
     runner = run_cache_paths(loaded, prompts_for(loaded))
     blocks = moe_blocks(loaded.model)
     assert blocks and {(b._fused().gate_up.kind, b._fused().down.kind) for b in blocks} == {(kind, kind)}

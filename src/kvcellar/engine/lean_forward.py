@@ -10,9 +10,10 @@ Python per step. The linears are those ``engine/linears.py`` prepared (prepacked
 QKV and gate-up fused into one call each: the module path calls the same fused linear and
 slices it, so both paths still give the same numbers).
 
-Supported: the Llama, Qwen2, Qwen3 and Qwen3-MoE families (``SUPPORTED``), whose decoder
-layer is norm -> attention -> residual -> norm -> gated MLP or routed experts -> residual
-(Qwen3's attention normalizes each query and key head before RoPE). Anything else, or a
+Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), whose
+decoder layer is norm -> attention -> residual -> norm -> gated MLP or routed experts ->
+residual (Qwen3's attention normalizes each query and key head before RoPE; gpt-oss's has a
+sink per head and its norms multiply by the weight before rounding). Anything else, or a
 model whose parts differ from what this file expects, runs through transformers' modules
 (``lean_forward = false`` in ``[engine]``, or ``KVCELLAR_LEAN_FORWARD=0``, forces that).
 """
@@ -33,7 +34,13 @@ from kvcellar.engine.linears import FusedPart
 
 # CausalLM class -> the decoder layer class it must hold.
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
-             "Qwen3ForCausalLM": "Qwen3DecoderLayer", "Qwen3MoeForCausalLM": "Qwen3MoeDecoderLayer"}
+             "Qwen3ForCausalLM": "Qwen3DecoderLayer", "Qwen3MoeForCausalLM": "Qwen3MoeDecoderLayer",
+             "GptOssForCausalLM": "GptOssDecoderLayer"}
+# Families whose RMSNorm multiplies by its weight before rounding to the input's dtype
+# (``(w * h).to(dtype)``, the weight kept in float32), not after.
+WEIGHT_FIRST_NORM = frozenset({"GptOssForCausalLM"})
+# Families whose rotary module gives half-width cos/sin (their own RoPE function applies them).
+HALF_ROPE = frozenset({"GptOssForCausalLM"})
 
 
 def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -66,10 +73,11 @@ def fusion_groups(model: Any) -> list[tuple[str, list[str]]]:
     return groups
 
 
-def _rms_norm(module: Any, weight: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op; ``weight``:
-    another than the module's that broadcasts the same way (every element gets the same
-    operations)."""
+def _rms_norm(module: Any, weight: torch.Tensor | None = None,
+              weight_first: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op (GptOssRMSNorm's
+    where ``weight_first``); ``weight``: another than the module's that broadcasts the same
+    way (every element gets the same operations)."""
     weight = module.weight if weight is None else weight
     eps: float = module.variance_epsilon
 
@@ -78,18 +86,19 @@ def _rms_norm(module: Any, weight: torch.Tensor | None = None) -> Callable[[torc
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + eps)
-        return weight * h.to(dtype)
+        return (weight * h).to(dtype) if weight_first else weight * h.to(dtype)
 
     return norm
 
 
 class _Layer:
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, weight_first_norm: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attn: nn.Module = attn
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self.sliding_window: int | None = getattr(attn, "sliding_window", None)
+        self.sinks: torch.Tensor | None = getattr(attn, "sinks", None)  # gpt-oss: a sink logit per head
         # Fused QKV / gate-up where ``linears.prepare_model`` fused them: one call, then views.
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         self.qkv: Callable[[torch.Tensor], torch.Tensor] | None = (
@@ -113,7 +122,7 @@ class _Layer:
         self.router: Router | None = None
         self.experts: RoutedExperts | None = None
         if isinstance(getattr(mlp, "experts", None), RoutedExperts):
-            self.router, self.experts = mlp.gate, mlp.experts
+            self.router, self.experts = _router(mlp), mlp.experts
             fused_gate_up = None
         else:
             gate, up = mlp.gate_proj, mlp.up_proj
@@ -122,8 +131,14 @@ class _Layer:
             self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
             self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = fused_gate_up
-        self.input_norm = _rms_norm(layer.input_layernorm)
-        self.post_norm = _rms_norm(layer.post_attention_layernorm)
+        self.input_norm = _rms_norm(layer.input_layernorm, weight_first=weight_first_norm)
+        self.post_norm = _rms_norm(layer.post_attention_layernorm, weight_first=weight_first_norm)
+
+
+def _router(mlp: Any) -> Router | None:
+    """A MoE block's router: ``gate`` (Qwen MoE) or ``router`` (gpt-oss), where it is kvcellar's."""
+    router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+    return router if isinstance(router, Router) else None
 
 
 def lean_forward_for(model: Any) -> LeanForward | None:
@@ -142,7 +157,7 @@ def lean_forward_for(model: Any) -> LeanForward | None:
                if hasattr(layer.self_attn, n))]
     for layer in layers:  # a MoE block runs as kvcellar's (``engine/experts.py``) or not here
         mlp = layer.mlp
-        if hasattr(mlp, "experts") and not (isinstance(mlp.experts, RoutedExperts) and isinstance(mlp.gate, Router)):
+        if hasattr(mlp, "experts") and not (isinstance(mlp.experts, RoutedExperts) and _router(mlp) is not None):
             return None
         if not hasattr(mlp, "experts") and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return None
@@ -159,12 +174,13 @@ class LeanForward:
         self.embed: Callable[[torch.Tensor], torch.Tensor] = inner.embed_tokens
         self.rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = inner.rotary_emb
         self.rope = rope
-        self.layers = [_Layer(layer) for layer in inner.layers]
-        self.norm = _rms_norm(inner.norm)
+        family = type(model).__name__
+        self.layers = [_Layer(layer, family in WEIGHT_FIRST_NORM) for layer in inner.layers]
+        self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM)
         self.lm_head = _linear(model.lm_head)
-        # The supported families' RoPE is the standard rotate-half one; applied to query and
-        # key heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
-        self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb"
+        # The other families' RoPE is the standard rotate-half one; applied to query and key
+        # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
+        self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb" and family not in HALF_ROPE
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: StepMeta) -> torch.Tensor:
@@ -196,7 +212,7 @@ class LeanForward:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 q, k = rope(q, k, cos, sin)
             o, _ = attention(layer.attn, q, k, v, None, scaling=layer.scaling, sliding_window=layer.sliding_window,
-                             kvcellar_meta=meta)
+                             kvcellar_meta=meta, s_aux=layer.sinks)
             h = h + layer.o(o.reshape(*lead, -1).contiguous())
             x = layer.post_norm(h)
             if layer.experts is not None and layer.router is not None:
