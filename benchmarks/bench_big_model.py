@@ -645,6 +645,10 @@ def rss_cell(m: dict[str, Any] | None) -> str:
     return f"{gb(m['rss'])} (anon {gb(m['anon'])}, file {gb(m['file'])})"
 
 
+def mix_label(args: argparse.Namespace) -> str:
+    return "MXFP4 experts, Q8_0 attention" if args.arch == "gpt-oss" else args.mix.upper()
+
+
 def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     kvc, peer = result.get("kvcellar") or {}, result.get("llama_server") or {}
     longest = max(args.lengths)
@@ -664,7 +668,7 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                                           lambda r: rss_cell(get(r, "start_1", "after")))],
             ["peak RSS while serving, GB", *both(lambda r: rss_cell(get(r, "serve", "serving_peak")))],
             ["weights / linears", *both(lambda r: f"{r.get('weights')} / {json.dumps(r.get('linears'))}",
-                                        lambda r: f"{args.mix.upper()} (ggml)")]]
+                                        lambda r: f"{mix_label(args)} (ggml)")]]
     for n in args.lengths:
         rows.append([f"cold {n} tokens: TTFT s (prefill tok/s)",
                      *both(lambda r, n=n: f"{fmt(get(r, 'serve', 'prefill', str(n), 'ttft_s'), 2)} "
@@ -676,7 +680,7 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
              [f"decode, {args.batch} streams: aggregate tok/s (per stream)",
               *both(lambda r: f"{fmt(get(r, 'serve', 'decode_batch', 'aggregate_tok_s'))} "
                               f"({fmt(get(r, 'serve', 'decode_batch', 'per_stream_tok_s'))})")]]
-    notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF ({args.mix.upper()}, output "
+    notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF ({mix_label(args)}, output "
              f"{args.output_type}), random weights; {args.threads} threads for llama-server"]
     if kvc.get("restart_hit"):
         tiers = get(kvc, "restart_hit", "tiers") or {}
