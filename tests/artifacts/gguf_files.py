@@ -12,7 +12,7 @@ the tests check them against ``gguf.quants.dequantize``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -148,7 +148,8 @@ def q4_k_m_types(name: str) -> str:
 def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 256, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, ffn: int = 512, tied: bool = False, vocab_size: int | None = None, experts: int = 4,
                types: Callable[[str], str] | str = q4_k_m_types, head_scale: float = 0.05, expert_ffn: int = 256,
-               experts_used: int = 2, context: int = 256, chat_template: str = CHAT_TEMPLATE) -> Path:
+               experts_used: int = 2, context: int = 256, chat_template: str = CHAT_TEMPLATE,
+               specials: Sequence[str] = (), eos: str = "<|im_end|>") -> Path:
     """A model of ``arch`` with random weights; ``types``: the GGUF type of each 2-D tensor
     (by GGUF name), or one type for all. Norms and biases are F32, as llama.cpp writes them.
     ``vocab_size``: rows of the embedding (default: the 264 tokens of the vocabulary);
@@ -156,7 +157,9 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     (qwen3moe; qwen2moe's are transformers' defaults, ``MOE_FFN``); ``context``: the
     context length it declares; ``chat_template``: the one it carries; ``head_scale``: the
     deviation of the output matrix (the embedding if tied): random weights give near-uniform
-    logits, a larger scale sharper ones, so that greedy tokens are no near-ties."""
+    logits, a larger scale sharper ones, so that greedy tokens are no near-ties; ``specials``:
+    more control tokens (gpt-oss's harmony ones), ``eos`` the one that ends generation. gpt-oss
+    files split text as llama.cpp's ``gpt-4o`` pre-tokenizer does."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -165,7 +168,8 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     byte_chars = bytes_to_unicode()
     merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
     tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges]
-    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials]
+    tokens += control
     vocab = vocab_size or len(tokens)
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -197,13 +201,13 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_feed_forward_length(expert_ffn)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "smollm")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "gpt-4o" if arch == "gpt-oss" else "smollm")
     w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])  # 3: control (special)
+    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))  # 3: control (special)
     w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_pad_token_id(len(tokens) - 1)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index(eos))
+    w.add_pad_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(chat_template)
 
     def tensor(name: str, shape: tuple[int, ...], scale: float = 0.05) -> None:

@@ -162,3 +162,33 @@ def test_a_forced_call_in_harmony_on_every_api(served: ServerProcess) -> None:
     again = served.client().chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER], max_tokens=4,
                                                     temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
+
+
+@pytest.fixture(scope="module")
+def served_gguf(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[ServerProcess]:
+    """A gpt-oss GGUF as llama.cpp writes them: MXFP4 experts, harmony's special tokens (the
+    end of a turn ``<|return|>``), its chat template, the ``gpt-4o`` pre-tokenizer."""
+    from tests.artifacts.gguf_files import gpt_oss_types, write_gguf
+
+    root = tmp_path_factory.mktemp("harmony-gguf")
+    path = write_gguf(root / f"{MODEL}.gguf", arch="gpt-oss", seed=3, hidden=256, layers=2, heads=4, kv_heads=2,
+                      experts=4, experts_used=2, expert_ffn=128, types=gpt_oss_types, context=4096,
+                      head_scale=0.5, chat_template=HARMONY_TEMPLATE, specials=SPECIALS, eos="<|return|>")
+    server = ServerProcess(root / "cache", "--model", str(path), models_dir=models_dir).start()
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_gpt_oss_gguf_answers_a_forced_call_in_harmony(served_gguf: ServerProcess) -> None:
+    health = served_gguf.health()
+    assert health["chat_format"] == {"tool_calls": "harmony", "reasoning": "harmony"}
+    assert health["linears"]["experts_mxfp4"] == 2 * 4 * 2  # layers x experts x (gate-up, down)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = served_gguf.client().chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+                                                     tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    ((call),) = choice.message.tool_calls
+    check_call(call.function.name, call.function.arguments)
