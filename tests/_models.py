@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvcellar  # noqa: F401  (OMP wait policy before torch)
-from kvcellar.engine import Engine, assemble_engine, native
+from kvcellar.engine import Engine, SamplingParams, assemble_engine, native
 from kvcellar.engine.attention import ATTENTION_NAME
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.loader import LoadedModel, wrap_model
@@ -106,6 +106,19 @@ def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> 
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = torch.log_softmax(torch.stack(out.logits, dim=0)[:, 0].float(), dim=-1)
     return tokens, logprobs
+
+
+def assert_generates_like_reference(reference: Any, loaded: LoadedModel, prompt: Sequence[int],
+                                    params: SamplingParams, atol: float = 2e-4) -> None:
+    """``loaded`` served by an engine gives transformers' own greedy tokens of ``reference`` and
+    their logprobs within ``atol``."""
+    tokens, logprobs = reference_greedy(reference, prompt, params.max_tokens)
+    engine = make_engine(loaded)
+    result = engine.generate([list(prompt)], params)[0]
+    assert result.token_ids == tokens
+    want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=atol)
+    engine.shutdown(10)
 
 
 def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any) -> LoadedModel:

@@ -22,6 +22,7 @@ from kvcellar.engine import SamplingParams
 from kvcellar.engine.experts import RoutedExperts
 from tests._models import (
     TEST_DEVICE,
+    assert_generates_like_reference,
     assert_identical_output,
     assert_no_leaks,
     chat_ids,
@@ -83,13 +84,7 @@ def test_full_weights_generate_what_transformers_generates_from_the_files_tensor
     full = served_gpt_oss("full")
     prompt = chat_ids(full, QUESTIONS[0], SYSTEM)
     assert len(prompt) > 3 * 16  # past the window
-    tokens, logprobs = reference_greedy(ref, prompt, PARAMS.max_tokens)
-    engine = make_engine(full)
-    result = engine.generate([prompt], PARAMS)[0]
-    assert result.token_ids == tokens
-    want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-    torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=2e-4)
-    engine.shutdown(10)
+    assert_generates_like_reference(ref, full, prompt, PARAMS)
 
 
 @needs_native

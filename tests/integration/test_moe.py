@@ -24,6 +24,7 @@ from kvcellar.engine.linears import prepare_model
 from kvcellar.quantization import quantize_model
 from tests._models import (
     TEST_DEVICE,
+    assert_generates_like_reference,
     assert_identical_output,
     assert_no_leaks,
     assert_same_output,
@@ -163,13 +164,8 @@ def test_a_gguf_served_equals_transformers_own_load_of_it():
     assert type(reference).__name__ == "Qwen3MoeForCausalLM" and reference.config.moe_intermediate_size == 256
     full = served_moe("full")
     prompt = chat_ids(full, QUESTIONS[1], SYSTEM)
-    tokens, logprobs = reference_greedy(reference, prompt, PARAMS.max_tokens)
-    engine = make_engine(full)
-    result = engine.generate([prompt], PARAMS)[0]
-    assert result.token_ids == tokens
-    want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-    torch.testing.assert_close(torch.tensor(result.logprobs), want, rtol=0, atol=2e-4)
-    engine.shutdown(10)
+    assert_generates_like_reference(reference, full, prompt, PARAMS)
+    tokens, _ = reference_greedy(reference, prompt, PARAMS.max_tokens)
 
     lean = served_moe("int4")
     experts = [m for m in lean.model.modules() if isinstance(m, RoutedExperts)]

@@ -210,24 +210,25 @@ def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, of
 
 def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
     """``x @ w.T`` in float32 for int8 ``w`` (``qweight`` ``[out, in]``, float32 ``scales [out]``)."""
-    out = qweight.shape[0]
-    rows, cols = x.shape
-    xq, xd, _ = quantize_activations(x, threads)
-    y = torch.empty(rows, out)
-    _lib().kvc_gemm_q8(qweight.data_ptr(), scales.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
-                       y.data_ptr(), threads)
-    return y
+    return _matmul_scaled("kvc_gemm_q8", x, qweight, scales, threads)
 
 
 def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> torch.Tensor:
     """``x @ w.T`` in float32 for MXFP4 ``w`` (``nibbles`` uint8 ``[out, in / 2]`` as int4's, each
     an E2M1 code; ``exponents`` uint8 E8M0 ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
-    out = nibbles.shape[0]
+    return _matmul_scaled("kvc_gemm_mxfp4", x, nibbles, exponents, threads)
+
+
+def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                   threads: int) -> torch.Tensor:
+    """A kernel that takes the weight, its scales and the 8-bit activations with their block
+    scales (no offsets): int8's and MXFP4's."""
+    out = weight.shape[0]
     rows, cols = x.shape
     xq, xd, _ = quantize_activations(x, threads)
     y = torch.empty(rows, out)
-    _lib().kvc_gemm_mxfp4(nibbles.data_ptr(), exponents.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
-                          y.data_ptr(), threads)
+    getattr(_lib(), kernel)(weight.data_ptr(), scales.data_ptr(), out, cols, xq.data_ptr(), xd.data_ptr(), rows,
+                            y.data_ptr(), threads)
     return y
 
 
