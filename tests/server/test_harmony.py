@@ -192,3 +192,11 @@ def test_a_gpt_oss_gguf_answers_a_forced_call_in_harmony(served_gguf: ServerProc
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     ((call),) = choice.message.tool_calls
     check_call(call.function.name, call.function.arguments)
+    # turn 2 (the call and its result fed back) reads turn 1's prompt from the cache
+    fed_back = {"id": call.id, "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    turn2 = [*ask, {"role": "assistant", "content": None, "tool_calls": [fed_back]},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    again = served_gguf.client().chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER], max_tokens=4,
+                                                         temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
