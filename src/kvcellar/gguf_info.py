@@ -42,6 +42,13 @@ class GGUFTensor:
     dims: tuple[int, ...] = ()  # in ggml order: the row length first
     offset: int = 0  # of its data, from the start of the data section (``GGUFInfo.data_start``)
 
+    @property
+    def mxfp4_experts(self) -> bool:
+        """Stacked experts (``blk.N.ffn_*_exps.weight``) in MXFP4, which every gpt-oss file has
+        and kvcellar serves as stored."""
+        parts = self.name.split(".")
+        return self.type == "MXFP4" and len(parts) == 4 and parts[2].endswith("_exps") and parts[3] == "weight"
+
 
 @dataclass(frozen=True)
 class GGUFInfo:

@@ -683,12 +683,9 @@ def int4_from_blocks(raw: np.ndarray, gguf_type: str) -> QuantizedWeight:
         blocks = raw.reshape(-1, size)
         scales = _half(blocks[:, 0:2])
         offsets = -8 * scales if gguf_type == "Q4_0" else _half(blocks[:, 2:4])
-        # 16 bytes: low nibbles are values 0..15, high nibbles 16..31.
-        qs = blocks[:, head:]
-        values = np.concatenate([qs & 0xF, qs >> 4], axis=1)
-    values = values.reshape(rows, -1)
-    packed = values[:, 0::2] | (values[:, 1::2] << 4)
-    return QuantizedWeight("int4", torch.from_numpy(np.ascontiguousarray(packed)),
+        values = _block_values(blocks[:, head:])
+    packed = _as_int4_nibbles(values.reshape(rows, -1))
+    return QuantizedWeight("int4", torch.from_numpy(packed),
                            torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float16)),
                            torch.from_numpy(np.ascontiguousarray(offsets.reshape(rows, -1), dtype=np.float16)),
                            INT4_GROUP)
@@ -700,11 +697,20 @@ def mxfp4_from_blocks(raw: np.ndarray) -> QuantizedWeight:
     weight, code for code: the nibbles regrouped as int4's (input 2j low, 2j + 1 high)."""
     rows = raw.shape[0]
     blocks = raw.reshape(-1, 17)
-    qs = blocks[:, 1:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1).reshape(rows, -1)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return QuantizedWeight("mxfp4", torch.from_numpy(np.ascontiguousarray(packed)),
+    packed = _as_int4_nibbles(_block_values(blocks[:, 1:]).reshape(rows, -1))
+    return QuantizedWeight("mxfp4", torch.from_numpy(packed),
                            torch.from_numpy(np.ascontiguousarray(blocks[:, 0].reshape(rows, -1))), None, MXFP4_GROUP)
+
+
+def _block_values(qs: np.ndarray) -> np.ndarray:
+    """A 32-value block's 16 bytes (Q4_0, Q4_1, MXFP4) as its values in order: the low
+    nibbles are values 0..15, the high ones 16..31."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _as_int4_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit values ``[rows, cols]`` packed as kvcellar's int4 (input 2j low, 2j + 1 high)."""
+    return np.ascontiguousarray(values[:, 0::2] | (values[:, 1::2] << 4))
 
 
 def _interleaved(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeight:

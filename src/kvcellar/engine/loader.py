@@ -192,7 +192,7 @@ def gguf_weights_mode(info: GGUFInfo) -> str:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEAR_GGUF_TENSORS or parts[3] != "weight":
             continue
-        if t.type == "MXFP4" and parts[2].endswith("_exps"):
+        if t.mxfp4_experts:
             mxfp4_experts = True
             continue
         if t.type in LOW_BIT_GGUF_TYPES:

@@ -89,8 +89,7 @@ def _mxfp4_expert_params(source: ModelSource) -> int:
     """The parameters of a GGUF's experts stored in MXFP4 (gpt-oss), else 0."""
     if source.kind != "gguf":
         return 0
-    return sum(t.params for t in read_gguf_info(source.path).tensors
-               if t.type == "MXFP4" and t.name.split(".")[-2].endswith("_exps"))
+    return sum(t.params for t in read_gguf_info(source.path).tensors if t.mxfp4_experts)
 
 
 def _int4_embedding_params(source: ModelSource) -> int:
