@@ -33,7 +33,9 @@ def without_native_kernels(monkeypatch: Any) -> None:
     """This test's process as one where kvcellar's own CPU kernels cannot be built
     (``engine/native``): quantized linears run torch's kernels, or their dequantized weights."""
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    monkeypatch.setattr(native, "library", functools.cache(native.library.__wrapped__))  # put back after
+    fresh = functools.cache(native.lib.library.__wrapped__)  # reads the switch; put back after
+    monkeypatch.setattr(native.lib, "library", fresh)
+    monkeypatch.setattr(native, "library", fresh)
 
 
 def shared_models_dir() -> Path:

@@ -47,7 +47,7 @@ def kernel_paths() -> list[str]:
 
 def force(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "avx2":
-        monkeypatch.setattr(native, "wide_panels", lambda: False)
+        monkeypatch.setattr(native.matmul, "wide_panels", lambda: False)
 
 
 @needs_native

@@ -14,6 +14,11 @@ offset`` (q in 0..15). A block is then bytes, ``[num_layers, 2, layer_bytes]``: 
 and K/V, the packed values ``[block_size, kv_heads, head_dim * bits / 8]`` then the
 parameters ``[block_size, kv_heads, groups, 1 or 2]``; still one contiguous region, so the
 tiers move it as they move any block.
+Models whose layers differ in KV heads or head size (Gemma 4: wider heads, fewer of them, on
+its global layers) give each layer its own ``layer_shapes``; every layer keeps a region of the
+widest layer's size and a narrower one fills its start (``[block_size, its kv_heads, its
+head_dim]``, packed values then parameters when quantized), so a block stays one region of one
+size and a layer's place in it one product.
 Attention reads a step's blocks dequantized (``gather``): no full-precision copy of the
 cache exists. Every token's K/V is read back from the pool, its own step's too, so the KV a
 request attends to is the quantized KV whoever computed it: a cache hit gives what
@@ -46,12 +51,30 @@ class KVLayout:
     dtype: torch.dtype
     kv_bits: int = 16
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    # Per layer (kv_heads, head_dim) where layers differ; () where every layer has
+    # ``num_kv_heads`` x ``head_dim`` (then the widest layer's, which sizes every region).
+    layer_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {self.kv_bits}")
-        if self.quantized and (self.kv_group_size < 2 or self.head_dim % self.kv_group_size):
-            raise ValueError(f"kv_group_size {self.kv_group_size} must divide the head dimension {self.head_dim}")
+        if self.layer_shapes and len(self.layer_shapes) != self.num_layers:
+            raise ValueError(f"{len(self.layer_shapes)} layer shapes for {self.num_layers} layers")
+        if any(h * d > self.num_kv_heads * self.head_dim for h, d in self.layer_shapes):
+            raise ValueError("a layer's KV is wider than the region each layer has")
+        for _, head_dim in self.layer_shapes or ((self.num_kv_heads, self.head_dim),):
+            if self.quantized and (self.kv_group_size < 2 or head_dim % self.kv_group_size):
+                raise ValueError(f"kv_group_size {self.kv_group_size} must divide the head dimension {head_dim}")
+
+    def heads(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s (kv_heads, head_dim)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    def layer_values_bytes(self, layer: int) -> int:
+        """Bytes of layer ``layer``'s packed K (or V) values in a block (quantized KV); its
+        parameters follow them."""
+        kv_heads, head_dim = self.heads(layer)
+        return self.block_size * kv_heads * head_dim * self.kv_bits // 8
 
     @property
     def quantized(self) -> bool:
@@ -108,10 +131,27 @@ class KVLayout:
     def from_model_config(cls, config: Any, block_size: int, dtype: torch.dtype, kv_bits: int = 16,
                           kv_group_size: int = DEFAULT_KV_GROUP_SIZE) -> KVLayout:
         text = getattr(config, "get_text_config", lambda: config)()
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        shapes = layer_shapes(text)
+        if len(set(shapes)) > 1:  # the regions sized for the widest layer
+            kv_heads, head_dim = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
+            return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size,
+                       tuple(shapes))
+        kv_heads, head_dim = shapes[0]
         return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size)
+
+
+def layer_shapes(text: Any) -> list[tuple[int, int]]:
+    """Per layer (kv_heads, head_dim) of a text config: one shape for all, or each layer's own
+    where a config gives layers their own (transformers' ``per_layer_config``: Gemma 4's
+    global layers have wider heads, fewer of them)."""
+    per_layer = getattr(text, "per_layer_config", None)
+    layers = [per_layer[i] for i in range(text.num_hidden_layers)] if per_layer else [text]
+    shapes = []
+    for layer in layers:
+        heads = layer.num_attention_heads
+        shapes.append((int(getattr(layer, "num_key_value_heads", None) or heads),
+                       int(getattr(layer, "head_dim", None) or layer.hidden_size // heads)))
+    return shapes * (text.num_hidden_layers if not per_layer else 1)
 
 
 def quantize_kv(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,22 +220,34 @@ class KVPool:
         self._attend_direct = attend_direct
         self._write_quantized = write_quantized if layout.quantized else None
         self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
+        lay = layout
         if layout.quantized:
-            lay = layout
             # Views, per layer: values [num_blocks, block_size, kv_heads, packed_dim] and
             # params [num_blocks, block_size, kv_heads, groups, 1 or 2] of K and of V.
-            values = self.data[..., : lay.values_bytes].view(
-                num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.packed_dim)
-            params = self.data[..., lay.values_bytes:].view(_PARAM_DTYPE).view(
-                num_blocks, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.groups, lay.params_per_group)
-            self._qk = [values[:, i, 0] for i in range(lay.num_layers)]
-            self._qv = [values[:, i, 1] for i in range(lay.num_layers)]
-            self._pk = [params[:, i, 0] for i in range(lay.num_layers)]
-            self._pv = [params[:, i, 1] for i in range(lay.num_layers)]
+            self._qk: list[torch.Tensor] = []
+            self._qv: list[torch.Tensor] = []
+            self._pk: list[torch.Tensor] = []
+            self._pv: list[torch.Tensor] = []
+            for i in range(lay.num_layers):
+                kv_heads, head_dim = lay.heads(i)
+                values_bytes = lay.layer_values_bytes(i)
+                params_bytes = lay.block_size * kv_heads * head_dim // lay.kv_group_size * lay.params_per_group * 2
+                for kv, (values, params) in enumerate(((self._qk, self._pk), (self._qv, self._pv))):
+                    region = self.data[:, i, kv]
+                    values.append(region[:, :values_bytes].view(
+                        num_blocks, lay.block_size, kv_heads, head_dim * lay.kv_bits // 8))
+                    params.append(region[:, values_bytes : values_bytes + params_bytes].view(_PARAM_DTYPE).view(
+                        num_blocks, lay.block_size, kv_heads, head_dim // lay.kv_group_size, lay.params_per_group))
         else:
             # Per-layer views [num_blocks, block_size, kv_heads, head_dim]; indexing them does not copy.
-            self._k = [self.data[:, i, 0] for i in range(layout.num_layers)]
-            self._v = [self.data[:, i, 1] for i in range(layout.num_layers)]
+            self._k: list[torch.Tensor] = []
+            self._v: list[torch.Tensor] = []
+            for i in range(lay.num_layers):
+                kv_heads, head_dim = lay.heads(i)
+                width = lay.block_size * kv_heads * head_dim
+                for kv, views in enumerate((self._k, self._v)):
+                    region = self.data[:, i, kv].reshape(num_blocks, -1)[:, :width]
+                    views.append(region.view(num_blocks, lay.block_size, kv_heads, head_dim))
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
@@ -224,7 +276,7 @@ class KVPool:
         lay = self.layout
         b, n = block_table.shape
         flat = block_table.reshape(-1)
-        shape = (b, n * lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (b, n * lay.block_size, *lay.heads(layer))
         if not lay.quantized:
             k = self._k[layer].index_select(0, flat).view(shape).transpose(1, 2)
             v = self._v[layer].index_select(0, flat).view(shape).transpose(1, 2)

@@ -1,0 +1,487 @@
+/* int4 linears: decode-sized steps read each weight row as it lies (kvc_gemm_q4), prefill-
+ * sized ones multiply panels of 8 weight rows (kvc_gemm_q4_panels; of 16 rows with AVX-512's
+ * 8-bit dot product, kvc_gemm_q4_panels16); every one sums each output in the same order, so a
+ * row's outputs are the same bits whatever the step's row count. Also a MoE layer's routed
+ * experts in one call, and the weights dequantized for a dense fallback. */
+#include "kvc.h"
+
+/* Lane j of the result: the sum of the 16 int16 lanes of m[j] (maddubs of a block: each lane
+ * at most 2 x 15 x 127), exact. The halves of a block (low and high nibbles) are summed in
+ * 16 bits within their 128-bit lane (at most 16 x 15 x 127 = 30480), then added in 32. */
+static inline __m256i block_dots8(const __m256i *m) {
+    const __m256i a01 = _mm256_hadd_epi16(m[0], m[1]), a23 = _mm256_hadd_epi16(m[2], m[3]);
+    const __m256i a45 = _mm256_hadd_epi16(m[4], m[5]), a67 = _mm256_hadd_epi16(m[6], m[7]);
+    const __m256i b0 = _mm256_hadd_epi16(a01, a23), b1 = _mm256_hadd_epi16(a45, a67);
+    const __m256i c = _mm256_hadd_epi16(b0, b1);  /* lane j: row j's low half; lane 8 + j: its high half */
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
+}
+
+/* 8 rows of 8 floats transposed in place: r[k] lane j <- r[j] lane k. */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Blocks of a row whose dot products a pass of q4_rows8 keeps (for TILE activation rows and 8
+ * output rows: 32 KB, an L1's worth). */
+#define ROW_CHUNK 640
+
+/* Output rows r0..r0+7 against n <= TILE activation rows, read as they lie (no packing: a
+ * decode step reads each weight once). Lane j accumulates output r0 + j with the float
+ * operations of a panel (panel_tile), in its order: per block the exact integer dot product,
+ * then acc = fma(dot, ws * xd, acc) and acc = fma(wo, xs, acc). So a row's output is the same
+ * to the bit whichever kernel and however many rows a step has: a token's numbers do not
+ * depend on the step it runs in. The integer dot products of a chunk of blocks are taken one
+ * weight row after the other (one stream of memory at a time, as the weights lie), then the
+ * float sums run across the 8 rows. Rows past `out` repeat the last one and are not stored. */
+static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
+                            int64_t out, int64_t blocks, const int8_t *xq, const float *xd, const float *xs, int n,
+                            float *y) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    const uint8_t *wr[8];
+    const uint16_t *sr[8], *orow[8];
+    for (int j = 0; j < 8; j++) {
+        const int64_t r = r0 + j < out ? r0 + j : out - 1;
+        wr[j] = w + r * stride;
+        sr[j] = scales + r * blocks;
+        orow[j] = offsets + r * blocks;
+    }
+    __m256 acc[TILE];
+    for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
+    __attribute__((aligned(32))) int32_t dots[TILE][8][ROW_CHUNK];  /* [activation row][weight row][block] */
+    for (int64_t c0 = 0; c0 < blocks; c0 += ROW_CHUNK) {
+        const int64_t nc = blocks - c0 < ROW_CHUNK ? blocks - c0 : ROW_CHUNK;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *wb = wr[j] + c0 * (BLOCK / 2);
+            for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH + 64), _MM_HINT_T0);
+                const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
+                __m256i q[8];
+                for (int k = 0; k < 8; k++)
+                    q[k] = k < nb ? _mm256_castps_si256(q4_block(wb + (k0 + k) * (BLOCK / 2))) : _mm256_setzero_si256();
+                for (int a = 0; a < n; a++) {
+                    const int8_t *xa = xq + (a * blocks + c0 + k0) * BLOCK;
+                    __m256i p[8];
+                    for (int k = 0; k < 8; k++)
+                        p[k] = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(xa + (k < nb ? k : 0) * BLOCK)));
+                    _mm256_store_si256((__m256i *)(dots[a][j] + k0), block_dots8(p));
+                }
+            }
+        }
+        for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+            const int64_t b0 = c0 + k0;
+            const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
+            __m256 ws[8], wo[8];
+            if (nb == 8) {  /* each row's 8 scales, transposed to 8 rows per block */
+                for (int j = 0; j < 8; j++) {
+                    ws[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr[j] + b0)));
+                    wo[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(orow[j] + b0)));
+                }
+                transpose8(ws);
+                transpose8(wo);
+            } else {
+                for (int k = 0; k < nb; k++) {
+                    float s8[8], o8[8];
+                    for (int j = 0; j < 8; j++) {
+                        s8[j] = _cvtsh_ss(sr[j][b0 + k]);
+                        o8[j] = _cvtsh_ss(orow[j][b0 + k]);
+                    }
+                    ws[k] = _mm256_loadu_ps(s8);
+                    wo[k] = _mm256_loadu_ps(o8);
+                }
+            }
+            for (int a = 0; a < n; a++) {
+                __m256 d[8];
+                for (int j = 0; j < 8; j++) d[j] = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(dots[a][j] + k0)));
+                transpose8(d);  /* d[k] lane j: row j's dot product of block b0 + k */
+                for (int k = 0; k < nb; k++) {
+                    acc[a] = _mm256_fmadd_ps(d[k], _mm256_mul_ps(ws[k], _mm256_set1_ps(xd[a * blocks + b0 + k])), acc[a]);
+                    acc[a] = _mm256_fmadd_ps(wo[k], _mm256_set1_ps(xs[a * blocks + b0 + k]), acc[a]);
+                }
+            }
+        }
+    }
+    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
+    for (int a = 0; a < n; a++) {
+        if (m == 8) {
+            _mm256_storeu_ps(y + a * out + r0, acc[a]);
+        } else {
+            float part[8];
+            _mm256_storeu_ps(part, acc[a]);
+            memcpy(y + a * out + r0, part, m * sizeof(float));
+        }
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T for int4 weights: 8 output rows at a time, TILE activation
+ * rows at a time against them. */
+void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
+                 const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
+            const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
+            q4_rows8(w, scales, offsets, g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks, n,
+                     y + a0 * out);
+        }
+    }
+}
+
+/* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
+ * the 8 rows' nibbles first interleaved (a "panel") so that one 32-byte load holds 4 inputs
+ * of each row, and each vector lane accumulates one output. The 8-bit products of a block
+ * are summed in 16 bits (8 x 2 x 15 x 127 < 2^15: exact) and scaled once a block, so a block
+ * costs 8 multiply-adds of 32 pairs where kvc_gemm_q4 spends a float conversion and a lane
+ * permute per 8 inputs. */
+#define PANEL 8
+#define MR 4
+/* Bytes of activations multiplied per pass over the panels: an L3's worth, so that each
+ * panel is packed once for them (a pass per L2's worth repacked the weights dozens of times
+ * for wide inputs). */
+#define ACT_BYTES (8 * 1024 * 1024)
+
+/* Panel p's blocks: for block b, chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7,
+ * 32 bytes; scales and offsets as floats, 8 a block. */
+static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
+                       int64_t blocks, uint8_t *packed, float *ps, float *po) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m128i row[PANEL];
+        for (int j = 0; j < PANEL; j++) row[j] = _mm_loadu_si128((const __m128i *)(w + (r0 + j) * stride + b * (BLOCK / 2)));
+        /* a 4x4 transpose of dwords for rows 0-3 and for rows 4-7 */
+        for (int half = 0; half < 2; half++) {
+            const __m128i *r = row + 4 * half;
+            const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpacklo_epi32(r[2], r[3]);
+            const __m128i t2 = _mm_unpackhi_epi32(r[0], r[1]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+            uint8_t *dst = packed + b * (PANEL * BLOCK / 2) + half * 16;
+            _mm_storeu_si128((__m128i *)(dst + 0), _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 64), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(dst + 96), _mm_unpackhi_epi64(t2, t3));
+        }
+        for (int j = 0; j < PANEL; j++) {
+            ps[b * PANEL + j] = _cvtsh_ss(scales[(r0 + j) * blocks + b]);
+            po[b * PANEL + j] = _cvtsh_ss(offsets[(r0 + j) * blocks + b]);
+        }
+    }
+}
+
+/* N activation rows (N <= MR, a constant at each call site) against one packed panel:
+ * y[a * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations'
+ * reordered block, its high nibbles inputs 16 + 4c.. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const uint8_t *packed, const float *ps, const float *po, int64_t blocks, const int8_t *xq,
+        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+    __m256 acc[MR];
+    for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i sum[MR];
+        for (int a = 0; a < N; a++) sum[a] = _mm256_setzero_si256();
+        const uint8_t *pb = packed + b * (PANEL * BLOCK / 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_load_si256((const __m256i *)(pb + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                int32_t four_lo, four_hi;  /* memcpy: an unaligned 4-byte load, without aliasing */
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                const __m256i xl = _mm256_set1_epi32(four_lo), xh = _mm256_set1_epi32(four_hi);
+                sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(lo, xl));
+                sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(hi, xh));
+            }
+        }
+        const __m256 ws = _mm256_load_ps(ps + b * PANEL), wo = _mm256_load_ps(po + b * PANEL);
+        for (int a = 0; a < N; a++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
+            acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
+            acc[a] = _mm256_fmadd_ps(wo, _mm256_set1_ps(xs[a * blocks + b]), acc[a]);
+        }
+    }
+    for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
+}
+
+/* One panel's part of a panel kernel: pack panel p (its width of output rows from w) into
+ * packed/ps/po and multiply activation rows a0..a1-1 against it into y. */
+typedef void (*panel_rows_fn)(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
+                              int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                              int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po);
+
+/* The panel kernels' driver: panels of `width` output rows split among the threads, each
+ * packed once per pass over ACT_BYTES of activations in tiles of `mr` rows; a thread without
+ * memory for a panel runs the row kernel instead. */
+static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                           int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                           int threads, int64_t width, int64_t mr, panel_rows_fn panel_rows) {
+    const int64_t blocks = cols / BLOCK, panels = out / width;
+    int64_t step = ACT_BYTES / cols / mr * mr;
+    if (step < mr) step = mr;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* aligned_alloc takes whole multiples of the alignment */
+        const size_t wbytes = (size_t)blocks * width * BLOCK / 2;
+        const size_t fbytes = ((size_t)blocks * width * sizeof(float) + 63) / 64 * 64;
+        uint8_t *packed = aligned_alloc(64, wbytes);
+        float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
+        for (int64_t a0 = 0; a0 < rows; a0 += step) {
+            const int64_t a1 = a0 + step < rows ? a0 + step : rows;
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, its numbers */
+                    for (int64_t r = p * width; r < (p + 1) * width; r += 8)
+                        for (int64_t a = a0; a < a1; a += TILE)
+                            q4_rows8(w, scales, offsets, r, out, blocks, xq + a * cols, xd + a * blocks,
+                                     xs + a * blocks, a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+                    continue;
+                }
+                panel_rows(w, scales, offsets, p, blocks, cols, xq, xd, xs, a0, a1, y, out, packed, ps, po);
+            }
+        }
+        free(packed);
+        free(ps);
+        free(po);
+    }
+}
+
+static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
+                       int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
+                       float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
+    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
+    int64_t a = a0;
+    for (; a + MR <= a1; a += MR)
+        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                   y + a * out + p * PANEL, out, MR);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks, *sa = xs + a * blocks;
+    float *ya = y + a * out + p * PANEL;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
+        case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
+        case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
+        default: break;
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
+ * of 8: every output is its blocks' scaled dot products summed in block order, whatever
+ * the number of rows, so a prompt's chunks do not change its numbers. */
+void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                        int threads) {
+    gemm_q4_panels(w, scales, offsets, out, cols, xq, xd, xs, rows, y, threads, PANEL, MR, panel_rows);
+}
+
+/* The same products on CPUs with AVX-512 VNNI, 16 output rows a panel: one 64-byte load holds
+ * 4 inputs of each of 16 rows, and an 8-bit dot product instruction multiplies and sums 4
+ * pairs per lane into 32 bits, where AVX2 takes two instructions per 2 pairs. Each block's dot
+ * product is the same exact integer, and the float operations per output are kvc_gemm_q4_panels'
+ * in the same order: its results to the bit. Built for these CPUs only by target attributes;
+ * called where the CPU lists the flags (native/__init__.py). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define PANEL16 16
+#define MR16 8
+
+/* 16 rows of 16 float16 values (row j at src + j * stride) as floats, transposed: dst[c * 16 + j].
+ * Pairs of rows interleaved by 32 bits, then fours by 64 bits, then 128-bit lanes by shuffles. */
+static inline AVX512 void transpose16(const uint16_t *src, int64_t stride, float *dst) {
+    __m512 r[16], t[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + j * stride)));
+    for (int i = 0; i < 16; i += 2) {  /* per 128-bit lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1], and [2], [3] */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {  /* u[4g + e]: in lane k, rows 4g..4g+3 at column 4k + e */
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+        r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int e = 0; e < 4; e++) {  /* column 4k + e: lane k of each group's u[4g + e] */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44), v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
+        const __m512 v3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
+        _mm512_storeu_ps(dst + (0 + e) * 16, _mm512_shuffle_f32x4(v0, v2, 0x88));
+        _mm512_storeu_ps(dst + (4 + e) * 16, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+        _mm512_storeu_ps(dst + (8 + e) * 16, _mm512_shuffle_f32x4(v1, v3, 0x88));
+        _mm512_storeu_ps(dst + (12 + e) * 16, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+}
+
+/* Panel p's blocks: for block b, chunk c of rows 0..15 (4 bytes each), 64 bytes at b * 256 + 64c. */
+static AVX512 void pack_panel16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
+                                int64_t blocks, uint8_t *packed, float *ps, float *po) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int quad = 0; quad < 4; quad++) {  /* a 4x4 transpose of dwords per 4 rows */
+            const uint8_t *src = w + (r0 + 4 * quad) * stride + b * (BLOCK / 2);
+            const __m128i r0v = _mm_loadu_si128((const __m128i *)src), r1 = _mm_loadu_si128((const __m128i *)(src + stride));
+            const __m128i r2 = _mm_loadu_si128((const __m128i *)(src + 2 * stride));
+            const __m128i r3 = _mm_loadu_si128((const __m128i *)(src + 3 * stride));
+            const __m128i t0 = _mm_unpacklo_epi32(r0v, r1), t1 = _mm_unpacklo_epi32(r2, r3);
+            const __m128i t2 = _mm_unpackhi_epi32(r0v, r1), t3 = _mm_unpackhi_epi32(r2, r3);
+            uint8_t *dst = packed + b * (PANEL16 * BLOCK / 2) + quad * 16;
+            _mm_storeu_si128((__m128i *)(dst + 0), _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 64), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(dst + 128), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(dst + 192), _mm_unpackhi_epi64(t2, t3));
+        }
+    }
+    int64_t b = 0;
+    for (; b + 16 <= blocks; b += 16) {
+        transpose16(scales + r0 * blocks + b, blocks, ps + b * PANEL16);
+        transpose16(offsets + r0 * blocks + b, blocks, po + b * PANEL16);
+    }
+    for (; b < blocks; b++)
+        for (int j = 0; j < PANEL16; j++) {
+            ps[b * PANEL16 + j] = _cvtsh_ss(scales[(r0 + j) * blocks + b]);
+            po[b * PANEL16 + j] = _cvtsh_ss(offsets[(r0 + j) * blocks + b]);
+        }
+}
+
+static inline AVX512 __attribute__((always_inline)) void panel16_tile(
+        const uint8_t *packed, const float *ps, const float *po, int64_t blocks, const int8_t *xq,
+        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+    __m512 acc[MR16];
+    for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i sum[MR16];
+        for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
+        const uint8_t *pb = packed + b * (PANEL16 * BLOCK / 2);
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = _mm512_load_si512((const void *)(pb + 64 * c));
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                int32_t four_lo, four_hi;
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_set1_epi32(four_lo));
+                sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_set1_epi32(four_hi));
+            }
+        }
+        const __m512 ws = _mm512_load_ps(ps + b * PANEL16), wo = _mm512_load_ps(po + b * PANEL16);
+        for (int a = 0; a < N; a++) {
+            const __m512 dot = _mm512_cvtepi32_ps(sum[a]);
+            acc[a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(xd[a * blocks + b])), acc[a]);
+            acc[a] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xs[a * blocks + b]), acc[a]);
+        }
+    }
+    for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, acc[a]);
+}
+
+static AVX512 void panel16_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
+                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                                int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
+    pack_panel16(w, scales, offsets, p * PANEL16, blocks, packed, ps, po);
+    int64_t a = a0;
+    for (; a + MR16 <= a1; a += MR16)
+        panel16_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                     y + a * out + p * PANEL16, out, MR16);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks, *sa = xs + a * blocks;
+    float *ya = y + a * out + p * PANEL16;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 7: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 7); break;
+        case 6: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 6); break;
+        case 5: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 5); break;
+        case 4: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 4); break;
+        case 3: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
+        case 2: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
+        case 1: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
+        default: break;
+    }
+}
+
+/* As kvc_gemm_q4_panels, out a multiple of 16, on a CPU with AVX-512 VNNI. */
+void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out,
+                          int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y,
+                          int threads) {
+    gemm_q4_panels(w, scales, offsets, out, cols, xq, xd, xs, rows, y, threads, PANEL16, MR16, panel16_rows);
+}
+
+/* Returns -1 where it has no memory for its work list (nothing written). */
+int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,
+               int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+               float *y, int threads) {
+    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
+    int64_t count;
+    moe_unit *units = moe_units(starts, experts, groups, &count);
+    if (!units) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* A panel of one expert's 8 rows pays where the expert has a panel's worth of slots
+         * (kvc_gemm_q4_panels' threshold); without memory for one the row kernel runs. */
+        const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
+        uint8_t *packed = out % PANEL ? NULL : aligned_alloc(64, (size_t)blocks * PANEL * BLOCK / 2);
+        float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < count; u++) {
+            const int64_t e = units[u].e, r0 = units[u].g * 8, a0 = starts[e], a1 = starts[e + 1];
+            const uint8_t *we = (const uint8_t *)w[e];
+            const uint16_t *se = (const uint16_t *)scales[e], *oe = (const uint16_t *)offsets[e];
+            if (a1 - a0 >= PANEL && packed && ps && po) {
+                panel_rows(we, se, oe, units[u].g, blocks, cols, xq, xd, xs, a0, a1, y, out, packed, ps, po);
+                continue;
+            }
+            for (int64_t a = a0; a < a1; a += TILE)
+                q4_rows8(we, se, oe, r0, out, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks,
+                         a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+        }
+        free(packed);
+        free(ps);
+        free(po);
+    }
+    free(units);
+    return 0;
+}
+
+/* Rows start..end of an int4 weight into dst [end - start, cols]: float32, or bfloat16
+ * (uint16) where bf16 is set, for a bf16 model on a CPU whose bf16 matmul is the fast one. */
+void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start,
+                       int64_t end, int64_t cols, void *dst, int bf16, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t r = start; r < end; r++) {
+        const uint8_t *wr = w + r * (cols / 2);
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(wr + b * (BLOCK / 2)));
+            const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+            const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[r * blocks + b]));
+            const __m256 o = _mm256_set1_ps(_cvtsh_ss(offsets[r * blocks + b]));
+            const __m256 v[4] = {
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8))), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)), s, o),
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))), s, o),
+            };
+            const int64_t at = (r - start) * cols + b * BLOCK;
+            for (int k = 0; k < 4; k += 2) {
+                if (bf16) put16(round_bf16(v[k]), round_bf16(v[k + 1]), dst, at + 8 * k, 1);
+                else put16(v[k], v[k + 1], dst, at + 8 * k, 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+/* int8 linears (a float32 scale per output row) and a MoE layer's routed int8 experts. */
+#include "kvc.h"
+
+/* Output r of int8 weights (row wr, its scale) against n <= TILE activation rows: signs moved
+ * onto the activations, as the 8-bit dot product takes one unsigned operand. */
+static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out, int64_t blocks, const int8_t *xq,
+                          const float *xd, int n, float *y) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE];
+    for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        /* the weights in the activations' order: even inputs, then odd ones */
+        _mm_prefetch((const char *)(wr + b * BLOCK + PREFETCH), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK));
+        const __m256i even_odd = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(
+            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        /* lanes: [e0-7 o0-7 | e8-15 o8-15] -> [e0-15 | o0-15] */
+        const __m256i wq = _mm256_permute4x64_epi64(even_odd, 0xD8);
+        const __m256i wabs = _mm256_sign_epi8(wq, wq);
+        for (int a = 0; a < n; a++) {
+            const int64_t i = a * blocks + b;
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+            acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[i]), acc[a]);
+        }
+    }
+    for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]) * scale;
+}
+
+/* y [rows, out] float32 = x @ w.T for int8 weights. */
+void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols,
+                 const int8_t *xq, const float *xd, int64_t rows, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < out; r++)
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
+            q8_row(w + r * cols, scales[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
+                   rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
+}
+
+int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out,
+               int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
+    int64_t count;
+    moe_unit *units = moe_units(starts, experts, groups, &count);
+    if (!units) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < count; u++) {
+        const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
+        const int8_t *we = (const int8_t *)w[e];
+        const float *se = (const float *)scales[e];
+        const int64_t r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
+        for (int64_t r = units[u].g * 8; r < r1; r++)
+            for (int64_t a = a0; a < a1; a += TILE)
+                q8_row(we + r * cols, se[r], r, out, blocks, xq + a * cols, xd + a * blocks,
+                       a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+    }
+    free(units);
+    return 0;
+}

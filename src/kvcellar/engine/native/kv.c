@@ -1,0 +1,543 @@
+/* KV blocks of the pool, read and written where they lie: quantized blocks gathered
+ * (dequantized) and written (quantized) bit for bit as kv_pool's torch code does, and attention
+ * of query positions over a sequence's blocks (kvc_attend_kv). */
+#include "kvc.h"
+
+static inline float round_bf16_1(float x) {
+    return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
+}
+
+/* 8 values of a group, dequantized as kv_pool.dequantize_kv does in the output dtype (in
+ * bf16: each step rounded to bf16, kept in a float). BITS and BF16 are constants at each call
+ * site, so every variant is its own loop. */
+static inline __attribute__((always_inline)) __m256 dequant8(__m256i q, __m256 vs, __m256 vo, const int BITS,
+                                                             const int BF16) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vs);
+    if (BF16) v = round_bf16(v);
+    if (BITS == 4) {
+        v = _mm256_add_ps(v, vo);
+        if (BF16) v = round_bf16(v);
+    }
+    return v;
+}
+
+/* Packed values k..k+15 of a row as two vectors of 8 integers: int8 at 8 bits, 0..15 at 4
+ * (element 2i in the low nibble of byte i). */
+static inline __attribute__((always_inline)) void unpack16(const uint8_t *vals, int64_t k, __m256i *q0,
+                                                           __m256i *q1, const int BITS) {
+    if (BITS == 8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(vals + k));
+        *q0 = _mm256_cvtepi8_epi32(b);
+        *q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    } else {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(vals + k / 2));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+        const __m128i q = _mm_unpacklo_epi8(lo, hi);  /* 16 values in order */
+        *q0 = _mm256_cvtepu8_epi32(q);
+        *q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+    }
+}
+
+static inline __attribute__((always_inline)) void gather_rows(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks,
+        int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, void *out, int threads,
+        const int BITS, const int BF16) {
+    const int64_t packed = head_dim * BITS / 8, groups = head_dim / group, per = BITS == 4 ? 2 : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks * rows * head_dim > 65536)
+    for (int64_t blk = 0; blk < n_blocks; blk++) {
+        const uint8_t *base = pool + blocks[blk] * block_bytes + region;
+        const uint16_t *params = (const uint16_t *)(base + values_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *vals = base + r * packed;
+            const uint16_t *prm = params + r * groups * per;
+            const int64_t row = (blk * rows + r) * head_dim;
+            for (int64_t g = 0; g < groups; g++) {
+                float s = _cvtsh_ss(prm[g * per]), o = BITS == 4 ? _cvtsh_ss(prm[g * per + 1]) : 0.0f;
+                if (BF16) { s = round_bf16_1(s); o = round_bf16_1(o); }
+                const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+                for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+                    __m256i q0, q1;
+                    unpack16(vals, k, &q0, &q1, BITS);
+                    put16(dequant8(q0, vs, vo, BITS, BF16), dequant8(q1, vs, vo, BITS, BF16), out, row + k, BF16);
+                }
+            }
+        }
+    }
+}
+
+/* One layer's K or V of quantized KV blocks (cache/kv_pool.py's layout), gathered and
+ * dequantized into out [n_blocks * rows, head_dim] in one pass: float32, or bfloat16 where
+ * bf16 is set. Block i is at pool + blocks[i] * block_bytes + region: its packed values
+ * [rows, head_dim * bits / 8], then float16 parameters [rows, head_dim / group, 1 or 2].
+ * The arithmetic is kv_pool.dequantize_kv's in the output dtype, step for step: the values
+ * and parameters converted to it, q * scale rounded, then + offset rounded (4 bits). Groups
+ * are whole multiples of 16 values. */
+void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes,
+                   const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group,
+                   int bits, void *out, int bf16, int threads) {
+    if (bits == 8 && bf16) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 8, 1);
+    else if (bits == 8) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 8, 0);
+    else if (bf16) gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 1);
+    else gather_rows(pool, block_bytes, region, values_bytes, blocks, n_blocks, rows, head_dim, group, out, threads, 4, 0);
+}
+
+/* exp of 8 floats: Cephes' polynomial on x - n ln 2, scaled by 2^n (relative error ~2e-7).
+ * Arguments below -87 give 0, as exp's float does near there. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* One row (token, head) of a K or V region into dst [head_dim] float32: q * scale (+ offset at
+ * 4 bits), in float32. */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *vals, const uint16_t *prm,
+                                                              int64_t head_dim, int64_t group, float *dst,
+                                                              const int BITS) {
+    const int64_t groups = head_dim / group;
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 vs = _mm256_set1_ps(_cvtsh_ss(prm[g * (BITS == 4 ? 2 : 1)]));
+        const __m256 vo = _mm256_set1_ps(BITS == 4 ? _cvtsh_ss(prm[g * 2 + 1]) : 0.0f);
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+            __m256i q0, q1;
+            unpack16(vals, k, &q0, &q1, BITS);
+            _mm256_storeu_ps(dst + k, dequant8(q0, vs, vo, BITS, 0));
+            _mm256_storeu_ps(dst + k + 8, dequant8(q1, vs, vo, BITS, 0));
+        }
+    }
+}
+
+/* Tokens of context one task of kvc_attend_kv covers (all KV heads of one sequence): several
+ * tasks per sequence keep both threads busy; their partial softmaxes merge. */
+#define ATTEND_CHUNK 256
+/* Tokens multiplied together: eight independent dot products (K) and eight products per
+ * output vector (V) keep the FMA units busy instead of waiting on one sum's latency. */
+#define ATTEND_TILE 8
+
+/* Lane i: the sum of v[i]'s eight lanes. */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* Asks for the packed rows and parameters of tokens t..t+ATTEND_TILE-1, every head, in one
+ * region ahead of their use: dequantizing leaves the loads too few to hide the misses of
+ * blocks that lie anywhere in the pool (float32 rows were as fast or faster without). */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
+        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t t, int64_t t1,
+        const int BITS) {
+    const int64_t packed = head_dim * BITS / 8, params = head_dim / group * (BITS == 4 ? 2 : 1) * 2;
+    for (int64_t i = t; i < t + ATTEND_TILE && i < t1; ) {
+        const int64_t off = i % block_size;
+        const int64_t end = i + (block_size - off) < t + ATTEND_TILE ? i + (block_size - off) : t + ATTEND_TILE;
+        const int64_t rows = ((end < t1 ? end : t1) - i) * kv_heads;
+        const uint8_t *base = pool + table[i / block_size] * block_bytes + region;
+        for (int64_t b = 0; b < rows * packed; b += 64) _mm_prefetch((const char *)(base + off * kv_heads * packed + b), _MM_HINT_T0);
+        for (int64_t b = 0; b < rows * params; b += 64)
+            _mm_prefetch((const char *)(base + values_bytes + off * kv_heads * params + b), _MM_HINT_T0);
+        i = end;
+    }
+}
+
+/* The float32 rows of tokens t..t+m-1 (m <= ATTEND_TILE) of one head in one region: where
+ * they lie (BITS 32), widened from bf16 (16) or dequantized (8, 4) into tile; rows past m
+ * point at zeros. With the first head, packed rows two tiles on are asked for (t1: the end
+ * of the task's tokens). */
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
+        int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t head, int64_t t, int64_t m,
+        int64_t t1, float *tile, const float *zeros, const float **rows, const int BITS) {
+    if (BITS < 16 && head == 0)
+        prefetch_tile(pool, block_bytes, region, values_bytes, table, block_size, kv_heads, head_dim, group,
+                      t + 2 * ATTEND_TILE, t1, BITS);
+    const int64_t packed = head_dim * BITS / 8;
+    const int64_t per = BITS == 4 ? 2 : 1, groups = BITS >= 16 ? 1 : head_dim / group;
+    int64_t blk = t / block_size, off = t % block_size;  /* one division a tile, not two a row */
+    for (int64_t i = 0; i < ATTEND_TILE; i++, off++) {
+        if (off == block_size) { blk++; off = 0; }
+        if (i >= m) { rows[i] = zeros; continue; }
+        const int64_t r = off * kv_heads + head;
+        const uint8_t *base = pool + table[blk] * block_bytes + region;
+        if (BITS == 32) {
+            rows[i] = (const float *)(base + r * packed);
+        } else if (BITS == 16) {  /* bf16: the upper half of a float32 */
+            const uint16_t *src = (const uint16_t *)(base + r * packed);
+            for (int64_t k = 0; k < head_dim; k += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k)));
+                _mm256_storeu_ps(tile + i * head_dim + k, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+            rows[i] = tile + i * head_dim;
+        } else {
+            dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,
+                        head_dim, group, tile + i * head_dim, BITS);
+            rows[i] = tile + i * head_dim;
+        }
+    }
+}
+
+/* One task: tokens t0..t1-1 of one sequence's blocks, every KV head (a token's heads lie side
+ * by side, so the task reads its blocks front to back), for R query rows of that sequence:
+ * row r sees the tokens before ends[r] (a row whose end is at or before t0 has nothing here and
+ * is left alone). Query head (head, j) of row r is row r * heads + head * gq + j of q, acc
+ * [.., head_dim], m_out, l_out and scores [.., ATTEND_CHUNK]. Each (row, query head) is
+ * computed by the same operations in the same order whatever the other rows: a query's
+ * numbers do not depend on how many rows a step attends with it (the K and V tiles are only
+ * read once for all of them). */
+static inline __attribute__((always_inline)) void attend_chunk(
+        const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
+        const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
+        const int BITS) {
+    /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused). window:
+     * a row sees its last `window` keys only (0: all); keys before them score -inf here. */
+    const int64_t heads = kv_heads * gq;
+    const float *rows[ATTEND_TILE];
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
+        const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
+        for (int64_t head = 0; head < kv_heads; head++) {
+            tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
+                      t, m, t1, tile, zeros, rows, BITS);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t e = ends[r] < t1 ? ends[r] : t1;
+                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
+                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
+                    __m256 a[ATTEND_TILE];
+                    for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
+                    for (int64_t k = 0; k < head_dim; k += 8) {
+                        const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
+                        for (int i = 0; i < ATTEND_TILE; i++)
+                            a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
+                    }
+                    const __m256 sv = _mm256_mul_ps(hsum8x8(a), vscale);
+                    if (mr == ATTEND_TILE) {
+                        _mm256_storeu_ps(scores + j * ATTEND_CHUNK + (t - t0), sv);
+                    } else {
+                        float part[ATTEND_TILE];
+                        _mm256_storeu_ps(part, sv);
+                        memcpy(scores + j * ATTEND_CHUNK + (t - t0), part, mr * sizeof(float));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = (ends[r] < t1 ? ends[r] : t1) - t0;
+        if (n <= 0) continue;
+        /* keys before the row's window: none of the softmax (all of them: a chunk that adds nothing) */
+        int64_t hidden = window > 0 && ends[r] - window > t0 ? ends[r] - window - t0 : 0;
+        if (hidden > n) hidden = n;
+        for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
+            float *s = scores + j * ATTEND_CHUNK;
+            if (hidden == n) {
+                memset(s, 0, n * sizeof(float));
+                m_out[j] = -INFINITY;
+                l_out[j] = 0.0f;
+                memset(acc + j * head_dim, 0, head_dim * sizeof(float));
+                continue;
+            }
+            for (int64_t i = 0; i < hidden; i++) s[i] = -INFINITY;
+            float m = -INFINITY;
+            {  /* a maximum is exact in any order: 8 lanes, then the rest */
+                __m256 vmax = _mm256_set1_ps(-INFINITY);
+                int64_t i = 0;
+                for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+                float lanes[8];
+                _mm256_storeu_ps(lanes, vmax);
+                for (int k = 0; k < 8; k++) m = fmaxf(m, lanes[k]);
+                for (; i < n; i++) m = fmaxf(m, s[i]);
+            }
+            const __m256 vm = _mm256_set1_ps(m);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+                _mm256_storeu_ps(s + i, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float l = hsum(sum);
+            for (; i < n; i++) { s[i] = expf(s[i] - m); l += s[i]; }
+            m_out[j] = m;
+            l_out[j] = l;
+            memset(acc + j * head_dim, 0, head_dim * sizeof(float));
+        }
+    }
+    for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
+        const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
+        for (int64_t head = 0; head < kv_heads; head++) {
+            tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
+                      t, m, t1, tile, zeros, rows, BITS);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t e = ends[r] < t1 ? ends[r] : t1;
+                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
+                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
+                    __m256 p[ATTEND_TILE];
+                    for (int i = 0; i < ATTEND_TILE; i++)
+                        p[i] = _mm256_set1_ps(i < mr ? scores[j * ATTEND_CHUNK + (t - t0) + i] : 0.0f);
+                    float *a = acc + j * head_dim;
+                    for (int64_t k = 0; k < head_dim; k += 8) {
+                        __m256 x = _mm256_loadu_ps(a + k);
+                        for (int i = 0; i < mr; i++) x = _mm256_fmadd_ps(p[i], _mm256_loadu_ps(rows[i] + k), x);
+                        _mm256_storeu_ps(a + k, x);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* A task's chunk: attend_chunk at the pool's bits (the compiler specialises each). */
+static void attend_chunk_bits(
+        const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
+        const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros) {
+    if (bits == 8)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 8);
+    else if (bits == 4)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 4);
+    else if (bits == 16)
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 16);
+    else
+        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 32);
+}
+
+/* One query head's output from its chunks' partial softmaxes (chunk c: maximum m[c * stride],
+ * sum l[c * stride], weighted values a + c * astride), merged in chunk order. */
+/* sink: an attention sink's logit (gpt-oss), a key without a value that takes its share of
+ * the softmax; -INFINITY where the model has none (then it changes no bit). */
+static void merge_chunks(const float *m, const float *l, int64_t stride, const float *a, int64_t astride,
+                         int64_t chunks, int64_t head_dim, float sink, float *o) {
+    float top = sink, total = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) top = fmaxf(top, m[c * stride]);
+    if (sink > -INFINITY) total = expf(sink - top);
+    memset(o, 0, head_dim * sizeof(float));
+    for (int64_t c = 0; c < chunks; c++) {
+        const float w = expf(m[c * stride] - top);
+        total += l[c * stride] * w;
+        const float *ac = a + c * astride;
+        for (int64_t k = 0; k < head_dim; k++) o[k] += ac[k] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* no context: zeros */
+    for (int64_t k = 0; k < head_dim; k++) o[k] *= inv;
+}
+
+/* Query rows of one sequence attended together by one task of kvc_attend_kv: their K and V
+ * tiles are read once for all of them. */
+#define ATTEND_ROWS 8
+
+/* Attention of query positions over their sequence's KV blocks, read where they lie (no
+ * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout),
+ * 16 or 32 (bf16 or float32 blocks, [layers, 2, block_size, kv_heads, head_dim]). Sequence s
+ * has rows[s] query rows (its decode token: 1; a prefill chunk: its tokens), the last one
+ * seeing the first contexts[s] tokens of the blocks in tables[s * table_width ...] and each
+ * earlier one a token fewer (causal). q float32 [sum of rows, kv_heads, gq, head_dim] (the gq
+ * query heads of each KV head; a sequence's rows one after the other), out the same shape.
+ * Every (query row, chunk of ATTEND_CHUNK tokens) has its own softmax per query head, and the
+ * chunks merge through their maxima and sums in order, by the same operations for every row
+ * however many rows its sequence has: a token's attention does not depend on the step it runs
+ * in. A one-row sequence's chunks are tasks of their own (a long context keeps every thread
+ * busy); a longer sequence's rows go ATTEND_ROWS at a time, each task taking its chunks in
+ * turn. head_dim a multiple of 16. Returns 0; -1 if scratch memory could not be had, -2 if a
+ * block it would read lies outside the pool's n_blocks or a context outside its table (out
+ * untouched). */
+int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
+                  int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
+                  const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim,
+                  int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks,
+                  int64_t window, float *out, int threads) {
+    for (int64_t s = 0; s < n_seq; s++) {  /* every block read inside the pool */
+        if (contexts[s] < 0 || contexts[s] > table_width * block_size || rows[s] < 1 || rows[s] > contexts[s] + 1)
+            return -2;
+        for (int64_t i = 0; i < (contexts[s] + block_size - 1) / block_size; i++)
+            if (tables[s * table_width + i] < 0 || tables[s * table_width + i] >= n_blocks) return -2;
+    }
+    const int64_t heads = kv_heads * gq;  /* query heads */
+    /* tasks: a one-row sequence's chunks, then a longer one's groups of rows */
+    int64_t *first = malloc((n_seq + 1) * sizeof(int64_t)), *row0 = malloc((n_seq + 1) * sizeof(int64_t));
+    if (!first || !row0) { free(first); free(row0); return -1; }
+    first[0] = row0[0] = 0;
+    int64_t chunk_tasks = 0;
+    for (int64_t s = 0; s < n_seq; s++) {
+        const int64_t chunks = (contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+        first[s + 1] = first[s] + (rows[s] == 1 ? chunks : (rows[s] + ATTEND_ROWS - 1) / ATTEND_ROWS);
+        row0[s + 1] = row0[s] + rows[s];
+        if (rows[s] == 1) chunk_tasks += chunks;
+    }
+    const int64_t tasks = first[n_seq];
+    /* the one-row sequences' partials: per chunk task, heads x head_dim values, then maxima and sums */
+    float *part = malloc((chunk_tasks * heads * (head_dim + 2) + 1) * sizeof(float));
+    int64_t *slot = malloc((tasks + 1) * sizeof(int64_t));  /* a chunk task's place in part */
+    if (!part || !slot) { free(first); free(row0); free(part); free(slot); return -1; }
+    for (int64_t s = 0, next = 0; s < n_seq; s++)
+        for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
+    float *ml = part + chunk_tasks * heads * head_dim;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (tasks > 1)
+    {
+        /* scores of a chunk for up to ATTEND_ROWS rows, a tile of dequantized rows, a row of zeros */
+        float *scores = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (ATTEND_TILE + 1) * head_dim, sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!scores) continue;
+            int64_t s = 0;
+            while (first[s + 1] <= task) s++;
+            float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
+            const float *zeros = tile + ATTEND_TILE * head_dim;
+            const int64_t *table = tables + s * table_width;
+            if (rows[s] == 1) {
+                const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
+                const int64_t t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
+                float *m = ml + slot[task] * heads * 2;
+                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                                  head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
+                                  window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
+                                  zeros);
+                continue;
+            }
+            /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
+            const int64_t r0 = (task - first[s]) * ATTEND_ROWS;
+            const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
+            int64_t ends[ATTEND_ROWS];
+            for (int64_t r = 0; r < R; r++) ends[r] = contexts[s] - rows[s] + 1 + r0 + r;
+            const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+            /* per chunk: R x heads x head_dim values, then R x heads maxima and R x heads sums */
+            const int64_t per = R * heads * (head_dim + 2);
+            float *own = malloc(chunks * per * sizeof(float));
+            if (!own) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t t0 = c * ATTEND_CHUNK;
+                const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
+                float *cp = own + c * per, *m = cp + R * heads * head_dim;
+                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                                  head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
+                                  window, t0, t1, m, m + R * heads, cp, scores, tile, zeros);
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+                for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
+                    const float *m = own + R * heads * head_dim + j;
+                    merge_chunks(m, m + R * heads, per, own + j * head_dim, per, mine, head_dim,
+                                 sinks ? sinks[j - r * heads] : -INFINITY, out + ((row0[s] + r0) * heads + j) * head_dim);
+                }
+            }
+            free(own);
+        }
+        free(scores);
+    }
+    if (!failed) {
+        #pragma omp parallel for schedule(static) num_threads(threads) if (chunk_tasks * heads * head_dim > 65536)
+        for (int64_t sj = 0; sj < n_seq * heads; sj++) {
+            const int64_t s = sj / heads, j = sj % heads;
+            if (rows[s] != 1) continue;
+            const float *m = ml + slot[first[s]] * heads * 2 + j;
+            merge_chunks(m, m + heads, heads * 2, part + (slot[first[s]] * heads + j) * head_dim, heads * head_dim,
+                         first[s + 1] - first[s], head_dim, sinks ? sinks[j] : -INFINITY,
+                         out + (row0[s] * heads + j) * head_dim);
+        }
+    }
+    free(part);
+    free(slot);
+    free(first);
+    free(row0);
+    return failed ? -1 : 0;
+}
+
+static inline float param16(float x, uint16_t *dst) {  /* stored as float16 (nearest even), read back */
+    const uint16_t h = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    *dst = h;
+    return _cvtsh_ss(h);
+}
+
+/* Rows x [n_rows, kv_heads, head_dim] (float32, or bfloat16 where x_bf16) quantized into one
+ * layer's K or V region of the blocks: row t goes to offset offsets[t] of block blocks[t].
+ * Bit for bit kv_pool.quantize_kv: values clamped to float16's range; 8 bits: scale =
+ * float16(max|x| / 127), q = round(x / scale); 4 bits: offset = float16(min), scale =
+ * float16((max - min) / 15), q = round((x - offset) / scale) in 0..15; a scale of 0 divides
+ * by 1; rounding half to even, true division, as torch computes them. Returns -1, writing
+ * nothing, if a slot lies outside the pool's n_blocks blocks of block_size. */
+int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region,
+                 int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows,
+                 int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16,
+                 int threads) {
+    for (int64_t t = 0; t < n_rows; t++)  /* every slot inside the pool, or nothing written */
+        if (blocks[t] < 0 || blocks[t] >= n_blocks || offsets[t] < 0 || offsets[t] >= block_size) return -1;
+    const int64_t packed = head_dim * bits / 8, groups = head_dim / group, per = bits == 4 ? 2 : 1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n_rows * kv_heads * head_dim > 65536)
+    for (int64_t t = 0; t < n_rows; t++) {
+        uint8_t *base = pool + blocks[t] * block_bytes + region;
+        float g[512];  /* one group; the caller keeps groups within 512 values */
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t r = offsets[t] * kv_heads + h, at = (t * kv_heads + h) * head_dim;
+            uint8_t *vals = base + r * packed;
+            uint16_t *prm = (uint16_t *)(base + values_bytes) + r * groups * per;
+            for (int64_t j = 0; j < groups; j++) {
+                const int64_t n = group;
+                for (int64_t i = 0; i < n; i++) {
+                    float v;
+                    if (x_bf16) {
+                        const uint32_t u = (uint32_t)((const uint16_t *)x)[at + j * group + i] << 16;
+                        memcpy(&v, &u, sizeof v);
+                    } else {
+                        v = ((const float *)x)[at + j * group + i];
+                    }
+                    g[i] = fminf(fmaxf(v, -65504.0f), 65504.0f);
+                }
+                if (bits == 8) {
+                    float amax = 0.0f;
+                    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(g[i]));
+                    const float scale = param16(amax / 127.0f, prm + j);
+                    const float step = scale > 0.0f ? scale : 1.0f;
+                    for (int64_t i = 0; i < n; i++) {
+                        const float q = fminf(fmaxf(nearbyintf(g[i] / step), -127.0f), 127.0f);
+                        vals[j * group + i] = (uint8_t)(int8_t)q;
+                    }
+                } else {
+                    float low = g[0], high = g[0];
+                    for (int64_t i = 1; i < n; i++) { low = fminf(low, g[i]); high = fmaxf(high, g[i]); }
+                    const float scale = param16((high - low) / 15.0f, prm + j * 2);
+                    const float offset = param16(low, prm + j * 2 + 1);
+                    const float step = scale > 0.0f ? scale : 1.0f;
+                    for (int64_t i = 0; i < n; i += 2) {
+                        const float a = fminf(fmaxf(nearbyintf((g[i] - offset) / step), 0.0f), 15.0f);
+                        const float b = fminf(fmaxf(nearbyintf((g[i + 1] - offset) / step), 0.0f), 15.0f);
+                        vals[(j * group + i) / 2] = (uint8_t)((int)a | ((int)b << 4));
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,119 @@
+/* kvcellar's CPU kernels (x86-64 with AVX2, FMA and F16C): what every family shares, and the
+ * functions the library exports (native/library.py binds each by name). Built as one shared
+ * library from the .c files beside this header:
+ *   quantize.c  activations to 8 bits per block of 32 (the input of every linear kernel)
+ *   int4.c      int4 linears: the row kernel, 8- and 16-row panels, routed experts, dequantization
+ *   int8.c      int8 linears and routed experts
+ *   mxfp4.c     MXFP4 linears and routed experts, dequantization
+ *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
+ *   crc32.c     the block files' checksum
+ *
+ * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
+ * and multiplied with the weights' integers in 8-bit dot products, the scheme of llama.cpp's
+ * Q4_1 x Q8_1: a step reads the 4-bit weights once at close to memory speed, where torch's int4
+ * kernel converts every weight to float first.
+ *
+ * Weight layouts are kvcellar.quantization's:
+ *   int4: nibbles uint8 [out, in / 2] (input 2j in the low nibble of byte j), per group of 32
+ *         inputs a scale and an offset (float16 here): w = q * scale + offset, q in 0..15;
+ *   int8: int8 [out, in], a float32 scale per output: w = q * scale;
+ *   mxfp4: nibbles as int4's, each an E2M1 code, an E8M0 exponent byte per group of 32.
+ * Inside a block of 32 the quantized activations hold the even inputs first, then the odd
+ * ones, the order in which a block's 16 bytes of nibbles unpack. */
+#ifndef KVC_H
+#define KVC_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32
+/* Rows of activations multiplied per pass over a weight row: enough accumulators to reuse
+ * each loaded weight block, few enough to stay in the 16 vector registers. */
+#define TILE 4
+/* Bytes of weights ahead that a pass asks the cache for: the hardware prefetcher alone kept
+ * a thread's stream well below the memory's speed (docs/performance.md). */
+#define PREFETCH 2048
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A block's 16 bytes of nibbles as 32 bytes: low nibbles (even inputs) in the lower half,
+ * high nibbles in the upper. */
+static inline __m256 q4_block(const uint8_t *wb) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)wb));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                                _mm256_set1_epi8(0x0F)));
+}
+
+/* v rounded to bfloat16 (nearest even) and kept as a float. */
+static inline __m256 round_bf16(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
+static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
+    if (BF16) {
+        const __m256i ha = _mm256_srli_epi32(_mm256_castps_si256(a), 16), hb = _mm256_srli_epi32(_mm256_castps_si256(b), 16);
+        /* packus works per 128-bit lane: a0-3 b0-3 | a4-7 b4-7, put back in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(ha, hb), 0xD8);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), packed);
+    } else {
+        _mm256_storeu_ps((float *)out + at, a);
+        _mm256_storeu_ps((float *)out + at + 8, b);
+    }
+}
+
+/* ---- Routed experts: all of a MoE layer's experts in one call ----------------------------
+ * A step's (token, expert) slots arrive grouped by expert: activation rows starts[e] ..
+ * starts[e + 1] - 1 go through expert e's weights (w[e], scales[e], offsets[e]: addresses of
+ * its linear, laid out as kvc_gemm_q4's or kvc_gemm_q8's), into the same rows of y [slots, out].
+ * One parallel region runs every routed expert's output rows, where one call per expert woke
+ * the threads 2 x top-k times a layer for a few hundred microseconds of work each. Each output
+ * is computed by the arithmetic of kvc_gemm_q4 / kvc_gemm_q8, so a slot's numbers are the same
+ * to the bit as its expert's linear run alone, at any row count. */
+
+/* A unit of work: expert e's output rows g * 8 .. g * 8 + 7 for all its slots. */
+typedef struct { int64_t e, g; } moe_unit;
+
+static inline moe_unit *moe_units(const int64_t *starts, int64_t experts, int64_t groups, int64_t *count) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < experts; e++) n += starts[e + 1] > starts[e] ? groups : 0;
+    moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
+    if (!units) return NULL;
+    int64_t i = 0;
+    for (int64_t e = 0; e < experts; e++)
+        if (starts[e + 1] > starts[e])
+            for (int64_t g = 0; g < groups; g++) units[i++] = (moe_unit){e, g};
+    *count = n;
+    return units;
+}
+
+/* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
+ * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
+void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
+void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
+void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
+void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
+void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
+void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
+void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, int64_t end, int64_t cols, float *out, int threads);
+int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
+int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
+int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
+void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start, int64_t end, int64_t cols, void *dst, int bf16, int threads);
+void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);
+int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
+int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
+uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
+
+#endif

@@ -1,0 +1,139 @@
+"""The kernels' shared library: built from the C files beside this module on first use, loaded
+with ctypes, and called by name.
+
+The C files are compiled once per source, compiler and flags with the system C compiler into
+``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
+user, whatever ``--cache-dir`` a server is given). The library runs on the OpenMP runtime torch
+has loaded already, so its threads are torch's; ctypes drops the GIL around each call. Each
+exported function is bound from its prototype in ``kvc.h`` (argument names and types read
+from there, so the header is the one statement of them) and called with keyword arguments
+(``call``), a missing or unknown one an error before anything runs. Where the library cannot
+be built (another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is None and
+torch's kernels run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcellar.paths import resolve_cache_dir
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+HEADER = HERE / "kvc.h"
+SOURCES = tuple(HERE / f"{name}.c" for name in ("quantize", "int4", "int8", "mxfp4", "kv", "crc32"))
+CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
+
+_CTYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint32_t": ctypes.c_uint32}
+_PROTOTYPE = re.compile(r"^(void|int|uint32_t) (kvc_\w+)\(([^)]*)\);", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """An exported function as ``kvc.h`` declares it: its arguments' names and ctypes types
+    (every pointer a ``c_void_p``), and its result's type (None: void)."""
+
+    name: str
+    params: tuple[tuple[str, type], ...]
+    result: type | None
+
+
+@functools.cache
+def signatures() -> dict[str, Signature]:
+    """The exported functions, read from ``kvc.h``."""
+    found = {}
+    for result, name, params in _PROTOTYPE.findall(HEADER.read_text()):
+        args = []
+        for param in " ".join(params.split()).split(", "):
+            pointer = "*" in param
+            ctype_name, _, arg = param.replace("const ", "").replace("*", " ").rpartition(" ")
+            args.append((arg.strip(), ctypes.c_void_p if pointer else _CTYPES[ctype_name.strip()]))
+        found[name] = Signature(name, tuple(args), None if result == "void" else _CTYPES[result])
+    return found
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded once per process; None where they cannot run here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64") or not cpu_flags() >= CPU_FLAGS:
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: torch's quantized kernels run instead of kvcellar's")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+        texts = [path.read_text() for path in (HEADER, *SOURCES)]
+        digest = hashlib.sha256("\0".join([*texts, cc, version, *COMPILE_FLAGS]).encode()).hexdigest()
+        folder = resolve_cache_dir() / "native"
+        target = folder / f"kvc-{digest[:16]}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+            os.close(fd)
+            try:
+                subprocess.run([cc, *COMPILE_FLAGS, f"-I{HERE}", "-o", tmp, *map(str, SOURCES)], capture_output=True,
+                               text=True, check=True, timeout=300)
+                os.replace(tmp, target)  # atomic: a process starting beside this one loads a whole file
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("kvcellar's CPU kernels could not be built (%s); torch's run instead", detail)
+        return None
+    for signature in signatures().values():
+        fn = getattr(lib, signature.name)
+        fn.argtypes = [ctype for _, ctype in signature.params]
+        fn.restype = signature.result
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def call(name: str, **args: object) -> int | None:
+    """Exported function ``name`` with its arguments by their names in ``kvc.h``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kvcellar's CPU kernels are not available here")
+    signature = signatures()[name]
+    names = [arg for arg, _ in signature.params]
+    if set(args) != set(names):
+        missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
+        raise TypeError(f"{name}: missing {missing}, unknown {unknown}")
+    result: int | None = getattr(lib, name)(*(args[arg] for arg in names))
+    return result

@@ -1,0 +1,227 @@
+"""Quantized linears on kvcellar's kernels (``quantize.c``, ``int4.c``, ``int8.c``, ``mxfp4.c``):
+activations quantized to 8 bits per block of 32 inputs and multiplied in 8-bit dot products.
+
+Decode-sized steps of int4 weights read each weight row as it lies; prefill-sized ones
+multiply panels of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit
+dot product where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Every int4 kernel sums each
+output in the same order, so a row's outputs are the same bits whatever the step's row count;
+int8 and MXFP4 have one kernel for every row count. ``moe_matmul`` runs all routed experts of
+a MoE layer's projection in one call, each expert's rows by the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcellar.engine.native import lib
+
+# Inputs per block of quantized activations (and per int4 group the kernels take).
+BLOCK = 32
+# Output rows of an int4 panel (``kvc_gemm_q4_panels``), and the step size from which on
+# panels beat reading each weight row as it lies: packing a panel costs about what 4 rows'
+# products do (docs/performance.md).
+PANEL = 8
+PANEL_MIN_ROWS = 8
+# CPUs that multiply panels of 16 rows (``kvc_gemm_q4_panels16``): AVX-512 with its 8-bit dot
+# product (VNNI), which sums 4 pairs a lane in one instruction where AVX2 takes two per 2 pairs.
+WIDE_PANEL = 16
+WIDE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+# There the wide panels overtake the row kernel from 5 rows on, not 8 (docs/performance.md).
+WIDE_PANEL_MIN_ROWS = 5
+
+
+def _check_activations(x: torch.Tensor, cols: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+        raise ValueError(f"activations must be float32 CPU [rows, {cols}], not {x.dtype} {tuple(x.shape)}")
+    if cols % BLOCK:
+        raise ValueError(f"the kernels take inputs in blocks of {BLOCK}, not {cols}")
+
+
+def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` float32 ``[rows, cols]`` as 8-bit blocks: values (even inputs of a block first),
+    scales, and scale x sum of the block's values."""
+    rows, cols = x.shape
+    _check_activations(x, cols)
+    x = x.contiguous()
+    xq = torch.empty(rows, cols, dtype=torch.int8)
+    xd = torch.empty(rows, cols // BLOCK)
+    xs = torch.empty(rows, cols // BLOCK)
+    lib.call("kvc_quantize_q8", x=x.data_ptr(), rows=rows, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(),
+             xs=xs.data_ptr(), threads=threads)
+    return xq, xd, xs
+
+
+@functools.cache
+def wide_panels() -> bool:
+    """Whether this CPU runs ``kvc_gemm_q4_panels16``."""
+    return lib.cpu_flags() >= WIDE_FLAGS
+
+
+def panel_min_rows(out: int) -> int:
+    """Rows from which on ``matmul_int4`` multiplies panels of ``out`` outputs, on this CPU."""
+    return WIDE_PANEL_MIN_ROWS if out % WIDE_PANEL == 0 and wide_panels() else PANEL_MIN_ROWS
+
+
+def int4_kernel(rows: int, out: int) -> str:
+    """The kernel ``matmul_int4`` runs for ``rows`` activations and ``out`` outputs. All
+    three give every output the same numbers to the bit, whatever the other rows."""
+    if rows < panel_min_rows(out) or out % PANEL:
+        return "kvc_gemm_q4"
+    return "kvc_gemm_q4_panels16" if out % WIDE_PANEL == 0 and wide_panels() else "kvc_gemm_q4_panels"
+
+
+def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, *more: torch.Tensor) -> None:
+    out = weight.shape[0]
+    for t in (weight, scales, *more):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("a quantized weight's tensors must be contiguous CPU tensors")
+    for t in (scales, *more):
+        if t.shape[0] != out or (t.dim() == 2 and t.shape[1] != cols // BLOCK):
+            raise ValueError(f"scales {tuple(t.shape)} do not fit a weight of {out} rows and {cols} inputs")
+
+
+def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                threads: int, kernel: str | None = None) -> torch.Tensor:
+    """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
+    ``scales``/``offsets`` ``[out, in / 32]``), ``x`` float32 ``[rows, in]``; ``kernel``:
+    another than ``int4_kernel``'s choice (a test comparing them)."""
+    out, cols = nibbles.shape[0], nibbles.shape[1] * 2
+    _check_weight(nibbles, scales, cols, offsets)
+    _check_activations(x, cols)
+    rows = x.shape[0]
+    xq, xd, xs = quantize_activations(x, threads)
+    y = torch.empty(rows, out)
+    lib.call(kernel or int4_kernel(rows, out), w=nibbles.data_ptr(), scales=scales.data_ptr(),
+             offsets=offsets.data_ptr(), out=out, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
+             rows=rows, y=y.data_ptr(), threads=threads)
+    return y
+
+
+def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+    """``x @ w.T`` in float32 for int8 ``w`` (``qweight`` ``[out, in]``, float32 ``scales [out]``)."""
+    return _matmul_scaled("kvc_gemm_q8", x, qweight, qweight.shape[1], scales, threads)
+
+
+def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> torch.Tensor:
+    """``x @ w.T`` in float32 for MXFP4 ``w`` (``nibbles`` uint8 ``[out, in / 2]`` as int4's, each
+    an E2M1 code; ``exponents`` uint8 E8M0 ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
+    return _matmul_scaled("kvc_gemm_mxfp4", x, nibbles, nibbles.shape[1] * 2, exponents, threads)
+
+
+def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int, scales: torch.Tensor,
+                   threads: int) -> torch.Tensor:
+    """A kernel that takes the weight, its scales and the 8-bit activations with their block
+    scales (no offsets): int8's and MXFP4's."""
+    _check_weight(weight, scales, cols)
+    _check_activations(x, cols)
+    out, rows = weight.shape[0], x.shape[0]
+    xq, xd, _ = quantize_activations(x, threads)
+    y = torch.empty(rows, out)
+    scale_name = "exps" if kernel == "kvc_gemm_mxfp4" else "scales"
+    lib.call(kernel, w=weight.data_ptr(), **{scale_name: scales.data_ptr()}, out=out, cols=cols, xq=xq.data_ptr(),
+             xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
+    return y
+
+
+def _check_rows(out: torch.Tensor, dtypes: tuple[torch.dtype, ...], start: int, end: int, rows: int,
+                cols: int) -> None:
+    if out.dtype not in dtypes or not out.is_contiguous() or tuple(out.shape) != (end - start, cols):
+        raise ValueError(f"out must be a contiguous [{end - start}, {cols}] tensor of {dtypes}")
+    if not 0 <= start <= end <= rows:
+        raise ValueError(f"rows {start}:{end} outside the weight's {rows}")
+
+
+def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, start: int, end: int, out: torch.Tensor,
+                     threads: int) -> torch.Tensor:
+    """Rows ``start:end`` of an MXFP4 weight (layout as ``matmul_mxfp4``) into float32 ``out``."""
+    cols = nibbles.shape[1] * 2
+    _check_weight(nibbles, exponents, cols)
+    _check_rows(out, (torch.float32,), start, end, nibbles.shape[0], cols)
+    lib.call("kvc_dequantize_mxfp4", w=nibbles.data_ptr(), exps=exponents.data_ptr(), start=start, end=end,
+             cols=cols, out=out.data_ptr(), threads=threads)
+    return out
+
+
+def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, start: int, end: int,
+                    out: torch.Tensor, threads: int) -> torch.Tensor:
+    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``) into ``out``
+    ``[end - start, in]``, float32 or bfloat16 (rounded as ``Tensor.to`` rounds):
+    ``q * scale + offset``."""
+    cols = nibbles.shape[1] * 2
+    _check_weight(nibbles, scales, cols, offsets)
+    _check_rows(out, (torch.float32, torch.bfloat16), start, end, nibbles.shape[0], cols)
+    lib.call("kvc_dequantize_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(),
+             start=start, end=end, cols=cols, dst=out.data_ptr(), bf16=out.dtype == torch.bfloat16, threads=threads)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of every expert of a MoE layer, as ``moe_matmul`` reads it: the
+    addresses of each expert's quantized weight (``kind`` int4, int8 or mxfp4, laid out as
+    ``matmul_int4``'s, ``matmul_int8``'s or ``matmul_mxfp4``'s), its scales (mxfp4: exponents)
+    and (int4) offsets, int64 ``[experts]``; ``keep`` holds the tensors they point into."""
+
+    kind: str
+    out: int
+    cols: int
+    weights: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    keep: tuple[torch.Tensor, ...]
+
+
+def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                   offsets: Sequence[torch.Tensor] | None = None) -> ExpertWeights:
+    """``ExpertWeights`` over per-expert tensors (all of one shape and layout)."""
+    if kind not in ("int4", "int8", "mxfp4") or (kind == "int4") != (offsets is not None):
+        raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
+    out, packed = weights[0].shape
+    cols = packed if kind == "int8" else packed * 2
+    tensors = [*weights, *scales, *(offsets or ())]
+    if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError("experts' weights must be contiguous CPU tensors")
+    if any(w.shape != weights[0].shape for w in weights):
+        raise ValueError("experts of one projection must share a shape")
+
+    def addresses(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
+
+    return ExpertWeights(kind, out, cols, addresses(weights), addresses(scales),
+                         None if offsets is None else addresses(offsets), tuple(tensors))
+
+
+_MOE_KERNELS = {"int4": "kvc_moe_q4", "int8": "kvc_moe_q8", "mxfp4": "kvc_moe_mxfp4"}
+
+
+def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, threads: int) -> torch.Tensor:
+    """Rows ``starts[e]:starts[e + 1]`` of ``x`` float32 ``[slots, cols]`` times expert ``e``'s
+    weight, every expert in one call: ``[slots, out]`` float32, each row the same bits as
+    ``matmul_int4``/``matmul_int8``/``matmul_mxfp4`` over that expert's weight give it (at any
+    row count)."""
+    rows, cols = x.shape
+    n_experts = experts.weights.shape[0]
+    starts = starts.to(torch.int64).contiguous()
+    if cols != experts.cols or starts.shape != (n_experts + 1,) or int(starts[0]) != 0 or int(starts[-1]) != rows:
+        raise ValueError("activations and expert groups do not match the experts' weights")
+    if bool((starts[1:] < starts[:-1]).any()):
+        raise ValueError("expert groups must be in order")
+    xq, xd, xs = quantize_activations(x, threads)
+    y = torch.empty(rows, experts.out)
+    args: dict[str, object] = {"w": experts.weights.data_ptr(), "starts": starts.data_ptr(), "experts": n_experts,
+                               "out": experts.out, "cols": cols, "xq": xq.data_ptr(), "xd": xd.data_ptr(),
+                               "y": y.data_ptr(), "threads": threads}
+    if experts.kind == "mxfp4":
+        args["exps"] = experts.scales.data_ptr()
+    else:
+        args["scales"] = experts.scales.data_ptr()
+    if experts.kind == "int4":
+        assert experts.offsets is not None  # expert_weights requires them
+        args.update(offsets=experts.offsets.data_ptr(), xs=xs.data_ptr())
+    if lib.call(_MOE_KERNELS[experts.kind], **args) != 0:
+        raise MemoryError("no memory for the experts' work list")
+    return y
