@@ -41,13 +41,11 @@ GGUF_ARCHITECTURES = ("gemma3", "gpt-oss", "llama", "mistral", "qwen2", "qwen3",
 # expert (engine/experts.py, which names transformers' modules of these families).
 MOE_GGUF_ARCHITECTURES = ("gpt-oss", "qwen3moe")
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
-MODEL_TYPES = ("gemma3", "gemma3_text", "gpt_oss", "llama", "ministral", "ministral3", "mistral", "qwen2", "qwen3",
-               "qwen3_moe")
+MODEL_TYPES = ("gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama", "ministral", "ministral3",
+               "mistral", "qwen2", "qwen3", "qwen3_moe")
 # Families transformers builds that kvcellar would run wrongly, and why.
 NOT_YET = {
     "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",
-    **dict.fromkeys(("gemma4", "gemma4_text"), "its per-layer embeddings and MoE router are not in kvcellar's "
-                                               "engine yet"),
 }
 
 

@@ -292,22 +292,31 @@ def test_linear_kernels_say_which_linears_run_which_kernel(dtype: torch.dtype) -
     assert linear_kernels(model) == want
 
 
+# Gemma 4's global layers: wider heads, fewer of them, a quarter of each rotated (its defaults).
+GEMMA4_TEXT = {"global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+               "sliding_window": 24, "hidden_size_per_layer_input": 0,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+
+
 def _tiny_of_model_type(model_type: str, tokenizer: Any) -> LoadedModel:
-    if model_type != "gemma3":
+    if model_type not in ("gemma3", "gemma4"):
         extra = {"sliding_window": 24} if model_type in ("mistral", "ministral", "gemma3_text") else {}
-        return tiny_model(model_type, tokenizer, **extra)
+        return tiny_model(model_type, tokenizer, **(GEMMA4_TEXT if model_type == "gemma4_text" else extra))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     text = {"vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
-            "tie_word_embeddings": False}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 28, "patch_size": 14}
-    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+            "tie_word_embeddings": False, **(GEMMA4_TEXT if model_type == "gemma4" else {})}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    if model_type == "gemma3":
+        config = AutoConfig.for_model("gemma3", text_config=text, mm_tokens_per_image=4,
+                                      vision_config={**vision, "image_size": 28, "patch_size": 14})
+    else:  # the vision tower loads, unused; no audio tower
+        config = AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, audio_config=None)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None
-    return wrap_model(model, tokenizer, name="tiny-gemma3")
+    return wrap_model(model, tokenizer, name=f"tiny-{model_type}")
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -47,21 +47,28 @@ class Router(nn.Module):
       to 1 where ``normalize``;
     * ``topk_softmax`` (gpt-oss): the top k logits, softmax over those.
 
-    ``forward`` returns what transformers' routers return: (logits, weights, indices)."""
+    ``prepare``: what the family does to the hidden states first (Gemma 4: an RMS norm and a
+    learned scale), a row at a time; ``expert_scale``: a factor per expert on its weight
+    (Gemma 4). ``forward`` returns what transformers' routers return: (logits, weights, indices)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, order: str,
-                 normalize: bool = False) -> None:
+                 normalize: bool = False, prepare: nn.Module | None = None,
+                 expert_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         if order not in ("softmax_topk", "topk_softmax"):
             raise ValueError(f"unknown router order {order!r}")
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.top_k, self.order, self.normalize = top_k, order, normalize
+        self.prepare = prepare
+        self.expert_scale = None if expert_scale is None else nn.Parameter(expert_scale.detach(), requires_grad=False)
         self.num_experts, self.hidden_dim = weight.shape
         # (the weight it was made from, its version, weight and bias in float64)
         self._wide: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.prepare is not None:
+            hidden = self.prepare(hidden)
         h = hidden.reshape(-1, self.hidden_dim).to(torch.float64)
         w = self.weight  # converted once, not every step (again where it was changed)
         if self._wide is None or self._wide[0] is not w or self._wide[1] != w._version:
@@ -78,7 +85,24 @@ class Router(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:
+            top = top * self.expert_scale[index]
         return logits, top, index
+
+
+class _Gemma4RouterInput(nn.Module):
+    """Gemma 4's router input, as ``Gemma4TextRouter.forward`` computes it: its own RMS norm
+    (no weight), times a learned scale and 1 / sqrt(hidden size)."""
+
+    def __init__(self, router: Any) -> None:
+        super().__init__()
+        self.norm = router.norm
+        self.scale = nn.Parameter(router.scale.detach(), requires_grad=False)
+        self.root = float(router.scalar_root_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed: torch.Tensor = self.norm(hidden)
+        return normed * self.scale * self.root
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -228,12 +252,15 @@ def _stacked_inputs_first(experts: Any) -> RoutedExperts:
 # transformers' experts class -> how its weights become linears.
 _EXPERTS: dict[str, Callable[[Any], RoutedExperts]] = {
     "Qwen3MoeExperts": _stacked_halves,
+    "Gemma4TextExperts": _stacked_halves,
     "GptOssExperts": _stacked_inputs_first,
 }
 # transformers' router class -> how it becomes a ``Router``.
 _ROUTERS: dict[str, Callable[[Any], Router]] = {
     "Qwen3MoeTopKRouter": lambda r: Router(r.weight, None, r.top_k, "softmax_topk", bool(r.norm_topk_prob)),
     "GptOssTopKRouter": lambda r: Router(r.weight, r.bias, r.top_k, "topk_softmax"),
+    "Gemma4TextRouter": lambda r: Router(r.proj.weight, None, r.config.top_k_experts, "softmax_topk", True,
+                                         _Gemma4RouterInput(r), r.per_expert_scale),
 }
 
 
