@@ -21,7 +21,15 @@ from kvcellar.engine import TokenEvent
 from kvcellar.server.anthropic.render import MessagesRenderer
 from kvcellar.server.formatting import RequestShape, ResponseBuilder
 from kvcellar.server.internal import OutputTracker
-from kvcellar.server.reasoning import ReasoningReader, ThinkSplitter, reader_factory, starts_inside, template_reasons
+from kvcellar.server.reasoning import (
+    GEMMA4,
+    THINK,
+    ReasoningReader,
+    ThinkSplitter,
+    reader_factory,
+    starts_inside,
+    template_markup,
+)
 from kvcellar.server.responses.render import ResponsesRenderer, ToolNames
 from kvcellar.server.tools.parsers import HermesParser, collect
 from tests.artifacts.gguf_files import THINKING_TEMPLATE, write_gguf
@@ -91,8 +99,10 @@ def test_reasoning_then_tool_calls_streamed_equal_whole() -> None:
 
 
 def test_templates_that_reason_and_prompts_that_open_the_block() -> None:
-    assert template_reasons("{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}")
-    assert not template_reasons("{% for m in messages %}{{ m.content }}{% endfor %}") and not template_reasons(None)
+    assert template_markup("{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}") is THINK
+    assert template_markup("{{- '<|channel>thought\\n' + thinking_text + '\\n<channel|>' -}}") is GEMMA4
+    assert template_markup("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert template_markup(None) is None
     assert starts_inside("<|im_start|>assistant\n<think>\n") and not starts_inside("<|im_start|>assistant\n")
     assert not starts_inside("<think>\n\n</think>\n\n")  # a template that closed it: no reasoning to read
 

@@ -280,3 +280,52 @@ def test_xml_auto_grammar_lets_text_through_and_keeps_calls_well_formed(compiler
         assert not walk(compiler, grammar, bad)[0], bad
     none = no_call_grammar(compiler, "xml_function")
     assert none is not None and not walk(compiler, none, "text " + call_text)[0]
+
+
+# ---- Gemma 4's markup (gemma4) -----------------------------------------------------------------
+
+Q = '<|"|>'
+
+
+def gemma_call(name: str, args: str) -> str:
+    return f"<|tool_call>call:{name}{{{args}}}<tool_call|>"
+
+
+def test_gemma4_forced_grammar_is_the_notation_the_parser_reads(compiler: GrammarCompiler) -> None:
+    from kvcellar.server.tools.parsers import Gemma4Parser
+
+    grammar = forced_call_grammar(compiler, "gemma4", [EDIT, TOOLS[1]], parallel=True)
+    # keys in the order the template's dictsort writes them; strings hold any text, braces too
+    good = gemma_call("edit", f"dry_run:false,line:12,mode:{Q}insert{Q},path:{Q}src/{{lib}}.rs, \"x\"{Q},"
+                              "range:{end:2,start:1}")
+    assert complete(compiler, grammar, good)
+    assert complete(compiler, grammar, good + gemma_call("ping", "") + gemma_call("edit", f"line:1,path:{Q}a{Q}"))
+    for bad in (gemma_call("edit", f"path:{Q}a{Q},line:12"),  # out of the template's order
+                gemma_call("edit", f"path:{Q}a{Q}"),  # a required parameter missing
+                gemma_call("edit", f"line:zero,path:{Q}a{Q}"),  # not an integer
+                gemma_call("edit", f"line:0,path:{Q}a{Q}"),  # below the minimum
+                gemma_call("edit", f"line:3,mode:{Q}append{Q},path:{Q}a{Q}"),  # not one of the enum
+                gemma_call("edit", f"line:3,path:{Q}a{Q},range:{{start:1}}"),  # the $ref's required
+                gemma_call("edit", 'line:3,path:"a"'),  # JSON's quotes are not the notation's
+                gemma_call("nope", ""), "Sure. " + good):
+        assert not complete(compiler, grammar, bad), bad
+    parser = Gemma4Parser(["edit", "ping"])
+    ((name, arguments),) = [(c.name, c.arguments) for c in parser.parse(good).tool_calls]
+    assert name == "edit"
+    validate(json.loads(arguments), EDIT["function"]["parameters"])
+    plan = compiler.start_plan(forced_call_grammar(compiler, "gemma4", [EDIT], parallel=False))
+    assert plan is not None
+    (shortest,) = parser.parse(embedded().tokenizer.decode(list(plan))).tool_calls
+    validate(json.loads(shortest.arguments), EDIT["function"]["parameters"])
+
+
+def test_gemma4_auto_grammar_lets_text_through_and_keeps_calls_well_formed(compiler: GrammarCompiler) -> None:
+    grammar = auto_call_grammar(compiler, "gemma4", [EDIT, TOOLS[1]])
+    assert grammar is not None and not grammar.steer_to_end
+    call_text = gemma_call("edit", f"line:3,path:{Q}a.py{Q}")
+    for ok_text in ("Plain text with call:x{} and {json}.", f"Let me edit.\n{call_text}", call_text + call_text):
+        assert walk(compiler, grammar, ok_text)[0], ok_text
+    for bad in ("<|tool_call>call:nope{", "<|tool_call>call:edit{line:x", "<|tool_call>plain words"):
+        assert not walk(compiler, grammar, bad)[0], bad
+    # where the call tag is a token of the vocabulary, calls are parsed only
+    assert auto_call_grammar(compiler, "gemma4", [EDIT], {"<|tool_call>": 7}) is None

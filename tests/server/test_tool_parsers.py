@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvcellar.server.tools.parsers import (
     PARSERS,
+    Gemma4Parser,
     HermesParser,
     Llama3Parser,
     MistralParser,
@@ -454,6 +455,62 @@ def test_xml_function_every_split_agrees_with_parse(text: str) -> None:
     assert_all_splits(XmlFunctionParser, text, None)
 
 
+# -- gemma4 (Gemma 4) --
+
+Q = '<|"|>'
+GEMMA_CALL = (f"<|tool_call>call:search{{filters:{{langs:[{Q}rust{Q},{Q}c{Q}],since:2024}},q:{Q}where is {{x}}, "
+              f"really: [a]?{Q}}}<tool_call|>")
+GEMMA_SAMPLES = [
+    GEMMA_CALL,
+    "Let me look.\n" + GEMMA_CALL + "<|tool_call>call:get_time{}<tool_call|>",
+    f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:-1.5e2,exact:false,unit:null}}<tool_call|> done",
+    "<|tool_call>call:nope{}<tool_call|> after",  # unknown tool: content
+    "<|tool_call>declare:search{}<tool_call|> text",  # not a call: content
+    "<|tool_call>call:search{q:" + Q + "unfinished",  # the output ended in a string
+    "<|tool_call>call:get_time{}broken<tool_call|> after",  # broken after the call
+    "no calls at all, call:search{q:1} in text <tool_call|>",
+]
+
+
+def test_gemma4_arguments_are_read_from_the_templates_notation() -> None:
+    parsed = Gemma4Parser(TOOLS).parse("Let me look.\n" + GEMMA_CALL)
+    assert parsed.content == "Let me look."
+    ((name, arguments),) = calls(parsed)
+    assert name == "search"
+    assert json.loads(arguments) == {"filters": {"langs": ["rust", "c"], "since": 2024},
+                                     "q": "where is {x}, really: [a]?"}
+    ((_, arguments),) = calls(Gemma4Parser(TOOLS).parse(GEMMA_SAMPLES[2]))
+    assert json.loads(arguments) == {"city": "Paris", "days": -150.0, "exact": False, "unit": None}
+
+
+@pytest.mark.parametrize("text", GEMMA_SAMPLES[3:5] + GEMMA_SAMPLES[7:])
+def test_gemma4_not_a_call_is_content_unchanged(text: str) -> None:
+    parsed = Gemma4Parser(TOOLS).parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_gemma4_truncated_or_broken_call_stands() -> None:
+    ((name, arguments),) = calls(Gemma4Parser(TOOLS).parse(GEMMA_SAMPLES[5]))
+    assert (name, json.loads(arguments)) == ("search", {"q": "unfinished"})
+    parsed = Gemma4Parser(TOOLS).parse(GEMMA_SAMPLES[6])
+    assert calls(parsed) == [("get_time", "{}")] and parsed.content == " after"
+
+
+def test_gemma4_emits_the_call_at_its_name_and_the_arguments_at_their_close() -> None:
+    parser = Gemma4Parser(TOOLS)
+    first = parser.feed("Sure. <|tool_call>call:search{q:" + Q + "kv {")
+    assert first.content == "Sure." and [(t.name, t.arguments) for t in first.tool_calls] == [("search", "")]
+    assert parser.feed(" cache}" + Q).tool_calls == []  # a brace inside a string closes nothing
+    last = parser.feed("}<tool_call|>")
+    assert [t.arguments for t in last.tool_calls] == ['{"q": "kv { cache}"}']
+
+
+@pytest.mark.parametrize("text", GEMMA_SAMPLES)
+def test_gemma4_every_split_agrees_with_parse(text: str) -> None:
+    assert_all_splits(Gemma4Parser, text, TOOLS)
+    assert_all_splits(Gemma4Parser, text, None)
+
+
 # -- random multi-way splits, every family --
 
 ALL_SAMPLES = (
@@ -461,6 +518,7 @@ ALL_SAMPLES = (
     + [(Llama3Parser, t) for t in LLAMA_SAMPLES]
     + [(MistralParser, t) for t in MISTRAL_SAMPLES]
     + [(XmlFunctionParser, t) for t in XML_SAMPLES]
+    + [(Gemma4Parser, t) for t in GEMMA_SAMPLES]
 )
 
 
@@ -481,6 +539,7 @@ def test_random_splits_agree_with_parse(data: st.DataObject, tools_given: bool) 
     [
         ("{% for tool in tools %}...<tools>{{ tool }}</tools> <tool_call>{...}</tool_call>{% endfor %}", "hermes"),
         ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "xml_function"),
+        ("{{- '<|tool_call>call:' + function['name'] + '{' -}}", "gemma4"),
         ("{% if message.tool_calls %}[TOOL_CALLS]{{ message.tool_calls | tojson }}{% endif %}", "mistral"),
         ("<|start_header_id|>ipython<|end_header_id|>{% if builtin_tools %}<|python_tag|>{% endif %}", "llama3"),
         ('<|start_header_id|>assistant<|end_header_id|> {"name": function name, "parameters": ...}', "llama3"),

@@ -25,10 +25,11 @@ _QUOTE = 1e3  # added where it holds a quote: the one closer inside a string
 FORMAT_ENDINGS = ('2000-01-01T00:00:00Z"', '2000-01-01"', '00:00:00Z"', 'P0D"', '::"', ':"', '@a"', 'a"', '0"',
                   '0D"', 'a:"', 'a@a"', '.a"', 'a.a"')
 
-# Closing markup of a value that is free text (the XML tool-call markup's string parameters):
-# tried first wherever it fits, since a free-text value takes any token, closers included, and
-# the walk would extend it to the cap. Never inside a JSON string, which holds no raw newline.
-MARKUP_ENDINGS = ("\n</parameter>\n",)
+# Closing markup of a value that is free text (the XML tool-call markup's string parameters,
+# Gemma 4's strings): tried first wherever it fits, since a free-text value takes any token,
+# closers included, and the walk would extend it to the cap. Never inside a JSON string, which
+# holds no raw newline and no bare quote.
+MARKUP_ENDINGS = ("\n</parameter>\n", '<|"|>')
 
 
 class Planner:

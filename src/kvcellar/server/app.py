@@ -40,6 +40,7 @@ from kvcellar.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kvcellar.server.reasoning import GEMMA4
 from kvcellar.server.responses import adapter as responses
 from kvcellar.server.responses.protocol import InputTokensRequest, ResponsesRequest
 from kvcellar.server.responses.store import ResponseStore
@@ -130,7 +131,8 @@ class ServerState:
             # How the chat template writes tool calls and reasoning, as the server reads them.
             "chat_format": {"tool_calls": self.serving.tool_prompting.family,
                             "reasoning": "harmony" if self.serving.tool_prompting.harmony else
-                            "think" if self.serving.reasons else None},
+                            None if self.serving.reasons is None else
+                            "gemma4" if self.serving.reasons is GEMMA4 else "think"},
             "version": kvcellar.__version__,
             "pid": os.getpid(),  # which process answered: a launcher checks it is the one it started
             "uptime_s": round(time.time() - self.started, 3),

@@ -1,12 +1,13 @@
 """A model's reasoning, read out of its output text and kept out of the answer.
 
-Thinking models write their reasoning before the answer, in markup their chat template names:
-Qwen3, QwQ, DeepSeek-R1 and Qwen3.5 wrap it in ``<think>`` ... ``</think>``, and templates
-that open the block themselves (the generation prompt ends in ``<think>``) leave only the
-closing tag to the model. ``ThinkSplitter`` splits one output into reasoning and the rest; the
-rest goes on to the tool-call parser, if any. Each API returns the reasoning its own way
-(``reasoning_content`` on chat completions, ``thinking`` blocks on Anthropic Messages,
-``reasoning`` items on Responses), never inside the content.
+Thinking models write their reasoning before the answer, in markup their chat template names
+(``ThinkMarkup``): Qwen3, QwQ, DeepSeek-R1 and Qwen3.5 wrap it in ``<think>`` ... ``</think>``,
+Gemma 4 in ``<|channel>thought`` ... ``<channel|>``; templates that open the block themselves
+(the generation prompt ends in its opening tag) leave only the closing tag to the model.
+``ThinkSplitter`` splits one output into reasoning and the rest; the rest goes on to the
+tool-call parser, if any. Each API returns the reasoning its own way (``reasoning_content`` on
+chat completions, ``thinking`` blocks on Anthropic Messages, ``reasoning`` items on
+Responses), never inside the content.
 
 The split keeps the tool parsers' invariant: it is a function of the text only, never of where
 the text was cut into pieces (a tail that may be the start of a tag is held back until decided).
@@ -17,28 +18,43 @@ not reasoning and not content.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 from kvcellar.server.tools.parsers import OutputReader, ParsedOutput, StreamDelta, Thought, collect, partial_tail
 
-OPEN = "<think>"
-CLOSE = "</think>"
-# What a forced output (a tool call, a JSON schema) starts with where the prompt opened the
-# block: the block closed empty, as templates write a turn without reasoning.
-EMPTY_CLOSE = "\n" + CLOSE + "\n\n"
 _WS = " \t\r\n"
 
 
-def template_reasons(chat_template: str | None) -> bool:
-    """Whether a chat template's model writes ``<think>`` reasoning (it renders the tags)."""
-    return bool(chat_template) and CLOSE in (chat_template or "")
+@dataclass(frozen=True)
+class ThinkMarkup:
+    """A family's reasoning block: its opening and closing tags, and what a forced output (a
+    tool call, a JSON schema) starts with where the prompt opened the block: the block closed
+    empty, as the template writes a turn without reasoning."""
+
+    open: str
+    close: str
+    empty_close: str
 
 
-def starts_inside(prompt_tail: str) -> bool:
+THINK = ThinkMarkup("<think>", "</think>", "\n</think>\n\n")
+GEMMA4 = ThinkMarkup("<|channel>thought", "<channel|>", "\n<channel|>")
+
+
+def template_markup(chat_template: str | None) -> ThinkMarkup | None:
+    """The reasoning markup a chat template's model writes (the template renders its tags), or
+    None for a model that writes none."""
+    template = chat_template or ""
+    if "<|channel>" in template and GEMMA4.close in template:
+        return GEMMA4
+    return THINK if THINK.close in template else None
+
+
+def starts_inside(prompt_tail: str, markup: ThinkMarkup = THINK) -> bool:
     """Whether a prompt whose text ends with ``prompt_tail`` opened the reasoning block itself
     (the output then starts inside it)."""
     tail = prompt_tail.rstrip(_WS)
-    return tail.endswith(OPEN)
+    return tail.endswith(markup.open)
 
 
 class _State(Enum):
@@ -53,9 +69,10 @@ class ThinkSplitter:
     """Splits one output into (reasoning, content) pieces: ``feed`` pieces, then ``finish``.
     Only a block that opens the output is reasoning; a ``<think>`` later on is content."""
 
-    def __init__(self, inside: bool = False) -> None:
+    def __init__(self, inside: bool = False, markup: ThinkMarkup = THINK) -> None:
         self._state = _State.LEAD if inside else _State.START
         self._buf = ""
+        self._open, self._close = markup.open, markup.close
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -71,9 +88,9 @@ class ThinkSplitter:
             buf = self._buf
             if self._state is _State.START:
                 body = buf.lstrip(_WS)
-                if body.startswith(OPEN):
-                    self._buf, self._state = body[len(OPEN):], _State.LEAD
-                elif not final and (not body or OPEN.startswith(body)):
+                if body.startswith(self._open):
+                    self._buf, self._state = body[len(self._open):], _State.LEAD
+                elif not final and (not body or self._open.startswith(body)):
                     break  # whitespace only, or a start of the tag: not decided yet
                 else:
                     self._state = _State.CONTENT
@@ -84,13 +101,13 @@ class ThinkSplitter:
                 self._buf = body
                 self._state = _State.INSIDE if self._state is _State.LEAD else _State.CONTENT
             elif self._state is _State.INSIDE:
-                at = buf.find(CLOSE)
+                at = buf.find(self._close)
                 if at >= 0:
                     reasoning.append(buf[:at].rstrip(_WS))
-                    self._buf, self._state = buf[at + len(CLOSE):], _State.AFTER
+                    self._buf, self._state = buf[at + len(self._close):], _State.AFTER
                     continue
                 # Hold a tail that may be whitespace before the closing tag, or its start.
-                keep = 0 if final else partial_tail(buf, CLOSE)
+                keep = 0 if final else partial_tail(buf, self._close)
                 head = buf[:len(buf) - keep]
                 core = head if final else head.rstrip(_WS)
                 reasoning.append(core)
@@ -147,7 +164,8 @@ class ReasoningReader:
         return out
 
 
-def reader_factory(inside: bool, calls: Callable[[], OutputReader] | None) -> Callable[[], ReasoningReader]:
+def reader_factory(inside: bool, calls: Callable[[], OutputReader] | None,
+                   markup: ThinkMarkup = THINK) -> Callable[[], ReasoningReader]:
     """Readers of a thinking model's outputs: reasoning first (``inside``: the prompt opened
     its block), then what ``calls`` makes of the rest (plain content without tools)."""
-    return lambda: ReasoningReader(lambda: ThinkSplitter(inside), calls)
+    return lambda: ReasoningReader(lambda: ThinkSplitter(inside, markup), calls)

@@ -42,7 +42,7 @@ from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, 
 from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker, Renderer
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from kvcellar.server.reasoning import CLOSE, EMPTY_CLOSE, OPEN, reader_factory, starts_inside, template_reasons
+from kvcellar.server.reasoning import reader_factory, starts_inside, template_markup
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
 from kvcellar.server.tools.grammar import auto_call_grammar, forced_call_grammar, no_call_grammar, parameters_of
 from kvcellar.server.tools.parsers import OutputReader, ParsedCall
@@ -97,7 +97,7 @@ class Serving:
         self.inflight = Inflight()
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
-        self.reasons = template_reasons(getattr(engine.tokenizer, "chat_template", None))
+        self.reasons = template_markup(getattr(engine.tokenizer, "chat_template", None))
         self._unknown_models_logged: set[str] = set()
 
     def close(self) -> None:
@@ -289,12 +289,14 @@ class Serving:
         except InvalidRequestError as exc:
             exc.param = "input" if ireq.api == "responses" else "messages"
             raise
-        inside = self.reasons and starts_inside(
-            await self.on_tokenizer_thread(self.engine.tokenizer.decode, prompt[-8:]))
-        if inside and params.grammar is not None and params.grammar.steer_to_end:
+        markup = self.reasons
+        inside = markup is not None and starts_inside(
+            await self.on_tokenizer_thread(self.engine.tokenizer.decode, prompt[-8:]), markup)
+        if inside and markup is not None and params.grammar is not None and params.grammar.steer_to_end:
             # A forced output (a call, a schema) closes the reasoning block first; free text
             # with well-formed calls (``auto``) may reason.
-            params.grammar = await self.on_tokenizer_thread(self.engine.grammars.after, EMPTY_CLOSE, params.grammar)
+            params.grammar = await self.on_tokenizer_thread(self.engine.grammars.after, markup.empty_close,
+                                                            params.grammar)
         if params.grammar is not None:
             await self.on_tokenizer_thread(self._check_room_for_grammar, params.grammar, params.max_tokens, ireq)
         parse_calls = tools is not None and tools.choice != "none"
@@ -307,16 +309,19 @@ class Serving:
                 params.skip_special_tokens = False
             if parser is None:
                 parser = self.tool_prompting.parser_factory(None)
-        elif self.reasons:
+        elif markup is not None:
             if not ireq.explicit_skip_special and self._think_is_special:
                 params.skip_special_tokens = False
-            parser = reader_factory(bool(inside), parser)
+            parser = reader_factory(bool(inside), parser, markup)
         return PreparedChat(prompt, params, parser, parallel_calls=tools is None or tools.parallel)
 
     @functools.cached_property
     def _think_is_special(self) -> bool:
         """The reasoning tags are special tokens, which plain detokenizing drops."""
-        return bool({OPEN, CLOSE} & set(getattr(self.engine.tokenizer, "all_special_tokens", ())))
+        markup = self.reasons
+        specials = set(getattr(self.engine.tokenizer, "all_special_tokens", ()))
+        return markup is not None and any(special and special in tag for special in specials
+                                          for tag in (markup.open, markup.close))
 
     def _arguments_check(self, tools: ToolPlan) -> Callable[[list[ParsedCall]], None] | None:
         """For forced calls: each call's arguments checked against its tool's full schema. The
@@ -358,9 +363,10 @@ class Serving:
             return forced_call_grammar(self.engine.grammars, family, tools.forced_tools,
                                        parallel=tools.parallel and tools.choice == "required",
                                        mistral_token_id=self.tool_prompting.mistral_token_id,
-                                       harmony_ids=self.tool_prompting.harmony_ids)
+                                       harmony_ids=self.tool_prompting.harmony_ids,
+                                       markup_tokens=self.tool_prompting.markup_tokens)
         if output is None and tools is not None and tools.choice == "auto":
-            return auto_call_grammar(self.engine.grammars, family, tools.tools)
+            return auto_call_grammar(self.engine.grammars, family, tools.tools, self.tool_prompting.markup_tokens)
         if output is None and tools is not None and tools.choice == "none":
             return no_call_grammar(self.engine.grammars, family)
         if output is not None and output.lark is not None:

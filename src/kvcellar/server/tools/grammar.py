@@ -13,7 +13,9 @@ The output must be exactly what the model family's parser reads back as calls, w
   ``<parameter=P>\nVALUE\n</parameter>\n`` in the schema's order (required ones always,
   others optional), then ``</function>\n</tool_call>``; a string value is free text up to its
   closing tag (one of its ``enum`` where it has one), any other value JSON valid against its
-  schema.
+  schema;
+* ``gemma4`` (Gemma 4): ``<|tool_call>call:NAME{ARGS}<tool_call|>``, ARGS in the template's own
+  notation (tools/gemma4_syntax.py), several calls one after the other.
 
 With ``tool_choice: "auto"`` the model decides; for the Hermes and XML markups (and so the
 fallback format) ``auto_call_grammar`` still keeps what it decides well-formed: text is free, but
@@ -37,6 +39,7 @@ from typing import Any
 
 from kvcellar.engine.constraints import LENIENT_JSON_STYLE, Grammar, GrammarCompiler
 from kvcellar.errors import InvalidRequestError
+from kvcellar.server.tools import gemma4_syntax
 from kvcellar.server.tools.schemas import for_grammar, standalone
 
 log = logging.getLogger(__name__)
@@ -81,10 +84,12 @@ def _lit(text: str) -> str:
 
 def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]], *,
                         parallel: bool, mistral_token_id: int | None = None,
-                        harmony_ids: tuple[int, int, int] | None = None) -> Grammar:
+                        harmony_ids: tuple[int, int, int] | None = None,
+                        markup_tokens: dict[str, int] | None = None) -> Grammar:
     """A grammar whose every complete output is one call (or, with ``parallel``, one or
     more calls) of ``tools``. ``harmony_ids``: gpt-oss's <|channel|>, <|constrain|> and
-    <|message|> tokens (a harmony output holds one call: its end token ends the output)."""
+    <|message|> tokens (a harmony output holds one call: its end token ends the output).
+    ``markup_tokens``: the family's markup texts that are single tokens (Gemma 4's)."""
     _compile_each(compiler, tools)  # blame the right tool for a schema the engine refuses
 
     def calls(separator: str) -> str:
@@ -102,6 +107,11 @@ def forced_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[
         if harmony_ids is None:
             raise InvalidRequestError("this model's tokenizer has no harmony tokens", param="tool_choice")
         lark = _harmony_call(tools, *harmony_ids)
+    elif family == "gemma4":
+        rules = gemma4_syntax.Gemma4Rules(markup_tokens)
+        lark = (f"start: {'call+' if parallel else 'call'}\n"
+                f"call: {rules.tok(gemma4_syntax.OPEN)} {_lit('call:')} function {rules.tok(gemma4_syntax.CLOSE)}\n"
+                + rules.functions(tools))
     elif family == "xml_function":
         lark = (f"start: {calls(chr(10))}\n"
                 f"call: {_lit('<tool_call>' + chr(10))} function {_lit('</tool_call>')}\n"
@@ -168,12 +178,16 @@ def _xml_value(root: dict[str, Any], prop: Any) -> str:
     return f"%json {json.dumps({**slot, 'x-guidance': LENIENT_JSON_STYLE})} {_lit(chr(10) + '</parameter>' + chr(10))}"
 
 
-def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]]) -> Grammar | None:
+def auto_call_grammar(compiler: GrammarCompiler, family: str, tools: Sequence[dict[str, Any]],
+                      markup_tokens: dict[str, int] | None = None) -> Grammar | None:
     """Free text with well-formed calls, or None where the family has no such grammar
-    (llama3 and mistral outputs are parsed only). Never fails for a tool's schema: one the
-    engine cannot compile takes any JSON object (any parameters, in the XML markup)."""
+    (llama3 and mistral outputs are parsed only, and Gemma 4's where its call tag is a token
+    of its own, which free text cannot be watched for). Never fails for a tool's schema: one
+    the engine cannot compile takes any JSON object (any parameters, in the XML markup)."""
     if family == "xml_function":
         return _auto_xml(compiler, tools)
+    if family == "gemma4":
+        return None if gemma4_syntax.OPEN in (markup_tokens or {}) else _auto_gemma4(compiler, tools)
     if family != "hermes":
         return None
     relaxed = set()
@@ -216,6 +230,22 @@ def _auto_xml(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> Gra
         return compiler.lark(lark, param="tools", description="tool_call_auto:xml_function", steer_to_end=False)
     except InvalidRequestError as exc:
         log.warning("tools: calls are parsed only, the grammar engine cannot combine their schemas: %s", exc)
+        return None
+
+
+def _auto_gemma4(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> Grammar | None:
+    """Gemma 4 calls among free text, where its markup is plain text."""
+    rules = gemma4_syntax.Gemma4Rules()
+    lark = ("%llguidance {}\n"
+            "start: call* TEXT\n"
+            f"call: call_trigger {_lit('call:')} function {_lit(gemma4_syntax.CLOSE)}\n"
+            f"call_trigger[lazy]: TEXT {_lit(gemma4_syntax.OPEN)}\n"
+            + rules.functions(tools) +
+            "TEXT: /(.|\\n)*/\n")
+    try:
+        return compiler.lark(lark, param="tools", description="tool_call_auto:gemma4", steer_to_end=False)
+    except InvalidRequestError as exc:
+        log.warning("tools: calls are parsed only, the grammar engine cannot compile them: %s", exc)
         return None
 
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcellar.engine.tokenization import render_chat
 from kvcellar.server.harmony import CHANNEL, CONSTRAIN, MESSAGE, template_is_harmony
 from kvcellar.server.harmony import reader_factory as harmony_reader_factory
+from kvcellar.server.tools import gemma4_syntax
 from kvcellar.server.tools.parsers import OutputReader, ParsedCall, ToolParser, parser_for_template
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class ToolPrompting:
     # gpt-oss's harmony format (server/harmony.py): the ids of <|channel|>, <|constrain|> and
     # <|message|>, for forced calls; None for every other template.
     harmony_ids: tuple[int, int, int] | None = None
+    # The family's call markup that the vocabulary holds as single tokens (Gemma 4's), by text.
+    markup_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def probe(cls, tokenizer: Any) -> ToolPrompting:
@@ -91,7 +94,13 @@ class ToolPrompting:
             ids = [tokenizer.convert_tokens_to_ids(t) for t in (CHANNEL, CONSTRAIN, MESSAGE)]
             if all(isinstance(i, int) and i != tokenizer.unk_token_id for i in ids):
                 harmony_ids = (ids[0], ids[1], ids[2])
-        return cls(renders, parser, mistral_id, harmony_ids)
+        markup: dict[str, int] = {}
+        if parser.family == "gemma4":
+            for text in (gemma4_syntax.OPEN, gemma4_syntax.CLOSE, gemma4_syntax.QUOTE):
+                found = tokenizer.convert_tokens_to_ids(text)
+                if isinstance(found, int) and found != tokenizer.unk_token_id:
+                    markup[text] = found
+        return cls(renders, parser, mistral_id, harmony_ids, markup)
 
     @property
     def harmony(self) -> bool:
@@ -104,7 +113,7 @@ class ToolPrompting:
     @property
     def markup_is_special(self) -> bool:
         """The family's call markers are special tokens, which plain detokenizing drops."""
-        return self.family in ("llama3", "mistral", "harmony")
+        return self.family in ("llama3", "mistral", "harmony", "gemma4")
 
     def parser_factory(self, plan: ToolPlan | None, on_finish: Callable[[list[ParsedCall]], None] | None = None
                        ) -> Callable[[], OutputReader]:
