@@ -83,6 +83,28 @@ def test_the_split_is_the_same_for_every_cut(text: str, inside: bool, reasoning:
         assert split(text, inside, pieces) == (reasoning, content), pieces
 
 
+def test_gemma4_thought_channel_then_its_calls_streamed_equal_whole() -> None:
+    """Gemma 4: reasoning in ``<|channel>thought`` ... ``<channel|>``, then content and calls
+    in its own markup; a ``<think>`` tag is nothing to it."""
+    from kvcellar.server.tools.parsers import Gemma4Parser
+
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    recorded = f"<|channel>thought\n{THOUGHT} <think>\n<channel|>Sure.{call}"
+    make = reader_factory(False, lambda: Gemma4Parser(["get_weather"]), GEMMA4)
+    parsed = make().parse(recorded)
+    assert parsed.reasoning == THOUGHT + " <think>" and parsed.content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    for pieces in cuttings(recorded)[::5]:
+        reader: ReasoningReader = make()
+        rebuilt = collect([reader.feed(p) for p in pieces] + [reader.finish()])
+        assert (rebuilt.reasoning, rebuilt.content) == (parsed.reasoning, "Sure.")
+        assert [(c.name, c.arguments) for c in rebuilt.tool_calls] == \
+            [(c.name, c.arguments) for c in parsed.tool_calls]
+    # an empty thought channel in the prompt (thinking off) leaves the output all content
+    assert not starts_inside("<|turn>model\n<|channel>thought\n<channel|>", GEMMA4)
+    assert starts_inside("<|turn>model\n<|channel>thought\n", GEMMA4)
+
+
 def test_reasoning_then_tool_calls_streamed_equal_whole() -> None:
     make = reader_factory(False, lambda: HermesParser(["get_weather"]))
     parsed = make().parse(RECORDED)

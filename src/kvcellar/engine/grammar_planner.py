@@ -66,6 +66,9 @@ class Planner:
             score[i] = value - i * 1e-6
         self.score = score
         self.ranked = np.argsort(-score, kind="stable")[:RANKED]  # the best tokens, best first
+        # Special tokens: where the grammar allows one beside text, it is markup that closes
+        # something (Gemma 4's string delimiter), tried first.
+        self._specials = np.array([i for i in range(n) if lltok.is_special_token(i)], dtype=np.int64)
         self._lltok = lltok
         # fewest tokens first: where several fit, the shortest is the plan's
         self._endings = sorted((list(lltok.tokenize_bytes(text.encode())) for text in FORMAT_ENDINGS), key=len)
@@ -103,6 +106,11 @@ class Planner:
             if forced:
                 return [list(forced)]
             picks = [[t] for t in self.choices(m, branch)]
+            if self._specials.size:
+                bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
+                specials = [[int(t)] for t in self._specials[self._specials < bias.size] if bias[t]]
+                if specials and len(specials) < len(picks) + 8:  # a few named ones, not "any token"
+                    return specials + [p for p in picks if p not in specials]
             markup = [e for e in self._markup if m.validate_tokens(e) == len(e)]
             if markup:
                 return markup + picks

@@ -55,9 +55,13 @@ class Gemma4Rules:
             body = self._members(params, params, 0) if i not in relaxed else "g_members?"
             branches.append(self._new(f"{_lit(fn['name'] + '{')} {body} {_lit('}')}"))
         quote = self.tok(QUOTE)
+        # A string's text: up to the closing delimiter, where the parser ends it too. Where the
+        # delimiter is a token of its own (text never matches one), text without "<|", which
+        # holds any spelled-out delimiter.
+        text = "g_text[lazy]: /(.|\\n)*/ " + quote if QUOTE not in self._tokens else "G_TEXT: /([^<]|<+[^|<])*<*/"
         generic = [
-            f"g_string: {quote} g_text",
-            f"g_text[lazy]: /(.|\\n)*/ {quote}",
+            f"g_string: {quote} g_text" if QUOTE not in self._tokens else f"g_string: {quote} G_TEXT {quote}",
+            text,
             f"g_value: g_string | {_NUMBER} | \"true\" | \"false\" | \"null\" | g_object | g_array",
             "g_object: \"{\" g_members? \"}\"",
             "g_members: g_member (\",\" g_member)*",
