@@ -59,6 +59,8 @@ LONGEST_FIRST = (
     "tests/server/test_concurrency.py",
     "tests/server/test_responses.py",
     "tests/integration/test_coding_agents.py",
+    "tests/integration/test_gemma4_agent.py",
+    "tests/integration/test_gemma4.py",
     "tests/integration/test_engine_ssd.py",
     "tests/artifacts/test_settings.py",
     "tests/server/test_warmup.py",

@@ -24,6 +24,8 @@ _MAGIC = b"GGUF"
 # GGUF value types -> struct format of a scalar; 8 (string) and 9 (array) are handled apart.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# Longer arrays of scalars (token types, scores) are skipped, not kept.
+_MAX_ARRAY = 4096
 # ggml tensor type ids (stable: they are in every file), as gguf's ``GGMLQuantizationType``
 # names them; written out so that reading a header does not import gguf (and numpy).
 GGML_TYPES = {
@@ -52,7 +54,9 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFInfo:
-    metadata: dict[str, str | int | float | bool]  # scalar and string values; arrays left out
+    # scalar and string values, and short arrays of scalars (per-layer values) as tuples;
+    # string arrays (the vocabulary) left out
+    metadata: dict[str, str | int | float | bool | tuple[int | float | bool, ...]]
     tensors: tuple[GGUFTensor, ...]
     data_start: int = 0  # where the tensor data begins in the file
     big_endian: bool = False
@@ -109,7 +113,7 @@ def _parse(buf: mmap.mmap) -> GGUFInfo:
         pos += length
         return text.decode("utf-8")
 
-    metadata: dict[str, str | int | float | bool] = {}
+    metadata: dict[str, str | int | float | bool | tuple[int | float | bool, ...]] = {}
     for _ in range(n_kv):
         key = string()
         vtype = int(scalar("I"))
@@ -125,6 +129,8 @@ def _parse(buf: mmap.mmap) -> GGUFInfo:
                 for _ in range(count):  # a vocabulary: 10^5 strings, kept out of the closures
                     at += 8 + length_at(buf, at)[0]
                 pos = at
+            elif item in _SCALARS and count <= _MAX_ARRAY:
+                metadata[key] = tuple(scalar(_SCALARS[item]) for _ in range(count))
             elif item in _SCALARS:
                 pos += count * struct.calcsize(_SCALARS[item])
             else:
@@ -139,7 +145,8 @@ def _parse(buf: mmap.mmap) -> GGUFInfo:
         type_id = int(scalar("I"))
         offset = int(scalar("Q"))
         tensors.append(GGUFTensor(name, GGML_TYPES.get(type_id, f"type{type_id}"), math.prod(dims), dims, offset))
-    alignment = int(metadata.get("general.alignment", 32))  # llama.cpp's default
+    align = metadata.get("general.alignment", 32)  # llama.cpp's default
+    alignment = align if isinstance(align, int) else -1
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two")
     return GGUFInfo(metadata, tuple(tensors), -(-pos // alignment) * alignment, order == ">")

@@ -342,3 +342,104 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 
 
 ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
+def gguf_vocab(specials: Sequence[str] = ()) -> tuple[list[str], list[str], list[str]]:
+    """``write_gguf``'s byte-level BPE vocabulary: (tokens, merges, control tokens)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials]
+    return [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges] + control, merges, control
+
+
+def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | str = "F32",
+                      chat_template: str = CHAT_TEMPLATE, specials: Sequence[str] = (),
+                      eos: str = "<|im_end|>") -> Path:
+    """A transformers Gemma 4 text model (``Gemma4ForCausalLM``, its vocabulary ``gguf_vocab``'s)
+    written as llama.cpp's converter writes Gemma 4: its keys (head sizes and KV heads per
+    layer kind, the sliding-window pattern, per-layer embeddings, shared KV layers, experts),
+    the router's scale as ``ffn_gate_inp.scale`` and the per-expert scales as
+    ``ffn_down_exps.scale``, experts' gate and up fused (``ffn_gate_up_exps``), a
+    ``rope_freqs`` tensor that leaves the unrotated part of the global heads unrotated;
+    ``types``: the GGUF type of each tensor of more than one dimension, by GGUF name."""
+    import gguf
+    import torch
+
+    type_of = types if callable(types) else (lambda _: types)
+    c = model.config  # type: ignore[attr-defined]
+    tokens, merges, control = gguf_vocab(specials)
+    assert c.vocab_size == len(tokens), "the model's vocabulary must be gguf_vocab's"
+    swa = [t == "sliding_attention" for t in c.layer_types]
+    layer = [c.per_layer_config[i] for i in range(c.num_hidden_layers)]  # heads and sizes per layer kind
+    kv_heads, head_dim = layer[swa.index(True)].num_key_value_heads, layer[swa.index(True)].head_dim
+    full_heads, full_dim = layer[swa.index(False)].num_key_value_heads, layer[swa.index(False)].head_dim
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_name("gemma4-tiny")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([kv_heads if s else full_heads for s in swa])
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(head_dim)
+    w.add_value_length_swa(head_dim)
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern(swa)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+    w.add_shared_kv_layers(c.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input or 0)
+    if c.enable_moe_block:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k_experts)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index(eos))
+    w.add_pad_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(chat_template)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, c.num_hidden_layers)
+    renamed = {".router.scale": ".ffn_gate_inp.scale", ".router.per_expert_scale": ".ffn_down_exps.scale"}
+    for hf_name, value in model.state_dict().items():  # type: ignore[attr-defined]
+        name = None
+        for suffix, leaf in renamed.items():
+            if hf_name.endswith(suffix):
+                name = f"blk.{hf_name.split('.')[2]}{leaf}"
+        if name is None:
+            base = names.get_name(hf_name.removesuffix(".weight"))
+            assert base is not None, hf_name
+            name = base + ".weight"
+        data = value.detach().to(torch.float32).numpy()
+        if data.ndim == 1:
+            w.add_tensor(name, data)
+            continue
+        kind = type_of(name)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, ENCODERS.get(kind, lambda x, t=qtype: gguf.quants.quantize(x, t))(data),
+                         raw_dtype=qtype)
+    full = c.rope_parameters["full_attention"]
+    rotated = int(full_dim * full.get("partial_rotary_factor", 1.0) / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full_dim // 2 - rotated),
+                                               dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -189,3 +189,63 @@ def test_layers_of_different_head_shapes_keep_their_own_kv(bits: int, kernels: b
             q.reshape(heads * 2, 1, dim), k.transpose(0, 1).repeat_interleave(2, 0),
             v.transpose(0, 1).repeat_interleave(2, 0), scale=dim ** -0.5)
         torch.testing.assert_close(got.reshape(heads * 2, 1, dim), want, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """One tiny Gemma 4 with every part, as transformers holds it, as a GGUF written the way
+    llama.cpp writes Gemma 4 (float32 tensors) and as a HF folder (with the GGUF's tokenizer)."""
+    from kvcellar.artifacts.prepare import gguf_tokenizer
+    from tests.artifacts.gguf_files import gguf_vocab, write_gemma4_gguf
+
+    path = tmp_path_factory.mktemp("gemma4-gguf")
+    model = gemma4(len(gguf_vocab()[0]), seed=11, **{**MOE, **PER_LAYER})
+    gguf = write_gemma4_gguf(path / "tiny-gemma4.gguf", model)
+    folder = path / "hf"
+    model.save_pretrained(folder)
+    gguf_tokenizer(gguf).save_pretrained(folder)
+    return model, gguf, folder
+
+
+@pytest.mark.parametrize("weights", ["full", pytest.param("int8", marks=needs_native),
+                                     pytest.param("int4", marks=needs_native)])
+def test_a_gguf_serves_what_its_hf_folder_serves(gguf_pair: tuple[Any, Path, Path], weights: str) -> None:
+    """The GGUF's config (head shapes per layer kind, which layers slide, shared KV, experts,
+    the partial rotation) and tensors (the router's and experts' scales under llama.cpp's
+    names, gate and up fused) read back as the model: with ``--weights full`` transformers' own
+    tokens and logprobs, quantized the same bits as the HF folder quantized."""
+    model, gguf, folder = gguf_pair
+    served = load(gguf, weights)
+    prompt = served.tokenizer("hello there, tell me a story about the old wizard and the dragon " * 2).input_ids
+    engine = make_engine(served, max_step_tokens=16, block_size=8)
+    got = engine.generate([prompt], PARAMS)[0]
+    engine.shutdown(10)
+    if weights == "full":
+        tokens, logprobs = reference_greedy(model, prompt, PARAMS.max_tokens)
+        assert got.token_ids == tokens
+        want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(list(got.logprobs)), want, rtol=0, atol=2e-4)
+        return
+    engine = make_engine(load(folder, weights), max_step_tokens=16, block_size=8)
+    assert_identical_output(got, engine.generate([prompt], PARAMS)[0])
+    engine.shutdown(10)
+
+
+@needs_native
+def test_a_quantized_gguf_under_auto_gives_the_uncached_bits(tmp_path: Path) -> None:
+    """4-bit experts (Q4_0: a tiny model's rows are too short for Q4_K's 256) and Q8_0 linears,
+    served under the default weights: a hit is the uncached output."""
+    from tests.artifacts.gguf_files import gguf_vocab, write_gemma4_gguf
+
+    def types(name: str) -> str:
+        return "Q4_0" if "_exps" in name else "F32" if "ffn_gate_inp" in name else "Q8_0"
+
+    model = gemma4(len(gguf_vocab()[0]), seed=12, **MOE)
+    loaded = load(write_gemma4_gguf(tmp_path / "q4_k_m.gguf", model, types), "auto")
+    assert loaded.weights in ("int4", "int8")
+    uncached = uncached_runner(loaded, PARAMS)
+    prompt = loaded.tokenizer("a story about the old wizard and the dragon, and the knight " * 3).input_ids
+    engine = make_engine(loaded, max_step_tokens=13, block_size=8)
+    for _ in range(2):  # cold (chunks of 13), then a full hit
+        assert_identical_output(engine.generate([prompt], PARAMS)[0], uncached(prompt))
+    engine.shutdown(10)

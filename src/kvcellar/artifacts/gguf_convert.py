@@ -61,8 +61,11 @@ INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # A MoE layer's experts stacked in one tensor per projection (llama.cpp's ``ffn_*_exps``).
-_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps$")
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps$")
 # gpt-oss's expert tensors and their biases (``GgufFile._gpt_oss_tensors``).
+# Gemma 4 tensors as llama.cpp names them -> their parameter in a layer of transformers' model.
+_GEMMA4_NAMES = {"ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+                 "layer_output_scale.weight": "layer_scalar"}
 _GPT_OSS_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # The ggml types gguf's reader gives as values (numpy types); the others are bytes of blocks.
 _VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
@@ -212,7 +215,76 @@ def _config_dict(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any],
         parsed["moe_intermediate_size"] = expert_ffn
     if parsed.get("model_type") == "gpt_oss":
         parsed.update(_gpt_oss_config(meta))
+    if parsed.get("model_type") == "gemma4_text":
+        parsed.update(_gemma4_config(p, info))
     return parsed, unused
+
+
+# Gemma 4's tokens that end a turn besides the file's end token: the end of a turn, and the
+# start of a tool's result (the model stops after its calls; the result follows them).
+GEMMA4_ENDS = ("<turn|>", "<|tool_response>")
+
+
+def _gemma4_config(path: Path, info: GGUFInfo) -> dict[str, Any]:
+    """What transformers' GGUF reading leaves out of, or defaults in, a Gemma 4 config, from the
+    keys and tensors llama.cpp writes: head sizes and KV heads of the sliding and global
+    layers (keys as values where a global layer has no ``attn_v``), which layers slide,
+    per-layer embeddings, shared KV layers, experts, the global layers' partial rotation (the
+    ``rope_freqs`` tensor: 1 where a pair rotates, 1e30 where it does not) and the tokens
+    that end a turn (transformers sets Gemma 4's own ids, whatever the vocabulary)."""
+    import gguf
+
+    meta, a = info.metadata, "gemma4."
+    layers = int(meta[a + "block_count"])  # type: ignore[arg-type]
+
+    def per_layer(key: str, default: Any) -> list[Any]:
+        value = meta.get(a + key, default)
+        return list(value) if isinstance(value, tuple) else [value] * layers
+
+    sliding = [bool(s) for s in per_layer("attention.sliding_window_pattern", True)]
+    kv_heads = per_layer("attention.head_count_kv", meta.get(a + "attention.head_count"))
+    names = {t.name: t for t in info.tensors}
+    full = [i for i in range(layers) if not sliding[i]]
+    out: dict[str, Any] = {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "head_dim": meta.get(a + "attention.key_length_swa", meta.get(a + "attention.key_length")),
+        "global_head_dim": meta.get(a + "attention.key_length"),
+        "num_key_value_heads": next((k for k, s in zip(kv_heads, sliding, strict=True) if s), kv_heads[0]),
+        "num_global_key_value_heads": kv_heads[full[0]] if full else None,
+        "attention_k_eq_v": bool(full) and not any(f"blk.{i}.attn_v.weight" in names for i in full),
+        "num_kv_shared_layers": int(meta.get(a + "attention.shared_kv_layers", 0)),  # type: ignore[arg-type]
+        "hidden_size_per_layer_input": int(meta.get(a + "embedding_length_per_layer_input", 0)),  # type: ignore[arg-type]
+    }
+    if isinstance(meta.get(a + "final_logit_softcapping"), float):
+        out["final_logit_softcapping"] = meta[a + "final_logit_softcapping"]
+    ffn = per_layer("feed_forward_length", meta.get(a + "feed_forward_length"))
+    out["intermediate_size"] = ffn[0]
+    out["use_double_wide_mlp"] = max(ffn) > min(ffn)
+    if "per_layer_token_embd.weight" in names:
+        out["vocab_size_per_layer_input"] = names["per_layer_token_embd.weight"].dims[1]
+    experts = meta.get(a + "expert_count", 0)
+    if isinstance(experts, int) and experts > 0:
+        out.update(enable_moe_block=True, num_experts=experts, top_k_experts=meta.get(a + "expert_used_count"),
+                   moe_intermediate_size=meta.get(a + "expert_feed_forward_length"))
+    reader = gguf.GGUFReader(str(path))
+    factor = 0.25  # Gemma 4's own, where the file has no rope_freqs
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            factor = float(np.count_nonzero(np.asarray(t.data) < 1e10)) * 2 / float(out["global_head_dim"] or 1)
+    out["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": float(meta.get(a + "rope.freq_base_swa", 10000.0))},  # type: ignore[arg-type]
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": factor,
+                           "rope_theta": float(meta.get(a + "rope.freq_base", 1000000.0))},  # type: ignore[arg-type]
+    }
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    ends = [eos] if isinstance(eos, int) else []
+    if tokens is not None:
+        texts = {bytes(tokens.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(tokens.data)}
+        ends += [texts[t] for t in GEMMA4_ENDS if t in texts and texts[t] not in ends]
+    out["eos_token_id"] = ends
+    return out
 
 
 def _gpt_oss_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -236,21 +308,29 @@ def _gpt_oss_config(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Keys transformers 5.23 reads wrongly, hidden from it (the config's fields are set from the
+# metadata instead): a gpt-oss file's ``rope.scaling`` keys (read by the wrong part of each
+# field, which fails on every file that has them: ``_gpt_oss_config``); Gemma 4's KV heads per
+# layer, an array its config takes as one number (``_gemma4_config``).
+_HIDDEN_KEYS: dict[str, tuple[str, ...]] = {"gpt-oss": ("gpt-oss.rope.scaling.",),
+                                             "gemma4": ("gemma4.attention.head_count_kv",)}
+
+
 @contextlib.contextmanager
 def transformers_reads_gguf(path: Path) -> Iterator[None]:
-    """Around a transformers call that reads the GGUF at ``path`` (its config, tokenizer):
-    transformers 5.23 reads a gpt-oss file's ``rope.scaling`` keys by the wrong part of each
-    field and fails on every file that has them, so it is handed the file's reader without
-    them (``_gpt_oss_config`` sets the rope from the metadata)."""
-    if read_gguf_info(path).architecture != "gpt-oss":
+    """Around a transformers call that reads the GGUF at ``path`` (its config, tokenizer): it is
+    handed the file's reader without the keys it reads wrongly (``_HIDDEN_KEYS``)."""
+    found = _HIDDEN_KEYS.get(read_gguf_info(path).architecture)
+    if found is None:
         yield
         return
+    hidden: tuple[str, ...] = found
     import gguf
 
     class Reader(gguf.GGUFReader):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+            for key in [k for k in self.fields if k.startswith(hidden)]:
                 del self.fields[key]
 
     with mock.patch.object(gguf, "GGUFReader", Reader):
@@ -305,6 +385,17 @@ class GgufFile:
                 if m:
                     stacked = "gate_up_proj" if m[1] in ("gate", "up") else "down_proj"
                     self.experts[t.name] = (f"model.layers.{block}.mlp.experts.{stacked}", m[1])
+        if self.architecture == "gemma4":  # names transformers' map does not give
+            for t in self.stored:
+                block = _block(t.name)
+                for leaf, hf_leaf in _GEMMA4_NAMES.items():
+                    if t.name == f"blk.{block}.{leaf}":
+                        self.key_map[t.name] = f"model.layers.{block}.{hf_leaf}"
+                m = _EXPERTS.match(t.name.removesuffix(".weight"))
+                if m:
+                    stacked = "gate_up_proj" if m[1] != "down" else "down_proj"
+                    self.key_map[t.name] = f"model.layers.{block}.experts.{stacked}"
+                    self.experts[t.name] = (self.key_map[t.name], m[1])
         # A tied weight is loaded under its first name (transformers ties the others to it).
         self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
         self._fd = os.open(path, os.O_RDONLY)
@@ -324,8 +415,12 @@ class GgufFile:
         """``{weight name: (linear name, kind)}`` of the linears ``mode`` quantizes
         (``quantization.kind_for``); a tied LM head under the embedding's name."""
         first = {id(p): n for n, p in self.model.named_parameters()}
+        # A router's linear (Gemma 4's) becomes kvcellar's router's weight, kept dense.
+        routers = {n for n, m in self.model.named_modules() if type(m).__name__.endswith("Router")}
         out: dict[str, tuple[str, str]] = {}
         for name, module in self.model.named_modules():
+            if name.rpartition(".")[0] in routers:
+                continue
             if isinstance(module, torch.nn.Linear) and (kind := kind_for(mode, name, module)) is not None:
                 out[first[id(module.weight)]] = (name, kind)
         return out
@@ -377,8 +472,8 @@ class GgufFile:
                 else:
                     rows = gguf.quants.dequantize(raw, t.type)
                     q = quantize(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), kind)
-                if role == "down":
-                    yield f"{module}.down.{e}", q
+                if role in ("down", "gate_up"):  # (Gemma 4's gate and up come fused)
+                    yield f"{module}.{role}.{e}", q
                     continue
                 other = held.pop((module, e), None)
                 if other is None:

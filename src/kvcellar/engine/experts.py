@@ -284,15 +284,24 @@ def split_experts(model: nn.Module) -> int:
 
 # A stacked experts' biases -> the ``RoutedExperts`` linears that hold them, one row each.
 _STACKED_BIASES = {"gate_up_proj_bias": "gate_up", "down_proj_bias": "down"}
+# A router's parameters in transformers' module -> in the ``Router`` made of it (Gemma 4's).
+_ROUTER_NAMES = {"router.proj.weight": "router.weight", "router.scale": "router.prepare.scale",
+                 "router.per_expert_scale": "router.expert_scale"}
 
 
-def split_stacked_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict written for transformers' experts (gpt-oss's ``gate_up_proj_bias [E, 2I]``,
-    ``down_proj_bias [E, H]``) as the model ``split_experts`` made loads it: each expert's
-    row as its linear's bias (views, no copy)."""
+def split_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict written for transformers' MoE modules as the model ``split_experts`` made
+    loads it: stacked experts' biases (gpt-oss's ``gate_up_proj_bias [E, 2I]``,
+    ``down_proj_bias [E, H]``) as each expert's linear's bias (views, no copy); a router's
+    parameters under the ``Router``'s names."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         owner, _, leaf = key.rpartition(".")
+        renamed = next((key[: -len(old)] + new for old, new in _ROUTER_NAMES.items() if key.endswith("." + old)),
+                       None)
+        if renamed is not None:
+            out[renamed] = tensor
+            continue
         linears = _STACKED_BIASES.get(leaf)
         if linears is None:
             out[key] = tensor

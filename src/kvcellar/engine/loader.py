@@ -588,7 +588,7 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from kvcellar.engine.experts import split_stacked_biases
+    from kvcellar.engine.experts import split_state
 
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
@@ -606,7 +606,7 @@ def _load_without_linears(folder: Path, dtype: torch.dtype, dev: torch.device, a
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device=str(dev)) as f:
             state.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
-    result = model.load_state_dict(split_stacked_biases(state), strict=False, assign=True)
+    result = model.load_state_dict(split_state(state), strict=False, assign=True)
     if result.unexpected_keys:
         raise ModelLoadError(f"{folder} holds weights the model does not have: {', '.join(result.unexpected_keys)}")
     model.tie_weights()
