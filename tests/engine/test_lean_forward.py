@@ -15,6 +15,9 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
 from tests._models import chat_ids, embedded, make_engine, needs_native, served_gpt_oss, served_moe, tiny_model
 
+GEMMA4 = {"global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 24,
+          "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
 SYSTEM = "You are a careful assistant. Answer in one short sentence. " * 6
 
@@ -75,7 +78,15 @@ def test_embedded_model_logits_are_bitwise_the_module_path(model: Any, dtype: st
                    "mlp_only_layers": [1]}),
     # sinks, 16-token windows in layers 0 and 2, biased router and experts, YaRN
     ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
-])
+    # Gemma 4's 31B: global layers of wider heads, keys as values; 26B-A4B: experts beside the
+    # MLP; E2B: per-layer embeddings, the last two layers reading earlier layers' KV
+    ("gemma4_text", {**GEMMA4, "attention_k_eq_v": True}),
+    ("gemma4_text", {**GEMMA4, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                     "moe_intermediate_size": 32}),
+    ("gemma4_text", {**GEMMA4, "hidden_size_per_layer_input": 32, "num_kv_shared_layers": 2,
+                     "num_hidden_layers": 5, "layer_types": [*GEMMA4["layer_types"], "sliding_attention",
+                                                             "full_attention"]}),
+], ids=["qwen2", "llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma4-31B", "gemma4-26B-A4B", "gemma4-E2B"])
 def test_supported_architectures_are_bitwise_the_module_path(model: Any, arch: str, extra: dict) -> None:
     tiny = tiny_model(arch, model.tokenizer, **extra)
     runner = run_cache_paths(tiny, prompts_for(model))

@@ -10,8 +10,8 @@ Python per step. The linears are those ``engine/linears.py`` prepared (prepacked
 QKV and gate-up fused into one call each: the module path calls the same fused linear and
 slices it, so both paths still give the same numbers).
 
-Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), whose
-decoder layer is norm -> attention -> residual -> norm -> gated MLP or routed experts ->
+Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), and Gemma 4
+(its own walk, ``engine/lean_gemma4.py``); the first ones' decoder layer is norm -> attention -> residual -> norm -> gated MLP or routed experts ->
 residual (Qwen3's attention normalizes each query and key head before RoPE; gpt-oss's has a
 sink per head and its norms multiply by the weight before rounding). Anything else, or a
 model whose parts differ from what this file expects, runs through transformers' modules
@@ -30,6 +30,8 @@ from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.experts import RoutedExperts, Router
+from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
+from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
 from kvcellar.engine.linears import FusedPart
 
 # CausalLM class -> the decoder layer class it must hold.
@@ -61,8 +63,9 @@ def _rotate_joint(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def fusion_groups(model: Any) -> list[tuple[str, list[str]]]:
     """The linears ``linears.prepare_model`` fuses for a supported architecture: per layer
-    q/k/v into ``<layer>.self_attn.qkv`` and gate/up into ``<layer>.mlp.gate_up``."""
-    if lean_forward_for(model) is None:
+    q/k/v into ``<layer>.self_attn.qkv`` and gate/up into ``<layer>.mlp.gate_up`` (none for
+    Gemma 4, whose walk calls each linear)."""
+    if not isinstance(lean_forward_for(model), LeanForward):
         return []
     groups: list[tuple[str, list[str]]] = []
     for i in range(len(model.model.layers)):
@@ -141,9 +144,11 @@ def _router(mlp: Any) -> Router | None:
     return router if isinstance(router, Router) else None
 
 
-def lean_forward_for(model: Any) -> LeanForward | None:
-    """A ``LeanForward`` over ``model``, or None if its architecture is not one this file
-    reproduces exactly."""
+def lean_forward_for(model: Any) -> LeanForward | Gemma4Forward | None:
+    """A ``LeanForward`` (or Gemma 4's walk) over ``model``, or None if its architecture is not
+    one reproduced exactly."""
+    if type(model).__name__ in GEMMA4_CAUSAL_LMS:
+        return gemma4_forward_for(model)
     layer_class = SUPPORTED.get(type(model).__name__)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
