@@ -11,10 +11,11 @@ QKV and gate-up fused into one call each: the module path calls the same fused l
 slices it, so both paths still give the same numbers).
 
 Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), and Gemma 4
-(its own walk, ``engine/lean_gemma4.py``); the first ones' decoder layer is norm -> attention -> residual -> norm -> gated MLP or routed experts ->
-residual (Qwen3's attention normalizes each query and key head before RoPE; gpt-oss's has a
-sink per head and its norms multiply by the weight before rounding). Anything else, or a
-model whose parts differ from what this file expects, runs through transformers' modules
+(its own walk, ``engine/lean_gemma4.py``). The first ones' decoder layer is norm -> attention ->
+residual -> norm -> gated MLP or routed experts -> residual (Qwen3's attention normalizes each
+query and key head before RoPE; gpt-oss's has a sink per head and its norms multiply by the
+weight before rounding). Anything else, or a model whose parts differ from what this file
+expects, runs through transformers' modules
 (``lean_forward = false`` in ``[engine]``, or ``KVCELLAR_LEAN_FORWARD=0``, forces that).
 """
 
