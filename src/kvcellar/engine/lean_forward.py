@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
@@ -34,6 +33,7 @@ from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
 from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
 from kvcellar.engine.linears import FusedPart
+from kvcellar.engine.linears import call_of as _linear
 
 # CausalLM class -> the decoder layer class it must hold.
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
@@ -44,13 +44,6 @@ SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2
 WEIGHT_FIRST_NORM = frozenset({"GptOssForCausalLM"})
 # Families whose rotary module gives half-width cos/sin (their own RoPE function applies them).
 HALF_ROPE = frozenset({"GptOssForCausalLM"})
-
-
-def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    if type(module) is nn.Linear:
-        weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
-    return module.forward  # a FastLinear (engine/linears.py); no hooks to run, so no __call__
 
 
 def _rotate_joint(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

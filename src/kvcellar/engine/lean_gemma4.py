@@ -23,14 +23,9 @@ from torch import nn
 
 from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.experts import RoutedExperts, Router
+from kvcellar.engine.linears import call_of as _linear
 
 CAUSAL_LMS = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
-
-
-def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    from kvcellar.engine.lean_forward import _linear as linear
-
-    return linear(module)
 
 
 def text_model(model: Any) -> Any | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +123,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` in memory aligned for the kernels' vector loads: safetensors aligns tensors to 8
     bytes only, and torch's int8 kernel faults on such a weight (SIGSEGV)."""
     return t if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The cheapest call of a linear: ``F.linear`` on a plain ``nn.Linear``'s tensors, a
+    ``FastLinear``'s ``forward`` (no hooks to run, so no ``__call__``)."""
+    if type(module) is nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    forward: Callable[[torch.Tensor], torch.Tensor] = module.forward
+    return forward
 
 
 class FastLinear(nn.Module):

@@ -24,8 +24,10 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcellar.paths import resolve_cache_dir
 
@@ -118,7 +120,21 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, signature.name)
         fn.argtypes = [ctype for _, ctype in signature.params]
         fn.restype = signature.result
+    _bound.clear()
     return lib
+
+
+# Per exported function, a Python function with its arguments as keyword-only parameters, made
+# once a library is loaded: Python itself refuses a missing or unknown argument, at no cost.
+_bound: dict[str, Callable[..., Any]] = {}
+
+
+def _keywords(name: str, lib: ctypes.CDLL) -> Callable[..., Any]:
+    params = [arg for arg, _ in signatures()[name].params]
+    namespace: dict[str, Any] = {"fn": getattr(lib, name)}
+    exec(f"def {name}(*, {', '.join(params)}):\n    return fn({', '.join(params)})\n", namespace)
+    made: Callable[..., Any] = namespace[name]
+    return made
 
 
 def available() -> bool:
@@ -127,13 +143,11 @@ def available() -> bool:
 
 def call(name: str, **args: object) -> int | None:
     """Exported function ``name`` with its arguments by their names in ``kvc.h``."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("kvcellar's CPU kernels are not available here")
-    signature = signatures()[name]
-    names = [arg for arg, _ in signature.params]
-    if set(args) != set(names):
-        missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
-        raise TypeError(f"{name}: missing {missing}, unknown {unknown}")
-    result: int | None = getattr(lib, name)(*(args[arg] for arg in names))
+    fn = _bound.get(name)
+    if fn is None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("kvcellar's CPU kernels are not available here")
+        fn = _bound[name] = _keywords(name, lib)
+    result: int | None = fn(**args)
     return result

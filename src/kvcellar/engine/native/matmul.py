@@ -35,10 +35,9 @@ WIDE_PANEL_MIN_ROWS = 5
 
 
 def _check_activations(x: torch.Tensor, cols: int) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
-        raise ValueError(f"activations must be float32 CPU [rows, {cols}], not {x.dtype} {tuple(x.shape)}")
-    if cols % BLOCK:
-        raise ValueError(f"the kernels take inputs in blocks of {BLOCK}, not {cols}")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.is_cuda or cols % BLOCK:
+        raise ValueError(f"activations must be float32 CPU [rows, {cols}] (blocks of {BLOCK} inputs), not "
+                         f"{x.dtype} {tuple(x.shape)}")
 
 
 def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,13 +73,12 @@ def int4_kernel(rows: int, out: int) -> str:
     return "kvc_gemm_q4_panels16" if out % WIDE_PANEL == 0 and wide_panels() else "kvc_gemm_q4_panels"
 
 
-def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, *more: torch.Tensor) -> None:
+def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, more: torch.Tensor | None = None) -> None:
     out = weight.shape[0]
-    for t in (weight, scales, *more):
-        if not t.is_contiguous() or t.device.type != "cpu":
+    for t in (weight, scales) if more is None else (weight, scales, more):
+        if not t.is_contiguous() or t.is_cuda:
             raise ValueError("a quantized weight's tensors must be contiguous CPU tensors")
-    for t in (scales, *more):
-        if t.shape[0] != out or (t.dim() == 2 and t.shape[1] != cols // BLOCK):
+        if t is not weight and (t.shape[0] != out or (t.dim() == 2 and t.shape[1] != cols // BLOCK)):
             raise ValueError(f"scales {tuple(t.shape)} do not fit a weight of {out} rows and {cols} inputs")
 
 
