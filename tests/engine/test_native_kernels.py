@@ -533,3 +533,28 @@ def test_an_engine_given_a_tier_checksums_its_blocks_on_the_kernel(model, tmp_pa
         assert block_format._crc32 is native.crc32
     finally:
         engine.shutdown(timeout=10)
+
+
+@needs_native
+def test_a_call_the_kernels_cannot_take_is_refused_before_any_runs() -> None:
+    """By Python itself (a function's arguments are its prototype's in kvc.h) or by an
+    explicit check, which ``python -O`` keeps: never memory read past a tensor."""
+    from kvcellar.cache.kv_pool import KVLayout
+    from kvcellar.engine.native import lib
+
+    params = [name for name, _ in lib.signatures()["kvc_gemm_q8"].params]
+    assert params == ["w", "scales", "out", "cols", "xq", "xd", "rows", "y", "threads"]
+    with pytest.raises(TypeError, match="len"):
+        lib.call("kvc_crc32", buf=0, crc=0)
+    weight = quantize_int8(torch.randn(64, 64))
+    with pytest.raises(ValueError, match="activations"):
+        native.matmul_int8(torch.randn(2, 32), weight.qweight, weight.scales, 1)  # too few inputs
+    with pytest.raises(ValueError, match="scales"):
+        native.matmul_int8(torch.randn(2, 64), weight.qweight, weight.scales[:32], 1)  # scales of half the rows
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32)
+    pool = torch.zeros(3, *layout.storage_shape)
+    q = torch.randn(1, 2, 2, 32)
+    with pytest.raises(IndexError):
+        native.attend_kv(pool, layout, 2, torch.tensor([[0]]), torch.tensor([1]), q, 1.0)  # no layer 2
+    with pytest.raises(IndexError):
+        native.attend_kv(pool, layout, 0, torch.tensor([[5]]), torch.tensor([1]), q, 1.0)  # no block 5

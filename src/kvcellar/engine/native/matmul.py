@@ -43,8 +43,13 @@ def _check_activations(x: torch.Tensor, cols: int) -> None:
 def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` float32 ``[rows, cols]`` as 8-bit blocks: values (even inputs of a block first),
     scales, and scale x sum of the block's values."""
+    _check_activations(x, x.shape[1])
+    return _quantize(x, threads)
+
+
+def _quantize(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_activations`` of activations already checked."""
     rows, cols = x.shape
-    _check_activations(x, cols)
     x = x.contiguous()
     xq = torch.empty(rows, cols, dtype=torch.int8)
     xd = torch.empty(rows, cols // BLOCK)
@@ -78,8 +83,9 @@ def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, more: t
     for t in (weight, scales) if more is None else (weight, scales, more):
         if not t.is_contiguous() or t.is_cuda:
             raise ValueError("a quantized weight's tensors must be contiguous CPU tensors")
-        if t is not weight and (t.shape[0] != out or (t.dim() == 2 and t.shape[1] != cols // BLOCK)):
-            raise ValueError(f"scales {tuple(t.shape)} do not fit a weight of {out} rows and {cols} inputs")
+    shape = scales.shape
+    if shape[0] != out or (len(shape) == 2 and shape[1] != cols // BLOCK) or (more is not None and more.shape != shape):
+        raise ValueError(f"scales {tuple(shape)} do not fit a weight of {out} rows and {cols} inputs")
 
 
 def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
@@ -91,7 +97,7 @@ def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, of
     _check_weight(nibbles, scales, cols, offsets)
     _check_activations(x, cols)
     rows = x.shape[0]
-    xq, xd, xs = quantize_activations(x, threads)
+    xq, xd, xs = _quantize(x, threads)
     y = torch.empty(rows, out)
     lib.call(kernel or int4_kernel(rows, out), w=nibbles.data_ptr(), scales=scales.data_ptr(),
              offsets=offsets.data_ptr(), out=out, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
@@ -117,7 +123,7 @@ def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int
     _check_weight(weight, scales, cols)
     _check_activations(x, cols)
     out, rows = weight.shape[0], x.shape[0]
-    xq, xd, _ = quantize_activations(x, threads)
+    xq, xd, _ = _quantize(x, threads)
     y = torch.empty(rows, out)
     scale_name = "exps" if kernel == "kvc_gemm_mxfp4" else "scales"
     lib.call(kernel, w=weight.data_ptr(), **{scale_name: scales.data_ptr()}, out=out, cols=cols, xq=xq.data_ptr(),
@@ -208,7 +214,8 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
         raise ValueError("activations and expert groups do not match the experts' weights")
     if bool((starts[1:] < starts[:-1]).any()):
         raise ValueError("expert groups must be in order")
-    xq, xd, xs = quantize_activations(x, threads)
+    _check_activations(x, cols)
+    xq, xd, xs = _quantize(x, threads)
     y = torch.empty(rows, experts.out)
     args: dict[str, object] = {"w": experts.weights.data_ptr(), "starts": starts.data_ptr(), "experts": n_experts,
                                "out": experts.out, "cols": cols, "xq": xq.data_ptr(), "xd": xd.data_ptr(),
