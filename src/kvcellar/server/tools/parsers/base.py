@@ -330,6 +330,23 @@ class BlockParser(ToolParser):
 
     OPEN: ClassVar[str]
     CLOSE: ClassVar[str]
+    _state: str
+
+    def _after_call_or_block(self, state: str, final: bool) -> bool:
+        """The states every block family ends a block in: ``"close"`` (a call ended: its
+        ``CLOSE``, or the next ``OPEN``, leads back to content), ``"invalid"`` (the block's text
+        is content) or ``"swallow"`` (it is dropped) up to the block's end. False while more text
+        may decide."""
+        if state == "close":
+            after = self._next_after_call(final)
+            if after is None:
+                return False
+            self._state = after
+            return True
+        if not self._finish_block(keep_text=state == "invalid", final=final):
+            return False
+        self._state = "content"
+        return True
 
     def _next_after_call(self, final: bool) -> str | None:
         """After a call's end: its ``CLOSE`` (consumed) or the next ``OPEN`` leads back to

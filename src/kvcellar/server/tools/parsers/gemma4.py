@@ -153,15 +153,8 @@ class Gemma4Parser(BlockParser):
                 return True
             self._consume(1, hold=False)  # the closing brace
             self._state = "close"
-        elif state == "close":
-            after = self._next_after_call(final)
-            if after is None:
-                return False
-            self._state = after
-        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
-            if not self._finish_block(keep_text=state == "invalid", final=final):
-                return False
-            self._state = "content"
+        else:
+            return self._after_call_or_block(state, final)
         return True
 
     def _invalid(self) -> bool:

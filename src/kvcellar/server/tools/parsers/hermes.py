@@ -43,15 +43,8 @@ class HermesParser(BlockParser):
             if status is _Status.INVALID:
                 self._release_held()
             self._state = {_Status.DONE: "close", _Status.INVALID: "invalid", _Status.MALFORMED: "swallow"}[status]
-        elif state == "close":
-            after = self._next_after_call(final)
-            if after is None:
-                return False
-            self._state = after
-        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
-            if not self._finish_block(keep_text=state == "invalid", final=final):
-                return False
-            self._state = "content"
+        else:
+            return self._after_call_or_block(state, final)
         return True
 
     def _end(self) -> None:

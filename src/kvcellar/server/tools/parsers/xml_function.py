@@ -117,15 +117,8 @@ class XmlFunctionParser(BlockParser):
             if i < 0:  # the output ended inside the value
                 self._close_call()
             self._state = "parameters" if i >= 0 else "content"
-        elif state == "close":
-            after = self._next_after_call(final)
-            if after is None:
-                return False
-            self._state = after
-        else:  # "invalid" (the block's text is content) or "swallow" (it is dropped)
-            if not self._finish_block(keep_text=state == "invalid", final=final):
-                return False
-            self._state = "content"
+        else:
+            return self._after_call_or_block(state, final)
         return True
 
     def _tag(self, opening: str, final: bool, *, hold: bool, other: _Literal = _Literal.NO) -> str | None:
