@@ -259,6 +259,15 @@ def served_gpt_oss(weights: str = "auto") -> LoadedModel:
                             artifacts=ArtifactCache(shared_models_dir()))
 
 
+def served_file(path: Path, weights: str) -> LoadedModel:
+    """The model at ``path`` (a folder or a GGUF) loaded as a server loads it, in float32, through an
+    artifact cache of its own beside it (one per weights mode)."""
+    from kvcellar.artifacts.store import ArtifactCache
+
+    return prepare_and_load(str(path), dtype="float32", device=TEST_DEVICE, weights=weights,
+                            artifacts=ArtifactCache(path.parent / f"artifacts-{weights}"))
+
+
 def tiered(model: LoadedModel, root: Path, policy: str = "write_through", tier_config: Any = None,
            **overrides: Any) -> Engine:
     """An engine (``make_engine``) over an SSD tier at ``root`` (no free-space floor unless

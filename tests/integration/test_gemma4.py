@@ -22,7 +22,6 @@ from kvcellar.cache.kv_pool import KVLayout
 from kvcellar.engine.experts import Router, moe_blocks
 from kvcellar.engine.sampling import SamplingParams
 from tests._models import (
-    TEST_DEVICE,
     assert_identical_output,
     assert_same_output,
     chat_ids,
@@ -30,6 +29,7 @@ from tests._models import (
     make_engine,
     needs_native,
     reference_greedy,
+    served_file,
     tiered,
     uncached_runner,
 )
@@ -102,18 +102,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def load(folder: Path, weights: str) -> Any:
-    from kvcellar.artifacts.store import ArtifactCache
-    from kvcellar.runtime import prepare_and_load
-
-    return prepare_and_load(str(folder), dtype="float32", device=TEST_DEVICE, weights=weights,
-                            artifacts=ArtifactCache(folder.parent / f"artifacts-{weights}"))
-
-
 @pytest.mark.parametrize("weights", ["full", pytest.param("int4", marks=needs_native),
                                      pytest.param("int8", marks=needs_native)])
 def test_a_hit_gives_the_uncached_output_on_every_step_shape(folder: Path, weights: str) -> None:
-    loaded = load(folder, weights)
+    loaded = served_file(folder, weights)
     engine = make_engine(loaded, max_step_tokens=13, block_size=8)
     uncached = uncached_runner(loaded, PARAMS)
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS]
@@ -133,7 +125,7 @@ def test_a_hit_gives_the_uncached_output_on_every_step_shape(folder: Path, weigh
 
 @needs_native
 def test_8bit_kv_and_a_restart_from_ssd_give_the_uncached_bits(folder: Path, tmp_path: Path) -> None:
-    loaded = load(folder, "int8")
+    loaded = served_file(folder, "int8")
     prompt = chat_ids(loaded, QUESTIONS[2], SYSTEM)
     uncached = uncached_runner(loaded, PARAMS, kv_bits=8, kv_group_size=16)
     engine = make_engine(loaded, kv_bits=8, kv_group_size=16, max_step_tokens=13, block_size=8)
@@ -215,7 +207,7 @@ def test_a_gguf_serves_what_its_hf_folder_serves(gguf_pair: tuple[Any, Path, Pat
     names, gate and up fused) read back as the model: with ``--weights full`` transformers' own
     tokens and logprobs, quantized the same bits as the HF folder quantized."""
     model, gguf, folder = gguf_pair
-    served = load(gguf, weights)
+    served = served_file(gguf, weights)
     prompt = served.tokenizer("hello there, tell me a story about the old wizard and the dragon " * 2).input_ids
     engine = make_engine(served, max_step_tokens=16, block_size=8)
     got = engine.generate([prompt], PARAMS)[0]
@@ -226,7 +218,7 @@ def test_a_gguf_serves_what_its_hf_folder_serves(gguf_pair: tuple[Any, Path, Pat
         want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(list(got.logprobs)), want, rtol=0, atol=2e-4)
         return
-    engine = make_engine(load(folder, weights), max_step_tokens=16, block_size=8)
+    engine = make_engine(served_file(folder, weights), max_step_tokens=16, block_size=8)
     assert_identical_output(got, engine.generate([prompt], PARAMS)[0])
     engine.shutdown(10)
 
@@ -241,7 +233,7 @@ def test_a_quantized_gguf_under_auto_gives_the_uncached_bits(tmp_path: Path) -> 
         return "Q4_0" if "_exps" in name else "F32" if "ffn_gate_inp" in name else "Q8_0"
 
     model = gemma4(len(gguf_vocab()[0]), seed=12, **MOE)
-    loaded = load(write_gemma4_gguf(tmp_path / "q4_k_m.gguf", model, types), "auto")
+    loaded = served_file(write_gemma4_gguf(tmp_path / "q4_k_m.gguf", model, types), "auto")
     assert loaded.weights in ("int4", "int8")
     uncached = uncached_runner(loaded, PARAMS)
     prompt = loaded.tokenizer("a story about the old wizard and the dragon, and the knight " * 3).input_ids

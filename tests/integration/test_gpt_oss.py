@@ -20,7 +20,6 @@ from kvcellar.engine.attention import _attend_with_sinks
 from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.sampling import SamplingParams
 from tests._models import (
-    TEST_DEVICE,
     assert_identical_output,
     assert_same_output,
     chat_ids,
@@ -28,6 +27,7 @@ from tests._models import (
     make_engine,
     needs_native,
     reference_greedy,
+    served_file,
     uncached_runner,
 )
 
@@ -87,18 +87,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def load(folder: Path, weights: str) -> Any:
-    from kvcellar.artifacts.store import ArtifactCache
-    from kvcellar.runtime import prepare_and_load
-
-    return prepare_and_load(str(folder), dtype="float32", device=TEST_DEVICE, weights=weights,
-                            artifacts=ArtifactCache(folder.parent / f"artifacts-{weights}"))
-
-
 @pytest.mark.parametrize("weights", ["full", pytest.param("int4", marks=needs_native),
                                      pytest.param("int8", marks=needs_native)])
 def test_a_hit_gives_the_uncached_output_on_every_step_shape(folder: Path, weights: str) -> None:
-    loaded = load(folder, weights)
+    loaded = served_file(folder, weights)
     engine = make_engine(loaded, max_step_tokens=13, block_size=8)
     uncached = uncached_runner(loaded, PARAMS)
     prompts = [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS]

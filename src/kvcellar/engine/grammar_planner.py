@@ -50,11 +50,13 @@ class Planner:
         # float64: ties are broken toward lower ids (more frequent merges), deterministically.
         score = np.full(n, -np.inf)
         close = set(b'"]} ')
+        specials = []
         for i in range(n):
             raw = lltok.decode_bytes([i])
             if not raw:
                 continue
             if lltok.is_special_token(i):
+                specials.append(i)
                 value = -1e6  # only where the grammar names it (its markup is forced anyway)
             elif set(raw) <= close and raw.strip():
                 # Inside a string only a quote closes: the others would be content there.
@@ -68,16 +70,18 @@ class Planner:
         self.ranked = np.argsort(-score, kind="stable")[:RANKED]  # the best tokens, best first
         # Special tokens: where the grammar allows one beside text, it is markup that closes
         # something (Gemma 4's string delimiter), tried first.
-        self._specials = np.array([i for i in range(n) if lltok.is_special_token(i)], dtype=np.int64)
+        self._specials = np.array(specials, dtype=np.int64)
         self._lltok = lltok
         # fewest tokens first: where several fit, the shortest is the plan's
         self._endings = sorted((list(lltok.tokenize_bytes(text.encode())) for text in FORMAT_ENDINGS), key=len)
         self._markup = [list(lltok.tokenize_bytes(text.encode())) for text in MARKUP_ENDINGS]
         self.eos = [int(t) for t in getattr(lltok, "eos_tokens", None) or [lltok.eos_token]]
 
-    def choices(self, m: Any, k: int) -> list[int]:
-        """The ``k`` best allowed tokens in ``m``'s state, best first."""
-        bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
+    def choices(self, m: Any, k: int, bias: np.ndarray | None = None) -> list[int]:
+        """The ``k`` best allowed tokens in ``m``'s state (``bias``: its mask, where the caller
+        has it), best first."""
+        if bias is None:
+            bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
         top = self.ranked[bias[self.ranked] != 0][:k]  # cheap where most tokens are allowed (strings)
         if top.size == k:
             return cast(list[int], top.tolist())
@@ -105,9 +109,9 @@ class Planner:
             forced = m.compute_ff_tokens()
             if forced:
                 return [list(forced)]
-            picks = [[t] for t in self.choices(m, branch)]
+            bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
+            picks = [[t] for t in self.choices(m, branch, bias)]
             if self._specials.size:
-                bias = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)
                 specials = [[int(t)] for t in self._specials[self._specials < bias.size] if bias[t]]
                 if specials and len(specials) < len(picks) + 8:  # a few named ones, not "any token"
                     return specials + [p for p in picks if p not in specials]

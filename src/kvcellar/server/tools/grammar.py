@@ -220,32 +220,30 @@ def _auto_xml(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> Gra
         except InvalidRequestError as exc:
             log.warning("tool %r: its calls are kept well-formed markup only: %s", tool["function"]["name"], exc)
             relaxed.add(i)
-    lark = ("%llguidance {}\n"
-            "start: call* TEXT\n"
-            f"call: call_trigger {_lit(chr(10))} function {_lit('</tool_call>')}\n"
-            f"call_trigger[lazy]: TEXT {_lit('<tool_call>')}\n"
-            + _xml_functions(tools, frozenset(relaxed)) +
-            "TEXT: /(.|\\n)*/\n")
-    try:
-        return compiler.lark(lark, param="tools", description="tool_call_auto:xml_function", steer_to_end=False)
-    except InvalidRequestError as exc:
-        log.warning("tools: calls are parsed only, the grammar engine cannot combine their schemas: %s", exc)
-        return None
+    return _calls_in_text(compiler, "xml_function", "<tool_call>", "\n", _xml_functions(tools, frozenset(relaxed)),
+                          "</tool_call>")
 
 
 def _auto_gemma4(compiler: GrammarCompiler, tools: Sequence[dict[str, Any]]) -> Grammar | None:
     """Gemma 4 calls among free text, where its markup is plain text."""
-    rules = gemma4_syntax.Gemma4Rules()
+    return _calls_in_text(compiler, "gemma4", gemma4_syntax.OPEN, "call:", gemma4_syntax.Gemma4Rules().functions(tools),
+                          gemma4_syntax.CLOSE)
+
+
+def _calls_in_text(compiler: GrammarCompiler, family: str, trigger: str, head: str, functions: str,
+                   close: str) -> Grammar | None:
+    """Free text in which ``trigger`` (wherever it appears) starts a call: ``head``, the
+    ``function`` rule of ``functions``, then ``close``; None where the engine cannot compile it."""
     lark = ("%llguidance {}\n"
             "start: call* TEXT\n"
-            f"call: call_trigger {_lit('call:')} function {_lit(gemma4_syntax.CLOSE)}\n"
-            f"call_trigger[lazy]: TEXT {_lit(gemma4_syntax.OPEN)}\n"
-            + rules.functions(tools) +
+            f"call: call_trigger {_lit(head)} function {_lit(close)}\n"
+            f"call_trigger[lazy]: TEXT {_lit(trigger)}\n"
+            + functions +
             "TEXT: /(.|\\n)*/\n")
     try:
-        return compiler.lark(lark, param="tools", description="tool_call_auto:gemma4", steer_to_end=False)
+        return compiler.lark(lark, param="tools", description=f"tool_call_auto:{family}", steer_to_end=False)
     except InvalidRequestError as exc:
-        log.warning("tools: calls are parsed only, the grammar engine cannot compile them: %s", exc)
+        log.warning("tools: calls are parsed only, the grammar engine cannot combine their schemas: %s", exc)
         return None
 
 
