@@ -111,11 +111,11 @@ def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> 
 
 
 def assert_generates_like_reference(reference: Any, loaded: LoadedModel, prompt: Sequence[int],
-                                    params: SamplingParams, atol: float = 2e-4) -> None:
-    """``loaded`` served by an engine gives transformers' own greedy tokens of ``reference`` and
-    their logprobs within ``atol``."""
+                                    params: SamplingParams, atol: float = 2e-4, chunk: int = 512) -> None:
+    """``loaded`` served by an engine (prefill chunks of ``chunk`` tokens) gives transformers' own
+    greedy tokens of ``reference`` and their logprobs within ``atol``."""
     tokens, logprobs = reference_greedy(reference, prompt, params.max_tokens)
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, max_step_tokens=chunk)
     result = engine.generate([list(prompt)], params)[0]
     assert result.token_ids == tokens
     want = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
@@ -367,3 +367,5 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not sched.running and not sched.waiting
     assert not sched.cache.busy()  # no load, prefetch or cancelled load still reading
     assert not sched.cache._computing
+    states = sched.cache.states  # a hybrid model's recurrent-state slots: every one back
+    assert states is None or states.num_free == states.slots

@@ -25,6 +25,7 @@ class CachedSequence(Protocol):
     pending_load: PendingLoad | None
     prefetch_checked: bool
     prefetched: dict[bytes, str]
+    state_slot: int | None
 
     @property
     def num_tokens(self) -> int: ...

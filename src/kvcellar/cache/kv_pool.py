@@ -132,12 +132,19 @@ class KVLayout:
                           kv_group_size: int = DEFAULT_KV_GROUP_SIZE) -> KVLayout:
         text = getattr(config, "get_text_config", lambda: config)()
         shapes = layer_shapes(text)
+        layers = attention_layers(text)
         if len(set(shapes)) > 1:  # the regions sized for the widest layer
             kv_heads, head_dim = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
-            return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size,
-                       tuple(shapes))
+            return cls(layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size, tuple(shapes))
         kv_heads, head_dim = shapes[0]
-        return cls(text.num_hidden_layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size)
+        return cls(layers, kv_heads, head_dim, block_size, dtype, kv_bits, kv_group_size)
+
+
+def attention_layers(text: Any) -> int:
+    """The layers that keep KV: all, but for a hybrid model's linear-attention layers (their
+    state is ``cache/state_pool.py``'s), which the pool leaves out."""
+    types = getattr(text, "layer_types", None) or ()
+    return int(text.num_hidden_layers) - sum(1 for t in types if t == "linear_attention")
 
 
 def layer_shapes(text: Any) -> list[tuple[int, int]]:

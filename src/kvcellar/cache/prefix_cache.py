@@ -26,6 +26,8 @@ manager. Its verbs, all in the block vocabulary of one sequence:
   and generated blocks alike) for reuse.
 * ``grow``/``missing``: blocks for the next decode token; ``release``: a sequence is done
   with its blocks (finished, cancelled, preempted: its published blocks stay cached).
+* Hybrid models (``states``): an admitted sequence also holds a recurrent-state slot
+  (``cache/state_pool.py``), zeroed, which ``release`` takes back.
 * ``prefetch``: reads for sequences that still wait, within a cap (``cache/prefetch.py``).
 
 What it keeps of each sequence is the counters documented on ``engine.sequence.Sequence``
@@ -52,6 +54,7 @@ from kvcellar.cache.prefetch import Prefetcher
 from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
+    from kvcellar.cache.state_pool import StatePool
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
 
 
@@ -89,8 +92,10 @@ class PrefixCache(Generic[S]):
         copy_block: Callable[[int, int], None] | None = None,
         prefetch_pool_fraction: float = 0.25,
         prefetch_max_reads: int = 4,
+        states: StatePool | None = None,
     ) -> None:
         self.bm = blocks
+        self.states = states  # hybrid models: a recurrent-state slot per admitted sequence
         self.block_size = blocks.block_size
         self.enabled = enabled  # off: no reuse at all (comparisons and tests)
         self.lower = lower  # the tiers below RAM (maybe none)
@@ -153,6 +158,8 @@ class PrefixCache(Generic[S]):
             self.lower.touch(digests[:len(held)])
         seq.hit_tiers = [self._tier_of_hit(seq, b) for b in held]
         seq.blocks = hits + self.bm.allocate(need)
+        if self.states is not None:
+            seq.state_slot = self.states.acquire()
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
         if cow is not None:
@@ -283,6 +290,9 @@ class PrefixCache(Generic[S]):
         seq.blocks = []
         seq.num_computed = 0
         seq.num_registered = 0
+        if seq.state_slot is not None and self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def forget(self, seq: S) -> None:
         """``seq`` is gone (finished or cancelled): release it; a prefetch read of its

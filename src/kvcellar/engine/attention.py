@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvcellar.cache.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from kvcellar.engine.deltanet import RecurrentStep
 
 ATTENTION_NAME = "kvcellar_paged"  # must not start with "paged|": the registry strips that prefix
 # Spans up to this many queries fold GQA groups into query rows: bf16 SDPA with enable_gqa
@@ -87,6 +90,8 @@ class StepMeta:
     # Names of the attention code paths this step ran (recorded by layer 0): the runner counts
     # paths a request runs for the first time, which warm-up exists to make zero.
     paths: set[str] = field(default_factory=set)
+    # Hybrid models: the recurrent-state slots the step's rows continue (``engine/deltanet.py``).
+    recurrent: RecurrentStep | None = None
 
     def span_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """Bottom-right causal (and sliding-window) mask of span ``i``; None when plain causal."""

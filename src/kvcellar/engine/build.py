@@ -17,6 +17,7 @@ import torch
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.kv_pool import KVLayout, KVPool
 from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
+from kvcellar.cache.state_pool import StateLayout, StatePool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine import native
 from kvcellar.engine.config import EngineConfig
@@ -53,9 +54,14 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     lower = LowerTierLink(pool, blocks.key, wake=wake.set)
     # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
     blocks.on_evict = lower.evicted
-    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block)
+    state_layout = StateLayout.from_model_config(loaded.model.config)
+    states = StatePool(state_layout, cfg.max_num_seqs, loaded.device) if state_layout is not None else None
+    if states is not None and cfg.prefix_caching:
+        log.warning("%s has linear-attention layers: its prompts are not cached yet (their recurrent states "
+                    "are not snapshotted)", loaded.name)
+    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states)
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
-                         kernel_dtype=loaded.kernel_dtype)
+                         kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
     descriptor = kv_descriptor(

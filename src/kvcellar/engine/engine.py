@@ -407,9 +407,11 @@ class Engine:
         """The batch's forward raised: run each sequence's part alone to find the ones that
         fail by themselves (a shape or input only they have), fail those, and return the
         plan of the others (whose forward is run again, batched: the KV it rewrites is the
-        same). A single sequence that fails is the culprit without a second try."""
-        if len(plan.items) == 1:
-            self._step_failed(exc, [plan.items[0].seq])
+        same). A single sequence that fails is the culprit without a second try. A hybrid
+        model's sequences all fail: the forward may have advanced some of their recurrent
+        states already (a KV write is redone the same; a state update is not)."""
+        if len(plan.items) == 1 or self.runner.states is not None:
+            self._step_failed(exc, [item.seq for item in plan.items])
             return StepPlan([], [])
         keep: list[Scheduled] = []
         for item in plan.items:

@@ -10,8 +10,9 @@ Python per step. The linears are those ``engine/linears.py`` prepared (prepacked
 QKV and gate-up fused into one call each: the module path calls the same fused linear and
 slices it, so both paths still give the same numbers).
 
-Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), and Gemma 4
-(its own walk, ``engine/lean_gemma4.py``). The first ones' decoder layer is norm -> attention ->
+Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), Gemma 4
+(its own walk, ``engine/lean_gemma4.py``) and the hybrid Qwen3.5 (``engine/lean_qwen35.py``,
+the only path that runs it). The first ones' decoder layer is norm -> attention ->
 residual -> norm -> gated MLP or routed experts -> residual (Qwen3's attention normalizes each
 query and key head before RoPE; gpt-oss's has a sink per head and its norms multiply by the
 weight before rounding). Anything else, or a model whose parts differ from what this file
@@ -32,6 +33,8 @@ from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
 from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
+from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
+from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
 from kvcellar.engine.linears import FusedPart
 from kvcellar.engine.linears import call_of as _linear
 
@@ -138,11 +141,13 @@ def _router(mlp: Any) -> Router | None:
     return router if isinstance(router, Router) else None
 
 
-def lean_forward_for(model: Any) -> LeanForward | Gemma4Forward | None:
-    """A ``LeanForward`` (or Gemma 4's walk) over ``model``, or None if its architecture is not
-    one reproduced exactly."""
+def lean_forward_for(model: Any) -> LeanForward | Gemma4Forward | Qwen35Forward | None:
+    """A ``LeanForward`` (or Gemma 4's or Qwen3.5's walk) over ``model``, or None if its
+    architecture is not one reproduced exactly."""
     if type(model).__name__ in GEMMA4_CAUSAL_LMS:
         return gemma4_forward_for(model)
+    if type(model).__name__ in QWEN35_CAUSAL_LMS:
+        return qwen35_forward_for(model)
     layer_class = SUPPORTED.get(type(model).__name__)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -21,8 +21,11 @@ import torch
 
 from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
+from kvcellar.cache.state_pool import StatePool
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
+from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
+from kvcellar.engine.lean_qwen35 import is_hybrid
 from kvcellar.engine.linears import prepare_model
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.quantization import QuantizedWeight
@@ -42,20 +45,34 @@ class RunnerStats(Stats):
     decode_threads: int = gauge()
 
 
+def _slot(seq: Any) -> int:
+    if seq.state_slot is None:
+        raise RuntimeError(f"sequence {seq.seq_id} runs without a recurrent-state slot")
+    slot: int = seq.state_slot
+    return slot
+
+
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
-                 quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None
-                 ) -> None:
+                 quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None,
+                 states: StatePool | None = None) -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
         logits with less Python per step), others through transformers' modules. The model's
         linears are prepared once (``engine/linears.py``: prepacked, fused for the lean
         forward, ``quantized`` ones with their kernels, on ``kernel_dtype`` activations where
-        given); other runners over the same model object share that."""
+        given); other runners over the same model object share that. ``states``: a hybrid
+        model's recurrent-state pool (its walk is its only path, lean or not)."""
         self.model = model
         self.pool = pool
+        self.states = states
+        hybrid = is_hybrid(model)
+        if hybrid and states is None:
+            raise ValueError("a hybrid model needs a recurrent-state pool")
         self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else (),
                                      kernel_dtype=kernel_dtype)
-        self.lean = lean_forward_for(model) if lean else None
+        self.lean = lean_forward_for(model) if lean or hybrid else None
+        if hybrid and self.lean is None:
+            raise ValueError(f"kvcellar has no forward for the hybrid model {type(model).__name__}")
         self.forward = self.lean or module_forward(model)
         self.device = pool.device
         self.block_size = pool.layout.block_size
@@ -111,6 +128,11 @@ class ModelRunner:
                 slot_blocks.append(seq_blocks[pos // bs])
 
         decode = None
+        recurrent = None
+        if self.states is not None:
+            recurrent = RecurrentStep(self.states, None, [])
+            if plan.decodes:
+                recurrent.decode_slots = self._tensor([_slot(item.seq) for item in plan.decodes])
         if plan.decodes:
             tables: list[list[int]] = []
             contexts: list[int] = []
@@ -142,6 +164,8 @@ class ModelRunner:
             if item.sample:
                 keep.append(len(ids) - 1)
             spans.append(PrefillSpan(start_idx, item.length, context, self._tensor(table).view(1, -1)))
+            if recurrent is not None:
+                recurrent.spans.append((start_idx, item.length, _slot(seq)))
 
         pos_t = self._tensor(positions)
         meta = StepMeta(
@@ -151,6 +175,7 @@ class ModelRunner:
             decode=decode,
             prefills=spans,
             attend_threads=self.threads,
+            recurrent=recurrent,
         )
         inputs = {
             "input_ids": self._tensor(ids).view(1, -1),

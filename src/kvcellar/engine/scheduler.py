@@ -34,6 +34,7 @@ from typing import ClassVar
 
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.prefix_cache import Admission, PrefixCache
+from kvcellar.cache.state_pool import StatePool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
@@ -70,7 +71,10 @@ class SchedulerStats(Stats):
 
 
 class Scheduler:
-    """``config``: the engine's; its batch bounds, budgets and prefetch limits are read here."""
+    """``config``: the engine's; its batch bounds, budgets and prefetch limits are read here.
+    ``states``: a hybrid model's recurrent-state pool, one slot per admitted sequence. Until
+    states are snapshotted at block boundaries such a model reuses no prefix: its KV blocks
+    alone cannot resume a sequence."""
 
     def __init__(
         self,
@@ -78,6 +82,7 @@ class Scheduler:
         lower: LowerTierLink,
         config: EngineConfig,
         copy_block: Callable[[int, int], None] | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_step_tokens = config.max_step_tokens
@@ -89,8 +94,9 @@ class Scheduler:
         # if an exception escapes; None between sequences.
         self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
-            blocks, lower, enabled=config.prefix_caching, copy_block=copy_block,
-            prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads)
+            blocks, lower, enabled=config.prefix_caching and states is None, copy_block=copy_block,
+            prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads,
+            states=states)
 
     @property
     def loading(self) -> list[Sequence]:

@@ -158,6 +158,7 @@ class Sequence:
     finish_reason: str | None = None
     pending_load: PendingLoad | None = None  # lower-tier load in flight
     prefetch_checked: bool = False  # looked up for a prefetch during this wait (cache/prefetch.py)
+    state_slot: int | None = None  # hybrid models: its recurrent-state slot while admitted (cache/state_pool.py)
     prefetched: dict[bytes, str] = field(default_factory=dict)  # digest -> tier, blocks prefetched for it
     _digests: list[bytes] = field(default_factory=list)
 

@@ -1,0 +1,134 @@
+"""The forward of the hybrid Qwen3.5/3.6 text models (``Qwen3_5ForCausalLM``): three Gated
+DeltaNet layers (``engine/deltanet.py``) to one gated full-attention layer, walked op for op
+over transformers' weights.
+
+transformers' own modules cannot run a packed step: their linear attention keeps its state in
+a ``Cache`` object per batch row and computes prompts in 64-token chunks. This walk is the
+only path these models take (``lean_forward = false`` does not apply to them). Its attention
+layers are transformers' (the query projection holds each head's query and output gate side
+by side; query and key heads RMS-normalized, partial RoPE) over the paged KV pool, which holds
+only these layers (pool layer ``i``: the ``i``-th attention layer); the linear-attention
+layers continue each sequence's recurrent state (``cache/state_pool.py``). Every RMS norm is
+the zero-centred one, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcellar.engine.attention import StepMeta, paged_attention
+from kvcellar.engine.deltanet import GatedDeltaNet, rowwise
+from kvcellar.engine.linears import call_of as _linear
+
+CAUSAL_LMS = frozenset({"Qwen3_5ForCausalLM"})
+
+
+def is_hybrid(model: Any) -> bool:
+    """A model with linear-attention layers (they need the state pool and this walk)."""
+    text = model.config.get_text_config()
+    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+@dataclass(frozen=True)
+class _PoolLayer:
+    layer_idx: int  # what ``paged_attention`` reads: the layer's place in the KV pool
+
+
+def _zero_centred_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' ``Qwen3_5RMSNorm``, op for op."""
+    weight, eps = module.weight, float(module.eps)
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out: torch.Tensor = (h * (1.0 + weight.float())).type_as(x)
+        return out
+
+    return norm
+
+
+class _Attention:
+    def __init__(self, attn: Any, index: int) -> None:
+        self.pool_layer = _PoolLayer(index)
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.q, self.k, self.v, self.o = (_linear(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.q_norm, self.k_norm = _zero_centred_norm(attn.q_norm), _zero_centred_norm(attn.k_norm)
+
+
+class _Layer:
+    def __init__(self, layer: Any, mixer: _Attention | GatedDeltaNet) -> None:
+        self.mixer = mixer
+        mlp = layer.mlp
+        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        self.input_norm = _zero_centred_norm(layer.input_layernorm)
+        self.post_norm = _zero_centred_norm(layer.post_attention_layernorm)
+
+
+def qwen35_forward_for(model: Any) -> Qwen35Forward | None:
+    """The walk over ``model``, or None if it is not a Qwen3.5 text model this file knows."""
+    if type(model).__name__ not in CAUSAL_LMS:
+        return None
+    layers = model.model.layers
+    rope = getattr(sys.modules[type(layers[0]).__module__], "apply_rotary_pos_emb", None)
+    if rope is None or len(layers) != model.config.num_hidden_layers:
+        return None
+    return Qwen35Forward(model, rope)
+
+
+class Qwen35Forward:
+    def __init__(self, model: Any, rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        inner = model.model
+        self.embed: Callable[[torch.Tensor], torch.Tensor] = inner.embed_tokens
+        self.rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = inner.rotary_emb
+        self.rope = rope
+        self.layers: list[_Layer] = []
+        attention = linear = 0
+        for layer in inner.layers:
+            mixer: _Attention | GatedDeltaNet
+            if hasattr(layer, "linear_attn"):
+                mixer, linear = GatedDeltaNet(layer.linear_attn, linear, _linear), linear + 1
+            else:
+                mixer, attention = _Attention(layer.self_attn, attention), attention + 1
+            self.layers.append(_Layer(layer, mixer))
+        self.norm = _zero_centred_norm(inner.norm)
+        self.lm_head = _linear(model.lm_head)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                 meta: StepMeta) -> torch.Tensor:
+        """Logits ``[1, len(logits_to_keep), vocab]`` of the packed step (``ModelRunner.build``)."""
+        if meta.recurrent is None:
+            raise RuntimeError("a hybrid model's step needs its recurrent-state slots (StepMeta.recurrent)")
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, position_ids)
+        lead = h.shape[:-1]
+        for layer in self.layers:
+            x = layer.input_norm(h)
+            mixer = layer.mixer
+            if isinstance(mixer, GatedDeltaNet):
+                h = h + mixer(x, meta.recurrent)
+            else:
+                h = h + self._attend(mixer, x, cos, sin, meta, lead)
+            x = layer.post_norm(h)
+            h = h + layer.down(rowwise(layer.act, layer.gate(x)) * layer.up(x))
+        h = self.norm(h)
+        return self.lm_head(h[:, logits_to_keep, :])
+
+    def _attend(self, attn: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepMeta,
+                lead: torch.Size) -> torch.Tensor:
+        shape = (*lead, -1, attn.head_dim)
+        q, gate = torch.chunk(attn.q(x).view(*lead, -1, attn.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*lead, -1)
+        q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
+        k = attn.k_norm(attn.k(x).view(shape)).transpose(1, 2)
+        v = attn.v(x).view(shape).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        o, _ = paged_attention(attn.pool_layer, q, k, v, None, scaling=attn.scaling, kvcellar_meta=meta)
+        o = o.reshape(*lead, -1).contiguous()
+        return attn.o(o * rowwise(torch.sigmoid, gate))
