@@ -367,5 +367,5 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not sched.running and not sched.waiting
     assert not sched.cache.busy()  # no load, prefetch or cancelled load still reading
     assert not sched.cache._computing
-    states = sched.cache.states  # a hybrid model's recurrent-state slots: every one back
-    assert states is None or states.num_free == states.slots
+    states = sched.cache.states  # a hybrid model's recurrent-state slots: none held by a sequence
+    assert states is None or states.num_held == 0

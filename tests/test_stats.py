@@ -107,6 +107,7 @@ def test_stats_of_different_owners_never_share_a_name(tmp_path) -> None:
     from kvcellar.cache.block_manager import BlockLevels, BlockStats
     from kvcellar.cache.prefetch import PrefetchStats
     from kvcellar.cache.prefix_cache import PrefixCacheStats
+    from kvcellar.cache.state_pool import StateStats
     from kvcellar.cache.tiering import LinkStats
     from kvcellar.engine.model_runner import RunnerStats
     from kvcellar.engine.observability import EngineLevels
@@ -127,7 +128,7 @@ def test_stats_of_different_owners_never_share_a_name(tmp_path) -> None:
     defined = {f"{c.__module__}.{c.__qualname__}" for c in _subclasses(Stats) if c.__module__.startswith("kvcellar.")}
 
     fixed: list[type[Stats]] = [EngineStats, EngineLevels, SchedulerStats, PrefixCacheStats, PrefetchStats,
-                                RunnerStats, BlockStats, BlockLevels, ServerStats, InflightLevels]
+                                RunnerStats, BlockStats, BlockLevels, ServerStats, InflightLevels, StateStats]
     names: dict[str, set[str]] = {c.__qualname__: set(c().as_dict()) for c in fixed}
     disk = DiskTier(tmp_path / "kv", "ns", SPEC, DiskConfig(min_free_bytes=0))
     remote = RemoteTier("redis://127.0.0.1:1", "ns", SPEC, RemoteConfig(timeout_s=0.05))

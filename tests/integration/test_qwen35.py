@@ -4,11 +4,14 @@ to one gated full-attention layer.
 kvcellar runs them through its own walk (``engine/lean_qwen35.py``): the attention layers over
 the paged KV pool (which holds only them), the linear-attention layers a token at a time over
 each sequence's recurrent state (``engine/deltanet.py``, in ``cache/state_pool.py``'s slots).
-Checked here: greedy tokens and logprobs against transformers' own ``generate`` (which computes
-prompts in chunks), a token's bits independent of the step it runs in (chunk sizes, batches,
-preemption, 8-bit KV) under the native kernels, a model from a HF folder, every state slot given
-back, and a failed step. Until states are snapshotted these models reuse no prefix: a second
-identical prompt is computed again, and says so (``cached_tokens`` 0)."""
+A cached prefix resumes from a snapshot of the state at a block boundary (where a prompt's
+prefill ended, where a generation ended, every N blocks). Checked here: greedy tokens and
+logprobs against transformers' own ``generate`` (which computes prompts in chunks); under the
+native kernels, cached runs equal to the bit the uncached engine's (the same prompt again, a
+batch holding one prompt twice, chunk sizes, the next turn of a conversation, a preempted
+sequence resuming from its own snapshot, 8-bit KV); a chain whose last snapshot is gone resumes
+from the one before, or from nothing; a model from a HF folder, multimodal included; every
+state slot given back; a failed step keeps no checkpoint it half wrote."""
 
 from __future__ import annotations
 
@@ -77,36 +80,98 @@ def test_the_engine_generates_what_transformers_generates(chunk):
     assert_generates_like_reference(loaded.model, loaded, prompt, PARAMS, chunk=chunk)
 
 
-def test_the_pool_holds_only_the_attention_layers_and_a_state_per_sequence():
-    engine = make_engine(tiny(), max_num_seqs=3)
+def test_the_pool_holds_only_the_attention_layers_and_two_states_per_sequence():
+    engine = make_engine(tiny(), max_num_seqs=3, state_snapshots=5)
     assert engine.layout.num_layers == 1
     states = engine.scheduler.cache.states
-    assert states is not None and states.slots == 3 and states.layout.num_layers == 3
+    assert states is not None and states.slots == 2 * 3 + 5 and states.layout.num_layers == 3
     assert states.layout.heads == 4 and states.layout.conv_channels == 2 * 64 + 128
-    results = engine.generate(prompts(tiny()) * 2, PARAMS)  # six sequences through three slots
+    results = engine.generate(prompts(tiny()) * 2, PARAMS)  # six sequences, three at a time
     assert len(results) == 6 and results[0].token_ids == results[3].token_ids
+    assert states.stats.snapshots <= 5
     assert_no_leaks(engine)
     engine.shutdown(10)
 
 
+def resumable(prompt_tokens: int, block_size: int = 16) -> int:
+    """Tokens a prompt seen before resumes after: its last block boundary before its last token."""
+    return (prompt_tokens - 1) // block_size * block_size
+
+
 @needs_native
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_every_step_shape_gives_the_uncached_bits(weights):
+def test_every_step_shape_and_hit_gives_the_uncached_bits(weights):
     loaded = served_file(folder(), weights)
     assert loaded.weights == weights and type(loaded.model).__name__ == "Qwen3_5ForCausalLM"
     uncached = uncached_runner(loaded, PARAMS)
     asked = prompts(loaded)
     for chunk in (13, 64):
         engine = make_engine(loaded, max_step_tokens=chunk)
-        for _ in range(2):  # the same prompt again is computed again (no snapshots yet), to the bit
-            got = engine.generate([asked[0]], PARAMS)[0]
-            assert got.num_cached_tokens == 0
-            assert_identical_output(got, uncached(asked[0]))
-        batch = [asked[1], asked[2], asked[2]]  # a batch of prompts of other lengths; one twice
-        for got, prompt in zip(engine.generate(batch, PARAMS), batch, strict=True):
+        cold = engine.generate([asked[0]], PARAMS)[0]
+        assert cold.num_cached_tokens == 0
+        assert_identical_output(cold, uncached(asked[0]))
+        again = engine.generate([asked[0]], PARAMS)[0]  # from the snapshot where its prefill ended
+        assert again.num_cached_tokens == resumable(len(asked[0]))
+        assert_identical_output(again, uncached(asked[0]))
+        batch = [asked[1], asked[2], asked[2]]  # the shared system prompt's blocks; one prompt twice
+        results = engine.generate(batch, PARAMS)
+        for got, prompt in zip(results, batch, strict=True):
             assert_identical_output(got, uncached(prompt))
+        assert results[2].num_cached_tokens == resumable(len(asked[2]))
         assert_no_leaks(engine)
         engine.shutdown(10)
+
+
+@needs_native
+def test_the_next_turn_resumes_where_the_reply_ended():
+    loaded = served_file(folder(), "int8")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    uncached = uncached_runner(loaded, params)
+    engine = make_engine(loaded, max_step_tokens=64)
+    first = prompts(loaded)[0]
+    reply = engine.generate([first], params)[0]
+    computed = len(first) + len(reply.token_ids) - 1  # the last sampled token is never fed
+    turn = first + reply.token_ids + chat_ids(loaded, "And the one after it?")[1:]
+    got = engine.generate([turn], params)[0]
+    assert got.num_cached_tokens == computed // 16 * 16 > len(first)
+    assert_identical_output(got, uncached(turn))
+    stats = engine.scheduler.cache.states.stats
+    assert stats.snapshots_loaded == 1 and stats.resume_distance_tokens == 0
+    engine.shutdown(10)
+
+
+@needs_native
+def test_a_chain_without_its_last_snapshot_resumes_from_the_one_before():
+    loaded = served_file(folder(), "int8")
+    uncached = uncached_runner(loaded, PARAMS)
+    prompt = prompts(loaded)[0]
+    engine = make_engine(loaded, max_step_tokens=48, snapshot_every_blocks=2, state_snapshots=2)
+    assert len(prompt) > 3 * 32
+    engine.generate([prompt], PARAMS)
+    states = engine.scheduler.cache.states
+    assert states.stats.snapshots == 2  # the end of the prompt's prefill and the end of the generation
+    engine.generate([chat_ids(loaded, "Something else entirely.")], PARAMS)  # evicts both
+    got = engine.generate([prompt], PARAMS)[0]
+    assert got.num_cached_tokens == 0 and states.stats.snapshots_missed == 1
+    assert_identical_output(got, uncached(prompt))
+    # now with a snapshot every 2 blocks kept (the prompt's prefill crossed 32-token boundaries
+    # in 48-token steps) and the last one dropped
+    engine = make_engine(loaded, max_step_tokens=48, snapshot_every_blocks=2, state_snapshots=16)
+    engine.generate([prompt], PARAMS)
+    states = engine.scheduler.cache.states
+    kept = sorted(snap.tokens for snap in states._stored.values())
+    last = max(t for t in kept if t <= resumable(len(prompt)))
+    for key, snap in list(states._stored.items()):
+        if snap.tokens >= last:
+            del states._stored[key]
+            states.release(snap.slot)
+    got = engine.generate([prompt], PARAMS)[0]
+    earlier = max(t for t in kept if t < last)
+    assert got.num_cached_tokens == earlier
+    assert states.stats.resume_distance_tokens == resumable(len(prompt)) - earlier
+    assert_identical_output(got, uncached(prompt))
+    assert_no_leaks(engine)
+    engine.shutdown(10)
 
 
 @needs_native
@@ -117,25 +182,28 @@ def test_preemption_and_8bit_kv_give_the_uncached_bits():
     roomy = make_engine(loaded, block_size=8).generate(asked, params)
     tight = make_engine(loaded, kv_cache_blocks=30, block_size=8)
     for got, want in zip(tight.generate(asked, params), roomy, strict=True):
-        assert_identical_output(got, want)  # a preempted sequence starts its state again
+        assert_identical_output(got, want)  # a preempted sequence resumes from its own snapshot
     assert tight.scheduler.stats.preemptions > 0
+    assert tight.scheduler.cache.states.stats.snapshots_loaded > 0
     assert_no_leaks(tight)
     tight.shutdown(10)
     uncached = uncached_runner(loaded, PARAMS, kv_bits=8, kv_group_size=32)
     engine = make_engine(loaded, kv_bits=8, kv_group_size=32, max_step_tokens=64)
     prompt = prompts(loaded)[0]
-    assert_identical_output(engine.generate([prompt], PARAMS)[0], uncached(prompt))
+    for _ in range(2):  # cold, then from the snapshot over 8-bit blocks
+        assert_identical_output(engine.generate([prompt], PARAMS)[0], uncached(prompt))
     engine.shutdown(10)
 
 
 class FailingOnce(ModelRunner):
-    """The real runner, whose first forward of a batch of two or more raises half-way through
-    (after its first layers advanced the recurrent states)."""
+    """The real runner, whose first forward of a sequence's second prefill chunk raises half-way
+    through: after its linear-attention layers advanced the state and wrote the chunk's block
+    boundary into the checkpoint, which held the first chunk's boundary."""
 
     failed = False
 
     def run(self, plan: StepPlan) -> Any:
-        if self.failed or len(plan.items) < 2:
+        if self.failed or not any(item.start > 0 for item in plan.items):
             return super().run(plan)
         self.failed = True
         layers = self.lean.layers  # type: ignore[union-attr]
@@ -151,18 +219,20 @@ class FailingOnce(ModelRunner):
             layers[-1].down = last
 
 
-def test_a_failed_step_fails_its_sequences_and_the_next_requests_are_exact():
+def test_a_failed_step_fails_its_sequences_and_keeps_no_checkpoint_it_wrote():
     loaded = tiny()
-    asked = prompts(loaded)
-    engine = make_engine(loaded, max_step_tokens=64)
+    prompt = prompts(loaded)[0]
+    engine = make_engine(loaded, max_step_tokens=40)
     engine.runner.__class__ = FailingOnce
-    handles = [engine.submit(p, PARAMS) for p in asked[:2]]
+    handle = engine.submit(prompt, PARAMS)
     engine.run_until_idle()
-    assert all(engine.collect(h).finish_reason == "error" for h in handles)
+    assert engine.collect(handle).finish_reason == "error"
+    states = engine.scheduler.cache.states
+    assert states.stats.snapshots == 0  # the checkpoint after 32 tokens was half overwritten
     assert_no_leaks(engine)
-    uncached = uncached_runner(loaded, PARAMS)
-    for got, prompt in zip(engine.generate(asked[:2], PARAMS), asked[:2], strict=True):
-        assert got.token_ids == uncached(prompt).token_ids
+    got = engine.generate([prompt], PARAMS)[0]
+    assert got.num_cached_tokens == 0
+    assert got.token_ids == uncached_runner(loaded, PARAMS)(prompt).token_ids
     engine.shutdown(10)
 
 

@@ -26,6 +26,9 @@ class CachedSequence(Protocol):
     prefetch_checked: bool
     prefetched: dict[bytes, str]
     state_slot: int | None
+    checkpoint_slot: int | None
+    checkpoint_tokens: int
+    num_prompt_tokens: int
 
     @property
     def num_tokens(self) -> int: ...

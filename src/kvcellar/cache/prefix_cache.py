@@ -26,8 +26,14 @@ manager. Its verbs, all in the block vocabulary of one sequence:
   and generated blocks alike) for reuse.
 * ``grow``/``missing``: blocks for the next decode token; ``release``: a sequence is done
   with its blocks (finished, cancelled, preempted: its published blocks stay cached).
-* Hybrid models (``states``): an admitted sequence also holds a recurrent-state slot
-  (``cache/state_pool.py``), zeroed, which ``release`` takes back.
+* Hybrid models (``states``, ``cache/state_pool.py``): an admitted sequence also holds a
+  live recurrent-state slot and a checkpoint slot. Its cached blocks are reusable only up to a
+  boundary where a snapshot of the state was kept: ``admit`` resumes from the longest such
+  prefix (restoring the snapshot into the live slot; the blocks after it are computed again),
+  ``commit`` records the boundary the step checkpointed and keeps the checkpoint as a snapshot
+  when the prompt is done and every ``snapshot_every_blocks`` blocks, ``release`` keeps the
+  last one (where a generation ended). Lower tiers hold no snapshots yet: these models read
+  nothing from them.
 * ``prefetch``: reads for sequences that still wait, within a cap (``cache/prefetch.py``).
 
 What it keeps of each sequence is the counters documented on ``engine.sequence.Sequence``
@@ -51,10 +57,11 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.cache.cached_sequence import CachedSequence
 from kvcellar.cache.prefetch import Prefetcher
+from kvcellar.cache.state_pool import capture_point
 from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
-    from kvcellar.cache.state_pool import StatePool
+    from kvcellar.cache.state_pool import Snapshot, StatePool
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
 
 
@@ -93,9 +100,11 @@ class PrefixCache(Generic[S]):
         prefetch_pool_fraction: float = 0.25,
         prefetch_max_reads: int = 4,
         states: StatePool | None = None,
+        snapshot_every_blocks: int = 16,
     ) -> None:
         self.bm = blocks
-        self.states = states  # hybrid models: a recurrent-state slot per admitted sequence
+        self.states = states  # hybrid models: recurrent-state slots and snapshots
+        self.snapshot_every_blocks = snapshot_every_blocks
         self.block_size = blocks.block_size
         self.enabled = enabled  # off: no reuse at all (comparisons and tests)
         self.lower = lower  # the tiers below RAM (maybe none)
@@ -134,17 +143,25 @@ class PrefixCache(Generic[S]):
         hits: list[Block] = []
         digests: list[bytes] = []
         cow: Block | None = None
+        snap: Snapshot | None = None
         plan = None
+        matched = 0
         if self.enabled:
             digests = seq.digests(n_full, bs)
             hits = self.bm.match(digests, [seq.block_tokens(i, bs) for i in range(n_full)])
-            if len(hits) < n_full and digests[len(hits)] in self._computing:
+            # A hybrid model resumes only where a prompt's prefill ended: wait for all of another's
+            # that computes blocks of this prompt (they stay "computing" until its snapshot is kept).
+            if (any(d in self._computing for d in digests[:n_full]) if self.states is not None
+                    else len(hits) < n_full and digests[len(hits)] in self._computing):
                 self.stats.deferred_for_shared_prefix += 1
                 return Admission.DEFERRED
             if len(hits) < n_full and self.prefetch.reading(digests[len(hits):]):
                 self.stats.deferred_for_prefetch += 1
                 return Admission.DEFERRED
-            if hits and len(hits) * bs == seq.num_tokens:
+            matched = len(hits)
+            if self.states is not None:
+                hits, snap = self._resumable(seq, hits, digests)
+            elif hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
             elif len(hits) < n_full:
                 plan = self.lower.lookup(digests[len(hits):n_full])
@@ -159,14 +176,19 @@ class PrefixCache(Generic[S]):
         seq.hit_tiers = [self._tier_of_hit(seq, b) for b in held]
         seq.blocks = hits + self.bm.allocate(need)
         if self.states is not None:
-            seq.state_slot = self.states.acquire()
+            seq.state_slot = self.states.acquire(zeroed=snap is None)
+            if snap is not None:
+                self.states.copy(snap.slot, seq.state_slot)
+            seq.checkpoint_slot = self.states.acquire(zeroed=False)
+            seq.checkpoint_tokens = 0
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
         if cow is not None:
             self.copy_block(cow.block_id, seq.blocks[len(hits)].block_id)
             self.bm.release([cow])
             seq.num_computed = seq.num_tokens - 1
-        for i in range(len(hits), len(digests)):
+        # a hybrid model's blocks cached already (before its snapshot) are no one's to compute
+        for i in range(matched if self.states is not None else len(hits), len(digests)):
             self._computing.setdefault(digests[i], seq)
         self.prefetch.admitted(seq)
         if plan is not None and plan.num_blocks:
@@ -178,6 +200,38 @@ class PrefixCache(Generic[S]):
             return Admission.LOADING
         self._first_admission(seq)
         return Admission.RUNNING
+
+    def _resumable(self, seq: S, hits: list[Block], digests: list[bytes]) -> tuple[list[Block], Snapshot | None]:
+        """A hybrid model's cached blocks up to the last boundary with a snapshot of the state
+        after it (short of the last prompt token, which is always computed), and that snapshot."""
+        assert self.states is not None
+        bs = self.block_size
+        for i in range(min(len(hits), (seq.num_tokens - 1) // bs), 0, -1):
+            snap = self.states.find(digests[i - 1], i * bs)
+            if snap is not None:
+                self.states.stats.snapshots_loaded += 1
+                self.states.stats.resume_distance_tokens += (len(hits) - i) * bs
+                return hits[:i], snap
+        if hits:
+            self.states.stats.snapshots_missed += 1
+        return [], None
+
+    def _keep_checkpoint(self, seq: S, *, renew: bool) -> None:
+        """Hand ``seq``'s checkpoint to the snapshots (if its blocks are published up to it);
+        ``renew``: take another checkpoint slot for the steps to come."""
+        assert self.states is not None and seq.checkpoint_slot is not None
+        tokens, bs = seq.checkpoint_tokens, self.block_size
+        if tokens == 0 or seq.num_registered * bs < tokens or not self.enabled:
+            return
+        self.states.store(seq.digests(tokens // bs, bs)[-1], seq.checkpoint_slot, tokens)
+        seq.checkpoint_slot = self.states.acquire(zeroed=False) if renew else None
+        seq.checkpoint_tokens = 0
+
+    def discard_checkpoints(self, seqs: Iterable[S]) -> None:
+        """A forward failed half-way: what it wrote into these sequences' checkpoints is no
+        state of theirs, so none is kept."""
+        for seq in seqs:
+            seq.checkpoint_tokens = 0
 
     @staticmethod
     def _tier_of_hit(seq: CachedSequence, block: Block) -> str:
@@ -240,7 +294,7 @@ class PrefixCache(Generic[S]):
 
     def prefetch_for(self, waiting: Iterable[S], *, reserve: int) -> None:
         """Start lower-tier reads for sequences still waiting (``cache/prefetch.py``)."""
-        if self.enabled and self.lower.tiers:
+        if self.enabled and self.lower.tiers and self.states is None:
             self.prefetch.start(waiting, self.lower, reserve=reserve, computing=self._computing.__contains__)
 
     # ---- running sequences ----------------------------------------------------------------
@@ -253,18 +307,31 @@ class PrefixCache(Generic[S]):
         seq.blocks.extend(self.bm.allocate(n))
 
     def commit(self, seq: S, num_computed: int) -> None:
-        """``seq``'s KV now covers its first ``num_computed`` tokens: publish full blocks."""
+        """``seq``'s KV now covers its first ``num_computed`` tokens: publish full blocks (and,
+        on a hybrid model, keep the checkpoint the step took where it is due)."""
+        start = seq.num_computed
         seq.num_computed = num_computed
         full = num_computed // self.block_size
         if self.enabled and full > seq.num_registered:
             self._publish(seq, seq.num_registered, full)
+        if self.states is not None and seq.checkpoint_slot is not None:
+            bs, prompt = self.block_size, seq.num_prompt_tokens
+            boundary = capture_point(start, num_computed, prompt, bs)
+            if boundary is not None:
+                seq.checkpoint_tokens = boundary
+            prompt_done = start < prompt <= num_computed
+            if prompt_done or (boundary is not None and boundary % (self.snapshot_every_blocks * bs) == 0):
+                self._keep_checkpoint(seq, renew=True)
+            if prompt_done:
+                self._stop_computing(seq)
 
     def _publish(self, seq: S, start: int, end: int) -> None:
         """Register blocks [start, end) of ``seq`` (computed or loaded) for reuse."""
         digests = seq.digests(end, self.block_size)
         for i in range(start, end):
             block = seq.blocks[i]
-            if self._computing.get(digests[i]) is seq:
+            # a hybrid model's blocks stay "being computed" until the prompt's snapshot is kept
+            if self._computing.get(digests[i]) is seq and self.states is None:
                 del self._computing[digests[i]]
             parent = digests[i - 1] if i > 0 else None
             if self.bm.register(block, digests[i], seq.block_tokens(i, self.block_size), parent):
@@ -276,10 +343,13 @@ class PrefixCache(Generic[S]):
         sequence still loading are held until the tier is done writing into them."""
         self._release(seq, overdue=False)
 
-    def _release(self, seq: S, *, overdue: bool) -> None:
+    def _stop_computing(self, seq: S) -> None:
         for digest, owner in list(self._computing.items()):
             if owner is seq:
                 del self._computing[digest]
+
+    def _release(self, seq: S, *, overdue: bool) -> None:
+        self._stop_computing(seq)
         if seq in self.loading:
             self.loading.remove(seq)
             assert seq.pending_load is not None
@@ -287,12 +357,17 @@ class PrefixCache(Generic[S]):
             seq.pending_load = None
         else:
             self.bm.release(seq.blocks)
+        if self.states is not None:
+            if seq.checkpoint_slot is not None:
+                self._keep_checkpoint(seq, renew=False)  # where a generation ended, or was preempted
+            for slot in (seq.state_slot, seq.checkpoint_slot):
+                if slot is not None:
+                    self.states.release(slot)
+            seq.state_slot = seq.checkpoint_slot = None
+            seq.checkpoint_tokens = 0
         seq.blocks = []
         seq.num_computed = 0
         seq.num_registered = 0
-        if seq.state_slot is not None and self.states is not None:
-            self.states.release(seq.state_slot)
-            seq.state_slot = None
 
     def forget(self, seq: S) -> None:
         """``seq`` is gone (finished or cancelled): release it; a prefetch read of its

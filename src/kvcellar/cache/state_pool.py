@@ -1,25 +1,38 @@
-"""The recurrent-state pool of hybrid models: each running sequence's linear-attention state.
+"""The recurrent-state pool of hybrid models: each running sequence's linear-attention state,
+and snapshots of it that let a later request resume where an earlier one was.
 
 A Gated DeltaNet layer (Qwen3.5/3.6) carries, per sequence, the last ``conv_kernel - 1``
 inputs of its causal convolution and a recurrent state ``[value_heads, key_dim, value_dim]``
 that every token updates. Unlike KV, that state after token L cannot be rebuilt from blocks:
-it is one slot per sequence, overwritten in place, always float32 (it accumulates over the
-whole sequence). ``StatePool`` holds one slot per sequence the scheduler may run at once,
-in two preallocated tensors (``conv [layers, slots, channels, kernel - 1]``, ``recurrent
-[layers, slots, heads, key_dim, value_dim]``); the prefix cache hands a sequence a slot when
-it admits it and takes it back when it releases the sequence. The tensors are allocated
-empty and a slot is zeroed when it is handed out: pages of slots never used are never
-touched, so the pool costs what the concurrency it served needed.
+a prefix is reusable only where the state after it was kept. ``StatePool`` holds slots of
+every linear-attention layer's state (always float32: it accumulates over the whole
+sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel - 1]``,
+``recurrent [layers, slots, heads, key_dim, value_dim]``). A slot is
+
+* a running sequence's live state, zeroed or restored from a snapshot when it is admitted;
+* its checkpoint: the state at the last block boundary it crossed (the forward copies it
+  there in the step that crosses it, ``engine/deltanet.py``);
+* or a stored snapshot: a checkpoint handed over when the prompt's prefill is done, every
+  ``snapshot_every_blocks`` blocks, and when the sequence is released (a generation's end:
+  an agent's next turn starts right there), keyed by the digest of the block before the
+  boundary, which chains every token before it (``cache/hashing.py``).
+
+Snapshots are evicted least recently used first beyond ``max_snapshots``. The tensors are
+allocated empty and a slot is written before it is read: pages of slots never used are
+never touched, so the pool costs what was used of it.
 
 Threading: not thread-safe; only the engine thread calls in.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+
+from kvcellar.stats import Stats, counter, gauge
 
 STATE_DTYPE = torch.float32
 
@@ -52,35 +65,117 @@ class StateLayout:
 
 
 class OutOfStateSlotsError(RuntimeError):
-    """``acquire`` found every slot taken (a caller bug: the scheduler admits at most ``slots``)."""
+    """``acquire`` found every slot taken (a caller bug: slots are sized for the sequences the
+    scheduler may admit, two each, and the snapshots kept)."""
+
+
+@dataclass
+class StateStats(Stats):
+    PREFIX: ClassVar[str] = "state_"
+    snapshots_stored: int = counter()  # checkpoints kept as snapshots
+    snapshots_loaded: int = counter()  # admissions that resumed from a snapshot
+    snapshots_missed: int = counter()  # admissions with cached blocks but no snapshot at their end
+    snapshots_evicted: int = counter()
+    resume_distance_tokens: int = counter()  # cached-block tokens past the snapshot resumed from, recomputed
+    snapshots: int = gauge()
+    snapshot_bytes: int = gauge()  # bytes of one snapshot
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    slot: int
+    tokens: int  # the state after this many tokens
+
+
+def capture_point(start: int, end: int, prompt_tokens: int, block_size: int) -> int | None:
+    """The block boundary a step over tokens ``[start, end)`` checkpoints: the last one it
+    crosses, within a prompt no further than its last token's start (the same prompt again
+    must still compute that token), or None."""
+    limit = min(end, prompt_tokens - 1) if start < prompt_tokens else end
+    boundary = limit // block_size * block_size
+    return boundary if boundary > start else None
 
 
 class StatePool:
-    def __init__(self, layout: StateLayout, slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: StateLayout, slots: int, device: torch.device | str = "cpu", *,
+                 max_snapshots: int = 0) -> None:
+        """``slots``: live and checkpoint slots (two per sequence that may run at once); the
+        pool adds ``max_snapshots`` for the snapshots it keeps."""
         self.layout = layout
-        self.slots = slots
+        self.max_snapshots = max_snapshots
+        self.slots = slots + max_snapshots
         self.device = torch.device(device)
         lay = layout
-        self.conv = torch.empty((lay.num_layers, slots, lay.conv_channels, lay.conv_kernel - 1),
+        self.conv = torch.empty((lay.num_layers, self.slots, lay.conv_channels, lay.conv_kernel - 1),
                                 dtype=STATE_DTYPE, device=self.device)
-        self.recurrent = torch.empty((lay.num_layers, slots, lay.heads, lay.key_dim, lay.value_dim),
+        self.recurrent = torch.empty((lay.num_layers, self.slots, lay.heads, lay.key_dim, lay.value_dim),
                                      dtype=STATE_DTYPE, device=self.device)
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(self.slots - 1, -1, -1))
+        self._stored: OrderedDict[bytes, Snapshot] = OrderedDict()  # first = least recently used
+        self.stats = StateStats(snapshot_bytes=layout.bytes_per_slot)
 
     @property
     def num_free(self) -> int:
+        """Slots neither held nor storing a snapshot."""
         return len(self._free)
 
-    def acquire(self) -> int:
-        """A zeroed slot: the state before a sequence's first token."""
+    @property
+    def num_held(self) -> int:
+        """Slots held by sequences (live or checkpoint)."""
+        return self.slots - len(self._free) - len(self._stored)
+
+    def acquire(self, zeroed: bool = True) -> int:
+        """A slot; ``zeroed``: holding the state before a sequence's first token."""
+        if not self._free and self._stored:
+            self._evict()
         if not self._free:
             raise OutOfStateSlotsError(f"all {self.slots} state slots are taken")
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if zeroed:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.slots:
             raise AssertionError(f"state slot {slot} released but not held")
         self._free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.recurrent[:, dst].copy_(self.recurrent[:, src])
+
+    # ---- snapshots ----------------------------------------------------------------------
+
+    def store(self, key: bytes, slot: int, tokens: int) -> bool:
+        """Keep the state in ``slot`` (the pool takes it) as the snapshot after ``tokens``
+        tokens of the chain ``key`` ends. False (and the slot freed) if one is kept already."""
+        if key in self._stored or self.max_snapshots == 0:
+            self.release(slot)
+            return False
+        while len(self._stored) >= self.max_snapshots:
+            self._evict()
+        self._stored[key] = Snapshot(slot, tokens)
+        self.stats.snapshots_stored += 1
+        self.stats.snapshots = len(self._stored)
+        return True
+
+    def find(self, key: bytes, tokens: int) -> Snapshot | None:
+        """The snapshot after ``tokens`` tokens of chain ``key``, marked recently used."""
+        snap = self._stored.get(key)
+        if snap is None or snap.tokens != tokens:
+            return None
+        self._stored.move_to_end(key)
+        return snap
+
+    def evict_all(self) -> int:
+        n = len(self._stored)
+        while self._stored:
+            self._evict()
+        return n
+
+    def _evict(self) -> None:
+        _, snap = self._stored.popitem(last=False)
+        self._free.append(snap.slot)
+        self.stats.snapshots_evicted += 1
+        self.stats.snapshots = len(self._stored)

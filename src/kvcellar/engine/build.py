@@ -55,10 +55,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
     blocks.on_evict = lower.evicted
     state_layout = StateLayout.from_model_config(loaded.model.config)
-    states = StatePool(state_layout, cfg.max_num_seqs, loaded.device) if state_layout is not None else None
-    if states is not None and cfg.prefix_caching:
-        log.warning("%s has linear-attention layers: its prompts are not cached yet (their recurrent states "
-                    "are not snapshotted)", loaded.name)
+    states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
+              if state_layout is not None else None)
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states)
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
                          kernel_dtype=loaded.kernel_dtype, states=states)

@@ -55,6 +55,12 @@ class EngineConfig:
     max_completion_tokens: int = 0
     # Reuse of cached prefix blocks; off only for comparisons and tests.
     prefix_caching: bool = True
+    # Hybrid models (Qwen3.5/3.6's linear attention, cache/state_pool.py): snapshots of a
+    # sequence's recurrent state kept in RAM (each the size /health reports as
+    # state_snapshot_bytes, float32), taken where a prompt's prefill ends, where a generation
+    # ends and every snapshot_every_blocks blocks; a cached prefix resumes from the last one.
+    state_snapshots: int = 32
+    snapshot_every_blocks: int = 16
     # Bytes of the chained digest used as a block's key, 1 to the digest's 32: no setting
     # (no file key, flag or environment variable). Tests shrink it to force collisions in the
     # RAM table, where a hit still compares the full digest and the token ids; the lower
@@ -93,9 +99,12 @@ class EngineConfig:
     max_memory_gb: float = 0.0
 
     def validate(self) -> None:
-        if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps) < 1:
-            raise ValueError("block_size, max_num_seqs, max_step_tokens and unhealthy_after_failed_steps "
-                             "must be >= 1")
+        if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps,
+               self.snapshot_every_blocks) < 1:
+            raise ValueError("block_size, max_num_seqs, max_step_tokens, unhealthy_after_failed_steps and "
+                             "snapshot_every_blocks must be >= 1")
+        if self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, not {self.state_snapshots}")
         if not 0 <= self.prefetch_pool_fraction <= 1:
             raise ValueError(f"prefetch_pool_fraction must be between 0 and 1, not {self.prefetch_pool_fraction}")
         if self.dtype not in get_args(DType):

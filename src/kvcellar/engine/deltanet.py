@@ -41,12 +41,16 @@ class RecurrentStep:
     pool: StatePool
     decode_slots: torch.Tensor | None  # [decodes] slot of each decode row (packed rows [0, decodes))
     spans: list[tuple[int, int, int]]  # prefill spans: (first packed row, rows, slot)
+    # packed row -> a slot to copy the state after that row's token into (a sequence's
+    # checkpoint at a block boundary)
+    captures: dict[int, int]
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution of ``x [..., channels, rows]`` continuing ``state [...,
     channels, kernel - 1]`` (the inputs before, oldest first), float32, before its activation;
-    the state is updated in place to the last ``kernel - 1`` inputs."""
+    the state is updated in place to the last ``kernel - 1`` inputs. Also returns the inputs
+    joined after the state (the state after row t: columns ``t + 1 .. t + kernel - 1``)."""
     taps = weight.shape[-1]
     rows = x.shape[-1]
     joined = torch.cat([state, x.to(STATE_DTYPE)], dim=-1)
@@ -55,7 +59,7 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     for j in range(1, taps):
         out = out + joined[..., j : j + rows] * w[:, j : j + 1]
     state.copy_(joined[..., joined.shape[-1] - (taps - 1) :])
-    return out
+    return out, joined
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -128,23 +132,33 @@ class GatedDeltaNet:
         conv = step.pool.conv[self.index]
         recurrent = step.pool.recurrent[self.index]
         core = torch.empty((rows, self.value_heads, self.value_dim), dtype=STATE_DTYPE, device=x.device)
+        taps = self.conv_weight.shape[-1]
         if step.decode_slots is not None:
             n = step.decode_slots.shape[0]
             slots = step.decode_slots
             conv_state = conv.index_select(0, slots)
-            convolved = causal_conv(mixed[:n, :, None], conv_state, self.conv_weight)[..., 0]  # [n, channels]
+            convolved, _ = causal_conv(mixed[:n, :, None], conv_state, self.conv_weight)
             conv.index_copy_(0, slots, conv_state)
             state = recurrent.index_select(0, slots)
-            q, k, v = self._heads(rowwise(F.silu, convolved))
+            q, k, v = self._heads(rowwise(F.silu, convolved[..., 0]))
             core[:n] = gated_delta(q, k, v, decay[:n], beta[:n], state)
             recurrent.index_copy_(0, slots, state)
+            for row in range(n):
+                target = step.captures.get(row)
+                if target is not None:
+                    conv[target].copy_(conv_state[row])
+                    recurrent[target].copy_(state[row])
         for first, length, slot in step.spans:
-            convolved = causal_conv(mixed[first : first + length].t(), conv[slot], self.conv_weight).t()
-            q, k, v = self._heads(rowwise(F.silu, convolved))
+            convolved, joined = causal_conv(mixed[first : first + length].t(), conv[slot], self.conv_weight)
+            q, k, v = self._heads(rowwise(F.silu, convolved.t()))
             ds, bs = decay[first : first + length], beta[first : first + length]
             state = recurrent[slot]
             for t in range(length):
                 core[first + t] = gated_delta(q[t], k[t], v[t], ds[t], bs[t], state)
+                target = step.captures.get(first + t)
+                if target is not None:
+                    conv[target].copy_(joined[:, t + 1 : t + taps])
+                    recurrent[target].copy_(state)
         z = self.z(flat).view(rows, self.value_heads, self.value_dim)
         normed = self._gated_norm(core, z, x.dtype)
         return self.out(normed.reshape(1, rows, -1))

@@ -411,6 +411,7 @@ class Engine:
         model's sequences all fail: the forward may have advanced some of their recurrent
         states already (a KV write is redone the same; a state update is not)."""
         if len(plan.items) == 1 or self.runner.states is not None:
+            self.scheduler.cache.discard_checkpoints(item.seq for item in plan.items)
             self._step_failed(exc, [item.seq for item in plan.items])
             return StepPlan([], [])
         keep: list[Scheduled] = []

@@ -21,13 +21,13 @@ import torch
 
 from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
-from kvcellar.cache.state_pool import StatePool
+from kvcellar.cache.state_pool import StatePool, capture_point
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
 from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
 from kvcellar.engine.lean_qwen35 import is_hybrid
 from kvcellar.engine.linears import prepare_model
-from kvcellar.engine.scheduler import StepPlan
+from kvcellar.engine.scheduler import Scheduled, StepPlan
 from kvcellar.quantization import QuantizedWeight
 from kvcellar.stats import Stats, counter, gauge
 
@@ -130,9 +130,11 @@ class ModelRunner:
         decode = None
         recurrent = None
         if self.states is not None:
-            recurrent = RecurrentStep(self.states, None, [])
+            recurrent = RecurrentStep(self.states, None, [], {})
             if plan.decodes:
                 recurrent.decode_slots = self._tensor([_slot(item.seq) for item in plan.decodes])
+            for row, item in enumerate(plan.decodes):
+                self._capture(recurrent, item, row)
         if plan.decodes:
             tables: list[list[int]] = []
             contexts: list[int] = []
@@ -166,6 +168,7 @@ class ModelRunner:
             spans.append(PrefillSpan(start_idx, item.length, context, self._tensor(table).view(1, -1)))
             if recurrent is not None:
                 recurrent.spans.append((start_idx, item.length, _slot(seq)))
+                self._capture(recurrent, item, start_idx)
 
         pos_t = self._tensor(positions)
         meta = StepMeta(
@@ -183,6 +186,14 @@ class ModelRunner:
             "logits_to_keep": self._tensor(keep),
         }
         return inputs, meta
+
+    def _capture(self, recurrent: RecurrentStep, item: Scheduled, first_row: int) -> None:
+        """Checkpoint the state of ``item``'s sequence at the block boundary its tokens cross
+        (``capture_point``: the prefix cache records the same one when it commits the step)."""
+        seq = item.seq
+        boundary = capture_point(item.start, item.start + item.length, seq.num_prompt_tokens, self.block_size)
+        if boundary is not None and seq.checkpoint_slot is not None:
+            recurrent.captures[first_row + boundary - 1 - item.start] = seq.checkpoint_slot
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:

@@ -49,6 +49,7 @@ def snapshot(engine: Engine) -> dict[str, float]:
         **sched.cache.stats.as_dict(),
         **sched.cache.prefetch.stats.as_dict(),
         **engine.runner.stats.as_dict(),
+        **(sched.cache.states.stats.as_dict() if sched.cache.states is not None else {}),
         **{k: v for counters in tier_stats(engine).values() for k, v in counters.items()},
     }
 

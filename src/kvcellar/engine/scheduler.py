@@ -72,9 +72,8 @@ class SchedulerStats(Stats):
 
 class Scheduler:
     """``config``: the engine's; its batch bounds, budgets and prefetch limits are read here.
-    ``states``: a hybrid model's recurrent-state pool, one slot per admitted sequence. Until
-    states are snapshotted at block boundaries such a model reuses no prefix: its KV blocks
-    alone cannot resume a sequence."""
+    ``states``: a hybrid model's recurrent-state pool (slots per admitted sequence, snapshots:
+    the prefix cache's to manage)."""
 
     def __init__(
         self,
@@ -94,9 +93,9 @@ class Scheduler:
         # if an exception escapes; None between sequences.
         self.in_hand: Sequence | None = None
         self.cache: PrefixCache[Sequence] = PrefixCache(
-            blocks, lower, enabled=config.prefix_caching and states is None, copy_block=copy_block,
+            blocks, lower, enabled=config.prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads,
-            states=states)
+            states=states, snapshot_every_blocks=config.snapshot_every_blocks)
 
     @property
     def loading(self) -> list[Sequence]:

@@ -158,7 +158,11 @@ class Sequence:
     finish_reason: str | None = None
     pending_load: PendingLoad | None = None  # lower-tier load in flight
     prefetch_checked: bool = False  # looked up for a prefetch during this wait (cache/prefetch.py)
-    state_slot: int | None = None  # hybrid models: its recurrent-state slot while admitted (cache/state_pool.py)
+    # Hybrid models, while admitted (cache/state_pool.py): its live recurrent-state slot, and the
+    # slot holding the state after its first ``checkpoint_tokens`` tokens (a block boundary; 0: none).
+    state_slot: int | None = None
+    checkpoint_slot: int | None = None
+    checkpoint_tokens: int = 0
     prefetched: dict[bytes, str] = field(default_factory=dict)  # digest -> tier, blocks prefetched for it
     _digests: list[bytes] = field(default_factory=list)
 
