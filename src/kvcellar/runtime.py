@@ -128,7 +128,8 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     dev = resolve_device(cfg.device)
     precision = resolve_serving(cfg.dtype, cfg.weights, source, dev)
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
-    return plan_memory(source, precision.weights, precision.dtype, kv_bytes)
+    return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
+                       state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots)
 
 
 def check_memory(settings: Settings) -> None:

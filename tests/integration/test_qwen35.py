@@ -260,3 +260,16 @@ def test_a_multimodal_folder_serves_its_text_model(tmp_path):
         want = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     assert got.token_ids[0] == int(want.argmax())
     assert abs(got.logprobs[0] - float(want.max())) < 2e-4
+
+
+def test_the_memory_plan_counts_every_state_slot():
+    from kvcellar.cache.state_pool import StateLayout
+    from kvcellar.engine.memory import plan_memory
+    from kvcellar.model_source import ModelSource
+
+    per_slot = StateLayout.from_model_config(tiny().model.config).bytes_per_slot
+    assert per_slot == 3 * (256 * 3 + 4 * 32 * 32) * 4  # three linear-attention layers, float32
+    plan = plan_memory(ModelSource("hf_dir", folder(), "tiny"), "full", torch.float32, 1 << 20, state_slots=2 * 32 + 32)
+    assert plan.state_pool_bytes == 96 * per_slot
+    assert plan.total_bytes == plan.weights_bytes + (1 << 20) + 96 * per_slot + plan.overhead_bytes
+    assert "recurrent states" in plan.describe()

@@ -48,28 +48,35 @@ class MemoryPlan:
     weights_bytes: int
     kv_pool_bytes: int
     overhead_bytes: int = OVERHEAD_BYTES
+    state_pool_bytes: int = 0  # a hybrid model's recurrent-state slots, every one in use
     embedding_int4_params: int = 0  # of ``other_params``: a GGUF's int4 embedding, kept as its blocks
     mxfp4_params: int = 0  # of ``linear_params``: a GGUF's MXFP4 experts, kept as stored
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_pool_bytes + self.overhead_bytes
+        return self.weights_bytes + self.kv_pool_bytes + self.state_pool_bytes + self.overhead_bytes
 
     def describe(self) -> str:
         gb: Callable[[int], str] = lambda n: f"{n / GIB:.1f} GB"  # noqa: E731
         return (f"{gb(self.total_bytes)}: weights {gb(self.weights_bytes)} ({self.weights_mode}), "
-                f"KV pool {gb(self.kv_pool_bytes)}, overhead {gb(self.overhead_bytes)}")
+                f"KV pool {gb(self.kv_pool_bytes)}, "
+                + (f"recurrent states {gb(self.state_pool_bytes)}, " if self.state_pool_bytes else "")
+                + f"overhead {gb(self.overhead_bytes)}")
 
     def as_dict(self) -> dict[str, object]:
         return {"weights_mode": self.weights_mode, "weights_bytes": self.weights_bytes,
-                "kv_pool_bytes": self.kv_pool_bytes, "overhead_bytes": self.overhead_bytes,
+                "kv_pool_bytes": self.kv_pool_bytes, "state_pool_bytes": self.state_pool_bytes,
+                "overhead_bytes": self.overhead_bytes,
                 "total_bytes": self.total_bytes, "linear_params": self.linear_params,
                 "head_params": self.head_params, "other_params": self.other_params,
                 "embedding_int4_params": self.embedding_int4_params, "mxfp4_params": self.mxfp4_params}
 
 
-def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int) -> MemoryPlan:
-    """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4)."""
+def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int,
+                state_slots: int = 0) -> MemoryPlan:
+    """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4);
+    ``state_slots``: the recurrent-state slots a hybrid model's engine keeps (live, checkpoint
+    and snapshot ones)."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
     embedding = mxfp4 = 0
@@ -82,7 +89,38 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
                       + embedding * BYTES_PER_WEIGHT["int4"])
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
-                      embedding_int4_params=embedding, mxfp4_params=mxfp4)
+                      embedding_int4_params=embedding, mxfp4_params=mxfp4,
+                      state_pool_bytes=state_slots * _state_bytes_per_slot(source))
+
+
+def _state_bytes_per_slot(source: ModelSource) -> int:
+    """A recurrent-state slot's bytes for a hybrid model in a HF folder (cache/state_pool.py), else 0."""
+    from kvcellar.cache.state_pool import StateLayout
+
+    if source.kind == "gguf":
+        return 0
+    try:
+        config = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    if not isinstance(text, dict) or "linear_num_value_heads" not in text:
+        return 0
+    layers = text.get("num_hidden_layers", 0)
+    # transformers' default when a config lists no layer types: every 4th layer full attention
+    types = text.get("layer_types") or ["full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0
+                                        else "linear_attention" for i in range(layers)]
+    fields = {"layer_types": types, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+              "linear_num_key_heads": 16, "linear_conv_kernel_dim": 4, **text}
+    layout = StateLayout.from_model_config(_Fields(fields))
+    return layout.bytes_per_slot if layout is not None else 0
+
+
+class _Fields:
+    """A config.json's fields as attributes (what ``StateLayout.from_model_config`` reads)."""
+
+    def __init__(self, fields: dict[str, object]) -> None:
+        self.__dict__.update(fields)
 
 
 def _mxfp4_expert_params(source: ModelSource) -> int:
