@@ -298,7 +298,18 @@ GEMMA4_TEXT = {"global_head_dim": 32, "num_global_key_value_heads": 1, "attentio
                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
 
 
+# Qwen3.5: three linear-attention layers and a full-attention one, small linear heads (its
+# defaults are a 9B's). ``qwen3_5`` folders are its multimodal checkpoints, whose text model is
+# what transformers builds for them (tests/integration/test_qwen35.py loads one); here both types
+# build that text model.
+QWEN35_TEXT = {"num_hidden_layers": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+
+
 def _tiny_of_model_type(model_type: str, tokenizer: Any) -> LoadedModel:
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        return tiny_model("qwen3_5_text", tokenizer, name=f"tiny-{model_type}", **QWEN35_TEXT)
     if model_type not in ("gemma3", "gemma4"):
         extra = {"sliding_window": 24} if model_type in ("mistral", "ministral", "gemma3_text") else {}
         return tiny_model(model_type, tokenizer, **(GEMMA4_TEXT if model_type == "gemma4_text" else extra))
