@@ -18,6 +18,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -112,15 +113,8 @@ def _state_bytes_per_slot(source: ModelSource) -> int:
                                         else "linear_attention" for i in range(layers)]
     fields = {"layer_types": types, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
               "linear_num_key_heads": 16, "linear_conv_kernel_dim": 4, **text}
-    layout = StateLayout.from_model_config(_Fields(fields))
+    layout = StateLayout.from_model_config(SimpleNamespace(**fields))
     return layout.bytes_per_slot if layout is not None else 0
-
-
-class _Fields:
-    """A config.json's fields as attributes (what ``StateLayout.from_model_config`` reads)."""
-
-    def __init__(self, fields: dict[str, object]) -> None:
-        self.__dict__.update(fields)
 
 
 def _mxfp4_expert_params(source: ModelSource) -> int:
