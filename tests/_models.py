@@ -272,13 +272,11 @@ def tiered(model: LoadedModel, root: Path, policy: str = "write_through", tier_c
            **overrides: Any) -> Engine:
     """An engine (``make_engine``) over an SSD tier at ``root`` (no free-space floor unless
     ``tier_config`` says otherwise): another one over the same ``root`` is a restart."""
+    from kvcellar.runtime import open_disk_tier
     from kvcellar.storage.disk.config import DiskConfig
-    from kvcellar.storage.disk.tier import DiskTier
 
     engine = make_engine(model, **overrides)
-    cfg = tier_config or DiskConfig(min_free_bytes=0)
-    engine.attach_tier(DiskTier(root, engine.fingerprint, engine.block_spec, cfg, descriptor=engine.descriptor),
-                       policy)
+    open_disk_tier(engine, root, tier_config or DiskConfig(min_free_bytes=0), policy)
     return engine
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
+from pathlib import Path
 
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
@@ -20,6 +22,8 @@ from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
 from kvcellar.settings import Settings
+from kvcellar.storage.disk.config import DiskConfig
+from kvcellar.storage.remote.config import RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +32,27 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
     """Put the SSD tier under ``engine`` unless the policy is ``off``. Blocks live in
     ``<cache_dir>/kv/<fingerprint>-v<format>/``: another model, dtype or block size is
     another directory, never a wrong hit."""
-    disk = settings.disk
-    if disk.policy == "off":
-        return
+    if settings.disk.policy != "off":
+        open_disk_tier(engine, settings.kv_root, settings.disk)
+
+
+def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | None = None) -> None:
+    """The SSD tier at ``root`` under ``engine`` (``policy``: the config's unless given). A
+    hybrid model's snapshots go beside its blocks, in the namespace ``<fingerprint>.snapshots``,
+    with a share of the capacity (``snapshot_share``) and a queue of a few snapshots."""
     from kvcellar.storage.disk.tier import DiskTier
 
-    tier = DiskTier(settings.kv_root, engine.fingerprint, engine.block_spec, disk, descriptor=engine.descriptor)
-    engine.attach_tier(tier, disk.policy)
+    spec = engine.snapshot_spec
+    snapshots = None
+    if spec is not None:
+        share = int(disk.capacity_bytes * snapshot_share(engine, spec.nbytes))
+        snapshots = DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec,
+                             replace(disk, capacity_bytes=share, io_threads=2,
+                                     queue_blocks=snapshot_queue(disk.queue_blocks, spec.nbytes)),
+                             descriptor={**engine.descriptor, "snapshots": True})
+        disk = replace(disk, capacity_bytes=disk.capacity_bytes - share)
+    tier = DiskTier(root, engine.fingerprint, engine.block_spec, disk, descriptor=engine.descriptor)
+    engine.attach_tier(tier, policy or disk.policy, snapshots)
 
 
 def attach_remote_tier(engine: Engine, settings: Settings) -> None:
@@ -42,14 +60,40 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
     Keys carry the same fingerprint as the disk directory, so only replicas of the same
     model, dtype and block size share blocks. A server that is down is not an error here:
     the tier starts degraded and connects when it can."""
-    remote = settings.remote
-    if not remote.url:
-        return
+    if settings.remote.url:
+        open_remote_tier(engine, settings.remote)
+
+
+def open_remote_tier(engine: Engine, remote: RemoteConfig, policy: str | None = None) -> None:
+    """The remote tier at ``remote.url`` under ``engine``; a hybrid model's snapshots under
+    keys of their own namespace (``<fingerprint>.snapshots``), a few at a time in its queue."""
     from kvcellar.storage.remote.tier import RemoteTier
 
+    spec = engine.snapshot_spec
+    snapshots = None
+    if spec is not None:
+        snapshots = RemoteTier(remote.url, engine.fingerprint + SNAPSHOT_NAMESPACE, spec,
+                               replace(remote, queue_blocks=snapshot_queue(remote.queue_blocks, spec.nbytes)))
     tier = RemoteTier(remote.url, engine.fingerprint, engine.block_spec, remote)
-    engine.attach_tier(tier, remote.policy)
-    log.info("remote tier %r attached (%s)", tier, remote.policy)
+    engine.attach_tier(tier, policy or remote.policy, snapshots)
+    log.info("remote tier %r attached (%s)", tier, policy or remote.policy)
+
+
+SNAPSHOT_NAMESPACE = ".snapshots"
+SNAPSHOT_QUEUE_BYTES = 512 * 2**20  # what snapshots queued for one tier's writer may hold
+
+
+def snapshot_share(engine: Engine, snapshot_bytes: int) -> float:
+    """The part of a tier's capacity for a hybrid model's snapshots: what one snapshot is of
+    one snapshot and the blocks it is kept for (``snapshot_every_blocks``), within 10-90 %."""
+    blocks = engine.config.snapshot_every_blocks * engine.block_spec.nbytes
+    return min(0.9, max(0.1, snapshot_bytes / (snapshot_bytes + blocks)))
+
+
+def snapshot_queue(queue_blocks: int, snapshot_bytes: int) -> int:
+    """A snapshot tier's writer queue, in snapshots: ``queue_blocks`` of them at most, within
+    ``SNAPSHOT_QUEUE_BYTES``, never under 2."""
+    return max(2, min(queue_blocks, SNAPSHOT_QUEUE_BYTES // snapshot_bytes))
 
 
 def open_artifacts(settings: Settings) -> ArtifactCache | None:

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from kvcellar.engine import SamplingParams, native, observability
+from kvcellar.runtime import open_disk_tier, open_remote_tier
 from kvcellar.storage.block_format import FORMAT_VERSION
 from kvcellar.storage.disk.config import DiskConfig
-from kvcellar.storage.disk.tier import DiskTier
 from kvcellar.storage.remote.config import RemoteConfig
-from kvcellar.storage.remote.tier import RemoteTier
 from tests._models import (
     TEST_DEVICE,
     assert_identical_output,
@@ -27,11 +26,14 @@ from tests._models import (
     embedded,
     expected_cached,
     make_engine,
+    needs_native,
+    served_file,
     served_moe,
     stand_in,
     uncached_runner,
 )
 from tests.helpers import free_port
+from tests.integration import test_qwen35 as qwen35
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
@@ -62,12 +64,10 @@ def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "
     engine = make_engine(model, **(engine_config or {}))
     _engines.append(engine)
     if ssd_dir is not None:
-        engine.attach_tier(DiskTier(ssd_dir, engine.fingerprint, engine.block_spec,
-                                    DiskConfig(min_free_bytes=0), descriptor=engine.descriptor))
+        open_disk_tier(engine, ssd_dir, DiskConfig(min_free_bytes=0))
     if url is not None:
         cfg.setdefault("backoff_initial_s", 0.05)
-        engine.attach_tier(RemoteTier(url, engine.fingerprint, engine.block_spec, RemoteConfig(**cfg)),
-                           remote_policy)
+        open_remote_tier(engine, RemoteConfig(url=url, **cfg), remote_policy)
     return engine
 
 
@@ -125,6 +125,33 @@ def test_a_redis_hit_under_the_default_weights_gives_the_uncached_bits(served, r
     assert result.cached_tokens_by_tier == {"ram": 0, "remote": expected_cached(len(prompt), len(prompt))}
     assert_identical_output(result, uncached_runner(loaded, params)(prompt))
     b.shutdown(30)
+
+
+@needs_native
+def test_replicas_share_a_hybrid_models_snapshots_through_redis(redis_server, tmp_path):
+    """Qwen3.5's recurrent state: replica B resumes from the snapshot A kept in Redis (with the
+    blocks before it), to the uncached engine's bits, and keeps it on its own SSD, from where
+    it resumes after a restart."""
+    loaded = served_file(qwen35.folder(), "int8")
+    prompt = qwen35.prompts(loaded)[0]
+    reference = uncached_runner(loaded, qwen35.PARAMS)(prompt)
+    a = replica(loaded, redis_server.url, None, engine_config={"max_step_tokens": 64})
+    a.generate([prompt], qwen35.PARAMS)
+    assert a.shutdown(30)
+    cached = qwen35.resumable(len(prompt))
+    b = replica(loaded, redis_server.url, tmp_path / "b")
+    result = b.generate([prompt], qwen35.PARAMS)[0]
+    assert result.cached_tokens_by_tier == {"ram": 0, "remote": cached}
+    assert_identical_output(result, reference)
+    s = observability.snapshot(b)
+    assert s["remote_link_snapshots_loaded"] == 1 and s["snapshots_remote_corrupt_total"] == 0
+    assert b.shutdown(30)
+    again = replica(loaded, redis_server.url, tmp_path / "b")
+    result = again.generate([prompt], qwen35.PARAMS)[0]
+    assert result.cached_tokens_by_tier == {"ram": 0, "ssd": cached}
+    assert_identical_output(result, reference)
+    assert observability.snapshot(again)["ssd_link_snapshots_loaded"] == 1
+    again.shutdown(30)
 
 
 def test_a_prefix_split_across_ssd_and_redis_is_loaded_from_both(model, uncached, redis_server, tmp_path):

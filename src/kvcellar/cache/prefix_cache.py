@@ -32,8 +32,11 @@ manager. Its verbs, all in the block vocabulary of one sequence:
   prefix (restoring the snapshot into the live slot; the blocks after it are computed again),
   ``commit`` records the boundary the step checkpointed and keeps the checkpoint as a snapshot
   when the prompt is done and every ``snapshot_every_blocks`` blocks, ``release`` keeps the
-  last one (where a generation ended). Lower tiers hold no snapshots yet: these models read
-  nothing from them.
+  last one (where a generation ended). Kept snapshots go to the lower tiers that keep them
+  (``cache/tiering.py``), and ``admit`` resumes from the furthest boundary whose blocks and
+  snapshot are held anywhere: blocks past RAM's and the snapshot (when RAM lacks it) are read
+  like any load; if any of them fails to verify, the sequence is admitted again (the tier
+  deleted what failed; the next lookup finds less).
 * ``prefetch``: reads for sequences that still wait, within a cap (``cache/prefetch.py``).
 
 What it keeps of each sequence is the counters documented on ``engine.sequence.Sequence``
@@ -58,11 +61,17 @@ from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.cache.cached_sequence import CachedSequence
 from kvcellar.cache.prefetch import Prefetcher
 from kvcellar.cache.state_pool import capture_point
+from kvcellar.cache.tiering import LoadPlan, SnapshotLoad
 from kvcellar.stats import Stats, counter
 
 if TYPE_CHECKING:
     from kvcellar.cache.state_pool import Snapshot, StatePool
     from kvcellar.cache.tiering import LowerTierLink, PendingLoad
+
+# Lower-tier snapshot lookups an admission makes at any boundary (then only at the boundaries
+# every ``snapshot_every_blocks``): a long prefix whose blocks a tier holds without snapshots
+# must not cost a lookup per block.
+SNAPSHOT_PROBES = 64
 
 
 class Admission(enum.Enum):
@@ -119,6 +128,9 @@ class PrefixCache(Generic[S]):
         self.stats = PrefixCacheStats()
         self.prefetch = Prefetcher(blocks, max_blocks=int(prefetch_pool_fraction * (blocks.num_blocks - 1)),
                                    max_reads=prefetch_max_reads)
+        if states is not None:  # evict-only tiers take snapshots RAM drops
+            states.on_evict = lambda key, snap: lower.snapshot_evicted(key, snap.block_tokens,
+                                                                       lambda: states.export(snap.slot))
 
     def busy(self) -> bool:
         """Reads in flight (loads, prefetches, or cancelled loads still writing into the pool)."""
@@ -144,6 +156,7 @@ class PrefixCache(Generic[S]):
         digests: list[bytes] = []
         cow: Block | None = None
         snap: Snapshot | None = None
+        snap_tier: int | None = None
         plan = None
         matched = 0
         if self.enabled:
@@ -160,7 +173,7 @@ class PrefixCache(Generic[S]):
                 return Admission.DEFERRED
             matched = len(hits)
             if self.states is not None:
-                hits, snap = self._resumable(seq, hits, digests)
+                hits, snap, plan, snap_tier = self._resumable(seq, hits, digests)
             elif hits and len(hits) * bs == seq.num_tokens:
                 cow = hits.pop()
             elif len(hits) < n_full:
@@ -176,7 +189,7 @@ class PrefixCache(Generic[S]):
         seq.hit_tiers = [self._tier_of_hit(seq, b) for b in held]
         seq.blocks = hits + self.bm.allocate(need)
         if self.states is not None:
-            seq.state_slot = self.states.acquire(zeroed=snap is None)
+            seq.state_slot = self.states.acquire(zeroed=snap is None and snap_tier is None)
             if snap is not None:
                 self.states.copy(snap.slot, seq.state_slot)
             seq.checkpoint_slot = self.states.acquire(zeroed=False)
@@ -191,30 +204,51 @@ class PrefixCache(Generic[S]):
         for i in range(matched if self.states is not None else len(hits), len(digests)):
             self._computing.setdefault(digests[i], seq)
         self.prefetch.admitted(seq)
-        if plan is not None and plan.num_blocks:
+        snapshot = None
+        if snap_tier is not None:
+            assert self.states is not None and plan is not None
+            end = len(hits) + plan.num_blocks
+            snapshot = SnapshotLoad(snap_tier, digests[end - 1], tuple(seq.block_tokens(end - 1, bs)),
+                                    self.states.staging())
+        if plan is not None and (plan.num_blocks or snapshot is not None):
             span = range(len(hits), len(hits) + plan.num_blocks)
             seq.pending_load = self.lower.start_load(
                 plan, [seq.blocks[i] for i in span], [digests[i] for i in span],
-                [tuple(seq.block_tokens(i, bs)) for i in span])
+                [tuple(seq.block_tokens(i, bs)) for i in span], snapshot)
             self.loading.append(seq)
             return Admission.LOADING
         self._first_admission(seq)
         return Admission.RUNNING
 
-    def _resumable(self, seq: S, hits: list[Block], digests: list[bytes]) -> tuple[list[Block], Snapshot | None]:
-        """A hybrid model's cached blocks up to the last boundary with a snapshot of the state
-        after it (short of the last prompt token, which is always computed), and that snapshot."""
+    def _resumable(self, seq: S, hits: list[Block], digests: list[bytes]
+                   ) -> tuple[list[Block], Snapshot | None, LoadPlan, int | None]:
+        """Where a hybrid model resumes: the furthest block boundary (short of the last prompt
+        token, which is always computed) whose blocks are cached in RAM or a lower tier and
+        whose snapshot is kept in RAM or a lower tier. Returns the RAM hits before it, RAM's
+        snapshot, the plan for its blocks past RAM's, and the tier holding the snapshot when
+        RAM does not."""
         assert self.states is not None
         bs = self.block_size
-        for i in range(min(len(hits), (seq.num_tokens - 1) // bs), 0, -1):
+        limit = (seq.num_tokens - 1) // bs
+        plan = LoadPlan(())
+        lower = self.lower.keeps_snapshots
+        if lower and len(hits) < limit:
+            plan = self.lower.lookup(digests[len(hits):limit])
+        cached = len(hits) + plan.num_blocks
+        probes = 0
+        for i in range(min(cached, limit), 0, -1):
             snap = self.states.find(digests[i - 1], i * bs)
-            if snap is not None:
+            tier = None
+            if snap is None and lower and (probes < SNAPSHOT_PROBES or i % self.snapshot_every_blocks == 0):
+                probes += 1
+                tier = self.lower.find_snapshot(digests[i - 1])
+            if snap is not None or tier is not None:
                 self.states.stats.snapshots_loaded += 1
-                self.states.stats.resume_distance_tokens += (len(hits) - i) * bs
-                return hits[:i], snap
-        if hits:
+                self.states.stats.resume_distance_tokens += (cached - i) * bs
+                return hits[:i], snap, plan.head(max(0, i - len(hits))), tier
+        if cached:
             self.states.stats.snapshots_missed += 1
-        return [], None
+        return [], None, LoadPlan(()), None
 
     def _keep_checkpoint(self, seq: S, *, renew: bool) -> None:
         """Hand ``seq``'s checkpoint to the snapshots (if its blocks are published up to it);
@@ -223,9 +257,26 @@ class PrefixCache(Generic[S]):
         tokens, bs = seq.checkpoint_tokens, self.block_size
         if tokens == 0 or seq.num_registered * bs < tokens or not self.enabled:
             return
-        self.states.store(seq.digests(tokens // bs, bs)[-1], seq.checkpoint_slot, tokens)
+        slot, digest = seq.checkpoint_slot, seq.digests(tokens // bs, bs)[-1]
+        block_tokens = tuple(seq.block_tokens(tokens // bs - 1, bs))
+        if self.states.store(digest, slot, tokens, block_tokens):
+            states = self.states
+            self.lower.snapshot_kept(digest, block_tokens, lambda: states.export(slot))
         seq.checkpoint_slot = self.states.acquire(zeroed=False) if renew else None
         seq.checkpoint_tokens = 0
+
+    def _restore(self, seq: S, loaded: SnapshotLoad) -> None:
+        """A snapshot read from a lower tier: into ``seq``'s live slot, and kept in RAM (and
+        so in the tiers above the one it came from) as a snapshot computed here would be."""
+        assert self.states is not None and seq.state_slot is not None
+        self.states.restore(seq.state_slot, loaded.dest)
+        tokens = seq.num_computed
+        if self.states.find(loaded.digest, tokens) is None:
+            slot = self.states.acquire(zeroed=False)
+            self.states.copy(seq.state_slot, slot)
+            if self.states.store(loaded.digest, slot, tokens, loaded.token_ids):
+                states = self.states
+                self.lower.snapshot_kept(loaded.digest, loaded.token_ids, lambda: states.export(slot), loaded.index)
 
     def discard_checkpoints(self, seqs: Iterable[S]) -> None:
         """A forward failed half-way: what it wrote into these sequences' checkpoints is no
@@ -272,13 +323,20 @@ class PrefixCache(Generic[S]):
                     again.append(seq)
                 continue
             self.loading.remove(seq)
-            loaded_tiers = seq.pending_load.block_tiers()
-            seq.pending_load = None
+            pending, seq.pending_load = seq.pending_load, None
+            if self.states is not None and (n < pending.plan.num_blocks
+                                            or (pending.snapshot is not None and not pending.snapshot_ok)):
+                self._release(seq, overdue=False)  # a hybrid resumes only where its state is
+                again.append(seq)
+                continue
+            loaded_tiers = pending.block_tiers()
             first = seq.num_registered
             seq.num_computed = min((first + n) * self.block_size, seq.num_tokens - 1)
             # A loaded block whose last token is about to be recomputed is published after
             # that (by commit), not before.
             self._publish(seq, first, seq.num_computed // self.block_size)
+            if pending.snapshot is not None:
+                self._restore(seq, pending.snapshot)
             self._first_admission(seq, loaded_tiers)
             ready.append(seq)
         for pending in list(self._draining):

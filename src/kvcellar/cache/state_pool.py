@@ -17,7 +17,10 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
   an agent's next turn starts right there), keyed by the digest of the block before the
   boundary, which chains every token before it (``cache/hashing.py``).
 
-Snapshots are evicted least recently used first beyond ``max_snapshots``. The tensors are
+Snapshots are evicted least recently used first beyond ``max_snapshots`` (``on_evict`` sees each
+before its slot is reused: the tiers below RAM may keep it, ``cache/tiering.py``). A slot's bytes
+as the tiers store them (``export``/``restore``): its conv inputs, then its recurrent state, each
+``[layers, ...]`` in C order. The tensors are
 allocated empty and a slot is written before it is read: pages of slots never used are
 never touched, so the pool costs what was used of it.
 
@@ -27,6 +30,7 @@ Threading: not thread-safe; only the engine thread calls in.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +89,7 @@ class StateStats(Stats):
 class Snapshot:
     slot: int
     tokens: int  # the state after this many tokens
+    block_tokens: tuple[int, ...] = ()  # the token ids of the block before the boundary (what a tier checks)
 
 
 def capture_point(start: int, end: int, prompt_tokens: int, block_size: int) -> int | None:
@@ -113,6 +118,7 @@ class StatePool:
         self._free = list(range(self.slots - 1, -1, -1))
         self._stored: OrderedDict[bytes, Snapshot] = OrderedDict()  # first = least recently used
         self.stats = StateStats(snapshot_bytes=layout.bytes_per_slot)
+        self.on_evict: Callable[[bytes, Snapshot], None] | None = None  # before the slot is freed
 
     @property
     def num_free(self) -> int:
@@ -145,17 +151,43 @@ class StatePool:
         self.conv[:, dst].copy_(self.conv[:, src])
         self.recurrent[:, dst].copy_(self.recurrent[:, src])
 
+    def export(self, slot: int) -> torch.Tensor:
+        """The state in ``slot`` as bytes (a new CPU tensor, ``layout.bytes_per_slot`` long)."""
+        parts = (self.conv[:, slot], self.recurrent[:, slot])
+        out = torch.empty(self.layout.bytes_per_slot, dtype=torch.uint8)
+        pos = 0
+        for part in parts:
+            n = part.numel() * part.element_size()
+            out[pos:pos + n].view(STATE_DTYPE).view(part.shape).copy_(part)
+            pos += n
+        return out
+
+    def staging(self) -> torch.Tensor:
+        """A CPU buffer for one slot's bytes (a load from a tier reads into it)."""
+        return torch.empty(self.layout.bytes_per_slot, dtype=torch.uint8)
+
+    def restore(self, slot: int, data: torch.Tensor) -> None:
+        """Put ``export``'s bytes back, into ``slot``."""
+        if data.dtype != torch.uint8 or data.numel() != self.layout.bytes_per_slot:
+            raise ValueError(f"a state of {self.layout.bytes_per_slot} bytes, got {data.dtype} {tuple(data.shape)}")
+        pos = 0
+        for part in (self.conv[:, slot], self.recurrent[:, slot]):
+            n = part.numel() * part.element_size()
+            part.copy_(data[pos:pos + n].view(STATE_DTYPE).view(part.shape))
+            pos += n
+
     # ---- snapshots ----------------------------------------------------------------------
 
-    def store(self, key: bytes, slot: int, tokens: int) -> bool:
+    def store(self, key: bytes, slot: int, tokens: int, block_tokens: tuple[int, ...] = ()) -> bool:
         """Keep the state in ``slot`` (the pool takes it) as the snapshot after ``tokens``
-        tokens of the chain ``key`` ends. False (and the slot freed) if one is kept already."""
+        tokens of the chain ``key`` ends (``block_tokens``: the ids of its last block). False
+        (and the slot freed) if one is kept already."""
         if key in self._stored or self.max_snapshots == 0:
             self.release(slot)
             return False
         while len(self._stored) >= self.max_snapshots:
             self._evict()
-        self._stored[key] = Snapshot(slot, tokens)
+        self._stored[key] = Snapshot(slot, tokens, block_tokens)
         self.stats.snapshots_stored += 1
         self.stats.snapshots = len(self._stored)
         return True
@@ -175,7 +207,9 @@ class StatePool:
         return n
 
     def _evict(self) -> None:
-        _, snap = self._stored.popitem(last=False)
+        key, snap = self._stored.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(key, snap)
         self._free.append(snap.slot)
         self.stats.snapshots_evicted += 1
         self.stats.snapshots = len(self._stored)

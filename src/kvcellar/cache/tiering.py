@@ -34,6 +34,16 @@ RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if th
 chance, so there ``wants`` may wait for room in a full queue, up to the tier's
 ``evict_wait_s``; at shutdown, until the close deadline.
 
+Snapshots (hybrid models' recurrent state at a block boundary, ``cache/state_pool.py``): a tier
+may be attached with a second tier of the same kind beside it, in a namespace of its own, that
+stores snapshots as entries of the same verified format (``snapshot_spec``: the state's bytes,
+keyed, digested and token-checked as the block before the boundary). A snapshot kept in RAM is
+stored into the write-through tiers at once and into the evict-only ones when RAM evicts it;
+``find_snapshot`` says which tier holds one; a load reads it beside the blocks it resumes after
+(``start_load``'s ``snapshot``), and the load is whole only if every block and the snapshot
+verified. A snapshot is of use only with every block before it, which a tier may have evicted:
+then it ages out unused.
+
 The engine always has a link; with no tier attached every call is a no-op, so nobody
 checks whether there are lower tiers.
 
@@ -53,11 +63,13 @@ import torch
 
 from kvcellar.cache.block_manager import Block
 from kvcellar.cache.kv_pool import KVPool
+from kvcellar.cache.state_pool import StateLayout
 from kvcellar.stats import Stats, counter
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 from kvcellar.storage.guard import GuardedTier
 
 POLICIES = ("write_through", "evict_only", "read_only")
+SNAPSHOTS = "snapshots_"  # the prefix of a snapshot tier's counters
 
 
 @dataclass
@@ -75,12 +87,36 @@ class LinkStats(Stats):
 
 
 @dataclass
+class SnapshotLinkStats(Stats):
+    """What the link asked of one tier's snapshots and got, exported as ``<tier>_link_snapshots_*``."""
+
+    lookups: int = counter()
+    found: int = counter()
+    loaded: int = counter()
+    load_failed: int = counter()
+    stored: int = counter()
+    declined: int = counter()
+
+
+@dataclass
 class AttachedTier:
     tier: KVTier
     policy: str
     # Every call the link makes goes through here: the tier's faults stay the tier's.
     calls: GuardedTier
     stats: LinkStats = field(default_factory=LinkStats)
+    snapshots: GuardedTier | None = None  # the tier beside it that keeps snapshots (hybrid models)
+    snapshot_stats: SnapshotLinkStats = field(default_factory=SnapshotLinkStats)
+
+
+@dataclass(frozen=True)
+class SnapshotLoad:
+    """A snapshot to read from tier ``index`` into ``dest`` (``StatePool.export``'s bytes)."""
+
+    index: int
+    digest: bytes
+    token_ids: tuple[int, ...]
+    dest: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -114,11 +150,17 @@ class PendingLoad:
     loaded_by_tier: dict[str, int] = field(default_factory=dict)  # verified blocks per tier name (when done)
     deadline: float = float("inf")  # monotonic time past which the read is overdue (``LowerTierLink.overdue``)
     limit_s: float = float("inf")  # the seconds from its start to ``deadline``
+    snapshot: SnapshotLoad | None = None
+    snapshot_future: concurrent.futures.Future[int] | None = None
+    snapshot_ok: bool = False  # (when done) the snapshot verified and is in ``snapshot.dest``
 
     @property
     def settled(self) -> bool:
-        """Every tier is done with the blocks (whatever it read)."""
-        return all(f.done() for f in self.futures)
+        """Every tier is done with the blocks and the snapshot (whatever it read)."""
+        return all(f.done() for f in self._all_futures())
+
+    def _all_futures(self) -> list[concurrent.futures.Future[int]]:
+        return [*self.futures, *([self.snapshot_future] if self.snapshot_future is not None else [])]
 
     def block_tiers(self) -> list[str]:
         """The tier name of each verified leading block (when done): runs are in prefix order."""
@@ -145,13 +187,19 @@ class LowerTierLink:
         # wait for its copies off the pool.
         self._published: list[tuple[Block, bytes]] = []
 
-    def attach(self, tier: KVTier, policy: str = "write_through") -> None:
-        """Add ``tier`` below the ones attached so far (attach the fastest first)."""
+    def attach(self, tier: KVTier, policy: str = "write_through", snapshots: KVTier | None = None) -> None:
+        """Add ``tier`` below the ones attached so far (attach the fastest first);
+        ``snapshots``: the tier beside it that keeps a hybrid model's snapshots."""
         if policy not in POLICIES:
             raise ValueError(f"unknown tier policy {policy!r}; use one of {', '.join(POLICIES)}")
         if any(t.tier.name == tier.name for t in self.tiers):
             raise ValueError(f"a tier named {tier.name!r} is already attached")
-        self.tiers.append(AttachedTier(tier, policy, GuardedTier(tier, **self._guard)))
+        self.tiers.append(AttachedTier(tier, policy, GuardedTier(tier, **self._guard),
+                                       snapshots=GuardedTier(snapshots, **self._guard) if snapshots else None))
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        return any(a.snapshots is not None for a in self.tiers)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -168,6 +216,11 @@ class LowerTierLink:
         layout = pool.layout
         return BlockSpec(dtype=layout.storage_dtype, shape=layout.storage_shape, block_size=layout.block_size,
                          kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0)
+
+    @staticmethod
+    def snapshot_spec(layout: StateLayout, block_size: int) -> BlockSpec:
+        """Geometry of one snapshot as the tiers store it: ``StatePool.export``'s bytes."""
+        return BlockSpec(dtype=torch.uint8, shape=(layout.bytes_per_slot,), block_size=block_size)
 
     # ---- reads ----------------------------------------------------------------------------
 
@@ -191,9 +244,23 @@ class LowerTierLink:
                 pos += n
         return LoadPlan(tuple(runs))
 
+    def find_snapshot(self, digest: bytes) -> int | None:
+        """The first tier that holds the snapshot keyed by ``digest`` (leased as a block
+        lookup is, until its load), or None."""
+        key = self.key_of(digest)
+        for i, attached in enumerate(self.tiers):
+            if attached.snapshots is None:
+                continue
+            attached.snapshot_stats.lookups += 1
+            if attached.snapshots.lookup([key]) == 1:
+                attached.snapshot_stats.found += 1
+                return i
+        return None
+
     def start_load(self, plan: LoadPlan, blocks: list[Block], digests: list[bytes],
-                   token_blocks: list[tuple[int, ...]]) -> PendingLoad:
-        """Read the blocks of ``plan`` into ``blocks`` (one per digest, in order)."""
+                   token_blocks: list[tuple[int, ...]], snapshot: SnapshotLoad | None = None) -> PendingLoad:
+        """Read the blocks of ``plan`` into ``blocks`` (one per digest, in order), and
+        ``snapshot`` beside them."""
         staging: list[torch.Tensor] = []
         requests = []
         for block, digest, tokens in zip(blocks, digests, token_blocks, strict=True):
@@ -215,7 +282,17 @@ class LowerTierLink:
             pos += n
         nbytes = self.pool.layout.bytes_per_block
         timeout = max((self.tiers[index].tier.load_timeout_for(n * nbytes) for index, n in plan.runs), default=0.0)
-        return PendingLoad(blocks, plan, futures, staging, deadline=time.monotonic() + timeout, limit_s=timeout)
+        snapshot_future = None
+        if snapshot is not None:
+            attached = self.tiers[snapshot.index]
+            assert attached.snapshots is not None
+            snapshot_future = attached.snapshots.load(
+                [LoadRequest(self.key_of(snapshot.digest), snapshot.digest, snapshot.token_ids, snapshot.dest)])
+            if wake is not None:
+                snapshot_future.add_done_callback(lambda _f: wake())
+            timeout = max(timeout, attached.snapshots.tier.load_timeout_for(snapshot.dest.numel()))
+        return PendingLoad(blocks, plan, futures, staging, deadline=time.monotonic() + timeout, limit_s=timeout,
+                           snapshot=snapshot, snapshot_future=snapshot_future)
 
     def overdue(self, pending: PendingLoad) -> bool:
         """Whether ``pending`` is still reading past its tiers' ``load_timeout_for``; then it is
@@ -226,14 +303,27 @@ class LowerTierLink:
         for (index, _), future in zip(pending.plan.runs, pending.futures, strict=True):
             if not future.done():
                 self.tiers[index].calls.overdue(pending.deadline, pending.limit_s)
+        snapshots = self.tiers[pending.snapshot.index].snapshots if pending.snapshot is not None else None
+        if snapshots is not None and pending.snapshot_future is not None and not pending.snapshot_future.done():
+            snapshots.overdue(pending.deadline, pending.limit_s)
         return True
 
     def finish_load(self, pending: PendingLoad) -> int | None:
         """Number of leading blocks now valid in the pool, or None while still reading.
         Blocks after the first one that failed are not used, even if a later tier's run
-        read fine: a prefix has no holes."""
-        if not all(f.done() for f in pending.futures):
+        read fine: a prefix has no holes. A snapshot's outcome is ``pending.snapshot_ok``."""
+        if not pending.settled:
             return None
+        if pending.snapshot is not None and pending.snapshot_future is not None:
+            try:
+                pending.snapshot_ok = int(pending.snapshot_future.result()) == 1
+            except Exception:  # as for blocks: a miss
+                pending.snapshot_ok = False
+            counters = self.tiers[pending.snapshot.index].snapshot_stats
+            if pending.snapshot_ok:
+                counters.loaded += 1
+            else:
+                counters.load_failed += 1
         valid = 0
         pos = 0
         broken = False
@@ -315,6 +405,36 @@ class LowerTierLink:
             self.tiers[i].stats.stored_blocks += 1
             attached.calls.store([request])
 
+    def snapshot_kept(self, digest: bytes, token_ids: tuple[int, ...], export: Callable[[], torch.Tensor],
+                      loaded_from: int | None = None) -> None:
+        """RAM kept a snapshot keyed by ``digest``: stored into the write-through tiers now
+        (``export``: its bytes, taken once for all of them); one read from tier
+        ``loaded_from`` only into the tiers above it."""
+        self._store_snapshot(digest, token_ids, export, ("write_through",), last_chance=False,
+                             above=len(self.tiers) if loaded_from is None else loaded_from)
+
+    def snapshot_evicted(self, digest: bytes, token_ids: tuple[int, ...], export: Callable[[], torch.Tensor]) -> None:
+        """RAM is about to reuse a snapshot's slot: the evict-only tiers take it, and the
+        write-through ones whose store was dropped."""
+        self._store_snapshot(digest, token_ids, export, ("evict_only", "write_through"), last_chance=True)
+
+    def _store_snapshot(self, digest: bytes, token_ids: tuple[int, ...], export: Callable[[], torch.Tensor],
+                        policies: tuple[str, ...], *, last_chance: bool, above: int | None = None) -> None:
+        key = self.key_of(digest)
+        request: StoreRequest | None = None
+        for attached in self.tiers[:above]:
+            snapshots = attached.snapshots
+            if snapshots is None or attached.policy not in policies:
+                continue
+            if not snapshots.wants(key, snapshots.tier.evict_wait_s if last_chance else 0.0):
+                if not last_chance:
+                    attached.snapshot_stats.declined += 1
+                continue
+            if request is None:
+                request = StoreRequest(key, digest, token_ids, export())
+            attached.snapshot_stats.stored += 1
+            snapshots.store([request])
+
     def _store_request(self, block: Block, key: bytes) -> StoreRequest:
         assert block.digest is not None and block.token_ids is not None
         data = self.pool.block(block.block_id)
@@ -330,12 +450,24 @@ class LowerTierLink:
             attached.stats.hit_tokens += tokens_by_tier.get(attached.tier.name, 0)
 
     def stats_by_tier(self) -> dict[str, dict[str, float]]:
-        """Each tier's own counters and this link's for it (``<name>_link_*``), by tier name."""
-        return {a.tier.name: {**a.stats.as_dict(a.tier.name + "_link_"), **a.calls.stats()} for a in self.tiers}
+        """Each tier's own counters and this link's for it (``<name>_link_*``), by tier name;
+        its snapshots' tier's as ``snapshots_<its names>`` and ``<name>_link_snapshots_*``."""
+        return {a.tier.name: {**a.stats.as_dict(a.tier.name + "_link_"), **a.calls.stats(), **(
+            {**a.snapshot_stats.as_dict(a.tier.name + "_link_snapshots_"),
+             **{SNAPSHOTS + k: v for k, v in a.snapshots.stats().items()}} if a.snapshots is not None else {})}
+            for a in self.tiers}
+
+    def gauge_keys(self) -> frozenset[str]:
+        """The keys of ``stats_by_tier`` that are levels."""
+        return frozenset().union(*(a.tier.gauges for a in self.tiers),
+                                 *({SNAPSHOTS + k for k in a.snapshots.gauges} for a in self.tiers if a.snapshots))
 
     def health(self) -> dict[str, dict[str, object]]:
-        """Each tier's ``health()`` with its policy, by tier name."""
-        return {a.tier.name: {"policy": a.policy, **a.calls.health()} for a in self.tiers}
+        """Each tier's ``health()`` with its policy, by tier name (and its snapshots' tier's,
+        under ``snapshots``)."""
+        return {a.tier.name: {"policy": a.policy, **a.calls.health(),
+                              **({"snapshots": a.snapshots.health()} if a.snapshots is not None else {})}
+                for a in self.tiers}
 
     def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
         """Flush; offer each write-through tier the ``cached`` RAM blocks whose store it
@@ -349,6 +481,8 @@ class LowerTierLink:
             if attached.policy == "write_through":
                 self._offer_again(i, attached, blocks, deadline)
             clean = attached.calls.close(max(0.5, deadline - time.monotonic())) and clean
+            if attached.snapshots is not None:
+                clean = attached.snapshots.close(max(0.5, deadline - time.monotonic())) and clean
         return clean
 
     def _offer_again(self, index: int, attached: AttachedTier, blocks: list[Block], deadline: float) -> None:

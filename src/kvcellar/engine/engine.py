@@ -215,10 +215,21 @@ class Engine:
         """Geometry of one KV block, as lower tiers store it."""
         return LowerTierLink.block_spec(self.pool)
 
-    def attach_tier(self, tier: KVTier, policy: str = "write_through") -> None:
+    @property
+    def snapshot_spec(self) -> BlockSpec | None:
+        """Geometry of one recurrent-state snapshot as lower tiers store it (hybrid models
+        only, else None)."""
+        states = self.scheduler.cache.states
+        return None if states is None else LowerTierLink.snapshot_spec(states.layout, self.config.block_size)
+
+    def attach_tier(self, tier: KVTier, policy: str = "write_through", snapshots: KVTier | None = None) -> None:
         """Put ``tier`` below the RAM tier and the tiers attached before it (attach the
         fastest first; before ``start``). The engine owns it from here on and closes it in
-        ``shutdown``. ``policy``: write_through, evict_only or read_only."""
+        ``shutdown``. ``policy``: write_through, evict_only or read_only. ``snapshots``: a
+        hybrid model's tier for snapshots beside it (``snapshot_spec``), of the same kind:
+        without one, the hybrid resumes nothing from this tier."""
+        if snapshots is not None and self.snapshot_spec is None:
+            raise ValueError("snapshots are for hybrid models' recurrent state; this model has none")
         if self._thread is not None:
             raise RuntimeError("attach tiers before starting the engine")
         if not self.config.prefix_caching:
@@ -229,7 +240,7 @@ class Engine:
                              "would delete each other")
         if native.folds_crc32():  # the tiers' block checksums: the same values, faster
             block_format.use_crc32(native.crc32)
-        self.lower.attach(tier, policy)
+        self.lower.attach(tier, policy, snapshots)
 
     def prompt_progress(self, seq_id: int) -> int | None:
         """Tokens of sequence ``seq_id`` whose KV is computed (cache hits included; back to 0

@@ -14,6 +14,7 @@ from typing import ClassVar
 from kvcellar.cache.block_manager import BlockLevels, BlockStats
 from kvcellar.cache.prefetch import PrefetchStats
 from kvcellar.cache.prefix_cache import PrefixCacheStats
+from kvcellar.cache.state_pool import StateStats
 from kvcellar.engine.engine import Engine
 from kvcellar.engine.model_runner import RunnerStats
 from kvcellar.engine.scheduler import SchedulerStats
@@ -63,8 +64,8 @@ def tier_stats(engine: Engine) -> dict[str, dict[str, float]]:
 def gauge_keys(engine: Engine) -> frozenset[str]:
     """The keys of ``snapshot`` that are levels, as their owners declare them."""
     owned: tuple[type[Stats], ...] = (EngineStats, EngineLevels, SchedulerStats, PrefixCacheStats, PrefetchStats,
-                                      RunnerStats, BlockStats, BlockLevels)
-    return frozenset().union(*(s.gauge_names() for s in owned), *(a.tier.gauges for a in engine.lower.tiers))
+                                      RunnerStats, BlockStats, BlockLevels, StateStats)
+    return frozenset().union(*(s.gauge_names() for s in owned), engine.lower.gauge_keys())
 
 
 def step_health(engine: Engine) -> dict[str, object]:
