@@ -24,10 +24,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def kv_descriptor(
     *, weights_id: str, tokenizer_id: str, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
-    model_name: str = "", kv_bits: int = 16, kv_group_size: int = 0, arithmetic: str = "",
+    model_name: str = "", kv_bits: int = 16, kv_group_size: int = 0, arithmetic: str = "", recurrence: str = "",
 ) -> dict[str, Any]:
     quantized = {"kv_bits": kv_bits, "kv_group_size": kv_group_size} if kv_bits != 16 else {}
     own = {"arithmetic": arithmetic} if arithmetic else {}
+    if recurrence:  # a hybrid model's linear attention on kvcellar's kernel: its numbers move the KV
+        own["recurrence"] = recurrence
     return {
         "weights": weights_id,
         "tokenizer": tokenizer_id,

@@ -72,6 +72,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         kv_bits=layout.kv_bits,
         kv_group_size=layout.kv_group_size,
         arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 else "",
+        recurrence=native.RECURRENCE if state_layout is not None and native.runs_gated_delta(
+            loaded.device, state_layout.value_dim) else "",
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
                        max_model_len, wake)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcellar.cache.state_pool import STATE_DTYPE, StatePool
+from kvcellar.engine import native
 
 L2_EPS = 1e-6  # transformers' l2norm (and the FLA library's)
 VECTOR_ALIGN = 32  # float32 elements: two AVX-512 vectors, the most torch's CPU loops take a step
@@ -131,37 +132,76 @@ class GatedDeltaNet:
         beta = rowwise(torch.sigmoid, self.b(flat).float())
         conv = step.pool.conv[self.index]
         recurrent = step.pool.recurrent[self.index]
-        core = torch.empty((rows, self.value_heads, self.value_dim), dtype=STATE_DTYPE, device=x.device)
         taps = self.conv_weight.shape[-1]
+        native_rule = native.runs_gated_delta(x.device, self.value_dim)
+        # per group of rows (the decode rows, then each prefill span): its rows, q, k, v, slots
+        groups: list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | int]] = []
         if step.decode_slots is not None:
             n = step.decode_slots.shape[0]
             slots = step.decode_slots
             conv_state = conv.index_select(0, slots)
             convolved, _ = causal_conv(mixed[:n, :, None], conv_state, self.conv_weight)
             conv.index_copy_(0, slots, conv_state)
-            state = recurrent.index_select(0, slots)
-            q, k, v = self._heads(rowwise(F.silu, convolved[..., 0]))
-            core[:n] = gated_delta(q, k, v, decay[:n], beta[:n], state)
-            recurrent.index_copy_(0, slots, state)
             for row in range(n):
                 target = step.captures.get(row)
                 if target is not None:
                     conv[target].copy_(conv_state[row])
-                    recurrent[target].copy_(state[row])
+            groups.append((slice(0, n), *self._heads(rowwise(F.silu, convolved[..., 0])), slots))
         for first, length, slot in step.spans:
             convolved, joined = causal_conv(mixed[first : first + length].t(), conv[slot], self.conv_weight)
-            q, k, v = self._heads(rowwise(F.silu, convolved.t()))
-            ds, bs = decay[first : first + length], beta[first : first + length]
-            state = recurrent[slot]
             for t in range(length):
-                core[first + t] = gated_delta(q[t], k[t], v[t], ds[t], bs[t], state)
                 target = step.captures.get(first + t)
                 if target is not None:
                     conv[target].copy_(joined[:, t + 1 : t + taps])
-                    recurrent[target].copy_(state)
+            groups.append((slice(first, first + length), *self._heads(rowwise(F.silu, convolved.t())), slot))
+        if native_rule:
+            core = self._native_rule(groups, rows, decay, beta, recurrent, step.captures)
+        else:
+            core = self._torch_rule(groups, rows, decay, beta, recurrent, step.captures)
         z = self.z(flat).view(rows, self.value_heads, self.value_dim)
         normed = self._gated_norm(core, z, x.dtype)
         return self.out(normed.reshape(1, rows, -1))
+
+    def _native_rule(self, groups: list[Any], rows: int, decay: torch.Tensor, beta: torch.Tensor,
+                     recurrent: torch.Tensor, captures: dict[int, int]) -> torch.Tensor:
+        """Every row of the step in one call of kvcellar's kernel."""
+        shape = (rows, self.value_heads)
+        q = torch.empty((*shape, self.key_dim), dtype=STATE_DTYPE)
+        k = torch.empty_like(q)
+        v = torch.empty((*shape, self.value_dim), dtype=STATE_DTYPE)
+        slots = torch.empty(rows, dtype=torch.int64)
+        for span, gq, gk, gv, slot in groups:
+            q[span], k[span], v[span] = gq, gk, gv
+            slots[span] = slot
+        capture = torch.full((rows,), -1, dtype=torch.int64)
+        for row, target in captures.items():
+            capture[row] = target
+        return native.gated_delta(q, k, v, decay, beta, recurrent, slots, capture)
+
+    @staticmethod
+    def _torch_rule(groups: list[Any], rows: int, decay: torch.Tensor, beta: torch.Tensor, recurrent: torch.Tensor,
+                    captures: dict[int, int]) -> torch.Tensor:
+        """Every row of the step in torch: the decode rows as one batch of states, each
+        prefill span a token at a time."""
+        core = torch.empty((rows, *groups[0][3].shape[1:]), dtype=STATE_DTYPE, device=recurrent.device)
+        for span, q, k, v, slot in groups:
+            if isinstance(slot, torch.Tensor):  # the decode rows
+                state = recurrent.index_select(0, slot)
+                core[span] = gated_delta(q, k, v, decay[span], beta[span], state)
+                recurrent.index_copy_(0, slot, state)
+                for row in range(span.stop):
+                    target = captures.get(row)
+                    if target is not None:
+                        recurrent[target].copy_(state[row])
+                continue
+            state = recurrent[slot]
+            ds, bs = decay[span], beta[span]
+            for t in range(span.stop - span.start):
+                core[span.start + t] = gated_delta(q[t], k[t], v[t], ds[t], bs[t], state)
+                target = captures.get(span.start + t)
+                if target is not None:
+                    recurrent[target].copy_(state)
+        return core
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved channels ``[rows, channels]`` as normalized, scaled query and key heads

@@ -6,6 +6,7 @@
  *   int8.c      int8 linears and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
+ *   recurrent.c the gated delta rule of hybrid models' linear attention
  *   crc32.c     the block files' checksum
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
@@ -115,5 +116,6 @@ void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
 uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
+int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows, int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads);
 
 #endif
