@@ -28,6 +28,7 @@ import torch
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import StepPlan
+from kvcellar.errors import ModelLoadError
 from tests._models import (
     assert_generates_like_reference,
     assert_identical_output,
@@ -91,6 +92,13 @@ def test_the_pool_holds_only_the_attention_layers_and_two_states_per_sequence():
     assert states.stats.snapshots <= 5
     assert_no_leaks(engine)
     engine.shutdown(10)
+
+
+def test_a_model_without_an_attention_layer_is_refused_by_name():
+    config = {**CONFIG, "layer_types": ["linear_attention"] * 4}
+    linear_only = tiny_model("qwen3_5_text", embedded().tokenizer, **config)
+    with pytest.raises(ModelLoadError, match="all linear attention"):
+        make_engine(linear_only)
 
 
 def resumable(prompt_tokens: int, block_size: int = 16) -> int:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kvcellar.errors import ModelLoadError
+
 KV_BITS = (16, 8, 4)
 DEFAULT_KV_GROUP_SIZE = 64
 _PARAM_DTYPE = torch.float16  # scale and offset of a group
@@ -144,7 +146,11 @@ def attention_layers(text: Any) -> int:
     """The layers that keep KV: all, but for a hybrid model's linear-attention layers (their
     state is ``cache/state_pool.py``'s), which the pool leaves out."""
     types = getattr(text, "layer_types", None) or ()
-    return int(text.num_hidden_layers) - sum(1 for t in types if t == "linear_attention")
+    layers = int(text.num_hidden_layers) - sum(1 for t in types if t == "linear_attention")
+    if layers <= 0:
+        raise ModelLoadError(f"this model's {text.num_hidden_layers} layers are all linear attention; kvcellar "
+                             "serves hybrids with at least one attention layer (its blocks name the cached prefixes)")
+    return layers
 
 
 def layer_shapes(text: Any) -> list[tuple[int, int]]:
