@@ -42,7 +42,7 @@ GGUF_ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss", "llama", "mistral", "qwen2"
 MOE_GGUF_ARCHITECTURES = ("gemma4", "gpt-oss", "qwen3moe")
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
 MODEL_TYPES = ("gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama", "ministral", "ministral3",
-               "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe")
+               "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe")
 # Families transformers builds that kvcellar would run wrongly, and why.
 NOT_YET = {
     "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",

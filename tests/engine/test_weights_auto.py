@@ -307,9 +307,16 @@ QWEN35_TEXT = {"num_hidden_layers": 4, "linear_key_head_dim": 16, "linear_value_
                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 
 
+# Qwen3.5 MoE (Qwen3.5-35B-A3B, Qwen3.6): the same layers, routed experts and a shared expert.
+QWEN35_MOE_TEXT = {**QWEN35_TEXT, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64}
+
+
 def _tiny_of_model_type(model_type: str, tokenizer: Any) -> LoadedModel:
     if model_type in ("qwen3_5", "qwen3_5_text"):
         return tiny_model("qwen3_5_text", tokenizer, name=f"tiny-{model_type}", **QWEN35_TEXT)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return tiny_model("qwen3_5_moe_text", tokenizer, name=f"tiny-{model_type}", **QWEN35_MOE_TEXT)
     if model_type not in ("gemma3", "gemma4"):
         extra = {"sliding_window": 24} if model_type in ("mistral", "ministral", "gemma3_text") else {}
         return tiny_model(model_type, tokenizer, **(GEMMA4_TEXT if model_type == "gemma4_text" else extra))

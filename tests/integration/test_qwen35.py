@@ -1,5 +1,6 @@
-"""Hybrid Gated-DeltaNet models (``qwen3_5``: Qwen3.5, Qwen3.6): three linear-attention layers
-to one gated full-attention layer.
+"""Hybrid Gated-DeltaNet models (``qwen3_5``: Qwen3.5, Qwen3.6; ``qwen3_5_moe``: their MoE
+variants, routed experts and a gated shared expert): three linear-attention layers to one gated
+full-attention layer.
 
 kvcellar runs them through its own walk (``engine/lean_qwen35.py``): the attention layers over
 the paged KV pool (which holds only them), the linear-attention layers a token at a time over
@@ -53,17 +54,23 @@ CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_a
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
 
+# The MoE variant (Qwen3.5-35B-A3B, Qwen3.6's): routed experts and a gated shared expert.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+
+
 @functools.cache
-def tiny() -> Any:
+def tiny(family: str = "dense") -> Any:
+    if family == "moe":
+        return tiny_model("qwen3_5_moe_text", embedded().tokenizer, **CONFIG, **MOE)
     return tiny_model("qwen3_5_text", embedded().tokenizer, **CONFIG)
 
 
 @functools.cache
-def folder() -> Path:
-    """``tiny()``'s model written as a HF folder (safetensors, config, the embedded tokenizer)."""
-    path = Path(tempfile.mkdtemp(prefix="kvcellar-test-qwen35-")) / "tiny-qwen3_5"
+def folder(family: str = "dense") -> Path:
+    """``tiny(family)``'s model written as a HF folder (safetensors, config, the embedded tokenizer)."""
+    path = Path(tempfile.mkdtemp(prefix="kvcellar-test-qwen35-")) / f"tiny-qwen3_5-{family}"
     atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
-    loaded = tiny()
+    loaded = tiny(family)
     loaded.model.save_pretrained(path)
     loaded.tokenizer.save_pretrained(path)
     return path
@@ -73,9 +80,9 @@ def prompts(loaded: Any) -> list[list[int]]:
     return [chat_ids(loaded, q, SYSTEM) for q in QUESTIONS]
 
 
-@pytest.mark.parametrize("chunk", [512, 7, 64])
-def test_the_engine_generates_what_transformers_generates(chunk):
-    loaded = tiny()
+@pytest.mark.parametrize(("family", "chunk"), [("dense", 512), ("dense", 7), ("dense", 64), ("moe", 13)])
+def test_the_engine_generates_what_transformers_generates(family, chunk):
+    loaded = tiny(family)
     prompt = prompts(loaded)[0]
     assert len(prompt) > 100
     assert_generates_like_reference(loaded.model, loaded, prompt, PARAMS, chunk=chunk)
@@ -108,9 +115,11 @@ def resumable(prompt_tokens: int, block_size: int = 16) -> int:
 
 @needs_native
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_every_step_shape_and_hit_gives_the_uncached_bits(weights):
-    loaded = served_file(folder(), weights)
-    assert loaded.weights == weights and type(loaded.model).__name__ == "Qwen3_5ForCausalLM"
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_every_step_shape_and_hit_gives_the_uncached_bits(family, weights):
+    loaded = served_file(folder(family), weights)
+    model_class = "Qwen3_5MoeForCausalLM" if family == "moe" else "Qwen3_5ForCausalLM"
+    assert loaded.weights == weights and type(loaded.model).__name__ == model_class
     uncached = uncached_runner(loaded, PARAMS)
     asked = prompts(loaded)
     for chunk in (13, 64):

@@ -252,12 +252,14 @@ def _stacked_inputs_first(experts: Any) -> RoutedExperts:
 # transformers' experts class -> how its weights become linears.
 _EXPERTS: dict[str, Callable[[Any], RoutedExperts]] = {
     "Qwen3MoeExperts": _stacked_halves,
+    "Qwen3_5MoeExperts": _stacked_halves,
     "Gemma4TextExperts": _stacked_halves,
     "GptOssExperts": _stacked_inputs_first,
 }
 # transformers' router class -> how it becomes a ``Router``.
 _ROUTERS: dict[str, Callable[[Any], Router]] = {
     "Qwen3MoeTopKRouter": lambda r: Router(r.weight, None, r.top_k, "softmax_topk", bool(r.norm_topk_prob)),
+    "Qwen3_5MoeTopKRouter": lambda r: Router(r.weight, None, r.top_k, "softmax_topk", True),
     "GptOssTopKRouter": lambda r: Router(r.weight, r.bias, r.top_k, "topk_softmax"),
     "Gemma4TextRouter": lambda r: Router(r.proj.weight, None, r.config.top_k_experts, "softmax_topk", True,
                                          _Gemma4RouterInput(r), r.per_expert_scale),

@@ -1,4 +1,5 @@
-"""The forward of the hybrid Qwen3.5/3.6 text models (``Qwen3_5ForCausalLM``): three Gated
+"""The forward of the hybrid Qwen3.5/3.6 text models (``Qwen3_5ForCausalLM``, and
+``Qwen3_5MoeForCausalLM``: routed experts and a gated shared expert for the MLP): three Gated
 DeltaNet layers (``engine/deltanet.py``) to one gated full-attention layer, walked op for op
 over transformers' weights.
 
@@ -23,9 +24,10 @@ import torch
 
 from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.deltanet import GatedDeltaNet, rowwise
+from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import call_of as _linear
 
-CAUSAL_LMS = frozenset({"Qwen3_5ForCausalLM"})
+CAUSAL_LMS = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
 
 def is_hybrid(model: Any) -> bool:
@@ -61,12 +63,41 @@ class _Attention:
         self.q_norm, self.k_norm = _zero_centred_norm(attn.q_norm), _zero_centred_norm(attn.k_norm)
 
 
+class _MLP:
+    """A gated MLP (the dense models', the MoE models' shared expert)."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(rowwise(self.act, self.gate(x)) * self.up(x))
+
+
+class _Experts:
+    """The MoE models' block: routed experts (kvcellar's, ``engine/experts.py``) plus a shared
+    expert scaled by a sigmoid gate of its own."""
+
+    def __init__(self, block: Any) -> None:
+        if not isinstance(block.gate, Router) or not isinstance(block.experts, RoutedExperts):
+            raise ValueError("a Qwen3.5 MoE block whose experts were not split (engine/experts.py)")
+        self.router, self.experts = block.gate, block.experts
+        self.shared = _MLP(block.shared_expert)
+        self.shared_gate = _linear(block.shared_expert_gate)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1, x.shape[-1])
+        _, weights, index = self.router.forward(flat)
+        routed = self.experts.forward(flat, index, weights)
+        shared = rowwise(torch.sigmoid, self.shared_gate(flat)) * self.shared(flat)
+        return (routed + shared).view(x.shape)
+
+
 class _Layer:
     def __init__(self, layer: Any, mixer: _Attention | GatedDeltaNet) -> None:
         self.mixer = mixer
         mlp = layer.mlp
-        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
-        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        self.mlp: _MLP | _Experts = _Experts(mlp) if hasattr(mlp, "experts") else _MLP(mlp)
         self.input_norm = _zero_centred_norm(layer.input_layernorm)
         self.post_norm = _zero_centred_norm(layer.post_attention_layernorm)
 
@@ -115,8 +146,7 @@ class Qwen35Forward:
                 h = h + mixer(x, meta.recurrent)
             else:
                 h = h + self._attend(mixer, x, cos, sin, meta, lead)
-            x = layer.post_norm(h)
-            h = h + layer.down(rowwise(layer.act, layer.gate(x)) * layer.up(x))
+            h = h + layer.mlp(layer.post_norm(h))
         h = self.norm(h)
         return self.lm_head(h[:, logits_to_keep, :])
 
