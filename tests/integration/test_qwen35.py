@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.errors import ModelLoadError
@@ -34,6 +34,7 @@ from tests._models import (
     assert_generates_like_reference,
     assert_identical_output,
     assert_no_leaks,
+    assert_same_output,
     chat_ids,
     embedded,
     make_engine,
@@ -137,6 +138,28 @@ def test_every_step_shape_and_hit_gives_the_uncached_bits(family, weights):
         assert results[2].num_cached_tokens == resumable(len(asked[2]))
         assert_no_leaks(engine)
         engine.shutdown(10)
+
+
+@needs_native
+def test_torchs_recurrence_where_the_kernel_does_not_run(monkeypatch):
+    """The path CUDA takes (the gated delta rule in torch, ``deltanet.GatedDeltaNet._torch_rule``):
+    cached equals uncached to the bit there too, and its numbers are the kernel's within float32
+    rounding (the kernel fuses multiply-adds; compared on float32 weights, where no activation
+    is quantized to 8 bits to amplify that rounding)."""
+    dense = tiny()
+    by_kernel = uncached_runner(dense, PARAMS)(prompts(dense)[0])
+    loaded = served_file(folder(), "int8")
+    asked = prompts(loaded)
+    monkeypatch.setattr(native, "runs_gated_delta", lambda device, value_dim: False)
+    assert_same_output(uncached_runner(dense, PARAMS)(prompts(dense)[0]), by_kernel, tol=1e-4)
+    uncached = uncached_runner(loaded, PARAMS)
+    engine = make_engine(loaded, max_step_tokens=13)
+    assert engine.descriptor.get("recurrence") is None  # another namespace than the kernel's blocks
+    for _ in range(2):  # cold, then from the snapshot
+        assert_identical_output(engine.generate([asked[0]], PARAMS)[0], uncached(asked[0]))
+    batch = engine.generate([asked[1], asked[1]], PARAMS)
+    assert_identical_output(batch[1], uncached(asked[1]))
+    engine.shutdown(10)
 
 
 @needs_native
