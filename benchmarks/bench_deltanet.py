@@ -86,7 +86,7 @@ def main() -> None:
         layer = GatedDeltaNet(module, 0, call_of)
         layout = StateLayout.from_model_config(cfg)
         assert layout is not None
-        pool = StatePool(layout, 9)
+        pool = StatePool(layout, 10)
         x = torch.randn(1, rows, 4096) * 0.1
         slot = pool.acquire()
         ours = best(lambda: layer(x, RecurrentStep(pool, None, [(0, rows, slot)], {})), max(1, args.repeat - 1))

@@ -11,14 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.loader import load_model
 from kvcellar.errors import ModelNotFoundError
 from kvcellar.model_source import find_embedded_gguf, resolve_source
+from kvcellar.paths import resolve_cache_dir
 from tests._models import chat_ids, embedded, make_engine, reference_greedy, tiny_model
 from tests.helpers import kvcellar_command
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fresh_cache_root(root: Path) -> Path:
+    """A cache root of its own for a ``kvcellar`` child (``KVCELLAR_CACHE_DIR``), with this
+    session's build of the CPU kernels linked in as its ``native`` folder: the library is built
+    per cache root, and a compile would cost each such test 10-20 s of a core."""
+    root.mkdir(parents=True, exist_ok=True)
+    if native.library() is not None:
+        (root / "native").symlink_to(resolve_cache_dir() / "native", target_is_directory=True)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +68,8 @@ def test_hub_id_resolves_offline_from_the_local_hf_cache(tiny_dir, tmp_path):
     refs = hub / "models--kvcellar-test--tiny-llama" / "refs"
     refs.mkdir()
     (refs / "main").write_text(COMMIT)
-    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "KVCELLAR_CACHE_DIR": str(tmp_path / "c")}
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
+           "KVCELLAR_CACHE_DIR": str(fresh_cache_root(tmp_path / "c"))}
     cmd = [*kvcellar_command(), "generate", "--model", "kvcellar-test/tiny-llama", "--prompt", "Hi",
            "--max-tokens", "5", "--dtype", "float32", "--kv-cache-gb", "0.05", "--ssd-policy", "off", "-v"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -78,7 +90,7 @@ def test_embedded_default_and_gguf_path_resolve_to_the_same_file():
 
 
 def test_generate_prints_a_completion(tmp_path):
-    env = {**os.environ, "KVCELLAR_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KVCELLAR_CACHE_DIR": str(fresh_cache_root(tmp_path))}
     # reuse the session's prepared model: link <cache>/models to it
     models = os.environ.get("KVCELLAR_TEST_MODELS_DIR")
     if models:

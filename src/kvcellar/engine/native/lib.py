@@ -1,7 +1,8 @@
 """The kernels' shared library: built from the C files beside this module on first use, loaded
 with ctypes, and called by name.
 
-The C files are compiled once per source, compiler and flags with the system C compiler into
+The C files are compiled once per source, compiler and flags with the system C compiler (one
+process at a time: the others wait on a lock file and load its result) into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
 user, whatever ``--cache-dir`` a server is given). The library runs on the OpenMP runtime torch
 has loaded already, so its threads are torch's; ctypes drops the GIL around each call. Each
@@ -15,6 +16,7 @@ torch's kernels run instead.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -103,14 +105,10 @@ def library() -> ctypes.CDLL | None:
         target = folder / f"kvc-{digest[:16]}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-            os.close(fd)
-            try:
-                subprocess.run([cc, *COMPILE_FLAGS, f"-I{HERE}", "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                               text=True, check=True, timeout=300)
-                os.replace(tmp, target)  # atomic: a process starting beside this one loads a whole file
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+            with open(folder / f"kvc-{digest[:16]}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together compile once
+                if not target.exists():
+                    _compile(cc, folder, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
@@ -122,6 +120,17 @@ def library() -> ctypes.CDLL | None:
         fn.restype = signature.result
     _bound.clear()
     return lib
+
+
+def _compile(cc: str, folder: Path, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *COMPILE_FLAGS, f"-I{HERE}", "-o", tmp, *map(str, SOURCES)], capture_output=True,
+                       text=True, check=True, timeout=300)
+        os.replace(tmp, target)  # atomic: a process that does not take the lock loads a whole file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 # Per exported function, a Python function with its arguments as keyword-only parameters, made
