@@ -271,7 +271,7 @@ class PrefixCache(Generic[S]):
         assert self.states is not None and seq.state_slot is not None
         self.states.restore(seq.state_slot, loaded.dest)
         tokens = seq.num_computed
-        if self.states.find(loaded.digest, tokens) is None:
+        if self.states.max_snapshots and self.states.find(loaded.digest, tokens) is None:
             slot = self.states.acquire(zeroed=False)
             self.states.copy(seq.state_slot, slot)
             if self.states.store(loaded.digest, slot, tokens, loaded.token_ids):
