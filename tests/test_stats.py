@@ -108,7 +108,7 @@ def test_stats_of_different_owners_never_share_a_name(tmp_path) -> None:
     from kvcellar.cache.prefetch import PrefetchStats
     from kvcellar.cache.prefix_cache import PrefixCacheStats
     from kvcellar.cache.state_pool import StateStats
-    from kvcellar.cache.tiering import LinkStats
+    from kvcellar.cache.tiering import SNAPSHOTS, LinkStats, SnapshotLinkStats
     from kvcellar.engine.model_runner import RunnerStats
     from kvcellar.engine.observability import EngineLevels
     from kvcellar.engine.scheduler import SchedulerStats
@@ -141,13 +141,16 @@ def test_stats_of_different_owners_never_share_a_name(tmp_path) -> None:
             names[f"{tier.name} tier's levels"] = exported - set().union(*(names[c.__qualname__] for c in own))
             names[f"{tier.name} link"] = set(LinkStats().as_dict(f"{tier.name}_link_"))
             names[f"{tier.name} guard"] = set(GuardStats().as_dict(f"{tier.name}_guard_"))
+            # a hybrid model's snapshot tier beside it (the same kind of tier), and the link's counts of it
+            names[f"{tier.name} snapshots"] = {SNAPSHOTS + k for k in (*exported, *names[f"{tier.name} guard"])}
+            names[f"{tier.name} link snapshots"] = set(SnapshotLinkStats().as_dict(f"{tier.name}_link_snapshots_"))
     finally:
         disk.close(10)
         remote.close(10)
     names["artifact cache"] = set(ArtifactCache(tmp_path / "models").stats())
 
     covered = {f"{c.__module__}.{c.__qualname__}" for c in
-               (*fixed, DiskStats, DiskWriterStats, RemoteStats, LinkStats, GuardStats)}
+               (*fixed, DiskStats, DiskWriterStats, RemoteStats, LinkStats, SnapshotLinkStats, GuardStats)}
     assert defined - NOT_MERGED == covered, "a Stats class /health and /metrics merge is missing here"
     shared = {(a, b): names[a] & names[b] for a, b in itertools.combinations(names, 2) if names[a] & names[b]}
     assert not shared, shared
