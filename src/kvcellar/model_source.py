@@ -40,7 +40,7 @@ GGUF_ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss", "llama", "mistral", "qwen2"
                       "qwen3moe")
 # GGUF architectures whose stacked experts (``ffn_*_exps``) kvcellar serves as one linear per
 # expert (engine/experts.py, which names transformers' modules of these families).
-MOE_GGUF_ARCHITECTURES = ("gemma4", "gpt-oss", "qwen3moe")
+MOE_GGUF_ARCHITECTURES = ("gemma4", "gpt-oss", "qwen35moe", "qwen3moe")
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
 MODEL_TYPES = ("gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama", "ministral", "ministral3",
                "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe")

@@ -446,12 +446,13 @@ def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | s
     return path
 
 
-def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool = False) -> Path:
+def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool = False, mtp: bool = False) -> Path:
     """``model`` (a small transformers ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM`` over
     ``write_gguf``'s 264-token vocabulary) as llama.cpp's converter writes Qwen3.5 and its MoE:
     architecture ``qwen35``/``qwen35moe``, its tensors under llama.cpp's names (F32; with
     ``quantized`` the matrices Q8_0 but for those llama.cpp keeps F32: the convolution and the
-    routers), the
+    routers; with ``mtp`` a multi-token-prediction block after the layers, as llama.cpp's newer
+    converter writes it: ``blk.<layers>``, counted in ``block_count``), the
     zero-centred norms stored as ``w + 1`` (not the linear attention's gated norm), ``ssm_a`` as
     ``-exp(A_log)``, the convolution squeezed to 2-D, the value heads tiled (``v0k0 v0k1 v1k0
     ...``) where transformers groups them by key head, the routed experts' gate and up apart."""
@@ -478,7 +479,8 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
     head_dim = cfg.head_dim
     rotary = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     for key, value in {"context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
-                       "block_count": cfg.num_hidden_layers, "attention.head_count": cfg.num_attention_heads,
+                       "block_count": cfg.num_hidden_layers + mtp, "nextn_predict_layers": int(mtp),
+                       "attention.head_count": cfg.num_attention_heads,
                        "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": head_dim,
                        "attention.value_length": head_dim, "rope.dimension_count": rotary,
                        "full_attention_interval": cfg.layer_types.index("full_attention") + 1,
@@ -559,6 +561,14 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
             put(f"{b}.ffn_gate.weight", mlp.gate_proj.weight)
             put(f"{b}.ffn_up.weight", mlp.up_proj.weight)
             put(f"{b}.ffn_down.weight", mlp.down_proj.weight)
+    if mtp:  # a few of the block's tensors: none of them is the served model's
+        b = f"blk.{cfg.num_hidden_layers}"
+        put(f"{b}.attn_norm.weight", torch.ones(cfg.hidden_size))
+        put(f"{b}.attn_q.weight", torch.randn(cfg.num_attention_heads * head_dim * 2, cfg.hidden_size) * 0.05)
+        if moe:
+            put(f"{b}.ffn_down_exps.weight", torch.randn(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+        else:
+            put(f"{b}.ffn_up.weight", torch.randn(cfg.intermediate_size, cfg.hidden_size) * 0.05)
     put("output_norm.weight", inner.norm.weight + 1)
     put("output.weight", model.lm_head.weight)
     w.write_header_to_file()

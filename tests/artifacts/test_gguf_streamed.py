@@ -337,8 +337,9 @@ def test_preparing_holds_a_tensor_and_a_shard_not_the_model(tmp_path: Path) -> N
 def test_architectures_transformers_maps_otherwise_are_prepared_whole(ggufs: dict[str, Path],
                                                                       references: dict[str, Any], tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Architectures transformers converts with its weight conversion mappings (qwen3.5,
-    lfm2) are not followed tensor by tensor: loaded whole, as before, same entries."""
+    """Architectures transformers converts with its weight conversion mappings (lfm2; not
+    Qwen3.5's, whose steps ``gguf_convert`` has) are not followed tensor by tensor: loaded
+    whole, as before, same entries."""
     from transformers import AutoModelForCausalLM
 
     from kvcellar.artifacts import gguf_convert

@@ -303,16 +303,10 @@ def test_a_multimodal_folder_serves_its_text_model(tmp_path):
     assert abs(got.logprobs[0] - float(want.max())) < 2e-4
 
 
-@pytest.mark.parametrize("family", ["dense", "moe"])
-def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp_path):
-    """llama.cpp's ``qwen35``/``qwen35moe`` files (``write_qwen35_gguf``: its names, ``w + 1``
-    norms, ``-exp(A_log)``, the squeezed convolution, value heads tiled): read through
-    transformers' conversion, served with the greedy tokens and logprobs of the transformers
-    model it was written from (an F32 file); a Q8_0 file, under ``--weights auto`` (its int8 on
-    kvcellar's kernels), gives the uncached bits on a hit."""
+def gguf_source(family: str) -> Any:
+    """A small transformers Qwen3.5 model (``family``) over ``write_gguf``'s 264-token vocabulary,
+    its norms off their initial values (so that a missed offset shows) and sharp logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.artifacts.gguf_files import write_qwen35_gguf
 
     model_type = "qwen3_5_moe_text" if family == "moe" else "qwen3_5_text"
     config = AutoConfig.for_model(model_type, **CONFIG, **(MOE if family == "moe" else {}), vocab_size=264,
@@ -320,10 +314,24 @@ def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharp logits: no near-ties
+        model.lm_head.weight.mul_(8.0)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # norms off their initial values, so that an offset shows
+            if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp_path):
+    """llama.cpp's ``qwen35``/``qwen35moe`` files (``write_qwen35_gguf``: its names, ``w + 1``
+    norms, ``-exp(A_log)``, the squeezed convolution, value heads tiled), converted a tensor at a
+    time: served with the greedy tokens and logprobs of the transformers model they were written
+    from (an F32 file); a Q8_0 file, under ``--weights auto`` (its int8 on kvcellar's kernels),
+    gives the uncached bits on a hit."""
+    from tests.artifacts.gguf_files import write_qwen35_gguf
+
+    model = gguf_source(family)
     path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", model)
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -332,7 +340,6 @@ def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp
     engine = make_engine(loaded, max_step_tokens=16)
     got = engine.generate([prompt], params)[0]
     engine.shutdown(10)
-    model.generation_config.eos_token_id = None
     tokens, logprobs = reference_greedy(model, prompt, 8)
     assert got.token_ids == tokens
     assert torch.allclose(torch.tensor(got.logprobs), logprobs[torch.arange(8), torch.tensor(tokens)], atol=2e-4)
@@ -346,6 +353,33 @@ def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp
     assert hit.num_cached_tokens == resumable(len(prompt)) and cold.token_ids == hit.token_ids
     assert_identical_output(hit, uncached_runner(served, params)(prompt))
     engine.shutdown(10)
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_gguf_streams_the_values_transformers_loads_whole(family, tmp_path):
+    """The file converted a tensor at a time (``gguf_convert.qwen35_processor``) holds, bit for
+    bit, what transformers' own conversion of it loads whole (its dense entry, and every linear
+    quantized under int8 and int4), a multi-token-prediction block left out unread."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcellar.artifacts import gguf_convert, prepare
+    from tests.artifacts.gguf_files import write_qwen35_gguf
+
+    path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", gguf_source(family), quantized=True, mtp=True)
+    with gguf_convert.GgufFile(path) as source:  # streamed: no NotStreamable
+        assert any(name.startswith("blk.4.") for name in source.unmapped)
+    (tmp_path / "entry").mkdir()
+    prepare.gguf_builder(path, torch.float32, name="streamed", progress=False)(tmp_path / "entry")
+    entry = AutoModelForCausalLM.from_pretrained(str(tmp_path / "entry"), dtype=torch.float32).state_dict()
+    whole = prepare._load_gguf(path, torch.float32).state_dict()
+    assert sorted(entry) == sorted(whole)
+    for key, value in whole.items():
+        assert torch.equal(entry[key], value), key
+    for mode in ("int8", "int4"):
+        streamed, expected = prepare.quantize_gguf(path, mode), prepare._quantized_whole(path, mode)
+        assert sorted(streamed) == sorted(expected)
+        for key, q in expected.items():
+            assert torch.equal(streamed[key].dequantize(torch.float32), q.dequantize(torch.float32)), (mode, key)
 
 
 def test_the_memory_plan_counts_every_state_slot():

@@ -22,7 +22,10 @@ blocks as they are where int4 is asked (``int4_from_blocks``) and quantizing the
 
 Architectures transformers converts with its newer conversion mappings
 (``transformers.integrations.gguf.GGUF_ARCHS``) are not converted here (``NotStreamable``):
-their per-tensor steps are another API. prepare.py loads those whole, as before.
+their per-tensor steps are another API. prepare.py loads those whole, as before. Qwen3.5's
+(``qwen35``, ``qwen35moe``) are the exception: their steps are written out here
+(``qwen35_processor``, ``qwen35_key_map``: the same undoing of llama.cpp's converter),
+so their files stream like the others.
 """
 
 from __future__ import annotations
@@ -351,19 +354,24 @@ class GgufFile:
         info = read_gguf_info(path)
         self.architecture = info.architecture
         self.stored = [StoredTensor.of(t, info) for t in info.tensors]
-        if _converted_by_mapping(self.architecture):
+        if _converted_by_mapping(self.architecture) and self.architecture not in QWEN35_ARCHITECTURES:
             raise NotStreamable(f"transformers converts GGUF architecture {self.architecture!r} with its weight "
                                 f"conversion mappings")
         try:
             # What ``AutoConfig.from_pretrained(gguf_file=...)`` does, keeping the metadata dict
             # on the way: transformers hands that to the processor, not the config object.
             parsed, _ = gguf_config_dict(path)
-            processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)
-            self.processor = processor_class(config=copy.deepcopy(parsed))
             config = gguf_config(path)
             with torch.device("meta"):
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            self.key_map: dict[str, str] = _weights_map(self.model, self.processor)
+            if self.architecture in QWEN35_ARCHITECTURES:
+                self.processor: Any = qwen35_processor(copy.deepcopy(parsed))
+                self.key_map: dict[str, str] = qwen35_key_map([t.name for t in self.stored],
+                                                              int(parsed["num_hidden_layers"]))
+            else:
+                processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)
+                self.processor = processor_class(config=copy.deepcopy(parsed))
+                self.key_map = _weights_map(self.model, self.processor)
         except Exception as exc:
             raise ModelLoadError(f"Could not read the model configuration of {path}: {exc}") from exc
         self._tensors = {t.name: t for t in self.stored}
@@ -396,6 +404,11 @@ class GgufFile:
                     stacked = "gate_up_proj" if m[1] != "down" else "down_proj"
                     self.key_map[t.name] = f"model.layers.{block}.experts.{stacked}"
                     self.experts[t.name] = (self.key_map[t.name], m[1])
+        # Tensors a name map leaves out on purpose, never read.
+        self.unmapped: frozenset[str] = frozenset()
+        if self.architecture in QWEN35_ARCHITECTURES:
+            mapped = {*self.key_map, *(key + ".weight" for key in self.key_map)}
+            self.unmapped = frozenset(t.name for t in self.stored if t.name not in mapped)
         # A tied weight is loaded under its first name (transformers ties the others to it).
         self.names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
         self._fd = os.open(path, os.O_RDONLY)
@@ -511,6 +524,8 @@ class GgufFile:
             rows = self._row_map(t) if len(t.shape) == 2 else None
             if t.name in self.experts and not keep(self.experts[t.name][0]):
                 pass  # unread: a layer's experts are gigabytes
+            elif t.name in self.unmapped:
+                pass  # unread: nothing of the model (Qwen3.5's multi-token-prediction block)
             elif rows is not None:
                 name, perm = rows
                 if keep(name):
@@ -842,6 +857,110 @@ def _from_numpy(weights: Any) -> torch.Tensor:
         return weights
     arr = np.ascontiguousarray(weights)
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
+# llama.cpp's Qwen3.5 names of a layer's tensors -> transformers' (the stacked experts' without
+# ".weight", as transformers' MoE processors look them up).
+_QWEN35_LEAVES = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight", "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_QWEN35_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+# Zero-centred RMS norms llama.cpp stores as ``w + 1`` (not the linear attention's gated one).
+_QWEN35_OFFSET_NORMS = frozenset({"attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                                  "attn_k_norm.weight", "output_norm.weight"})
+
+
+def qwen35_key_map(names: Iterable[str], layers: int) -> dict[str, str]:
+    """GGUF -> HF names of a Qwen3.5 file's tensors; its blocks from ``layers`` on (the
+    multi-token-prediction block, which transformers' model does not have) left out."""
+    out: dict[str, str] = {}
+    for name in names:
+        if name in _QWEN35_GLOBALS:
+            out[name] = _QWEN35_GLOBALS[name]
+            continue
+        m = _BLOCK.match(name)
+        if m is None or int(m[1]) >= layers:
+            continue
+        leaf = name[m.end():]
+        if leaf in _QWEN35_LEAVES:
+            out[name] = f"model.layers.{m[1]}.{_QWEN35_LEAVES[leaf]}"
+        elif leaf.removesuffix(".weight") in _QWEN35_LEAVES:  # stacked experts
+            out[name.removesuffix(".weight")] = f"model.layers.{m[1]}.{_QWEN35_LEAVES[leaf.removesuffix('.weight')]}"
+    return out
+
+
+def _grouped_order(key_heads: int, per_key: int, size: int) -> np.ndarray:
+    """The row order that takes llama.cpp's tiled value heads (``v0k0 v0k1 v1k0 ...``, ``size``
+    rows each) to transformers' grouped ones (every value head of key head 0 first)."""
+    tiled_from_grouped = np.arange(key_heads * per_key * size).reshape(key_heads, per_key, size)
+    return np.argsort(tiled_from_grouped.transpose(1, 0, 2).reshape(-1), kind="stable")
+
+
+@functools.cache
+def _qwen35_processor_class() -> type:
+    """``Qwen35TensorProcessor``'s class, made on first use (transformers' GGUF module is not
+    imported before a GGUF is converted)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, Qwen2MoeTensorProcessor
+
+    class Qwen35TensorProcessor(Qwen2MoeTensorProcessor):  # type: ignore[misc]
+        def __init__(self, config: dict[str, Any]) -> None:
+            super().__init__(config=config)
+            k, v = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+            self.qk_rows = 2 * k * int(config["linear_key_head_dim"])
+            self.values = _grouped_order(k, v // k, int(config["linear_value_head_dim"]))
+            self.heads = _grouped_order(k, v // k, 1)
+
+        def process(self, weights: Any, name: str, **kwargs: Any) -> Any:
+            m = _BLOCK.match(name)
+            leaf = name[m.end():] if m else name
+            if leaf in _QWEN35_OFFSET_NORMS:
+                weights = (np.asarray(weights, dtype=np.float32) - 1).astype(np.asarray(weights).dtype)
+            elif leaf == "ssm_a":  # torch's log, as transformers takes it (numpy's rounds otherwise)
+                weights = torch.log(-torch.from_numpy(np.asarray(weights, dtype=np.float32))).numpy()[self.heads]
+            elif leaf in ("ssm_dt.bias", "ssm_alpha.weight", "ssm_beta.weight"):
+                weights = weights[self.heads]
+            elif leaf == "attn_gate.weight":
+                weights = weights[self.values]
+            elif leaf in ("attn_qkv.weight", "ssm_conv1d.weight"):
+                weights = np.concatenate([weights[: self.qk_rows], weights[self.qk_rows:][self.values]])
+                if leaf == "ssm_conv1d.weight":
+                    weights = weights[:, None, :]
+            elif leaf == "ssm_out.weight":
+                weights = weights[:, self.values]
+            elif leaf == "ffn_gate_inp_shexp.weight":
+                weights = np.reshape(weights, (1, -1))
+            else:
+                return super().process(weights, name, **kwargs)
+            return GGUFTensor(weights, name, {})
+
+    return Qwen35TensorProcessor
+
+
+def qwen35_processor(config: dict[str, Any]) -> Any:
+    """What transformers' conversion mapping for ``qwen35``/``qwen35moe`` does to a tensor of
+    llama.cpp's file, as a tensor processor, one tensor at a time: norms back from ``w + 1``,
+    ``A_log`` from ``-exp(A_log)``, the convolution unsqueezed, the value heads' rows (or
+    ``out_proj``'s columns) from tiled to grouped order; the routed experts stacked as
+    transformers' qwen3moe processor stacks them."""
+    return _qwen35_processor_class()(config)
 
 
 def _block(gguf_name: str) -> int | None:
