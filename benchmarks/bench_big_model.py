@@ -5,7 +5,8 @@ Llama-3.1-8B (``--arch llama``) or the mixture-of-experts Qwen3-30B-A3B / Qwen3-
 (``--arch qwen3moe``: 128 experts of 768, 8 routed a token, q/k norms; ~17 GB in Q4_K with
 ``--mix q4_k_m``, whose ``ffn_down_exps`` are Q6_K in llama.cpp's "more bits" layers) or
 gpt-oss-20b (``--arch gpt-oss``: 32 experts of 2880 in MXFP4, 4 routed a token, attention
-sinks, 128-token windows every other layer, Q8_0 attention and embedding; ~12 GB) and
+sinks, 128-token windows every other layer, Q8_0 attention and embedding; ~12 GB) or the
+hybrid Qwen3.5-9B (``--arch qwen35``: Gated DeltaNet layers, every fourth gated attention) and
 random weights, then measures both servers on that very
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
@@ -124,11 +125,20 @@ SHAPES = {
     "llama": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 5e5, 1e-5, 32768, "Llama-3.1-8B-shaped"),
     "qwen3moe": Shape("qwen3moe", 2048, 768, 48, 32, 4, 151936, 1e7, 1e-6, 40960, "Qwen3-30B-A3B-shaped",
                       experts=128, experts_used=8, head_size=128),
+    # Qwen3.5's hybrid (transformers' Qwen3_5TextConfig defaults): three Gated DeltaNet layers (16 key
+    # and 32 value heads of 128) to one gated attention layer (16 heads of 256, 4 KV heads, a quarter
+    # of each rotated)
+    "qwen35": Shape("qwen35", 4096, 12288, 32, 16, 4, 248320, 1e7, 1e-6, 262144, "Qwen3.5-9B-shaped",
+                    head_size=256),
     # every other layer a 128-token window; YaRN x32 over 4096 (llama.cpp's gpt-oss metadata)
     "gpt-oss": Shape("gpt-oss", 2880, 2880, 24, 64, 8, 201088, 150000.0, 1e-5, 131072, "gpt-oss-20b-shaped",
                      experts=32, experts_used=4, head_size=64),
 }
 GPT_OSS_WINDOW = 128
+# Qwen3.5's linear attention: key heads, value heads, their size, the convolution's taps; every
+# FULL_ATTENTION_INTERVAL-th layer is full attention.
+QWEN35_LINEAR = (16, 32, 128, 4)
+FULL_ATTENTION_INTERVAL = 4
 SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
 
 WEIGHT_STD = 0.02
@@ -165,6 +175,8 @@ def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple
     h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
     if shape.arch == "gpt-oss":
         return gpt_oss_plan(shape, output_type)
+    if shape.arch == "qwen35":
+        return qwen35_plan(shape, output_type, mix)
     four = "Q4_0" if mix == "q4_0" else "Q4_K"
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
     for i in range(shape.layers):
@@ -214,6 +226,50 @@ def gpt_oss_plan(shape: Shape, output_type: str) -> list[tuple[str, tuple[int, .
     return plan
 
 
+def qwen35_plan(shape: Shape, output_type: str, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """Qwen3.5 as llama.cpp's converter writes it: linear-attention layers (fused q/k/v, the
+    output gate, beta and alpha, the convolution and the decay in F32) and every fourth a gated
+    attention layer (each head's query and gate side by side in ``attn_q``, q/k norms)."""
+    h, f = shape.hidden, shape.ffn
+    k_heads, v_heads, dim, taps = QWEN35_LINEAR
+    four = "Q4_0" if mix == "q4_0" else "Q4_K"
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        wide = "Q6_K" if mix == "q4_k_m" and more_bits(i, shape.layers) else four
+        plan += [(b + "attn_norm.weight", (h,), "F32")]
+        if (i + 1) % FULL_ATTENTION_INTERVAL:
+            conv = 2 * k_heads * dim + v_heads * dim
+            plan += [(b + "attn_qkv.weight", (conv, h), four), (b + "attn_gate.weight", (v_heads * dim, h), four),
+                     (b + "ssm_beta.weight", (v_heads, h), four), (b + "ssm_alpha.weight", (v_heads, h), four),
+                     (b + "ssm_conv1d.weight", (conv, taps), "F32"), (b + "ssm_dt.bias", (v_heads,), "F32"),
+                     (b + "ssm_a", (v_heads,), "F32"), (b + "ssm_norm.weight", (dim,), "F32"),
+                     (b + "ssm_out.weight", (h, v_heads * dim), wide)]
+        else:
+            q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+            plan += [(b + "attn_q.weight", (2 * q, h), four), (b + "attn_k.weight", (kv, h), four),
+                     (b + "attn_v.weight", (kv, h), wide), (b + "attn_q_norm.weight", (shape.head_dim,), "F32"),
+                     (b + "attn_k_norm.weight", (shape.head_dim,), "F32"), (b + "attn_output.weight", (h, q), four)]
+        plan += [(b + "post_attention_norm.weight", (h,), "F32"), (b + "ffn_gate.weight", (f, h), four),
+                 (b + "ffn_up.weight", (f, h), four), (b + "ffn_down.weight", (h, f), wide)]
+    plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
+    return plan
+
+
+def qwen35_metadata(w: Any, shape: Shape) -> None:
+    k_heads, v_heads, dim, taps = QWEN35_LINEAR
+    a = shape.arch
+    rotary = shape.head_dim // 4
+    w.add_uint32(f"{a}.full_attention_interval", FULL_ATTENTION_INTERVAL)
+    w.add_uint32(f"{a}.ssm.conv_kernel", taps)
+    w.add_uint32(f"{a}.ssm.state_size", dim)
+    w.add_uint32(f"{a}.ssm.group_count", k_heads)
+    w.add_uint32(f"{a}.ssm.time_step_rank", v_heads)
+    w.add_uint32(f"{a}.ssm.inner_size", v_heads * dim)
+    w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0] if rotary == 64 else [rotary // 2, 0, 0, 0])
+    return None
+
+
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
     """``rows x cols`` weights of GGUF type ``kind`` as random block bytes, values of std ~0.02."""
     per, nbytes = BLOCKS[kind]
@@ -252,8 +308,10 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
     w.add_head_count_kv(shape.kv_heads)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
-    w.add_rope_dimension_count(shape.head_dim)
+    w.add_rope_dimension_count(shape.head_dim if shape.arch != "qwen35" else shape.head_dim // 4)
     w.add_vocab_size(shape.vocab)
+    if shape.arch == "qwen35":
+        qwen35_metadata(w, shape)
     if shape.head_size:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
@@ -300,6 +358,8 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
             w.write_tensor_data(random_blocks(rng, rows, dims[-1], kind).reshape(*dims[:-1], -1))
         elif name.endswith(".bias"):
             w.write_tensor_data((rng.standard_normal(dims) * WEIGHT_STD).astype(np.float32))
+        elif name.endswith("ssm_a"):  # -exp(A_log), A_log uniform in [0, log 16) as Qwen3.5 initialises it
+            w.write_tensor_data(-rng.uniform(1.0, 16.0, dims).astype(np.float32))
         elif len(dims) == 2:  # a router: logits of std ~1, so that tokens spread over the experts
             w.write_tensor_data((rng.standard_normal(dims) * (1 / dims[1] ** 0.5)).astype(np.float32))
         else:  # norms: ~1
@@ -703,7 +763,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2",
                    help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B, gpt-oss: gpt-oss-20b "
-                   "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix)")
+                   "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix), qwen35: Qwen3.5-9B (hybrid)")
     p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run: " + json.dumps(SMALL))
     for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
