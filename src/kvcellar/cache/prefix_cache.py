@@ -307,8 +307,9 @@ class PrefixCache(Generic[S]):
 
     def poll(self) -> tuple[list[S], list[S]]:
         """Finish what the lower tiers have read. Returns the sequences whose loads are over,
-        in admission order (they can run now), and those whose loads are overdue (given up:
-        they wait to be admitted again, when the tier that hung is no longer asked)."""
+        in admission order (they can run now), and those to admit again: loads overdue (given
+        up; the tier that hung is no longer asked then) and a hybrid model's loads that were not
+        whole (it resumes only where its state is)."""
         lower = self.lower
         if not (self.busy() or self._abandoned or self.prefetch.abandoned):
             return [], []

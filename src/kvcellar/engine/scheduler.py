@@ -142,7 +142,9 @@ class Scheduler:
         ready, again = self.cache.poll()
         for seq in ready:
             self._run(seq)
-        for seq in reversed(again):  # a load that hung: admitted again first, without that tier
+        # a load that hung (admitted again first, without that tier), or a hybrid model's that was
+        # not whole (admitted again from what the tiers still hold)
+        for seq in reversed(again):
             seq.state = SeqState.WAITING
             seq.prefetch_checked = False
             self.waiting.appendleft(seq)
