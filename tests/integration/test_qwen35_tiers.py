@@ -2,8 +2,8 @@
 ``tests/remote/test_engine_remote.py``): kept beside the blocks, in a namespace of their own, in
 the same verified format; read back after a restart for the same prompt and for the next turn
 of a conversation; a damaged snapshot deleted and the prefix computed again; RAM's snapshots
-stored when evicted under the evict-only policy. Every output equals, to the bit, the uncached
-engine's under the native kernels (int8 weights)."""
+stored when evicted under the evict-only policy; none of the warm-up's kept. Every output
+equals, to the bit, the uncached engine's under the native kernels (int8 weights)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,15 @@ def test_evict_only_stores_the_snapshots_ram_drops_and_resumes_from_them(loaded,
     assert ssd(engine)["ssd_link_snapshots_loaded"] == 1
     assert_no_leaks(engine)
     assert engine.shutdown(30)
+
+
+def test_warm_up_leaves_no_snapshot_in_ram_or_on_disk(loaded, tmp_path):
+    from kvcellar.engine.warmup import warm_up
+
+    engine = tiered(loaded, tmp_path, state_snapshots=2)
+    warm_up(engine, budget_s=60)
+    states = engine.scheduler.cache.states
+    assert states.stats.snapshots == 0 and states.num_free == states.slots
+    engine.generate([prompts(loaded)[0]], PARAMS)  # evicts nothing of the warm-up's: it kept none
+    assert engine.shutdown(30)
+    assert len(snapshot_files(tmp_path)) == 2  # this prompt's own two

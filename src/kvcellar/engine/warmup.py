@@ -122,7 +122,7 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
     t0 = time.perf_counter()
     cache = engine.scheduler.cache
     counters: tuple[Stats, ...] = (engine.stats, engine.scheduler.stats, cache.stats, cache.prefetch.stats,
-                                   engine.blocks.stats)
+                                   engine.blocks.stats, *((cache.states.stats,) if cache.states is not None else ()))
     saved = [c.copy() for c in counters]
     steps = skipped = 0
     with engine.lower.suspended():  # until its blocks are dropped too
@@ -156,6 +156,8 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
         finally:
             release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
             engine.blocks.evict_all()
+            if cache.states is not None:  # a hybrid's snapshots too, while no tier would take them
+                cache.states.evict_all()
             for live, old in zip(counters, saved, strict=True):
                 live.restore(old)
     engine.runner.stats.cold_paths = 0
