@@ -241,6 +241,47 @@ def gpt_oss_gguf() -> Path:
                       head_scale=0.5)
 
 
+# A small Qwen3.5 (the hybrid, ``qwen3_5_text``): four layers, linear, linear, linear, full
+# attention (transformers' interval of 4); ``QWEN35_MOE``: its MoE variant's experts.
+QWEN35 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+              linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+QWEN35_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+
+
+def qwen35_source(family: str = "dense") -> Any:
+    """A small transformers Qwen3.5 model (``family`` dense or moe) over ``write_gguf``'s
+    264-token vocabulary, for writing GGUFs of: its norms off their initial values (so that a
+    missed offset shows) and sharp logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = "qwen3_5_moe_text" if family == "moe" else "qwen3_5_text"
+    config = AutoConfig.for_model(model_type, **QWEN35, **(QWEN35_MOE if family == "moe" else {}), vocab_size=264,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.cache
+def qwen35_gguf() -> Path:
+    """``qwen35_source()`` as llama.cpp writes a Qwen3.5 GGUF (Q8_0 matrices), Qwen3-Coder's tool
+    markup in its chat template (Qwen3.5's), written once per test process, removed at exit."""
+    from tests.artifacts.gguf_files import QWEN3_CODER_TEMPLATE, write_qwen35_gguf
+
+    folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-qwen35-gguf-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return write_qwen35_gguf(folder / "tiny-qwen35.gguf", qwen35_source(), quantized=True,
+                             chat_template=QWEN3_CODER_TEMPLATE)
+
+
 @functools.cache
 def served_moe(weights: str = "auto") -> LoadedModel:
     """``moe_gguf()`` loaded as a server loads it (through the artifact cache), in float32."""

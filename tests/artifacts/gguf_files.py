@@ -446,7 +446,8 @@ def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | s
     return path
 
 
-def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool = False, mtp: bool = False) -> Path:
+def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool = False, mtp: bool = False,
+                      chat_template: str = CHAT_TEMPLATE) -> Path:
     """``model`` (a small transformers ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM`` over
     ``write_gguf``'s 264-token vocabulary) as llama.cpp's converter writes Qwen3.5 and its MoE:
     architecture ``qwen35``/``qwen35moe``, its tensors under llama.cpp's names (F32; with
@@ -507,7 +508,7 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
     w.add_token_merges(merges)
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     def put(name: str, t: torch.Tensor) -> None:
         data = t.detach().float().contiguous().numpy()

@@ -234,7 +234,7 @@ def test_the_kernel_is_measured_once_and_quickly(mode: str) -> None:
     assert time.perf_counter() - t0 < 0.01  # remembered for the process
 
 
-@pytest.mark.parametrize("arch", ["mamba", "bert", "gemma2", "qwen35"])
+@pytest.mark.parametrize("arch", ["mamba", "bert", "gemma2", "qwen3next"])
 def test_an_unsupported_gguf_is_refused_before_any_weight_is_read(tmp_path: Path, arch: str) -> None:
     """The tensor data is garbage and too short: only the header may be read."""
     path = write_gguf(tmp_path / f"{arch}.gguf", lambda part: T.Q4_0, arch=arch, data=False)

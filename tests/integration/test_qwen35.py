@@ -31,6 +31,8 @@ from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.errors import ModelLoadError
 from tests._models import (
+    QWEN35,
+    QWEN35_MOE,
     assert_generates_like_reference,
     assert_identical_output,
     assert_no_leaks,
@@ -39,6 +41,7 @@ from tests._models import (
     embedded,
     make_engine,
     needs_native,
+    qwen35_source,
     reference_greedy,
     served_file,
     tiny_model,
@@ -49,15 +52,8 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, top_logpr
 SYSTEM = "You keep a build farm running. Answer with the host name and the command. " * 6
 QUESTIONS = ("Which host runs the nightly build?", "How do I restart the runner on ci-3?",
              "Why did the cache volume fill up?")
-# Four layers: linear, linear, linear, full attention (transformers' default interval of 4).
-CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
-              linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-
-
-# The MoE variant (Qwen3.5-35B-A3B, Qwen3.6's): routed experts and a gated shared expert.
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+CONFIG = QWEN35  # four layers: linear, linear, linear, full attention
+MOE = QWEN35_MOE  # the MoE variant (Qwen3.5-35B-A3B, Qwen3.6's): routed experts and a gated shared expert
 
 
 @functools.cache
@@ -303,25 +299,6 @@ def test_a_multimodal_folder_serves_its_text_model(tmp_path):
     assert abs(got.logprobs[0] - float(want.max())) < 2e-4
 
 
-def gguf_source(family: str) -> Any:
-    """A small transformers Qwen3.5 model (``family``) over ``write_gguf``'s 264-token vocabulary,
-    its norms off their initial values (so that a missed offset shows) and sharp logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type = "qwen3_5_moe_text" if family == "moe" else "qwen3_5_text"
-    config = AutoConfig.for_model(model_type, **CONFIG, **(MOE if family == "moe" else {}), vocab_size=264,
-                                  tie_word_embeddings=False)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp_path):
     """llama.cpp's ``qwen35``/``qwen35moe`` files (``write_qwen35_gguf``: its names, ``w + 1``
@@ -331,7 +308,7 @@ def test_a_gguf_as_llama_cpp_writes_it_serves_what_transformers_runs(family, tmp
     gives the uncached bits on a hit."""
     from tests.artifacts.gguf_files import write_qwen35_gguf
 
-    model = gguf_source(family)
+    model = qwen35_source(family)
     path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", model)
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -363,9 +340,11 @@ def test_a_gguf_streams_the_values_transformers_loads_whole(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kvcellar.artifacts import gguf_convert, prepare
+    from kvcellar.engine.experts import split_experts
+    from kvcellar.quantization import quantize_linears
     from tests.artifacts.gguf_files import write_qwen35_gguf
 
-    path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", gguf_source(family), quantized=True, mtp=True)
+    path = write_qwen35_gguf(tmp_path / f"tiny-{family}.gguf", qwen35_source(family), quantized=True, mtp=True)
     with gguf_convert.GgufFile(path) as source:  # streamed: no NotStreamable
         assert any(name.startswith("blk.4.") for name in source.unmapped)
     (tmp_path / "entry").mkdir()
@@ -376,7 +355,10 @@ def test_a_gguf_streams_the_values_transformers_loads_whole(family, tmp_path):
     for key, value in whole.items():
         assert torch.equal(entry[key], value), key
     for mode in ("int8", "int4"):
-        streamed, expected = prepare.quantize_gguf(path, mode), prepare._quantized_whole(path, mode)
+        streamed = prepare.quantize_gguf(path, mode)
+        whole = prepare._load_gguf(path, torch.float32)
+        split_experts(whole)  # the experts as the linears kvcellar runs
+        expected = quantize_linears(whole, mode)
         assert sorted(streamed) == sorted(expected)
         for key, q in expected.items():
             assert torch.equal(streamed[key].dequantize(torch.float32), q.dequantize(torch.float32)), (mode, key)

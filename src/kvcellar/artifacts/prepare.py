@@ -251,17 +251,7 @@ def quantize_gguf(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
             return quantize_streamed(source, mode)
     except NotStreamable as exc:
         log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
-        return _quantized_whole(gguf_path, mode)
-
-
-def _quantized_whole(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
-    """The linears of the GGUF loaded whole (``_load_gguf``) quantized under ``mode``, its MoE
-    blocks' experts as the linears kvcellar runs (``engine/experts.py``) first."""
-    from kvcellar.engine.experts import split_experts
-
-    model = _load_gguf(gguf_path, torch.float32)
-    split_experts(model)
-    return quantize_linears(model, mode)
+        return quantize_linears(_load_gguf(gguf_path, torch.float32), mode)
 
 
 def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -> ArtifactDescriptor:
@@ -290,7 +280,8 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
                     count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
         except NotStreamable as exc:
             log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
-            count, nbytes = write_quantized(_quantized_whole(gguf_path, mode).items(), out_dir)
+            count, nbytes = write_quantized(quantize_linears(_load_gguf(gguf_path, torch.float32), mode).items(),
+                                            out_dir)
         return {
             "source_kind": "gguf",
             "scheme": SCHEMES[mode],
