@@ -162,15 +162,11 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
     more control tokens (gpt-oss's harmony ones), ``eos`` the one that ends generation. gpt-oss
     files split text as llama.cpp's ``gpt-4o`` pre-tokenizer does."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     type_of = types if callable(types) else (lambda _: types)
     rng = np.random.default_rng(seed)
-    byte_chars = bytes_to_unicode()
-    merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
-    tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges]
-    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials]
-    tokens += control
+    vocabulary = gguf_vocab(specials)
+    tokens = vocabulary[0]
     vocab = vocab_size or len(tokens)
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -201,15 +197,8 @@ def write_gguf(path: Path, *, arch: str = "llama", seed: int = 0, hidden: int = 
         w.add_expert_used_count(experts_used)
     if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_feed_forward_length(expert_ffn)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen2") else "gpt-4o" if arch == "gpt-oss" else "smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))  # 3: control (special)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index(eos))
-    w.add_pad_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(chat_template)
+    add_gguf_tokenizer(w, vocabulary, pre="qwen2" if arch.startswith("qwen2") else "gpt-4o" if arch == "gpt-oss"
+                       else "smollm", eos=eos, chat_template=chat_template)
 
     def tensor(name: str, shape: tuple[int, ...], scale: float = 0.05) -> None:
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -355,6 +344,22 @@ def gguf_vocab(specials: Sequence[str] = ()) -> tuple[list[str], list[str], list
     return [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges] + control, merges, control
 
 
+def add_gguf_tokenizer(w: Any, vocab: tuple[list[str], list[str], list[str]], *, pre: str, eos: str,
+                       chat_template: str) -> None:
+    """``gguf_vocab``'s vocabulary as a GGUF's tokenizer keys (llama.cpp's ``gpt2`` BPE with the
+    ``pre`` pre-tokenizer), ``<|im_start|>`` its BOS, ``eos`` its end token."""
+    tokens, merges, control = vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))  # 3: control (special)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index(eos))
+    w.add_pad_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(chat_template)
+
+
 def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | str = "F32",
                       chat_template: str = CHAT_TEMPLATE, specials: Sequence[str] = (),
                       eos: str = "<|im_end|>") -> Path:
@@ -403,15 +408,7 @@ def write_gemma4_gguf(path: Path, model: object, types: Callable[[str], str] | s
         w.add_expert_used_count(c.top_k_experts)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index(eos))
-    w.add_pad_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(chat_template)
+    add_gguf_tokenizer(w, (tokens, merges, control), pre="smollm", eos=eos, chat_template=chat_template)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, c.num_hidden_layers)
     renamed = {".router.scale": ".ffn_gate_inp.scale", ".router.per_expert_scale": ".ffn_down_exps.scale"}
@@ -459,7 +456,6 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
     ...``) where transformers groups them by key head, the routed experts' gate and up apart."""
     import gguf
     import torch
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     cfg = model.config
     moe = hasattr(cfg, "num_experts")
@@ -470,10 +466,8 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
     def tiled(rows: int) -> torch.Tensor:  # grouped row order -> llama.cpp's tiled one
         return torch.arange(k_heads * per_key * rows).reshape(k_heads, per_key, rows).transpose(0, 1).reshape(-1)
 
-    byte_chars = bytes_to_unicode()
-    merges = ["h e", "l l", "o r", "Ġ t", "he ll"]
-    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = [byte_chars[b] for b in range(256)] + [m.replace(" ", "") for m in merges] + control
+    vocabulary = gguf_vocab()
+    tokens = vocabulary[0]
     assert cfg.vocab_size == len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{arch}-{seed}")
@@ -501,14 +495,7 @@ def write_qwen35_gguf(path: Path, model: Any, *, seed: int = 0, quantized: bool 
     half = rotary // 2  # M-RoPE sections over the rotated half: text positions rotate all axes alike
     w.add_array(f"{arch}.rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - len(control)) + [3] * len(control))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(chat_template)
+    add_gguf_tokenizer(w, vocabulary, pre="qwen2", eos="<|im_end|>", chat_template=chat_template)
 
     def put(name: str, t: torch.Tensor) -> None:
         data = t.detach().float().contiguous().numpy()
