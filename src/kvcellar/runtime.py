@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
 from kvcellar.settings import Settings
+from kvcellar.storage.base import BlockSpec, KVTier
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.remote.config import RemoteConfig
 
@@ -43,16 +45,17 @@ def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | N
     from kvcellar.storage.disk.tier import DiskTier
 
     spec = engine.snapshot_spec
-    snapshots = None
-    if spec is not None:
-        share = int(disk.capacity_bytes * snapshot_share(engine, spec.nbytes))
-        snapshots = DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec,
-                             replace(disk, capacity_bytes=share, io_threads=2,
-                                     queue_blocks=snapshot_queue(disk.queue_blocks, spec.nbytes)),
-                             descriptor={**engine.descriptor, "snapshots": True})
-        disk = replace(disk, capacity_bytes=disk.capacity_bytes - share)
-    tier = DiskTier(root, engine.fingerprint, engine.block_spec, disk, descriptor=engine.descriptor)
-    engine.attach_tier(tier, policy or disk.policy, snapshots)
+    share = int(disk.capacity_bytes * snapshot_share(engine, spec.nbytes)) if spec is not None else 0
+    blocks = replace(disk, capacity_bytes=disk.capacity_bytes - share)
+    tier = DiskTier(root, engine.fingerprint, engine.block_spec, blocks, descriptor=engine.descriptor)
+
+    def snapshots(spec: BlockSpec) -> KVTier:
+        config = replace(disk, capacity_bytes=share, io_threads=2,
+                         queue_blocks=snapshot_queue(disk.queue_blocks, spec.nbytes))
+        return DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config,
+                        descriptor={**engine.descriptor, "snapshots": True})
+
+    _attach_with_snapshots(engine, tier, policy or disk.policy, snapshots)
 
 
 def attach_remote_tier(engine: Engine, settings: Settings) -> None:
@@ -69,14 +72,32 @@ def open_remote_tier(engine: Engine, remote: RemoteConfig, policy: str | None = 
     keys of their own namespace (``<fingerprint>.snapshots``), a few at a time in its queue."""
     from kvcellar.storage.remote.tier import RemoteTier
 
-    spec = engine.snapshot_spec
-    snapshots = None
-    if spec is not None:
-        snapshots = RemoteTier(remote.url, engine.fingerprint + SNAPSHOT_NAMESPACE, spec,
-                               replace(remote, queue_blocks=snapshot_queue(remote.queue_blocks, spec.nbytes)))
     tier = RemoteTier(remote.url, engine.fingerprint, engine.block_spec, remote)
-    engine.attach_tier(tier, policy or remote.policy, snapshots)
+
+    def snapshots(spec: BlockSpec) -> KVTier:
+        config = replace(remote, queue_blocks=snapshot_queue(remote.queue_blocks, spec.nbytes))
+        return RemoteTier(remote.url, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config)
+
+    _attach_with_snapshots(engine, tier, policy or remote.policy, snapshots)
     log.info("remote tier %r attached (%s)", tier, policy or remote.policy)
+
+
+def _attach_with_snapshots(engine: Engine, tier: KVTier, policy: str,
+                           snapshots: Callable[[BlockSpec], KVTier]) -> None:
+    """Attach ``tier``, and beside it the snapshot tier ``snapshots`` opens for a hybrid model
+    (``Engine.snapshot_spec``); a tier opened here that does not end up attached is closed (its
+    threads would outlive it)."""
+    opened = [tier]
+    try:
+        spec = engine.snapshot_spec
+        extra = snapshots(spec) if spec is not None else None
+        if extra is not None:
+            opened.append(extra)
+        engine.attach_tier(tier, policy, extra)
+    except BaseException:
+        for t in opened:
+            t.close(1.0)
+        raise
 
 
 SNAPSHOT_NAMESPACE = ".snapshots"
