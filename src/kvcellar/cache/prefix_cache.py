@@ -257,11 +257,8 @@ class PrefixCache(Generic[S]):
         tokens, bs = seq.checkpoint_tokens, self.block_size
         if tokens == 0 or seq.num_registered * bs < tokens or not self.enabled:
             return
-        slot, digest = seq.checkpoint_slot, seq.digests(tokens // bs, bs)[-1]
-        block_tokens = tuple(seq.block_tokens(tokens // bs - 1, bs))
-        if self.states.store(digest, slot, tokens, block_tokens):
-            states = self.states
-            self.lower.snapshot_kept(digest, block_tokens, lambda: states.export(slot))
+        self._keep(seq.digests(tokens // bs, bs)[-1], seq.checkpoint_slot, tokens,
+                   tuple(seq.block_tokens(tokens // bs - 1, bs)))
         seq.checkpoint_slot = self.states.acquire(zeroed=False) if renew else None
         seq.checkpoint_tokens = 0
 
@@ -274,9 +271,16 @@ class PrefixCache(Generic[S]):
         if self.states.max_snapshots and self.states.find(loaded.digest, tokens) is None:
             slot = self.states.acquire(zeroed=False)
             self.states.copy(seq.state_slot, slot)
-            if self.states.store(loaded.digest, slot, tokens, loaded.token_ids):
-                states = self.states
-                self.lower.snapshot_kept(loaded.digest, loaded.token_ids, lambda: states.export(slot), loaded.index)
+            self._keep(loaded.digest, slot, tokens, loaded.token_ids, loaded.index)
+
+    def _keep(self, digest: bytes, slot: int, tokens: int, block_tokens: tuple[int, ...],
+              loaded_from: int | None = None) -> None:
+        """Keep the state in ``slot`` as the snapshot keyed by ``digest`` (RAM takes the slot),
+        and offer it to the write-through tiers (above ``loaded_from``, one it was read from)."""
+        assert self.states is not None
+        states = self.states
+        if states.store(digest, slot, tokens, block_tokens):
+            self.lower.snapshot_kept(digest, block_tokens, lambda: states.export(slot), loaded_from)
 
     def discard_checkpoints(self, seqs: Iterable[S]) -> None:
         """A forward failed half-way: what it wrote into these sequences' checkpoints is no

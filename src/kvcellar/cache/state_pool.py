@@ -151,15 +151,21 @@ class StatePool:
         self.conv[:, dst].copy_(self.conv[:, src])
         self.recurrent[:, dst].copy_(self.recurrent[:, src])
 
+    def _as_bytes(self, slot: int, data: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the slot's part, the same part's place in ``data``, a slot's bytes), in the order
+        the tiers store them: conv inputs, then recurrent state."""
+        out, pos = [], 0
+        for part in (self.conv[:, slot], self.recurrent[:, slot]):
+            n = part.numel() * part.element_size()
+            out.append((part, data[pos:pos + n].view(STATE_DTYPE).view(part.shape)))
+            pos += n
+        return out
+
     def export(self, slot: int) -> torch.Tensor:
         """The state in ``slot`` as bytes (a new CPU tensor, ``layout.bytes_per_slot`` long)."""
-        parts = (self.conv[:, slot], self.recurrent[:, slot])
         out = torch.empty(self.layout.bytes_per_slot, dtype=torch.uint8)
-        pos = 0
-        for part in parts:
-            n = part.numel() * part.element_size()
-            out[pos:pos + n].view(STATE_DTYPE).view(part.shape).copy_(part)
-            pos += n
+        for part, place in self._as_bytes(slot, out):
+            place.copy_(part)
         return out
 
     def staging(self) -> torch.Tensor:
@@ -170,11 +176,8 @@ class StatePool:
         """Put ``export``'s bytes back, into ``slot``."""
         if data.dtype != torch.uint8 or data.numel() != self.layout.bytes_per_slot:
             raise ValueError(f"a state of {self.layout.bytes_per_slot} bytes, got {data.dtype} {tuple(data.shape)}")
-        pos = 0
-        for part in (self.conv[:, slot], self.recurrent[:, slot]):
-            n = part.numel() * part.element_size()
-            part.copy_(data[pos:pos + n].view(STATE_DTYPE).view(part.shape))
-            pos += n
+        for part, place in self._as_bytes(slot, data):
+            part.copy_(place)
 
     # ---- snapshots ----------------------------------------------------------------------
 
