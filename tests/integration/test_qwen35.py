@@ -212,6 +212,26 @@ def test_a_chain_without_its_last_snapshot_resumes_from_the_one_before():
 
 
 @needs_native
+def test_without_a_tier_below_ram_a_snapshot_goes_with_the_block_it_ends():
+    loaded = served_file(folder(), "int8")
+    uncached = uncached_runner(loaded, PARAMS)
+    prompt, other = prompts(loaded)[0], chat_ids(loaded, "Something else entirely. " * 12)
+    blocks = -(-(max(len(prompt), len(other)) + PARAMS.max_tokens) // 16)
+    engine = make_engine(loaded, kv_cache_blocks=blocks + 1, max_step_tokens=64, state_snapshots=8)
+    engine.generate([prompt], PARAMS)
+    states = engine.scheduler.cache.states
+    assert states.stats.snapshots == 2  # the end of the prompt's prefill and the end of the generation
+    engine.generate([other], PARAMS)  # takes every block: the first prompt's are dropped
+    assert states.stats.snapshots_unreachable == 2 and states.stats.snapshots_evicted == 0
+    assert states.stats.snapshots == 2  # the other prompt's own, in slots that are not wasted
+    got = engine.generate([prompt], PARAMS)[0]
+    assert got.num_cached_tokens == 0
+    assert_identical_output(got, uncached(prompt))
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+
+
+@needs_native
 def test_preemption_and_8bit_kv_give_the_uncached_bits():
     loaded = served_file(folder(), "int8")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)

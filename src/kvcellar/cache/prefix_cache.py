@@ -36,7 +36,8 @@ manager. Its verbs, all in the block vocabulary of one sequence:
   (``cache/tiering.py``), and ``admit`` resumes from the furthest boundary whose blocks and
   snapshot are held anywhere: blocks past RAM's and the snapshot (when RAM lacks it) are read
   like any load; if any of them fails to verify, the sequence is admitted again (the tier
-  deleted what failed; the next lookup finds less).
+  deleted what failed; the next lookup finds less). Without a tier below RAM, a snapshot is
+  dropped with the block it ends (``StatePool.discard``).
 * ``prefetch``: reads for sequences that still wait, within a cap (``cache/prefetch.py``).
 
 What it keeps of each sequence is the counters documented on ``engine.sequence.Sequence``
@@ -131,6 +132,21 @@ class PrefixCache(Generic[S]):
         if states is not None:  # evict-only tiers take snapshots RAM drops
             states.on_evict = lambda key, snap: lower.snapshot_evicted(key, snap.block_tokens,
                                                                        lambda: states.export(snap.slot))
+            blocks.on_evict = self._block_dropped_with_its_snapshot(blocks.on_evict, states)
+
+    def _block_dropped_with_its_snapshot(self, offer: Callable[[Block], None] | None, states: StatePool
+                                         ) -> Callable[[Block], None]:
+        """RAM drops a block: offered to the tiers below as before; where no tier holds blocks,
+        the snapshot at its end goes with it (nothing can resume there any more). The chain's
+        later snapshots follow as their own blocks go, tail first (``BlockManager.release``)."""
+
+        def dropped(block: Block) -> None:
+            if offer is not None:
+                offer(block)
+            if not self.lower.tiers and block.digest is not None:
+                states.discard(block.digest)
+
+        return dropped
 
     def busy(self) -> bool:
         """Reads in flight (loads, prefetches, or cancelled loads still writing into the pool)."""

@@ -18,7 +18,9 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
   boundary, which chains every token before it (``cache/hashing.py``).
 
 Snapshots are evicted least recently used first beyond ``max_snapshots`` (``on_evict`` sees each
-before its slot is reused: the tiers below RAM may keep it, ``cache/tiering.py``). A slot's bytes
+before its slot is reused: the tiers below RAM may keep it, ``cache/tiering.py``), and dropped
+(``discard``) when the block they end is dropped from a cache that has no tier below RAM: a
+snapshot is worthless without its chain's blocks. A slot's bytes
 as the tiers store them (``export``/``restore``): its conv inputs, then its recurrent state, each
 ``[layers, ...]`` in C order. The tensors are
 allocated empty and a slot is written before it is read: pages of slots never used are
@@ -80,6 +82,7 @@ class StateStats(Stats):
     snapshots_loaded: int = counter()  # admissions that resumed from a snapshot
     snapshots_missed: int = counter()  # admissions with cached blocks but no snapshot at their end
     snapshots_evicted: int = counter()
+    snapshots_unreachable: int = counter()  # dropped with their chain's block: nothing could resume from them
     resume_distance_tokens: int = counter()  # cached-block tokens past the snapshot resumed from, recomputed
     snapshots: int = gauge()
     snapshot_bytes: int = gauge()  # bytes of one snapshot
@@ -202,6 +205,17 @@ class StatePool:
             return None
         self._stored.move_to_end(key)
         return snap
+
+    def discard(self, key: bytes) -> bool:
+        """Drop the snapshot of chain ``key``, offered to no one: its chain's blocks are gone,
+        so no lookup can reach it (its slot is worth more to a snapshot that can be)."""
+        snap = self._stored.pop(key, None)
+        if snap is None:
+            return False
+        self._free.append(snap.slot)
+        self.stats.snapshots_unreachable += 1
+        self.stats.snapshots = len(self._stored)
+        return True
 
     def evict_all(self) -> int:
         n = len(self._stored)
