@@ -38,6 +38,13 @@ x block size = SSD / Redis). Figures only, no asserts. Results: ``bench-results/
 
     .venv/bin/python benchmarks/bench_agent_replay.py --peer-bin /work/llama-server/bin/llama-server
     .venv/bin/python benchmarks/bench_agent_replay.py --quick --target-tokens 4000   # a smoke run
+
+``--model FILE`` serves another GGUF on both sides, e.g. a hybrid Qwen3.5 (Gated DeltaNet layers:
+a prefix resumes only from a recurrent-state snapshot) written with the embedded model's BPE:
+
+    .venv/bin/python benchmarks/bench_big_model.py --arch qwen35-2b --vocab-from-embedded \
+        --gguf /tmp/q35-2b.gguf --skip-kvcellar --skip-peer
+    .venv/bin/python benchmarks/bench_agent_replay.py --model /tmp/q35-2b.gguf --peer-bin ...
 """
 
 from __future__ import annotations
@@ -313,6 +320,8 @@ def kvcellar_server(name: str, work: Path, cache_dir: Path, args: argparse.Names
                     remote_url: str | None) -> ServerLauncher:
     link_models(cache_dir, args.models_dir or default_models_dir())
     flags = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--serve-any-model"]
+    if args.model is not None:
+        flags += ["--model", str(args.model)]
     if remote_url:
         flags += ["--remote-url", remote_url]
     flags += args.serve_args.split()
@@ -322,8 +331,17 @@ def kvcellar_server(name: str, work: Path, cache_dir: Path, args: argparse.Names
 def llama_server(work: Path, args: argparse.Namespace) -> ServerLauncher:
     env = {"LLAMA_SERVER_BIN": str(args.peer_bin), "KVCELLAR_PYTHON": sys.executable,
            "PEER_CTX": str(args.max_model_len)}
+    if args.model is not None:
+        env["PEER_GGUF"] = str(args.model)
+        env["PEER_CTX_OVERRIDE"] = f"{gguf_architecture(args.model)}.context_length=int:{args.max_model_len}"
     return ServerLauncher(lambda port: ["bash", str(RUN_LLAMA_SERVER), str(port)], work / "llama-server.log",
                           env=env, cwd=work, name="llama-server")
+
+
+def gguf_architecture(path: Path) -> str:
+    import gguf
+
+    return str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents())
 
 
 class Redis:
@@ -467,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5, help="turns per replay (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="2 turns instead of --turns")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every turn (default %(default)s)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a GGUF both servers serve (default: the embedded SmolLM2), e.g. a hybrid Qwen3.5 from "
+                        "bench_big_model.py --arch qwen35-2b --vocab-from-embedded --keep-gguf")
     p.add_argument("--dtype", default="auto", help="kvcellar --dtype (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=32768,
                    help="kvcellar --max-model-len and llama-server -c (default %(default)s)")
@@ -494,6 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": {**machine_info(), **cpu_flags()},
                               "config": {"target_tokens": args.target_tokens, "turns": turns,
                                          "max_tokens": args.max_tokens, "dtype": args.dtype,
+                                         "model_file": str(args.model) if args.model else None,
                                          "max_model_len": args.max_model_len, "serve_args": args.serve_args,
                                          "peer_bin": str(args.peer_bin) if args.peer_bin else None,
                                          "peer_tools": args.peer_tools},

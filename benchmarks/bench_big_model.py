@@ -6,8 +6,8 @@ Llama-3.1-8B (``--arch llama``) or the mixture-of-experts Qwen3-30B-A3B / Qwen3-
 ``--mix q4_k_m``, whose ``ffn_down_exps`` are Q6_K in llama.cpp's "more bits" layers) or
 gpt-oss-20b (``--arch gpt-oss``: 32 experts of 2880 in MXFP4, 4 routed a token, attention
 sinks, 128-token windows every other layer, Q8_0 attention and embedding; ~12 GB) or the
-hybrid Qwen3.5-9B (``--arch qwen35``: Gated DeltaNet layers, every fourth gated attention) and
-random weights, then measures both servers on that very
+hybrid Qwen3.5-9B (``--arch qwen35``: Gated DeltaNet layers, every fourth gated attention; or
+``--arch qwen35-2b``) and random weights, then measures both servers on that very
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
 
@@ -19,7 +19,9 @@ fp16 scale that gives weights of std ~0.02), not quantized from floats, so the 4
 7B take seconds; one tensor at a time is in memory. The tokenizer is a real byte-level BPE
 (256 byte tokens, a few merges, ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, a ChatML
 template) padded to the model's vocabulary with plain word tokens (`` w123``), so that every
-id decodes to text and both servers load it with their own GGUF tokenizer readers.
+id decodes to text and both servers load it with their own GGUF tokenizer readers. With
+``--vocab-from-embedded`` it is the embedded SmolLM2's trained BPE instead, padded the same way
+(for prompts of real text: ``bench_agent_replay.py --model``).
 
 kvcellar (``kvcellar serve --model FILE --weights auto --kv-cache-gb 2``, fresh ``--cache-dir``):
   1st start    the GGUF prepared into the artifact cache: wall time until ``/health`` answers
@@ -97,6 +99,10 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # ---- the model file ----------------------------------------------------------------------------
 
 
+# Qwen3.5's linear attention: key heads, value heads, their size, the convolution's taps.
+QWEN35_LINEAR = (16, 32, 128, 4)
+
+
 @dataclass(frozen=True)
 class Shape:
     arch: str  # GGUF architecture: qwen2 (q/k/v biases), llama or qwen3moe (q/k norms, experts)
@@ -113,6 +119,7 @@ class Shape:
     experts: int = 0  # per layer, each of ``ffn`` (a MoE shape has no dense MLP)
     experts_used: int = 0
     head_size: int = 0  # where it is not hidden / heads
+    linear: tuple[int, int, int, int] = QWEN35_LINEAR  # qwen35's Gated DeltaNet layers
 
     @property
     def head_dim(self) -> int:
@@ -130,15 +137,15 @@ SHAPES = {
     # of each rotated)
     "qwen35": Shape("qwen35", 4096, 12288, 32, 16, 4, 248320, 1e7, 1e-6, 262144, "Qwen3.5-9B-shaped",
                     head_size=256),
+    # the small dense Qwen3.5 (16 key and 16 value heads; 8 attention heads of 256, 2 KV heads)
+    "qwen35-2b": Shape("qwen35", 2048, 6144, 24, 8, 2, 248320, 1e7, 1e-6, 262144, "Qwen3.5-2B-shaped",
+                       head_size=256, linear=(16, 16, 128, 4)),
     # every other layer a 128-token window; YaRN x32 over 4096 (llama.cpp's gpt-oss metadata)
     "gpt-oss": Shape("gpt-oss", 2880, 2880, 24, 64, 8, 201088, 150000.0, 1e-5, 131072, "gpt-oss-20b-shaped",
                      experts=32, experts_used=4, head_size=64),
 }
 GPT_OSS_WINDOW = 128
-# Qwen3.5's linear attention: key heads, value heads, their size, the convolution's taps; every
-# FULL_ATTENTION_INTERVAL-th layer is full attention.
-QWEN35_LINEAR = (16, 32, 128, 4)
-FULL_ATTENTION_INTERVAL = 4
+FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth layer is full attention
 SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
 
 WEIGHT_STD = 0.02
@@ -157,6 +164,25 @@ def tokenizer_tokens(vocab: int) -> tuple[list[str], list[int]]:
     tokens += [f"Ġw{i}" for i in range(first_word, vocab)]
     types += [1] * (vocab - first_word)
     return tokens, types
+
+
+def embedded_tokens(vocab: int) -> tuple[list[str], list[int], list[str], str]:
+    """The embedded SmolLM2's BPE (tokens, types, merges, pre-tokenizer) padded to ``vocab``
+    entries with plain words: real text then tokenizes as a trained BPE does (~4 characters a
+    token in English and code), not a byte a token."""
+    import gguf
+
+    from kvcellar.model_source import find_embedded_gguf
+
+    reader = gguf.GGUFReader(str(find_embedded_gguf()))
+    field = reader.fields
+    tokens = list(field["tokenizer.ggml.tokens"].contents())
+    types = [int(t) for t in field["tokenizer.ggml.token_type"].contents()]
+    if vocab < len(tokens):
+        raise ValueError(f"the embedded vocabulary has {len(tokens)} tokens, more than the shape's {vocab}")
+    tokens += [f"Ġw{i}" for i in range(len(tokens), vocab)]
+    types += [1] * (vocab - len(types))
+    return tokens, types, list(field["tokenizer.ggml.merges"].contents()), str(field["tokenizer.ggml.pre"].contents())
 
 
 def first_word_id() -> int:
@@ -231,7 +257,7 @@ def qwen35_plan(shape: Shape, output_type: str, mix: str) -> list[tuple[str, tup
     output gate, beta and alpha, the convolution and the decay in F32) and every fourth a gated
     attention layer (each head's query and gate side by side in ``attn_q``, q/k norms)."""
     h, f = shape.hidden, shape.ffn
-    k_heads, v_heads, dim, taps = QWEN35_LINEAR
+    k_heads, v_heads, dim, taps = shape.linear
     four = "Q4_0" if mix == "q4_0" else "Q4_K"
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
     for i in range(shape.layers):
@@ -257,7 +283,7 @@ def qwen35_plan(shape: Shape, output_type: str, mix: str) -> list[tuple[str, tup
 
 
 def qwen35_metadata(w: Any, shape: Shape) -> None:
-    k_heads, v_heads, dim, taps = QWEN35_LINEAR
+    k_heads, v_heads, dim, taps = shape.linear
     a = shape.arch
     rotary = shape.head_dim // 4
     w.add_uint32(f"{a}.full_attention_interval", FULL_ATTENTION_INTERVAL)
@@ -292,8 +318,11 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str) -> 
     return raw.reshape(rows, cols // per * nbytes)
 
 
-def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: str = "q4_0") -> dict[str, Any]:
-    """Write the GGUF one tensor at a time; returns its size and the seconds it took."""
+def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: str = "q4_0",
+                vocab_from_embedded: bool = False) -> dict[str, Any]:
+    """Write the GGUF one tensor at a time; returns its size and the seconds it took.
+    ``vocab_from_embedded``: the embedded SmolLM2's BPE (``embedded_tokens``) instead of the
+    byte-level one."""
     import gguf
 
     t0 = time.perf_counter()
@@ -327,12 +356,16 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
         w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     else:
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens, types = tokenizer_tokens(shape.vocab)
+    if vocab_from_embedded:
+        tokens, types, merges, pre = embedded_tokens(shape.vocab)
+    else:
+        (tokens, types), merges = tokenizer_tokens(shape.vocab), list(MERGES)
+        pre = "qwen2" if shape.arch == "qwen2" else "llama-bpe"
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if shape.arch == "qwen2" else "llama-bpe")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(list(MERGES))
+    w.add_token_merges(merges)
     eot, _im_start, im_end = (tokens.index(s) for s in SPECIALS)
     w.add_bos_token_id(eot)
     w.add_eos_token_id(im_end)
@@ -763,7 +796,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2",
                    help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B, gpt-oss: gpt-oss-20b "
-                   "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix), qwen35: Qwen3.5-9B (hybrid)")
+                   "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix), qwen35: Qwen3.5-9B (hybrid), "
+                   "qwen35-2b: Qwen3.5-2B")
+    p.add_argument("--vocab-from-embedded", action="store_true",
+                   help="the embedded SmolLM2's BPE (merges, pre-tokenizer) padded to the shape's vocabulary, "
+                   "for prompts of real text (bench_agent_replay.py --model)")
     p.add_argument("--small", action="store_true", help="tiny shapes for a smoke run: " + json.dumps(SMALL))
     for key in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the shape's " + key)
@@ -827,7 +864,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reusing {gguf_path}", flush=True)
         else:
             print(f"writing {shape.name} to {gguf_path}", flush=True)
-            result["model"] = write_model(gguf_path, shape, args.output_type, mix=args.mix)
+            result["model"] = write_model(gguf_path, shape, args.output_type, mix=args.mix,
+                                          vocab_from_embedded=args.vocab_from_embedded)
             print(f"  {gb(result['model']['bytes'])} GB in {result['model']['write_s']:.1f} s", flush=True)
         result["model"]["name"] = shape.name
         save(result, args.out)
