@@ -28,7 +28,9 @@ import torch
 
 from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.cache.state_pool import history_point
 from kvcellar.engine.scheduler import StepPlan
+from kvcellar.engine.tokenization import generation_prompt_ids
 from kvcellar.errors import ModelLoadError
 from tests._models import (
     QWEN35,
@@ -174,6 +176,33 @@ def test_the_next_turn_resumes_where_the_reply_ended():
     assert_identical_output(got, uncached(turn))
     stats = engine.scheduler.cache.states.stats
     assert stats.snapshots_loaded == 1 and stats.resume_distance_tokens == 0
+    engine.shutdown(10)
+
+
+@needs_native
+@pytest.mark.parametrize("chunk", [512, 48])  # 48: a step ends on that boundary (its checkpoint is copied)
+def test_the_next_turn_resumes_where_the_messages_ended_when_the_reply_renders_otherwise(chunk):
+    """The conversation's next prompt repeats this one's messages but not its generation prompt
+    (templates drop an empty or old reasoning block from the reply they render back): the snapshot
+    kept at the last boundary before the generation prompt is where it resumes."""
+    loaded = served_file(folder(), "int8")
+    uncached = uncached_runner(loaded, PARAMS)
+    suffix = generation_prompt_ids(loaded.tokenizer)
+    assert suffix  # <|im_start|>assistant\n
+    prompt = next(p for i in range(16) if (p := chat_ids(loaded, "Which host? " + "x" * i, SYSTEM))
+                  and history_point(len(p) - len(suffix), len(p), 16) is not None)
+    history = len(prompt) - len(suffix)
+    engine = make_engine(loaded, max_step_tokens=chunk)
+    engine.submit(prompt, PARAMS, history_tokens=history)
+    engine.run_until_idle()
+    states = engine.scheduler.cache.states
+    # where the messages end, and where the prompt's prefill (and the short generation) ended
+    assert sorted(snap.tokens for snap in states._stored.values()) == [history // 16 * 16, resumable(len(prompt))]
+    turn = prompt[:history] + chat_ids(loaded, "And the one after it?")[1:]  # the reply rendered as nothing
+    got = engine.generate([turn], PARAMS)[0]
+    assert got.num_cached_tokens == history // 16 * 16
+    assert_identical_output(got, uncached(turn))
+    assert_no_leaks(engine)
     engine.shutdown(10)
 
 

@@ -28,6 +28,9 @@ class CachedSequence(Protocol):
     state_slot: int | None
     checkpoint_slot: int | None
     checkpoint_tokens: int
+    history_tokens: int | None
+    history_slot: int | None
+    history_taken: bool
     num_prompt_tokens: int
 
     @property

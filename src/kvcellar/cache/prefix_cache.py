@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 from kvcellar.cache.block_manager import Block, BlockManager
 from kvcellar.cache.cached_sequence import CachedSequence
 from kvcellar.cache.prefetch import Prefetcher
-from kvcellar.cache.state_pool import capture_point
+from kvcellar.cache.state_pool import capture_point, history_point
 from kvcellar.cache.tiering import LoadPlan, SnapshotLoad
 from kvcellar.stats import Stats, counter
 
@@ -210,6 +210,11 @@ class PrefixCache(Generic[S]):
                 self.states.copy(snap.slot, seq.state_slot)
             seq.checkpoint_slot = self.states.acquire(zeroed=False)
             seq.checkpoint_tokens = 0
+            history = history_point(seq.history_tokens, seq.num_prompt_tokens, bs)
+            resume = (len(hits) + (plan.num_blocks if plan is not None else 0)) * bs
+            if history is not None and history > resume and self.enabled and self.states.spare:
+                seq.history_slot = self.states.acquire(zeroed=False)
+                seq.history_taken = False
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
         if cow is not None:
@@ -278,6 +283,22 @@ class PrefixCache(Generic[S]):
         seq.checkpoint_slot = self.states.acquire(zeroed=False) if renew else None
         seq.checkpoint_tokens = 0
 
+    def _keep_history(self, seq: S) -> None:
+        """Hand ``seq``'s history snapshot (``history_point``) to the snapshots if the state there
+        was taken and its blocks are published, else give its slot back."""
+        assert self.states is not None
+        if seq.history_slot is None:
+            return
+        bs = self.block_size
+        history = history_point(seq.history_tokens, seq.num_prompt_tokens, bs)
+        slot, seq.history_slot = seq.history_slot, None
+        if seq.history_taken and history is not None and seq.num_registered * bs >= history and self.enabled:
+            n = history // bs
+            self._keep(seq.digests(n, bs)[-1], slot, history, tuple(seq.block_tokens(n - 1, bs)))
+        else:
+            self.states.release(slot)
+        seq.history_taken = False
+
     def _restore(self, seq: S, loaded: SnapshotLoad) -> None:
         """A snapshot read from a lower tier: into ``seq``'s live slot, and kept in RAM (and
         so in the tiers above the one it came from) as a snapshot computed here would be."""
@@ -303,6 +324,7 @@ class PrefixCache(Generic[S]):
         state of theirs, so none is kept."""
         for seq in seqs:
             seq.checkpoint_tokens = 0
+            seq.history_taken = False
 
     @staticmethod
     def _tier_of_hit(seq: CachedSequence, block: Block) -> str:
@@ -398,7 +420,14 @@ class PrefixCache(Generic[S]):
             boundary = capture_point(start, num_computed, prompt, bs)
             if boundary is not None:
                 seq.checkpoint_tokens = boundary
+            history = history_point(seq.history_tokens, prompt, bs)
+            if seq.history_slot is not None and history is not None and start < history <= num_computed:
+                if history == boundary:  # the step's one capture went to the checkpoint
+                    self.states.copy(seq.checkpoint_slot, seq.history_slot)
+                seq.history_taken = True
             prompt_done = start < prompt <= num_computed
+            if prompt_done:
+                self._keep_history(seq)
             if prompt_done or (boundary is not None and boundary % (self.snapshot_every_blocks * bs) == 0):
                 self._keep_checkpoint(seq, renew=True)
             if prompt_done:
@@ -437,6 +466,7 @@ class PrefixCache(Generic[S]):
         else:
             self.bm.release(seq.blocks)
         if self.states is not None:
+            self._keep_history(seq)
             if seq.checkpoint_slot is not None:
                 self._keep_checkpoint(seq, renew=False)  # where a generation ended, or was preempted
             for slot in (seq.state_slot, seq.checkpoint_slot):

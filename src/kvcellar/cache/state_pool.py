@@ -104,6 +104,16 @@ def capture_point(start: int, end: int, prompt_tokens: int, block_size: int) -> 
     return boundary if boundary > start else None
 
 
+def history_point(history_tokens: int | None, prompt_tokens: int, block_size: int) -> int | None:
+    """The block boundary within a chat prompt's history (its tokens before the generation
+    prompt) where a sequence also keeps a snapshot, or None: history not known, or no boundary
+    before the prompt's own last one (``capture_point``'s, which a snapshot covers already)."""
+    if history_tokens is None:
+        return None
+    boundary = history_tokens // block_size * block_size
+    return boundary if 0 < boundary < (prompt_tokens - 1) // block_size * block_size else None
+
+
 class StatePool:
     def __init__(self, layout: StateLayout, slots: int, device: torch.device | str = "cpu", *,
                  max_snapshots: int = 0) -> None:
@@ -127,6 +137,12 @@ class StatePool:
     def num_free(self) -> int:
         """Slots neither held nor storing a snapshot."""
         return len(self._free)
+
+    @property
+    def spare(self) -> bool:
+        """Whether ``acquire`` can give a slot beyond those sized for the sequences (a free one,
+        or one a stored snapshot gives up)."""
+        return bool(self._free or self._stored)
 
     @property
     def num_held(self) -> int:

@@ -137,8 +137,11 @@ class Engine:
         *,
         cache_salt: str | None = None,
         stream: EventStream | None = None,
+        history_tokens: int | None = None,
     ) -> RequestHandle:
-        """Queue a completion of ``prompt_ids``; its events arrive on the returned stream."""
+        """Queue a completion of ``prompt_ids``; its events arrive on the returned stream.
+        ``history_tokens``: a chat prompt's tokens before its generation prompt (the part the
+        conversation's next turn repeats), where a hybrid model also keeps a snapshot."""
         if not self._accepting:
             raise EngineStoppedError("the engine is shutting down")
         try:
@@ -165,6 +168,7 @@ class Engine:
             generator=params.make_generator(self.device),
             constraint=(self.grammars.constraint(params.grammar, params.max_tokens)
                         if params.grammar is not None else None),
+            history_tokens=history_tokens if history_tokens is not None and 0 < history_tokens < len(prompt) else None,
         )
         self._inbox.put(_Add(seq))
         self._wake.set()

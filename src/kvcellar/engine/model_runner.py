@@ -21,7 +21,7 @@ import torch
 
 from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
-from kvcellar.cache.state_pool import StatePool, capture_point
+from kvcellar.cache.state_pool import StatePool, capture_point, history_point
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
 from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
@@ -194,6 +194,10 @@ class ModelRunner:
         boundary = capture_point(item.start, item.start + item.length, seq.num_prompt_tokens, self.block_size)
         if boundary is not None and seq.checkpoint_slot is not None:
             recurrent.captures[first_row + boundary - 1 - item.start] = seq.checkpoint_slot
+        history = history_point(seq.history_tokens, seq.num_prompt_tokens, self.block_size)
+        if (seq.history_slot is not None and history is not None and history != boundary
+                and item.start < history <= item.start + item.length):  # at ``boundary``: copied at commit
+            recurrent.captures[first_row + history - 1 - item.start] = seq.history_slot
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:

@@ -163,6 +163,13 @@ class Sequence:
     state_slot: int | None = None
     checkpoint_slot: int | None = None
     checkpoint_tokens: int = 0
+    # A chat prompt's tokens before its generation prompt (None: not known): the next turn of the
+    # conversation repeats them and may render what follows differently (templates drop a
+    # reply's reasoning, or an empty one), so a hybrid model also snapshots its state at the last
+    # block boundary within them, in ``history_slot`` (``history_taken``: the step crossed it).
+    history_tokens: int | None = None
+    history_slot: int | None = None
+    history_taken: bool = False
     prefetched: dict[bytes, str] = field(default_factory=dict)  # digest -> tier, blocks prefetched for it
     _digests: list[bytes] = field(default_factory=list)
 

@@ -36,6 +36,30 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_k
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def generation_prompt_ids(tokenizer: Any) -> list[int]:
+    """The tokens the chat template's generation prompt adds after the messages (``<|im_start|>
+    assistant\n``, maybe an opened ``<think>``), found by rendering a one-message chat with and
+    without it; [] where it adds none, is not a plain suffix, or the template refuses the probe."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        with_prompt = render_chat(tokenizer, probe)
+        without = render_chat(tokenizer, probe, add_generation_prompt=False)
+    except InvalidRequestError:
+        return []
+    if len(with_prompt) <= len(without) or not with_prompt.startswith(without):
+        return []
+    return list(tokenizer(with_prompt[len(without):], add_special_tokens=False).input_ids)
+
+
+def history_length(prompt: Sequence[int], generation_prompt: Sequence[int]) -> int | None:
+    """A chat prompt's tokens before its generation prompt (what the conversation's next turn
+    repeats), or None where the prompt does not end with it as tokens."""
+    n = len(generation_prompt)
+    if n == 0 or n >= len(prompt) or list(prompt[-n:]) != list(generation_prompt):
+        return None
+    return len(prompt) - n
+
+
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     already = isinstance(bos, str) and bool(bos) and prompt.startswith(bos)

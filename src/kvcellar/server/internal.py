@@ -46,6 +46,9 @@ class InternalRequest:
     inter_token_timeout: float | None = None
     # The caller chose skip_special_tokens itself (else tool markup made of special tokens is kept)
     explicit_skip_special: bool = False
+    # The prompt's tokens before its generation prompt (set by ``prepare_chat``; engine.submit's
+    # ``history_tokens``)
+    history_tokens: int | None = None
 
 
 class Renderer(Protocol):

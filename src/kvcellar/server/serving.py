@@ -33,7 +33,7 @@ from starlette.types import Receive
 
 from kvcellar.engine import Engine, SamplingParams, TokenEvent
 from kvcellar.engine.constraints import Grammar
-from kvcellar.engine.tokenization import encode_chat, encode_prompt
+from kvcellar.engine.tokenization import encode_chat, encode_prompt, generation_prompt_ids, history_length
 from kvcellar.errors import InvalidRequestError
 from kvcellar.server import errors
 from kvcellar.server.config import ServerConfig
@@ -98,6 +98,8 @@ class Serving:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
         self.reasons = template_markup(getattr(engine.tokenizer, "chat_template", None))
+        # a hybrid model keeps a snapshot where a chat's messages end, before this suffix
+        self.generation_prompt = generation_prompt_ids(engine.tokenizer)
         self._unknown_models_logged: set[str] = set()
 
     def close(self) -> None:
@@ -278,6 +280,7 @@ class Serving:
     async def prepare_chat(self, ireq: InternalRequest) -> PreparedChat:
         """Prompt tokens, sampling params (grammar and max_tokens set) and the call parser."""
         prompt = await self.render_prompt(ireq)
+        ireq.history_tokens = history_length(prompt, self.generation_prompt)
         tools = ireq.tools
         params = dataclasses.replace(ireq.params)
         params.stop = self.with_default_stops(params.stop)
@@ -390,7 +393,7 @@ class Serving:
         gen = Generation(self.engine, self.inflight, timeouts)
         streaming: SSEResponse | None = None
         try:
-            gen.submit(prompts, params, ireq.cache_salt)
+            gen.submit(prompts, params, ireq.cache_salt, ireq.history_tokens)
             if not ireq.stream:
                 return await until_disconnect(self._collect(gen, renderer), receive)
             streaming = await self._start_stream(gen, renderer, receive)
