@@ -272,14 +272,15 @@ def qwen35_source(family: str = "dense") -> Any:
 
 @functools.cache
 def qwen35_gguf() -> Path:
-    """``qwen35_source()`` as llama.cpp writes a Qwen3.5 GGUF (Q8_0 matrices), Qwen3-Coder's tool
-    markup in its chat template (Qwen3.5's), written once per test process, removed at exit."""
-    from tests.artifacts.gguf_files import QWEN3_CODER_TEMPLATE, write_qwen35_gguf
+    """``qwen35_source()`` as llama.cpp writes a Qwen3.5 GGUF (Q8_0 matrices) with a chat template
+    of Qwen3.5's rules (``QWEN35_TEMPLATE``: XML calls, reasoning), written once per test process,
+    removed at exit."""
+    from tests.artifacts.gguf_files import QWEN35_TEMPLATE, write_qwen35_gguf
 
     folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-qwen35-gguf-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return write_qwen35_gguf(folder / "tiny-qwen35.gguf", qwen35_source(), quantized=True,
-                             chat_template=QWEN3_CODER_TEMPLATE)
+                             chat_template=QWEN35_TEMPLATE)
 
 
 @functools.cache

@@ -128,6 +128,72 @@ Call a function as <tool_call>
 <think>
 {% endif %}"""
 
+# A template with the rules of Qwen3.5's (written here, not copied): the tools as JSON in the
+# system turn ahead of the system prompt, calls in Qwen3-Coder's XML, a tool's results as a user
+# turn of <tool_response> blocks, the generation prompt opening <think>, and an assistant turn's
+# reasoning rendered back only after the last user question (and only when it has some, or is
+# the last message) — so a new question changes how every earlier turn renders, the case that
+# breaks prefix caches of hybrid models between agent turns.
+QWEN35_TEMPLATE = """\
+{%- set ns = namespace(last_query=messages | length - 1, tool_loop=true) %}
+{%- for m in messages[::-1] %}
+    {%- if ns.tool_loop and m.role == 'user' %}
+        {%- set ns.tool_loop = false %}
+        {%- set ns.last_query = messages | length - 1 - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n' }}
+    {{- '<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n' }}
+    {{- '</parameter>\\n</function>\\n</tool_call>' }}
+    {%- if messages[0].role == 'system' %}
+        {{- '\\n\\n' + messages[0].content }}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == 'assistant' %}
+        {%- set reasoning = (m.reasoning_content or '') | trim %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+            {{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- (m.content or '') | trim }}
+        {%- for tc in m.tool_calls or [] %}
+            {%- set c = tc.function if tc.function is defined else tc %}
+            {%- if not loop.first or m.content %}
+                {{- '\\n\\n' }}
+            {%- endif %}
+            {{- '<tool_call>\\n<function=' + c.name + '>\\n' }}
+            {%- for k, v in c.arguments | items %}
+                {%- set text = v | tojson if v is mapping or (v is sequence and v is not string) else v | string %}
+                {{- '<parameter=' + k + '>\\n' + text + '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- elif m.role != 'system' or not loop.first %}
+        {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n<think>\\n' }}
+{%- endif %}"""
+
 # transformers reads neither expert size from a qwen2moe file: its config defaults.
 MOE_FFN, MOE_SHARED_FFN = 1408, 5632
 
