@@ -2,12 +2,18 @@
 ``tests/remote/test_engine_remote.py``): kept beside the blocks, in a namespace of their own, in
 the same verified format; read back after a restart for the same prompt and for the next turn
 of a conversation; a damaged snapshot deleted and the prefix computed again; RAM's snapshots
-stored when evicted under the evict-only policy; none of the warm-up's kept. Every output
-equals, to the bit, the uncached engine's under the native kernels (int8 weights)."""
+stored when evicted under the evict-only policy; none of the warm-up's kept; a server killed
+while they are written serves nothing half-written. Every output equals, to the bit, the
+uncached engine's under the native kernels (int8 weights)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,11 +24,13 @@ from tests._models import (
     assert_no_leaks,
     chat_ids,
     needs_native,
+    qwen35_gguf,
     served_file,
     tiered,
     uncached_runner,
 )
-from tests.integration.test_qwen35 import PARAMS, folder, prompts, resumable
+from tests.helpers import ServerProcess, kvcellar_command, wait_until
+from tests.integration.test_qwen35 import PARAMS, SYSTEM, folder, prompts, resumable
 
 pytestmark = needs_native
 REPLY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
@@ -140,3 +148,55 @@ def test_warm_up_leaves_no_snapshot_in_ram_or_on_disk(loaded, tmp_path):
     engine.generate([prompts(loaded)[0]], PARAMS)  # evicts nothing of the warm-up's: it kept none
     assert engine.shutdown(30)
     assert len(snapshot_files(tmp_path)) == 2  # this prompt's own two
+
+
+def test_sigkill_while_snapshots_are_written_serves_nothing_half_written(tmp_path, models_dir):
+    """A served qwen35 GGUF (the default weights) killed while a dozen prompts' blocks and
+    snapshots are being written: the next start serves the prompts from what was finished (each
+    reply what the prompt computed cold gives), and every entry left on disk, snapshots
+    included, verifies."""
+    cache = tmp_path / "cache"
+    asked = [f"Incident {i}: volume vol-{i:03d} reports I/O errors on node {i % 5}. Next step?" for i in range(12)]
+
+    def serve() -> ServerProcess:
+        return ServerProcess(cache, "--model", str(qwen35_gguf()), "--weights", "auto", models_dir=models_dir)
+
+    def ask(server: ServerProcess, question: str, **extra: Any) -> Any:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        return server.client(timeout=120).chat.completions.create(
+            model="tiny-qwen35", messages=messages, max_tokens=24, temperature=0, **extra)
+
+    server = serve().start()
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(len(asked))
+        for q in asked:
+            pool.submit(ask, server, q)  # it dies mid-way (the point): the futures' errors are dropped
+        wait_until(lambda: server.health()["tiers"]["ssd"]["counters"].get("snapshots_ssd_stored_blocks", 0) >= 4,
+                   timeout=180, interval=0.01, what="snapshots to reach the disk")
+    finally:
+        server.signal(signal.SIGKILL)
+        server.wait_exit(30)
+        pool.shutdown(wait=False)
+
+    final = serve().start()
+    try:
+        assert final.health()["last_shutdown_clean"] is False
+        replies = [ask(final, q) for q in asked]  # which prompts' entries were finished is the race's
+        cold = [ask(final, q, extra_body={"cache_salt": f"cold {i}"}) for i, q in enumerate(asked)]
+        for got, want in zip(replies, cold, strict=True):
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert want.usage.prompt_tokens_details.cached_tokens == 0
+        assert sum(r.usage.prompt_tokens_details.cached_tokens for r in replies) > 0
+        counters = final.health()["tiers"]["ssd"]["counters"]
+        assert counters["ssd_link_snapshots_loaded"] >= 1
+        assert counters["ssd_corrupt_total"] == 0 and counters["snapshots_ssd_corrupt_total"] == 0
+    finally:
+        assert final.stop() == 0
+
+    verify = subprocess.run([*kvcellar_command(), "cache", "verify", "--cache-dir", str(cache), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stderr
+    namespaces = json.loads(verify.stdout)["namespaces"]
+    assert len(namespaces) == 2  # the blocks' and the snapshots'
+    for ns in namespaces:
+        assert ns["bad"] == {} and ns["unreadable"] == 0 and ns["ok"] == ns["checked"] > 0
