@@ -12,10 +12,13 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
 * a running sequence's live state, zeroed or restored from a snapshot when it is admitted;
 * its checkpoint: the state at the last block boundary it crossed (the forward copies it
   there in the step that crosses it, ``engine/deltanet.py``);
-* or a stored snapshot: a checkpoint handed over when the prompt's prefill is done, every
-  ``snapshot_every_blocks`` blocks, and when the sequence is released (a generation's end:
-  an agent's next turn starts right there), keyed by the digest of the block before the
-  boundary, which chains every token before it (``cache/hashing.py``).
+* its history checkpoint: a chat prompt's state at the last boundary before its generation
+  prompt (``history_point``), where the conversation's next turn resumes when its template
+  renders the reply otherwise than the model wrote it;
+* or a stored snapshot: a checkpoint handed over when the prompt's prefill is done (the history
+  one too), every ``snapshot_every_blocks`` blocks, and when the sequence is released (a
+  generation's end: an agent's next turn starts right there), keyed by the digest of the block
+  before the boundary, which chains every token before it (``cache/hashing.py``).
 
 Snapshots are evicted least recently used first beyond ``max_snapshots`` (``on_evict`` sees each
 before its slot is reused: the tiers below RAM may keep it, ``cache/tiering.py``), and dropped
