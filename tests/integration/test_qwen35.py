@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams, native
-from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.cache.state_pool import history_point
+from kvcellar.engine import SamplingParams, native
+from kvcellar.engine.blocking import collect
+from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import StepPlan
 from kvcellar.engine.tokenization import generation_prompt_ids
 from kvcellar.errors import ModelLoadError
@@ -179,6 +180,18 @@ def test_the_next_turn_resumes_where_the_reply_ended():
     engine.shutdown(10)
 
 
+def across_a_boundary(loaded: Any, question: str, system: str = SYSTEM) -> tuple[list[int], int]:
+    """A chat prompt (``system`` and ``question``, padded) whose generation prompt crosses a block
+    boundary, and its tokens before that generation prompt."""
+    suffix = generation_prompt_ids(loaded.tokenizer)
+    assert suffix  # <|im_start|>assistant\n
+    for pad in range(32):
+        prompt = chat_ids(loaded, question + " x" * pad, system)
+        if history_point(len(prompt) - len(suffix), len(prompt), 16) is not None:
+            return prompt, len(prompt) - len(suffix)
+    raise AssertionError("no padding put the generation prompt across a block boundary")
+
+
 @needs_native
 @pytest.mark.parametrize("chunk", [512, 48])  # 48: a step ends on that boundary (its checkpoint is copied)
 def test_the_next_turn_resumes_where_the_messages_ended_when_the_reply_renders_otherwise(chunk):
@@ -187,11 +200,7 @@ def test_the_next_turn_resumes_where_the_messages_ended_when_the_reply_renders_o
     kept at the last boundary before the generation prompt is where it resumes."""
     loaded = served_file(folder(), "int8")
     uncached = uncached_runner(loaded, PARAMS)
-    suffix = generation_prompt_ids(loaded.tokenizer)
-    assert suffix  # <|im_start|>assistant\n
-    prompt = next(p for i in range(16) if (p := chat_ids(loaded, "Which host? " + "x" * i, SYSTEM))
-                  and history_point(len(p) - len(suffix), len(p), 16) is not None)
-    history = len(prompt) - len(suffix)
+    prompt, history = across_a_boundary(loaded, "Which host?")
     engine = make_engine(loaded, max_step_tokens=chunk)
     engine.submit(prompt, PARAMS, history_tokens=history)
     engine.run_until_idle()
@@ -202,6 +211,20 @@ def test_the_next_turn_resumes_where_the_messages_ended_when_the_reply_renders_o
     got = engine.generate([turn], PARAMS)[0]
     assert got.num_cached_tokens == history // 16 * 16
     assert_identical_output(got, uncached(turn))
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+
+
+def test_snapshots_where_messages_end_take_no_slot_a_sequence_needs():
+    """Three sequences at once (no prefix in common: none waits for another's), each with a
+    history point, on a pool of two slots a sequence and one snapshot: none is refused a slot."""
+    loaded = tiny()
+    engine = make_engine(loaded, max_num_seqs=3, state_snapshots=1)
+    asked = [across_a_boundary(loaded, "Which host runs it?", f"Build farm {i}. " + SYSTEM) for i in range(3)]
+    handles = [engine.submit(prompt, PARAMS, history_tokens=history) for prompt, history in asked]
+    results = [collect(engine, h) for h in handles]
+    assert [r.error for r in results] == [None] * 3 and all(len(r.token_ids) == 10 for r in results)
+    assert engine.scheduler.cache.states.stats.snapshots_stored >= 4  # each prompt's end, a history point
     assert_no_leaks(engine)
     engine.shutdown(10)
 

@@ -126,6 +126,7 @@ class PrefixCache(Generic[S]):
         self._abandoned: list[PendingLoad] = []
         # digest -> the sequence computing that block right now (reserved, not yet published)
         self._computing: dict[bytes, S] = {}
+        self._history_slots = 0  # held by sequences for the snapshot where their messages end
         self.stats = PrefixCacheStats()
         self.prefetch = Prefetcher(blocks, max_blocks=int(prefetch_pool_fraction * (blocks.num_blocks - 1)),
                                    max_reads=prefetch_max_reads)
@@ -212,9 +213,12 @@ class PrefixCache(Generic[S]):
             seq.checkpoint_tokens = 0
             history = history_point(seq.history_tokens, seq.num_prompt_tokens, bs)
             resume = (len(hits) + (plan.num_blocks if plan is not None else 0)) * bs
-            if history is not None and history > resume and self.enabled and self.states.spare:
+            # history slots come out of the snapshots' share (the pool holds two slots a sequence)
+            if (history is not None and history > resume and self.enabled
+                    and self._history_slots < self.states.max_snapshots and self.states.spare):
                 seq.history_slot = self.states.acquire(zeroed=False)
                 seq.history_taken = False
+                self._history_slots += 1
         seq.num_computed = len(hits) * bs
         seq.num_registered = len(hits)
         if cow is not None:
@@ -292,6 +296,7 @@ class PrefixCache(Generic[S]):
         bs = self.block_size
         history = history_point(seq.history_tokens, seq.num_prompt_tokens, bs)
         slot, seq.history_slot = seq.history_slot, None
+        self._history_slots -= 1
         if seq.history_taken and history is not None and seq.num_registered * bs >= history and self.enabled:
             n = history // bs
             self._keep(seq.digests(n, bs)[-1], slot, history, tuple(seq.block_tokens(n - 1, bs)))
