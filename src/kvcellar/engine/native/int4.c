@@ -71,6 +71,10 @@ static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint
             for (int64_t k0 = 0; k0 < nc; k0 += 8) {
                 _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH + 64), _MM_HINT_T0);
+                if ((k0 & 31) == 0) {  /* the float pass's scales and offsets (their own arrays): a line each */
+                    _mm_prefetch((const char *)(sr[j] + c0 + k0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(orow[j] + c0 + k0), _MM_HINT_T0);
+                }
                 const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
                 __m256i q[8];
                 for (int k = 0; k < 8; k++)
