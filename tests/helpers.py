@@ -8,15 +8,17 @@ generous deadline and fail with what they last saw.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvcellar.bench.launch import (  # noqa: F401  (the tests' one way to poll and to pick ports)
+from kvcellar.bench.launch import (
     ServerLauncher,
     free_port,
     kvcellar_command,
@@ -182,3 +184,15 @@ class InProcessServer:
     def __exit__(self, *exc: Any) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=120)
+
+
+def verified_namespaces(cache: Path) -> list[dict[str, Any]]:
+    """``kvcellar cache verify --json`` over ``cache``: each namespace's report, having asserted
+    that every entry it checked was whole (none bad, none unreadable)."""
+    verify = subprocess.run([*kvcellar_command(), "cache", "verify", "--cache-dir", str(cache), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stderr
+    namespaces: list[dict[str, Any]] = json.loads(verify.stdout)["namespaces"]
+    for ns in namespaces:
+        assert ns["bad"] == {} and ns["unreadable"] == 0 and ns["ok"] == ns["checked"] > 0, ns
+    return namespaces

@@ -9,9 +9,7 @@ uncached engine's under the native kernels (int8 weights)."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from tests._models import (
     tiered,
     uncached_runner,
 )
-from tests.helpers import ServerProcess, kvcellar_command, wait_until
+from tests.helpers import ServerProcess, verified_namespaces, wait_until
 from tests.integration.test_qwen35 import PARAMS, SYSTEM, folder, prompts, resumable
 
 pytestmark = needs_native
@@ -193,10 +191,4 @@ def test_sigkill_while_snapshots_are_written_serves_nothing_half_written(tmp_pat
     finally:
         assert final.stop() == 0
 
-    verify = subprocess.run([*kvcellar_command(), "cache", "verify", "--cache-dir", str(cache), "--json"],
-                            capture_output=True, text=True, timeout=300)
-    assert verify.returncode == 0, verify.stderr
-    namespaces = json.loads(verify.stdout)["namespaces"]
-    assert len(namespaces) == 2  # the blocks' and the snapshots'
-    for ns in namespaces:
-        assert ns["bad"] == {} and ns["unreadable"] == 0 and ns["ok"] == ns["checked"] > 0
+    assert len(verified_namespaces(cache)) == 2  # the blocks' and the snapshots'

@@ -9,7 +9,6 @@ a tenth of its compute).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 
 from kvcellar.engine import SamplingParams
 from tests._models import SERVER_STAND_IN, chat_ids, served_stand_in, stand_in_args, uncached_runner
-from tests.helpers import ServerProcess, kvcellar_command, wait_until
+from tests.helpers import ServerProcess, kvcellar_command, verified_namespaces, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,13 +140,8 @@ def test_sigkill_during_writes_never_serves_a_corrupt_block(tmp_path, models_dir
     finally:
         assert final.stop() == 0
 
-    verify = subprocess.run([*kvcellar_command(), "cache", "verify", "--cache-dir", str(cache), "--json"],
-                            capture_output=True, text=True, timeout=300)
-    assert verify.returncode == 0, verify.stderr
-    namespaces = json.loads(verify.stdout)["namespaces"]
+    namespaces = verified_namespaces(cache)
     assert len(namespaces) == 1
-    assert namespaces[0]["bad"] == {} and namespaces[0]["unreadable"] == 0
-    assert namespaces[0]["ok"] == namespaces[0]["checked"] > 0
     print(f"blocks stored before each kill: {stored_before_kill}; verified {namespaces[0]['ok']}", file=sys.stderr)
 
 
