@@ -66,8 +66,8 @@ def one_call(reply: Any) -> Any:
 
 
 def conversation(agent: Agent) -> tuple[list[list[dict[str, Any]]], list[Any]]:
-    """Turns 2-4's prompts and the four replies: ask -> call; result -> answer; a new question
-    -> call; its result -> answer."""
+    """The conversation (ask -> call; its result -> answer; a new question -> call; its result
+    -> answer): turns 2-4's prompts and their replies."""
     call = one_call(agent.chat(agent.first_turn(), **CALL))
     turn2 = agent.second_turn(call.id, call.function.name, call.function.arguments)
     r2 = agent.chat(turn2, **ANSWER)
