@@ -213,9 +213,10 @@ class PrefixCache(Generic[S]):
             seq.checkpoint_tokens = 0
             history = history_point(seq.history_tokens, seq.num_prompt_tokens, bs)
             resume = (len(hits) + (plan.num_blocks if plan is not None else 0)) * bs
-            # history slots come out of the snapshots' share (the pool holds two slots a sequence)
+            # History slots come out of the snapshots' share: with two slots a sequence held and
+            # fewer than ``max_snapshots`` of these, a slot is free or a stored snapshot gives it up.
             if (history is not None and history > resume and self.enabled
-                    and self._history_slots < self.states.max_snapshots and self.states.spare):
+                    and self._history_slots < self.states.max_snapshots):
                 seq.history_slot = self.states.acquire(zeroed=False)
                 seq.history_taken = False
                 self._history_slots += 1

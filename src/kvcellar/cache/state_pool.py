@@ -142,12 +142,6 @@ class StatePool:
         return len(self._free)
 
     @property
-    def spare(self) -> bool:
-        """Whether ``acquire`` can give a slot beyond those sized for the sequences (a free one,
-        or one a stored snapshot gives up)."""
-        return bool(self._free or self._stored)
-
-    @property
     def num_held(self) -> int:
         """Slots held by sequences (live or checkpoint)."""
         return self.slots - len(self._free) - len(self._stored)
