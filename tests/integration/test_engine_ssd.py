@@ -293,6 +293,22 @@ def test_evict_only_writes_blocks_when_ram_drops_them(model, uncached, tmp_path)
     restarted.shutdown(30)
 
 
+def test_evict_only_writes_what_ram_holds_at_shutdown(model, uncached, tmp_path):
+    prompt = ask(model, "Review: the retry loop sleeps while holding the connection pool lock.")
+    engine = tiered(model, tmp_path, policy="evict_only")
+    engine.generate([prompt], GREEDY)
+    engine.lower.tiers[0].tier.wait_idle(30)
+    assert block_files(tmp_path) == []
+    cached = len(engine.blocks.cached_blocks())
+    assert engine.shutdown(30)
+    assert len(block_files(tmp_path)) == cached > 0
+    restarted = tiered(model, tmp_path, policy="evict_only")
+    result = restarted.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens >= len(prompt) - BS
+    assert_same_output(result, uncached(prompt))
+    restarted.shutdown(30)
+
+
 def test_cancel_while_loading_frees_blocks_after_the_read(model, uncached, tmp_path):
     long_prompt = ask(model, "Review this diff:\n" + "\n".join(f"+ charge(amount_{i}, retries=3)" for i in range(60)))
     writer = tiered(model, tmp_path)

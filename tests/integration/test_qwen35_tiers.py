@@ -2,7 +2,7 @@
 ``tests/remote/test_engine_remote.py``): kept beside the blocks, in a namespace of their own, in
 the same verified format; read back after a restart for the same prompt and for the next turn
 of a conversation; a damaged snapshot deleted and the prefix computed again; RAM's snapshots
-stored when evicted under the evict-only policy; none of the warm-up's kept; a server killed
+stored when evicted under the evict-only policy, and at shutdown; none of the warm-up's kept; a server killed
 while they are written serves nothing half-written. Every output equals, to the bit, the
 uncached engine's under the native kernels (int8 weights)."""
 
@@ -134,6 +134,24 @@ def test_evict_only_stores_the_snapshots_ram_drops_and_resumes_from_them(loaded,
     assert ssd(engine)["ssd_link_snapshots_loaded"] == 1
     assert_no_leaks(engine)
     assert engine.shutdown(30)
+
+
+def test_evict_only_takes_what_ram_holds_at_shutdown_and_a_restart_resumes_from_it(loaded, tmp_path):
+    uncached = uncached_runner(loaded, REPLY)
+    first = prompts(loaded)[0]
+    engine = tiered(loaded, tmp_path, policy="evict_only")
+    engine.generate([first], REPLY)
+    engine.lower.tiers[0].tier.wait_idle(30)
+    assert snapshot_files(tmp_path) == []  # RAM evicted nothing
+    assert engine.shutdown(30)
+    assert len(snapshot_files(tmp_path)) == 2  # where the prefill ended, where the reply did
+
+    again = tiered(loaded, tmp_path, policy="evict_only")
+    got = again.generate([first], REPLY)[0]
+    assert got.num_cached_tokens == resumable(len(first))
+    assert_identical_output(got, uncached(first))
+    assert ssd(again)["ssd_link_snapshots_loaded"] == 1
+    assert again.shutdown(30)
 
 
 def test_warm_up_leaves_no_snapshot_in_ram_or_on_disk(loaded, tmp_path):

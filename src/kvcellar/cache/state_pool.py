@@ -219,6 +219,10 @@ class StatePool:
         self._stored.move_to_end(key)
         return snap
 
+    def stored(self) -> list[tuple[bytes, Snapshot]]:
+        """Every snapshot kept, keyed by its chain's digest, least recently used first."""
+        return list(self._stored.items())
+
     def discard(self, key: bytes) -> bool:
         """Drop the snapshot of chain ``key``, offered to no one: its chain's blocks are gone,
         so no lookup can reach it (its slot is worth more to a snapshot that can be)."""

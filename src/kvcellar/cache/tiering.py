@@ -32,13 +32,16 @@ A write-through store a tier dropped (queue full, fault) is not lost while the b
 RAM: when the RAM tier evicts it, or at shutdown, the link offers it again if the tier
 ``wants`` it (a block the tier already holds costs no copy). Eviction is the block's last
 chance, so there ``wants`` may wait for room in a full queue, up to the tier's
-``evict_wait_s``; at shutdown, until the close deadline.
+``evict_wait_s``; at shutdown, until the close deadline. Shutdown drops every block RAM holds,
+so an evict-only tier is offered all of them then (a graceful restart keeps them; a crash
+does not).
 
 Snapshots (hybrid models' recurrent state at a block boundary, ``cache/state_pool.py``): a tier
 may be attached with a second tier of the same kind beside it, in a namespace of its own, that
 stores snapshots as entries of the same verified format (``snapshot_spec``: the state's bytes,
 keyed, digested and token-checked as the block before the boundary). A snapshot kept in RAM is
-stored into the write-through tiers at once and into the evict-only ones when RAM evicts it;
+stored into the write-through tiers at once and into the evict-only ones when RAM evicts it
+(at shutdown, RAM's blocks and snapshots are offered again, ``close``);
 ``find_snapshot`` says which tier holds one; a load reads it beside the blocks it resumes after
 (``start_load``'s ``snapshot``), and the load is whole only if every block and the snapshot
 verified. A snapshot is of use only with every block before it, which a tier may have evicted:
@@ -63,7 +66,7 @@ import torch
 
 from kvcellar.cache.block_manager import Block
 from kvcellar.cache.kv_pool import KVPool
-from kvcellar.cache.state_pool import StateLayout
+from kvcellar.cache.state_pool import Snapshot, StateLayout, StatePool
 from kvcellar.stats import Stats, counter
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest
 from kvcellar.storage.guard import GuardedTier
@@ -469,17 +472,22 @@ class LowerTierLink:
                               **({"snapshots": a.snapshots.health()} if a.snapshots is not None else {})}
                 for a in self.tiers}
 
-    def close(self, timeout: float, cached: Iterable[Block] = ()) -> bool:
-        """Flush; offer each write-through tier the ``cached`` RAM blocks whose store it
-        dropped (no step waits on the tiers any more, so wait for room in a full queue);
-        then close every tier, all within ``timeout`` (shared, in order)."""
+    def close(self, timeout: float, cached: Iterable[Block] = (), states: StatePool | None = None) -> bool:
+        """Flush; RAM is about to drop everything, so offer each tier that stores the
+        ``cached`` RAM blocks, then the snapshots ``states`` keeps, that it lacks: an
+        evict-only tier all of them, a write-through one those whose store it dropped (no
+        step waits on the tiers any more, so wait for room in a full queue); then close
+        every tier, all within ``timeout`` (shared, in order)."""
         deadline = time.monotonic() + timeout
         self.flush()
         blocks = [b for b in cached if b.digest is not None]
+        snapshots = states.stored() if states is not None else []
         clean = True
         for i, attached in enumerate(self.tiers):
-            if attached.policy == "write_through":
+            if attached.policy != "read_only":
                 self._offer_again(i, attached, blocks, deadline)
+                if attached.snapshots is not None and states is not None:
+                    self._offer_snapshots_again(attached, states, snapshots, deadline)
             clean = attached.calls.close(max(0.5, deadline - time.monotonic())) and clean
             if attached.snapshots is not None:
                 clean = attached.snapshots.close(max(0.5, deadline - time.monotonic())) and clean
@@ -496,3 +504,14 @@ class LowerTierLink:
                 continue
             self.tiers[index].stats.stored_blocks += 1
             tier.store([self._store_request(block, key)])
+
+    def _offer_snapshots_again(self, attached: AttachedTier, states: StatePool,
+                               snapshots: list[tuple[bytes, Snapshot]], deadline: float) -> None:
+        tier = attached.snapshots
+        assert tier is not None
+        for digest, snap in snapshots:
+            key = self.key_of(digest)
+            if not tier.wants(key, max(0.0, deadline - time.monotonic())):
+                continue
+            attached.snapshot_stats.stored += 1
+            tier.store([StoreRequest(key, digest, snap.block_tokens, states.export(snap.slot))])

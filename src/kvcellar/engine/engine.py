@@ -274,7 +274,7 @@ class Engine:
             deadline = time.monotonic() + timeout
             clean = self._stop_engine(timeout)
             clean = self.lower.close(max(1.0, deadline - time.monotonic()),
-                                     cached=self.blocks.cached_blocks()) and clean
+                                     cached=self.blocks.cached_blocks(), states=self.scheduler.cache.states) and clean
             self._shutdown_result = clean
             return clean
 
