@@ -41,7 +41,8 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
 def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | None = None) -> None:
     """The SSD tier at ``root`` under ``engine`` (``policy``: the config's unless given). A
     hybrid model's snapshots go beside its blocks, in the namespace ``<fingerprint>.snapshots``,
-    with a share of the capacity (``snapshot_share``) and a queue of a few snapshots."""
+    with a share of the capacity (``snapshot_share``) and a queue of a few snapshots; a block
+    evicted takes the snapshot at its end with it."""
     from kvcellar.storage.disk.tier import DiskTier
 
     spec = engine.snapshot_spec
@@ -52,8 +53,10 @@ def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | N
     def snapshots(spec: BlockSpec) -> KVTier:
         config = replace(disk, capacity_bytes=share, io_threads=2,
                          queue_blocks=snapshot_queue(disk.queue_blocks, spec.nbytes))
-        return DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config,
+        kept = DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config,
                         descriptor={**engine.descriptor, "snapshots": True})
+        tier.drops_with_its_blocks(kept)
+        return kept
 
     _attach_with_snapshots(engine, tier, policy or disk.policy, snapshots)
 

@@ -260,3 +260,22 @@ def test_settings_default_to_the_relative_floor(monkeypatch) -> None:
     monkeypatch.delenv("KVCELLAR_DISK_MIN_FREE_GB", raising=False)
     assert DiskConfig().min_free_bytes is None
     assert load_settings(flags={"disk": {"disk_min_free_gb": 0.5}}).disk.min_free_bytes == 1 << 29
+
+
+def test_a_block_evicted_takes_the_entry_of_its_key_beside_it(tmp_path, open_tier) -> None:
+    """A hybrid model's snapshots are kept beside its blocks under the same keys: a block the
+    byte limit evicts (a chain's tail first) takes the snapshot at its end with it; one
+    whose block stays is kept."""
+    blocks = open_tier(tmp_path, async_writes=False, capacity_bytes=4 * FILE)
+    snapshots = open_tier(tmp_path, "ns.snapshots", SPEC_BIG, async_writes=False)
+    blocks.drops_with_its_blocks(snapshots)
+    assert blocks.wait_scanned(30) and snapshots.wait_scanned(30)
+    a, b = chain(4, linked=True), chain(2, seed=1, linked=True)
+    for x in a:
+        blocks.store([x])
+    kept = [block(i, SPEC_BIG, key=x.key) for i, x in enumerate(a)]
+    snapshots.store([kept[1], kept[3]])  # after a's second block and after its last
+    blocks.store(b)  # evicts a's last two blocks: the snapshot after a[3] goes, the one after a[1] stays
+    assert on_disk(blocks, a) == [1, 1, 0, 0]
+    assert on_disk(snapshots, kept) == [0, 1, 0, 0]
+    assert snapshots.stats()["ssd_removed_blocks"] == 1

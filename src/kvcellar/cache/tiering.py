@@ -44,8 +44,10 @@ stored into the write-through tiers at once and into the evict-only ones when RA
 (at shutdown, RAM's blocks and snapshots are offered again, ``close``);
 ``find_snapshot`` says which tier holds one; a load reads it beside the blocks it resumes after
 (``start_load``'s ``snapshot``), and the load is whole only if every block and the snapshot
-verified. A snapshot is of use only with every block before it, which a tier may have evicted:
-then it ages out unused.
+verified. A snapshot is of use only with every block before it: the SSD tier deletes it with the block it
+ends when it evicts that block (``DiskTier.drops_with_its_blocks``; tails first, so never while a
+block before it stays); in Redis, whose own policy evicts keys, one left without its blocks ages out
+unused.
 
 The engine always has a link; with no tier attached every call is a no-op, so nobody
 checks whether there are lower tiers.

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,9 @@ class OpenNamespace:
                                    config.fault_backoff_initial_s, config.fault_backoff_max_s)
         self.rfault = FaultTracker("read", self.counters, _log, where)
         self.capacity = CapacityGuard(self.table, root, config.capacity_bytes, config.min_free_bytes,
-                                      config.ttl_s, self.unlink_block, self.counters)
+                                      config.ttl_s, self._unlink_dropped, self.counters)
+        # Called with each key the capacity rules deleted (``DiskTier.drops_with_its_blocks``).
+        self.on_dropped: Callable[[bytes], None] | None = None
         self.suspects = KeyRecord(1 << 14)  # files to check when stored again (keys.py)
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
@@ -186,6 +189,13 @@ class OpenNamespace:
             self.wfault.failure(e, f"deleting {path.name}", counter="delete")
             return False
         return True
+
+    def _unlink_dropped(self, key: bytes) -> bool:
+        """``unlink_block`` for eviction and TTL, telling ``on_dropped``."""
+        done = self.unlink_block(key)
+        if done and self.on_dropped is not None:
+            self.on_dropped(key)
+        return done
 
     def corrupt(self, path: Path, key: bytes, reason: str, ino: int, dev: int) -> None:
         """Count, forget and delete a block that failed a check. Its chain's later

@@ -160,6 +160,13 @@ class DiskTier(KVTier):
     def unpin(self, keys: Sequence[bytes]) -> None:
         self._table.unpin(list(keys))
 
+    def drops_with_its_blocks(self, other: DiskTier) -> None:
+        """``other`` keeps entries keyed as this tier's blocks that are worthless without them
+        (a hybrid model's snapshots, each keyed by the block before its boundary): a block this
+        tier evicts or ages out takes ``other``'s entry of its key with it. Eviction takes a
+        chain's tail first, so a snapshot never outlives a block before it this way."""
+        self._ns.on_dropped = lambda key: other.remove([key])
+
     def remove(self, keys: Sequence[bytes]) -> int:
         """Unlink the block files of ``keys``; absent keys are ignored. Returns how many
         files were removed (``ssd_removed_blocks``). A read in progress keeps its open file
