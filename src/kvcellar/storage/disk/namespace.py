@@ -71,7 +71,7 @@ class OpenNamespace:
         self.capacity = CapacityGuard(self.table, root, config.capacity_bytes, config.min_free_bytes,
                                       config.ttl_s, self._unlink_dropped, self.counters)
         # Called with each key the capacity rules deleted (``DiskTier.drops_with_its_blocks``).
-        self.on_dropped: Callable[[bytes], None] | None = None
+        self.on_dropped: Callable[[bytes], object] | None = None
         self.suspects = KeyRecord(1 << 14)  # files to check when stored again (keys.py)
         # _misc_lock protects _leftovers and _known_dirs.
         self._misc_lock = threading.Lock()
