@@ -283,6 +283,35 @@ def test_a_linear_on_native_kernels_is_lean_and_runs_its_kernel_at_every_row_cou
     assert (whole.float() - want).abs().max() <= rtol * want.abs().max()
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_of_one_input_called_together_give_each_its_own_calls_bits(dtype):
+    """q/k/v-like linears (outputs not multiples of 8 or 16, one with a bias) in one call over the
+    input quantized once at decode-sized steps, and apart at prefill-sized ones: each output the
+    same bits as the linear called alone; a group the kernel cannot take runs apart."""
+    from kvcellar.engine.linears import call_together
+
+    shapes = [(40, 320), (13, 320), (96, 320), (1, 320)]
+    linears = []
+    for i, (out, cols) in enumerate(shapes):
+        q = quantize_int4(torch.randn(out, cols, generator=torch.Generator().manual_seed(i)) * 0.05)
+        bias = torch.randn(out).to(dtype) if i == 1 else None
+        linears.append(FastLinear(q.dequantize(dtype), bias, q, KernelTable(kernel_dtype=torch.int8)))
+    together = call_together(linears)
+    x = activations(37, 320).to(dtype).view(1, 37, 320)
+    for rows in (1, 3, 4, 7, 8, 37):
+        got = together(x[:, :rows])
+        assert len(got) == len(linears)
+        for layer, y in zip(linears, got, strict=True):
+            assert y.shape == (1, rows, layer.out_features) and y.dtype == dtype
+            assert torch.equal(y, layer(x[:, :rows])), (rows, layer.out_features)
+    ys = native.matmul_int4_many(x[0, :3].float(), [(m._q, m._scale, m._zero) for m in linears], THREADS)
+    for layer, y in zip(linears, ys, strict=True):
+        assert torch.equal(y, native.matmul_int4(x[0, :3].float(), layer._q, layer._scale, layer._zero, 1))
+    mixed = call_together([linears[0], torch.nn.Linear(320, 8).to(dtype)])  # not all int4: each its own call
+    assert [y.shape[-1] for y in mixed(x[:, :2])] == [40, 8]
+
+
 def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):
     without_native_kernels(monkeypatch)
     assert not native.available() and not quant_kernels_run(torch.int8, torch.device("cpu"))

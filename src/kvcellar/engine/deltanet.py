@@ -103,18 +103,18 @@ class GatedDeltaNet:
     """One Gated DeltaNet layer of a transformers ``Qwen3_5GatedDeltaNet`` module, over packed
     steps; ``index``: its place among the model's linear-attention layers (its pool slice)."""
 
-    def __init__(self, module: Any, index: int, linear: Callable[[Any], Callable[[torch.Tensor], torch.Tensor]]
-                 ) -> None:
-        """``linear``: how to call a linear of the module (``linears.call_of``)."""
+    def __init__(self, module: Any, index: int, linear: Callable[[Any], Callable[[torch.Tensor], torch.Tensor]],
+                 together: Callable[[list[Any]], Callable[[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """``linear``: how to call a linear of the module (``linears.call_of``); ``together``: how to
+        call linears of the same input (``linears.call_together``)."""
         self.index = index
         self.key_heads = int(module.num_k_heads)
         self.value_heads = int(module.num_v_heads)
         self.key_dim = int(module.head_k_dim)
         self.value_dim = int(module.head_v_dim)
         self.key_size = self.key_heads * self.key_dim
-        self.qkv, self.z, self.b, self.a, self.out = (
-            linear(p) for p in (module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a,
-                                module.out_proj))
+        self.projections = together([module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
+        self.out = linear(module.out_proj)
         self.conv_weight: torch.Tensor = module.conv1d.weight.squeeze(1)  # [channels, kernel]
         self.neg_a: torch.Tensor = -module.A_log.float().exp()
         self.dt_bias: torch.Tensor = module.dt_bias
@@ -126,10 +126,10 @@ class GatedDeltaNet:
         """``x [1, rows, hidden]`` (normed) -> the layer's output ``[1, rows, hidden]``."""
         rows = x.shape[1]
         flat = x[0]
-        mixed = self.qkv(flat)  # [rows, channels]
-        g = self.neg_a * rowwise(F.softplus, self.a(flat).float() + self.dt_bias)  # [rows, value_heads]
+        mixed, z, b, a = self.projections(flat)  # mixed: [rows, channels]
+        g = self.neg_a * rowwise(F.softplus, a.float() + self.dt_bias)  # [rows, value_heads]
         decay = rowwise(torch.exp, g)
-        beta = rowwise(torch.sigmoid, self.b(flat).float())
+        beta = rowwise(torch.sigmoid, b.float())
         conv = step.pool.conv[self.index]
         recurrent = step.pool.recurrent[self.index]
         taps = self.conv_weight.shape[-1]
@@ -158,8 +158,7 @@ class GatedDeltaNet:
             core = self._native_rule(groups, rows, decay, beta, recurrent, step.captures)
         else:
             core = self._torch_rule(groups, rows, decay, beta, recurrent, step.captures)
-        z = self.z(flat).view(rows, self.value_heads, self.value_dim)
-        normed = self._gated_norm(core, z, x.dtype)
+        normed = self._gated_norm(core, z.view(rows, self.value_heads, self.value_dim), x.dtype)
         return self.out(normed.reshape(1, rows, -1))
 
     def _native_rule(self, groups: list[Any], rows: int, decay: torch.Tensor, beta: torch.Tensor,

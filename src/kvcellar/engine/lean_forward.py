@@ -35,7 +35,7 @@ from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
 from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
 from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
-from kvcellar.engine.linears import FusedPart
+from kvcellar.engine.linears import FusedPart, call_together
 from kvcellar.engine.linears import call_of as _linear
 
 # CausalLM class -> the decoder layer class it must hold.
@@ -106,7 +106,7 @@ class _Layer:
         self.qkv_sizes: list[int] = [q.out_features, k.out_features, v.out_features]
         self.qk_heads: int = (q.out_features + k.out_features) // self.head_dim
         self.q_heads: int = q.out_features // self.head_dim
-        self.q, self.k, self.v = _linear(q), _linear(k), _linear(v)
+        self.q_k_v = call_together([q, k, v])  # unfused: one call where their kernel allows
         self.o = _linear(attn.o_proj)
         # Qwen3: each query and key head RMS-normalized before RoPE; side by side (joint RoPE)
         # as one norm over the heads, whose weights are the two norms' own.
@@ -128,7 +128,8 @@ class _Layer:
             gate, up = mlp.gate_proj, mlp.up_proj
             fused_gate_up = gate.fused if isinstance(gate, FusedPart) and up.fused is gate.fused else None
             self.gate_up_sizes: list[int] = [gate.out_features, up.out_features]
-            self.gate, self.up, self.down = _linear(gate), _linear(up), _linear(mlp.down_proj)
+            self.gate_and_up = call_together([gate, up])
+            self.down = _linear(mlp.down_proj)
             self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = fused_gate_up
         self.input_norm = _rms_norm(layer.input_layernorm, weight_first=weight_first_norm)
@@ -209,7 +210,7 @@ class LeanForward:
                 if layer.qkv is not None:
                     q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
                 else:
-                    q, k, v = layer.q(x), layer.k(x), layer.v(x)
+                    q, k, v = layer.q_k_v(x)
                 q, k, v = q.view(shape), k.view(shape), v.view(shape)
                 if layer.q_norm is not None and layer.k_norm is not None:
                     q, k = layer.q_norm(q), layer.k_norm(k)
@@ -227,7 +228,7 @@ class LeanForward:
             if layer.gate_up is not None:
                 gate, up = layer.gate_up(x).split(layer.gate_up_sizes, dim=-1)
             else:
-                gate, up = layer.gate(x), layer.up(x)
+                gate, up = layer.gate_and_up(x)
             h = h + layer.down(layer.act(gate) * up)
         h = self.norm(h)
         return self.lm_head(h[:, logits_to_keep, :])

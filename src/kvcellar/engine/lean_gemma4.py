@@ -24,6 +24,7 @@ from torch import nn
 from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import call_of as _linear
+from kvcellar.engine.linears import call_together
 
 CAUSAL_LMS = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
 
@@ -52,7 +53,7 @@ class _Layer:
             self.v = _linear(attn.v_proj) if attn.v_proj is not None else None
             self.k_norm, self.v_norm = attn.k_norm.forward, attn.v_norm.forward
         mlp = layer.mlp
-        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.gate_up, self.down = call_together([mlp.gate_proj, mlp.up_proj]), _linear(mlp.down_proj)
         self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.input_norm = layer.input_layernorm.forward
         self.post_attn_norm = layer.post_attention_layernorm.forward
@@ -138,7 +139,8 @@ class Gemma4Forward:
             h = residual + layer.post_attn_norm(layer.o(o.reshape(*lead, -1).contiguous()))
             residual = h
             x = layer.pre_ff_norm(h)
-            x = layer.down(layer.act(layer.gate(x)) * layer.up(x))
+            gate, up = layer.gate_up(x)
+            x = layer.down(layer.act(gate) * up)
             if layer.experts is not None and layer.router is not None:
                 flat = residual.reshape(-1, residual.shape[-1])
                 _, weights, index = layer.router.forward(flat)

@@ -26,6 +26,7 @@ from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.deltanet import GatedDeltaNet, rowwise
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import call_of as _linear
+from kvcellar.engine.linears import call_together
 
 CAUSAL_LMS = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
@@ -59,7 +60,8 @@ class _Attention:
         self.pool_layer = _PoolLayer(index)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
-        self.q, self.k, self.v, self.o = (_linear(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.qkv = call_together([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = _linear(attn.o_proj)
         self.q_norm, self.k_norm = _zero_centred_norm(attn.q_norm), _zero_centred_norm(attn.k_norm)
 
 
@@ -67,11 +69,13 @@ class _MLP:
     """A gated MLP (the dense models', the MoE models' shared expert)."""
 
     def __init__(self, mlp: Any) -> None:
-        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.gate_up = call_together([mlp.gate_proj, mlp.up_proj])
+        self.down = _linear(mlp.down_proj)
         self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(rowwise(self.act, self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(rowwise(self.act, gate) * up)
 
 
 class _Experts:
@@ -124,7 +128,7 @@ class Qwen35Forward:
         for layer in inner.layers:
             mixer: _Attention | GatedDeltaNet
             if hasattr(layer, "linear_attn"):
-                mixer, linear = GatedDeltaNet(layer.linear_attn, linear, _linear), linear + 1
+                mixer, linear = GatedDeltaNet(layer.linear_attn, linear, _linear, call_together), linear + 1
             else:
                 mixer, attention = _Attention(layer.self_attn, attention), attention + 1
             self.layers.append(_Layer(layer, mixer))
@@ -153,11 +157,12 @@ class Qwen35Forward:
     def _attend(self, attn: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepMeta,
                 lead: torch.Size) -> torch.Tensor:
         shape = (*lead, -1, attn.head_dim)
-        q, gate = torch.chunk(attn.q(x).view(*lead, -1, attn.head_dim * 2), 2, dim=-1)
+        q, k, v = attn.qkv(x)
+        q, gate = torch.chunk(q.view(*lead, -1, attn.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(*lead, -1)
         q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k(x).view(shape)).transpose(1, 2)
-        v = attn.v(x).view(shape).transpose(1, 2)
+        k = attn.k_norm(k.view(shape)).transpose(1, 2)
+        v = v.view(shape).transpose(1, 2)
         q, k = self.rope(q, k, cos, sin)
         o, _ = paged_attention(attn.pool_layer, q, k, v, None, scaling=attn.scaling, kvcellar_meta=meta)
         o = o.reshape(*lead, -1).contiguous()

@@ -135,6 +135,38 @@ def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
+def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """The outputs of linears that take the same input (a layer's q/k/v, gate/up), as their own
+    calls give them. Where each runs kvcellar's int4 row kernel for the step (decode-sized steps),
+    one call computes them all over the input quantized once (``native.matmul_int4_many``): the
+    threads wake once for them, not once a linear."""
+    calls = [call_of(m) for m in modules]
+
+    def apart(x: torch.Tensor) -> list[torch.Tensor]:
+        return [call(x) for call in calls]
+
+    linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind == "int4"]
+    if len(linears) < 2 or len(linears) != len(modules) or len({(m.in_features, m.dtype) for m in linears}) != 1:
+        return apart
+    weights = [(m._q, m._scale, m._zero) for m in linears]
+    assert all(q is not None and s is not None and z is not None for q, s, z in weights)
+    outs = [m.out_features for m in linears]
+    cols, dtype = linears[0].in_features, linears[0].dtype
+
+    def together(x: torch.Tensor) -> list[torch.Tensor]:
+        x2d = x.reshape(-1, cols)
+        if any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
+            return apart(x)
+        ys = native.matmul_int4_many(x2d.float(), weights, torch.get_num_threads())  # type: ignore[arg-type]
+        results = []
+        for m, y in zip(linears, ys, strict=True):
+            y = y.to(dtype)
+            results.append((y if m.bias is None else y + m.bias).view(*x.shape[:-1], m.out_features))
+        return results
+
+    return together
+
+
 class FastLinear(nn.Module):
     """``y = x @ W.T + b`` over a weight that may be prepacked and may be quantized.
 

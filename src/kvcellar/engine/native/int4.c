@@ -138,7 +138,7 @@ static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint
 void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
     const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
             const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
@@ -146,6 +146,35 @@ void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
                      y + a0 * out);
         }
     }
+}
+
+/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
+ * over activations quantized once: weight i (w[i], scales[i], offsets[i], laid out as
+ * kvc_gemm_q4's) of outs[i] rows into ys[i] [rows, outs[i]], each output by kvc_gemm_q4's
+ * arithmetic. A decode step then wakes the threads once for them, not once a linear. */
+int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
+                     const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
+                     const float *xs, int64_t rows, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (outs[i] <= 0) return -2;
+        n += (outs[i] + 7) / 8;
+    }
+    moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
+    if (!units) return -1;
+    for (int64_t i = 0, u = 0; i < count; i++)
+        for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
+    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
+    for (int64_t u = 0; u < n; u++) {
+        const int64_t i = units[u].e, out = outs[i];
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
+            q4_rows8((const uint8_t *)w[i], (const uint16_t *)scales[i], (const uint16_t *)offsets[i], units[u].g * 8,
+                     out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks,
+                     rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)ys[i] + a0 * out);
+    }
+    free(units);
+    return 0;
 }
 
 /* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
@@ -247,7 +276,7 @@ static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint1
         float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
         for (int64_t a0 = 0; a0 < rows; a0 += step) {
             const int64_t a1 = a0 + step < rows ? a0 + step : rows;
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < panels; p++) {
                 if (!packed || !ps || !po) {  /* no memory for a panel: the row kernel, its numbers */
                     for (int64_t r = p * width; r < (p + 1) * width; r += 8)
@@ -439,7 +468,7 @@ int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, 
         const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
         uint8_t *packed = out % PANEL ? NULL : aligned_alloc(64, (size_t)blocks * PANEL * BLOCK / 2);
         float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < count; u++) {
             const int64_t e = units[u].e, r0 = units[u].g * 8, a0 = starts[e], a1 = starts[e + 1];
             const uint8_t *we = (const uint8_t *)w[e];

@@ -32,7 +32,7 @@ static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out,
 void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, int64_t rows, float *y, int threads) {
     const int64_t blocks = cols / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS) num_threads(threads)
     for (int64_t r = 0; r < out; r++)
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
             q8_row(w + r * cols, scales[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
@@ -45,7 +45,7 @@ int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, i
     int64_t count;
     moe_unit *units = moe_units(starts, experts, groups, &count);
     if (!units) return -1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
         const int8_t *we = (const int8_t *)w[e];

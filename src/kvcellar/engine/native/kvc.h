@@ -37,6 +37,12 @@
 /* Bytes of weights ahead that a pass asks the cache for: the hardware prefetcher alone kept
  * a thread's stream well below the memory's speed (docs/performance.md). */
 #define PREFETCH 2048
+/* Groups of 8 weight rows a thread takes at a time from a linear's shared work list: threads
+ * take work as they come, so one that wakes late (the passive OpenMP wait policy, a busy
+ * vCPU) does not hold the others at the end of the call, as fixed shares did; 16 groups (a
+ * row of 4096 int4 inputs: 256 KB) keep the taking cheap. Each output is computed the same
+ * whichever thread takes it. */
+#define ROW_GROUPS 16
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -108,6 +114,7 @@ void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16
 void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
 void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, int64_t end, int64_t cols, float *out, int threads);
+int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);

@@ -77,12 +77,12 @@ void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t 
                     const float *xd, int64_t rows, float *y, int threads) {
     const int64_t blocks = cols / BLOCK;
     if (rows == 1) {
-        #pragma omp parallel for schedule(static) num_threads(threads)
+        #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS / MX_ROWS) num_threads(threads)
         for (int64_t r = 0; r < out; r += MX_ROWS)
             mx_rows(w, exps, r, out - r < MX_ROWS ? (int)(out - r) : MX_ROWS, blocks, xq, xd, y);
         return;
     }
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS) num_threads(threads)
     for (int64_t r = 0; r < out; r++)
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
             mx_row(w + r * (cols / 2), exps + r * blocks, r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
@@ -114,7 +114,7 @@ int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, 
     int64_t count;
     moe_unit *units = moe_units(starts, experts, groups, &count);
     if (!units) return -1;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
         const uint8_t *we = (const uint8_t *)w[e], *ee = (const uint8_t *)exps[e];

@@ -57,7 +57,7 @@ int kvc_gated_delta(const float *q, const float *k, const float *v, const float 
         if (slots[r] < 0 || slots[r] >= n_slots || captures[r] < -1 || captures[r] >= n_slots)
             return -2;
     const int64_t size = key_dim * value_dim;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t h = 0; h < heads; h++) {
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = r * heads + h;
