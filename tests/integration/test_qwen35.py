@@ -12,7 +12,8 @@ native kernels, cached runs equal to the bit the uncached engine's (the same pro
 batch holding one prompt twice, chunk sizes, the next turn of a conversation, a preempted
 sequence resuming from its own snapshot, 8-bit KV); a chain whose last snapshot is gone resumes
 from the one before, or from nothing; a model from a HF folder, multimodal included; every
-state slot given back; a failed step keeps no checkpoint it half wrote."""
+state slot given back; a failed step keeps no checkpoint it half wrote, and a batch that fails
+rolls its sequences back, fails only the one that fails alone and changes no other's bit."""
 
 from __future__ import annotations
 
@@ -315,17 +316,17 @@ class FailingOnce(ModelRunner):
         if self.failed or not any(item.start > 0 for item in plan.items):
             return super().run(plan)
         self.failed = True
-        layers = self.lean.layers  # type: ignore[union-attr]
-        last = layers[-1].down
+        mlp = self.lean.layers[-1].mlp  # type: ignore[union-attr]
+        last = mlp.down
 
         def fail(x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("out of memory in the last layer")
 
-        layers[-1].down = fail
+        mlp.down = fail
         try:
             return super().run(plan)
         finally:
-            layers[-1].down = last
+            mlp.down = last
 
 
 def test_a_failed_step_fails_its_sequences_and_keeps_no_checkpoint_it_wrote():
@@ -342,6 +343,77 @@ def test_a_failed_step_fails_its_sequences_and_keeps_no_checkpoint_it_wrote():
     got = engine.generate([prompt], PARAMS)[0]
     assert got.num_cached_tokens == 0
     assert got.token_ids == uncached_runner(loaded, PARAMS)(prompt).token_ids
+    engine.shutdown(10)
+
+
+class FailingBatches(ModelRunner):
+    """The real runner, whose forward raises in the last layer (after every linear-attention layer
+    advanced its sequences' states) for a step holding the ``poison`` prompt's sequence, and
+    once for the first step that decodes ``fail_once_decodes`` sequences or more."""
+
+    poison: list[int] | None = None
+    fail_once_decodes = 0
+
+    def run(self, plan: StepPlan) -> Any:
+        poisoned = any(item.seq.token_ids[:item.seq.num_prompt_tokens] == self.poison for item in plan.items)
+        once = 0 < self.fail_once_decodes <= len(plan.decodes)
+        if not poisoned and not once:
+            return super().run(plan)
+        if once:
+            self.fail_once_decodes = 0
+        mlp = self.lean.layers[-1].mlp  # type: ignore[union-attr]
+        last = mlp.down
+
+        def fail(x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("kernel failed for this shape")
+
+        mlp.down = fail
+        try:
+            return super().run(plan)
+        finally:
+            mlp.down = last
+
+
+@needs_native
+def test_a_batch_failing_for_one_sequence_fails_it_alone_and_the_others_give_the_uncached_bits():
+    """The three prompts prefill in one step, which fails for the second: each is rolled back (its
+    state half-advanced) and runs alone up to where that step would have taken it; the second
+    fails by itself, the others go on, batched, to the uncached engine's bits (int4: the row
+    kernel's bits whatever the batch)."""
+    loaded = served_file(folder(), "int4")
+    asked = prompts(loaded)
+    engine = make_engine(loaded, max_step_tokens=512)
+    engine.runner.__class__ = FailingBatches
+    engine.runner.poison = asked[1]
+    handles = [engine.submit(p, PARAMS) for p in asked]
+    engine.run_until_idle()
+    got = [engine.collect(h) for h in handles]
+    assert [g.finish_reason == "error" for g in got] == [False, True, False]
+    uncached = uncached_runner(loaded, PARAMS)
+    for i in (0, 2):
+        assert_identical_output(got[i], uncached(asked[i]))
+    assert engine.scheduler.stats.preemptions == 3 and not engine._suspects
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+
+
+@needs_native
+def test_a_batch_failing_once_mid_decode_loses_no_sequence_and_changes_no_bit():
+    """A decode step of three sequences fails once, after their states advanced: all three are
+    rolled back to their last snapshots, computed again alone past that step, and finish with
+    the uncached engine's tokens and logprobs."""
+    loaded = served_file(folder(), "int4")
+    asked = prompts(loaded)
+    engine = make_engine(loaded, max_step_tokens=512)
+    engine.runner.__class__ = FailingBatches
+    engine.runner.fail_once_decodes = 3
+    got = engine.generate(asked, PARAMS)
+    assert engine.runner.fail_once_decodes == 0 and engine.stats.step_failures == 1
+    uncached = uncached_runner(loaded, PARAMS)
+    for prompt, result in zip(asked, got, strict=True):
+        assert_identical_output(result, uncached(prompt))
+    assert engine.scheduler.stats.preemptions == 3 and not engine._suspects
+    assert_no_leaks(engine)
     engine.shutdown(10)
 
 

@@ -120,6 +120,10 @@ class Engine:
         self._shutdown_lock = threading.Lock()
         self._shutdown_result: bool | None = None
         self._seqs: dict[int, Sequence] = {}
+        # Hybrid models: sequences of a batch whose forward failed, rolled back to their last
+        # snapshot, by seq_id -> the token count the failed step would have reached; each runs
+        # alone until it passes it (``_run_alone``).
+        self._suspects: dict[int, int] = {}
         self._ids = itertools.count(1)
         layout = self.layout
         self.stats = EngineStats(kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0,
@@ -374,6 +378,8 @@ class Engine:
         if plan is None:
             self.lower.flush()
             return False
+        if self._suspects:
+            plan = self._run_alone(plan)
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(plan)
@@ -411,6 +417,9 @@ class Engine:
                 failed.append((seq, exc))
         self.lower.flush()
         self.stats.step_seconds += time.perf_counter() - t0
+        for item in plan.items:
+            if item.seq.seq_id in self._suspects and item.seq.num_computed >= self._suspects[item.seq.seq_id]:
+                del self._suspects[item.seq.seq_id]  # past the failed step alone: not the cause
         if failed:
             for seq, error in failed:
                 self._step_failed(error, [seq])
@@ -418,16 +427,33 @@ class Engine:
             self.stats.step_failures_in_a_row = 0
         return True
 
+    def _run_alone(self, plan: StepPlan) -> StepPlan:
+        """The step of the first suspect in ``plan``, alone, if it holds one: the others of the plan
+        wait a step (nothing of theirs was changed by planning it)."""
+        for item in plan.items:
+            if item.seq.seq_id in self._suspects:
+                return StepPlan([item], []) if any(item is d for d in plan.decodes) else StepPlan([], [item])
+        return plan
+
     def _run_apart(self, plan: StepPlan, exc: Exception) -> StepPlan:
         """The batch's forward raised: run each sequence's part alone to find the ones that
         fail by themselves (a shape or input only they have), fail those, and return the
         plan of the others (whose forward is run again, batched: the KV it rewrites is the
         same). A single sequence that fails is the culprit without a second try. A hybrid
-        model's sequences all fail: the forward may have advanced some of their recurrent
-        states already (a KV write is redone the same; a state update is not)."""
-        if len(plan.items) == 1 or self.runner.states is not None:
+        model's forward may have advanced some of their recurrent states already (a KV write is
+        redone the same; a state update is not): each is rolled back instead, preempted to
+        resume from its last snapshot, and runs alone up to where this step would have taken
+        it, where it fails by itself or is cleared (``_run_alone``)."""
+        if self.runner.states is not None:
             self.scheduler.cache.discard_checkpoints(item.seq for item in plan.items)
-            self._step_failed(exc, [item.seq for item in plan.items])
+        if len(plan.items) == 1:
+            self._step_failed(exc, [plan.items[0].seq])
+            return StepPlan([], [])
+        if self.runner.states is not None:
+            for item in plan.items:
+                self._suspects[item.seq.seq_id] = item.start + item.length
+                self.scheduler.preempt(item.seq)
+            self._step_failed(exc, [])
             return StepPlan([], [])
         keep: list[Scheduled] = []
         for item in plan.items:
@@ -459,6 +485,7 @@ class Engine:
         return found
 
     def _step_failed(self, exc: Exception, seqs: Seq[Sequence]) -> None:
+        """Count a failed step and fail ``seqs`` with its error."""
         self.stats.step_failures += 1
         self.stats.step_failures_in_a_row += 1
         self.last_step_error = f"{type(exc).__name__}: {exc}"
@@ -504,6 +531,7 @@ class Engine:
             log.exception("releasing sequence %d failed; its blocks may stay held", seq.seq_id)
             seq.state = SeqState.FINISHED
         self._seqs.pop(seq.seq_id, None)
+        self._suspects.pop(seq.seq_id, None)
         seq.finish_reason = event.finish_reason
         try:
             final_event(seq, event)

@@ -123,6 +123,11 @@ class Scheduler:
         self.cache.forget(seq)
         seq.state = SeqState.FINISHED
 
+    def preempt(self, seq: Sequence) -> None:
+        """Put running ``seq`` back at the head of the queue, its blocks and state given back: it
+        is computed again from what the prefix cache keeps (a hybrid's last snapshot)."""
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.release(seq)
