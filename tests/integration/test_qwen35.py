@@ -305,6 +305,22 @@ def test_preemption_and_8bit_kv_give_the_uncached_bits():
     engine.shutdown(10)
 
 
+def failing_in_the_last_layer(runner: ModelRunner, plan: StepPlan) -> Any:
+    """``runner``'s real forward of ``plan``, raising in the last layer's MLP: after every
+    linear-attention layer advanced its sequences' states (and wrote any checkpoint)."""
+    mlp = runner.lean.layers[-1].mlp  # type: ignore[union-attr]
+    down = mlp.down
+
+    def fail(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory in the last layer")
+
+    mlp.down = fail
+    try:
+        return ModelRunner.run(runner, plan)
+    finally:
+        mlp.down = down
+
+
 class FailingOnce(ModelRunner):
     """The real runner, whose first forward of a sequence's second prefill chunk raises half-way
     through: after its linear-attention layers advanced the state and wrote the chunk's block
@@ -316,17 +332,7 @@ class FailingOnce(ModelRunner):
         if self.failed or not any(item.start > 0 for item in plan.items):
             return super().run(plan)
         self.failed = True
-        mlp = self.lean.layers[-1].mlp  # type: ignore[union-attr]
-        last = mlp.down
-
-        def fail(x: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("out of memory in the last layer")
-
-        mlp.down = fail
-        try:
-            return super().run(plan)
-        finally:
-            mlp.down = last
+        return failing_in_the_last_layer(self, plan)
 
 
 def test_a_failed_step_fails_its_sequences_and_keeps_no_checkpoint_it_wrote():
@@ -361,17 +367,7 @@ class FailingBatches(ModelRunner):
             return super().run(plan)
         if once:
             self.fail_once_decodes = 0
-        mlp = self.lean.layers[-1].mlp  # type: ignore[union-attr]
-        last = mlp.down
-
-        def fail(x: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("kernel failed for this shape")
-
-        mlp.down = fail
-        try:
-            return super().run(plan)
-        finally:
-            mlp.down = last
+        return failing_in_the_last_layer(self, plan)
 
 
 @needs_native
