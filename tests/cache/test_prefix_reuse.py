@@ -71,8 +71,10 @@ def test_block_aligned_prompt_still_computes_last_token(model, uncached):
     prompt = prompt[: (len(prompt) // BS) * BS]  # exactly whole blocks
     first = engine.generate([prompt], GREEDY)[0]
     computed_before = engine.stats.computed_tokens
+    ram_before = engine.blocks.stats.hit_tokens
     again = engine.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == len(prompt) - 1
+    assert engine.blocks.stats.hit_tokens - ram_before == len(prompt) - 1  # RAM's count: what was reused
     # one prompt token plus one per generated token after the first
     assert engine.stats.computed_tokens - computed_before == 1 + len(again.token_ids) - 1
     third = engine.generate([prompt], GREEDY)[0]  # the shared block still holds the original KV

@@ -134,10 +134,13 @@ class BlockManager:
             out.append(block)
         return out
 
-    def record_lookup(self, hit_blocks: int, total_blocks: int) -> None:
+    def record_lookup(self, hit_tokens: int, total_blocks: int) -> None:
+        """A request reused ``hit_tokens`` prompt tokens from RAM (its blocks, the last maybe in
+        part: a whole prompt's last token is computed again) of ``total_blocks`` full blocks."""
+        hit_blocks = -(-hit_tokens // self.block_size)
         self.stats.lookup_hits += hit_blocks
         self.stats.lookup_misses += total_blocks - hit_blocks
-        self.stats.hit_tokens += hit_blocks * self.block_size
+        self.stats.hit_tokens += hit_tokens
 
     # ---- ownership ------------------------------------------------------------------------
 

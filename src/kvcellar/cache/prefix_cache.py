@@ -346,7 +346,7 @@ class PrefixCache(Generic[S]):
             seq.num_cached_tokens = seq.num_computed
             seq.cached_tokens_by_tier = _split_by_tier([*seq.hit_tiers, *loaded_tiers], seq.num_computed, bs)
             ram = seq.cached_tokens_by_tier["ram"]
-            self.bm.record_lookup(-(-ram // bs), seq.num_tokens // bs)
+            self.bm.record_lookup(ram, seq.num_tokens // bs)
             self.stats.lower_tier_hit_tokens += seq.num_computed - ram
             self.lower.credit_hits(seq.cached_tokens_by_tier)
         seq.prefetched.clear()
