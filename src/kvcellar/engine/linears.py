@@ -150,14 +150,15 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
         return apart
     weights = [(m._q, m._scale, m._zero) for m in linears]
     assert all(q is not None and s is not None and z is not None for q, s, z in weights)
-    outs = [m.out_features for m in linears]
+    group = native.Int4Group(weights)  # type: ignore[arg-type]
+    outs = group.outs
     cols, dtype = linears[0].in_features, linears[0].dtype
 
     def together(x: torch.Tensor) -> list[torch.Tensor]:
         x2d = x.reshape(-1, cols)
         if any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
             return apart(x)
-        ys = native.matmul_int4_many(x2d.float(), weights, torch.get_num_threads())  # type: ignore[arg-type]
+        ys = group(x2d.float(), torch.get_num_threads())
         results = []
         for m, y in zip(linears, ys, strict=True):
             y = y.to(dtype)

@@ -22,6 +22,7 @@ from kvcellar.engine.native.matmul import (
     WIDE_PANEL,
     WIDE_PANEL_MIN_ROWS,
     ExpertWeights,
+    Int4Group,
     dequantize_int4,
     dequantize_mxfp4,
     expert_weights,
@@ -45,7 +46,7 @@ ARITHMETIC = "kvc-3"
 
 __all__ = [
     "ARITHMETIC", "BLOCK", "ENV_SWITCH", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "WIDE_FLAGS", "WIDE_PANEL",
-    "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "attend_kv", "attends_kv", "available", "cpu_flags", "crc32",
+    "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "attend_kv", "attends_kv", "available", "cpu_flags", "crc32",
     "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32", "gated_delta", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_matmul",
     "panel_min_rows", "quantize_activations", "runs_gated_delta", "wide_panels", "write_kv",

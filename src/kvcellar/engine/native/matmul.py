@@ -105,31 +105,46 @@ def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, of
     return y
 
 
+def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+class Int4Group:
+    """int4 weights that take the same activations (``(nibbles, scales, offsets)`` each, as
+    ``matmul_int4`` takes them), checked and their addresses taken once."""
+
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        self.cols = cols = weights[0][0].shape[1] * 2
+        for nibbles, scales, offsets in weights:
+            if nibbles.shape[1] * 2 != cols:
+                raise ValueError(f"weights of {nibbles.shape[1] * 2} and of {cols} inputs in one group")
+            _check_weight(nibbles, scales, cols, offsets)
+        self.weights = list(weights)  # keeps the tensors the addresses point into
+        self.outs = [n.shape[0] for n, _, _ in weights]
+        self._w, self._s, self._o = (_addresses(ts) for ts in zip(*weights, strict=True))
+        self._outs = torch.tensor(self.outs, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor, threads: int) -> list[torch.Tensor]:
+        """Each weight times ``x`` float32 ``[rows, cols]`` in one call over ``x`` quantized once:
+        each result the same bits as the row kernel (``kvc_gemm_q4``) gives it alone."""
+        _check_activations(x, self.cols)
+        rows = x.shape[0]
+        xq, xd, xs = _quantize(x, threads)
+        ys = [torch.empty(rows, out) for out in self.outs]
+        y = _addresses(ys)
+        done = lib.call("kvc_gemm_q4_many", w=self._w.data_ptr(), scales=self._s.data_ptr(),
+                        offsets=self._o.data_ptr(), outs=self._outs.data_ptr(), ys=y.data_ptr(),
+                        count=len(self.outs), cols=self.cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
+                        rows=rows, threads=threads)
+        if done != 0:
+            raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
+        return ys
+
+
 def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                      threads: int) -> list[torch.Tensor]:
-    """``matmul_int4`` of ``x`` by each of ``weights`` (``(nibbles, scales, offsets)``, as
-    ``matmul_int4`` takes them, all of ``x``'s inputs) in one call over ``x`` quantized once: each
-    result the same bits as the row kernel (``kvc_gemm_q4``) gives it alone."""
-    rows, cols = x.shape
-    for nibbles, scales, offsets in weights:
-        if nibbles.shape[1] * 2 != cols:
-            raise ValueError(f"a weight of {nibbles.shape[1] * 2} inputs for activations of {cols}")
-        _check_weight(nibbles, scales, cols, offsets)
-    _check_activations(x, cols)
-    xq, xd, xs = _quantize(x, threads)
-    ys = [torch.empty(rows, nibbles.shape[0]) for nibbles, _, _ in weights]
-
-    def addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-
-    w, s, o, y = (addresses(ts) for ts in (*zip(*weights, strict=True), ys))
-    outs = torch.tensor([n.shape[0] for n, _, _ in weights], dtype=torch.int64)
-    done = lib.call("kvc_gemm_q4_many", w=w.data_ptr(), scales=s.data_ptr(), offsets=o.data_ptr(),
-                    outs=outs.data_ptr(), ys=y.data_ptr(), count=len(weights), cols=cols, xq=xq.data_ptr(),
-                    xd=xd.data_ptr(), xs=xs.data_ptr(), rows=rows, threads=threads)
-    if done != 0:
-        raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
-    return ys
+    """``matmul_int4`` of ``x`` by each of ``weights`` in one call (``Int4Group``)."""
+    return Int4Group(weights)(x, threads)
 
 
 def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
