@@ -276,32 +276,24 @@ def test_models_dtypes_and_block_sizes_never_share(model, tmp_path):
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 4
 
 
-def test_evict_only_writes_blocks_when_ram_drops_them(model, uncached, tmp_path):
+@pytest.mark.parametrize("dropped_by", ["eviction", "shutdown"])
+def test_evict_only_writes_the_blocks_ram_drops_and_a_restart_serves_them(model, uncached, tmp_path, dropped_by):
+    """Nothing is written while RAM holds the blocks; RAM evicting them, or a graceful shutdown
+    dropping all RAM holds, writes every one."""
     prompt = ask(model, "Review: webhook handler acknowledges before persisting.")
     engine = tiered(model, tmp_path, policy="evict_only")
     engine.generate([prompt], GREEDY)
     engine.lower.tiers[0].tier.wait_idle(30)
     assert block_files(tmp_path) == []
-    dropped = engine.blocks.evict_all()
-    engine.lower.tiers[0].tier.wait_idle(30)
-    assert len(block_files(tmp_path)) == dropped > 0
-    engine.shutdown(30)
-    restarted = tiered(model, tmp_path, policy="evict_only")
-    result = restarted.generate([prompt], GREEDY)[0]
-    assert result.num_cached_tokens >= len(prompt) - BS
-    assert_same_output(result, uncached(prompt))
-    restarted.shutdown(30)
-
-
-def test_evict_only_writes_what_ram_holds_at_shutdown(model, uncached, tmp_path):
-    prompt = ask(model, "Review: the retry loop sleeps while holding the connection pool lock.")
-    engine = tiered(model, tmp_path, policy="evict_only")
-    engine.generate([prompt], GREEDY)
-    engine.lower.tiers[0].tier.wait_idle(30)
-    assert block_files(tmp_path) == []
-    cached = len(engine.blocks.cached_blocks())
-    assert engine.shutdown(30)
-    assert len(block_files(tmp_path)) == cached > 0
+    if dropped_by == "eviction":
+        dropped = engine.blocks.evict_all()
+        engine.lower.tiers[0].tier.wait_idle(30)
+        assert len(block_files(tmp_path)) == dropped > 0
+        engine.shutdown(30)
+    else:
+        dropped = len(engine.blocks.cached_blocks())
+        assert engine.shutdown(30)
+        assert len(block_files(tmp_path)) == dropped > 0
     restarted = tiered(model, tmp_path, policy="evict_only")
     result = restarted.generate([prompt], GREEDY)[0]
     assert result.num_cached_tokens >= len(prompt) - BS
