@@ -66,6 +66,10 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="cache root for KV blocks and prepared models (default: KVCELLAR_CACHE_DIR, "
                         "else ~/.cache/kvcellar)")
+    p.add_argument("--cache-secret-file", default=None,
+                   help="file holding a secret (>= 16 bytes) every replica shares: blocks written to the SSD and "
+                        "remote tiers are sealed with it, and blocks without its seal are never served (also "
+                        "KVCELLAR_CACHE_SECRET_FILE, or the secret itself in KVCELLAR_CACHE_SECRET)")
     p.add_argument("--ssd-policy", default=None, choices=list(SSD_POLICIES),
                    help="SSD tier: write every new block through (default), write blocks RAM evicts, or off")
     p.add_argument("--ssd-durability", default=None, choices=list(DURABILITIES),
@@ -94,7 +98,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The settings of a command: its flags over ``config.load_settings``' defaults, file and
     environment."""
     get: Callable[[str], Any] = lambda name: getattr(args, name, None)  # noqa: E731
-    return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"), flags={
+    return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"),
+                         cache_secret_file=get("cache_secret_file"), flags={
         "engine": {
             # --dtype and --device default to "auto", which must not override the file
             "dtype": None if get("dtype") == "auto" else get("dtype"),

@@ -35,26 +35,29 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
     ``<cache_dir>/kv/<fingerprint>-v<format>/``: another model, dtype or block size is
     another directory, never a wrong hit."""
     if settings.disk.policy != "off":
-        open_disk_tier(engine, settings.kv_root, settings.disk)
+        open_disk_tier(engine, settings.kv_root, settings.disk, secret=settings.cache_secret)
 
 
-def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | None = None) -> None:
+def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | None = None,
+                   secret: bytes | None = None) -> None:
     """The SSD tier at ``root`` under ``engine`` (``policy``: the config's unless given). A
     hybrid model's snapshots go beside its blocks, in the namespace ``<fingerprint>.snapshots``,
     with a share of the capacity (``snapshot_share``) and a queue of a few snapshots; a block
-    evicted takes the snapshot at its end with it."""
+    evicted takes the snapshot at its end with it. ``secret``: blocks and snapshots are sealed
+    with it, and unsealed ones are misses (``block_format.BlockSeal``)."""
     from kvcellar.storage.disk.tier import DiskTier
 
     spec = engine.snapshot_spec
     share = int(disk.capacity_bytes * snapshot_share(engine, spec.nbytes)) if spec is not None else 0
     blocks = replace(disk, capacity_bytes=disk.capacity_bytes - share)
-    tier = DiskTier(root, engine.fingerprint, engine.block_spec, blocks, descriptor=engine.descriptor)
+    tier = DiskTier(root, engine.fingerprint, engine.block_spec, blocks, descriptor=engine.descriptor,
+                    secret=secret)
 
     def snapshots(spec: BlockSpec) -> KVTier:
         config = replace(disk, capacity_bytes=share, io_threads=2,
                          queue_blocks=snapshot_queue(disk.queue_blocks, spec.nbytes))
         kept = DiskTier(root, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config,
-                        descriptor={**engine.descriptor, "snapshots": True})
+                        descriptor={**engine.descriptor, "snapshots": True}, secret=secret)
         tier.drops_with_its_blocks(kept)
         return kept
 
@@ -67,22 +70,27 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
     model, dtype and block size share blocks. A server that is down is not an error here:
     the tier starts degraded and connects when it can."""
     if settings.remote.url:
-        open_remote_tier(engine, settings.remote)
+        open_remote_tier(engine, settings.remote, secret=settings.cache_secret)
 
 
-def open_remote_tier(engine: Engine, remote: RemoteConfig, policy: str | None = None) -> None:
+def open_remote_tier(engine: Engine, remote: RemoteConfig, policy: str | None = None,
+                     secret: bytes | None = None) -> None:
     """The remote tier at ``remote.url`` under ``engine``; a hybrid model's snapshots under
-    keys of their own namespace (``<fingerprint>.snapshots``), a few at a time in its queue."""
-    from kvcellar.storage.remote.tier import RemoteTier
+    keys of their own namespace (``<fingerprint>.snapshots``), a few at a time in its queue.
+    ``secret``: as for ``open_disk_tier``; without one a shared store can be poisoned, which
+    start-up and ``/health`` say."""
+    from kvcellar.storage.remote.tier import UNSEALED_WARNING, RemoteTier
 
-    tier = RemoteTier(remote.url, engine.fingerprint, engine.block_spec, remote)
+    tier = RemoteTier(remote.url, engine.fingerprint, engine.block_spec, remote, secret)
 
     def snapshots(spec: BlockSpec) -> KVTier:
         config = replace(remote, queue_blocks=snapshot_queue(remote.queue_blocks, spec.nbytes))
-        return RemoteTier(remote.url, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config)
+        return RemoteTier(remote.url, engine.fingerprint + SNAPSHOT_NAMESPACE, spec, config, secret)
 
     _attach_with_snapshots(engine, tier, policy or remote.policy, snapshots)
     log.info("remote tier %r attached (%s)", tier, policy or remote.policy)
+    if secret is None:
+        log.warning("remote tier %r: %s", tier, UNSEALED_WARNING)
 
 
 def _attach_with_snapshots(engine: Engine, tier: KVTier, policy: str,

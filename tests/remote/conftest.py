@@ -52,13 +52,14 @@ def private_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
 
 @pytest.fixture
 def open_remote() -> Iterator[Callable[..., RemoteTier]]:
-    """``open_remote(url, fingerprint="fp", spec=SPEC, **config)``; closed at teardown."""
+    """``open_remote(url, fingerprint="fp", spec=SPEC, secret=None, **config)``; closed at teardown."""
     opened: list[RemoteTier] = []
 
-    def make(url: str, fingerprint: str = "fp", spec: BlockSpec = SPEC, **cfg: Any) -> RemoteTier:
+    def make(url: str, fingerprint: str = "fp", spec: BlockSpec = SPEC, secret: bytes | None = None,
+             **cfg: Any) -> RemoteTier:
         cfg.setdefault("backoff_initial_s", 0.05)
         cfg.setdefault("backoff_max_s", 0.2)
-        tier = RemoteTier(url, fingerprint, spec, RemoteConfig(**cfg))
+        tier = RemoteTier(url, fingerprint, spec, RemoteConfig(**cfg), secret)
         opened.append(tier)
         return tier
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvcellar.engine import SamplingParams, native, observability
 from kvcellar.runtime import open_disk_tier, open_remote_tier
-from kvcellar.storage.block_format import FORMAT_VERSION
+from kvcellar.storage.block_format import FIXED_SIZE, FORMAT_VERSION, SEAL_SIZE, header_size_for
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.remote.config import RemoteConfig
 from tests._models import (
@@ -34,6 +34,7 @@ from tests._models import (
 )
 from tests.helpers import free_port
 from tests.integration import test_qwen35 as qwen35
+from tests.storage.helpers import forged
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
@@ -59,15 +60,16 @@ def _shut_down_engines() -> Iterator[None]:
 
 
 def replica(model, url: str | None, ssd_dir: Path | None, remote_policy: str = "write_through",
-            engine_config: dict[str, Any] | None = None, **cfg):
-    """An engine with the SSD tier at ``ssd_dir`` and the remote tier at ``url`` (either may be absent)."""
+            engine_config: dict[str, Any] | None = None, secret: bytes | None = None, **cfg):
+    """An engine with the SSD tier at ``ssd_dir`` and the remote tier at ``url`` (either may be
+    absent), sealing blocks with ``secret`` when given."""
     engine = make_engine(model, **(engine_config or {}))
     _engines.append(engine)
     if ssd_dir is not None:
-        open_disk_tier(engine, ssd_dir, DiskConfig(min_free_bytes=0))
+        open_disk_tier(engine, ssd_dir, DiskConfig(min_free_bytes=0), secret=secret)
     if url is not None:
         cfg.setdefault("backoff_initial_s", 0.05)
-        open_remote_tier(engine, RemoteConfig(url=url, **cfg), remote_policy)
+        open_remote_tier(engine, RemoteConfig(url=url, **cfg), remote_policy, secret)
     return engine
 
 
@@ -323,3 +325,135 @@ def test_replicas_share_8bit_kv_through_redis_and_other_settings_never_mix(model
     again = replica(model, redis_server.url, None, engine_config={"kv_bits": 8})  # A's blocks still there
     assert again.generate([prompt], params)[0].cached_tokens_by_tier.get("remote", 0) > 0
     assert again.shutdown(30)
+
+
+SECRET = b"the secret every replica is given"
+
+
+def block_keys(engine, prompt: list[int]) -> list[bytes]:
+    """The keys of ``prompt``'s whole blocks as ``engine`` names them."""
+    from kvcellar.cache.hashing import block_digests, root_digest
+
+    return [engine.blocks.key(d) for d in block_digests(root_digest(engine.fingerprint), prompt, BS)]
+
+
+def shuffled_forgeries(values: list[bytes]) -> list[bytes]:
+    """Each block's header (key, digest, token ids, seal) over the next block's KV, checksums
+    recomputed: KV of other text under every key, which passes every check but the seal."""
+    hs = header_size_for(BS)
+    return [forged(v, values[(i + 1) % len(values)][hs:]) for i, v in enumerate(values)]
+
+
+def test_forged_blocks_in_redis_are_served_only_to_replicas_without_the_secret(model, uncached, redis_server):
+    """The attack of issue 46: whoever can write to the shared Redis puts KV of other text under
+    the keys of a prompt (checksums, key, digest and token ids all right). A replica with the
+    deployment secret finds no seal it made, serves none of it (counted, deleted) and answers
+    as uncached; a replica without it is misled. An unsealed block (a replica that has no
+    secret wrote it) is not served to one that has."""
+    prompt = ask(model, "Which key scope do idempotency keys have?")
+    a = replica(model, redis_server.url, None, secret=SECRET)
+    a.generate([prompt], GREEDY)
+    assert a.shutdown(30)
+    r = redis_server.client()
+    names = [tier_key(a, k) for k in block_keys(a, prompt)]
+    for name, value in zip(names, shuffled_forgeries([r.get(n) for n in names]), strict=True):
+        r.set(name, value)
+
+    misled = replica(model, redis_server.url, None)
+    result = misled.generate([prompt], GREEDY)[0]
+    assert result.cached_tokens_by_tier["remote"] == expected_cached(len(prompt), len(prompt))
+    assert result.logprobs != uncached(prompt).logprobs  # the forgery is KV of other text
+    assert misled.shutdown(30)
+
+    b = replica(model, redis_server.url, None, secret=SECRET)
+    result = b.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == 0
+    assert_same_output(result, uncached(prompt))
+    s = observability.snapshot(b)
+    assert s["remote_corrupt_seal"] == 1 and s["remote_corrupt_deleted"] == 1 and s["remote_corrupt_total"] == 1
+    assert b.shutdown(30)
+    seal_at = FIXED_SIZE + 4 * BS + 4
+    assert any(r.get(names[0])[seal_at:seal_at + SEAL_SIZE])  # B wrote block 0 again, sealed
+
+    r.flushall()
+    unsealed = replica(model, redis_server.url, None)
+    unsealed.generate([prompt], GREEDY)
+    assert unsealed.shutdown(30)
+    c = replica(model, redis_server.url, None, secret=SECRET)
+    result = c.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == 0
+    assert_same_output(result, uncached(prompt))
+    assert observability.snapshot(c)["remote_corrupt_unsealed"] == 1
+    assert c.shutdown(30)
+
+
+def test_forged_block_files_on_a_shared_ssd_are_not_served_with_the_secret(model, uncached, tmp_path):
+    """The same attack on a cache directory others can write to: each block file rewritten with
+    another block's KV and valid checksums is a counted miss, deleted, with the secret."""
+    prompt = ask(model, "How are retries after a timeout made safe?")
+    a = replica(model, None, tmp_path / "ssd", secret=SECRET)
+    a.generate([prompt], GREEDY)
+    assert a.shutdown(30)
+    paths = [tier(a, "ssd").layout.block_path(k) for k in block_keys(a, prompt)]
+    for path, value in zip(paths, shuffled_forgeries([p.read_bytes() for p in paths]), strict=True):
+        path.write_bytes(value)
+
+    misled = replica(model, None, tmp_path / "ssd")
+    result = misled.generate([prompt], GREEDY)[0]
+    assert result.cached_tokens_by_tier["ssd"] == expected_cached(len(prompt), len(prompt))
+    assert result.logprobs != uncached(prompt).logprobs
+    assert misled.shutdown(30)
+
+    b = replica(model, None, tmp_path / "ssd", secret=SECRET)
+    result = b.generate([prompt], GREEDY)[0]
+    assert result.num_cached_tokens == 0
+    assert_same_output(result, uncached(prompt))
+    s = observability.snapshot(b)
+    # Reads run several at a time: the forgeries read before the first failure was seen.
+    assert 1 <= s["ssd_corrupt_seal"] == s["ssd_corrupt_deleted"] == s["ssd_corrupt_total"] <= len(paths)
+    assert b.shutdown(30)
+    again = replica(model, None, tmp_path / "ssd", secret=SECRET)  # B wrote what it deleted, sealed
+    result = again.generate([prompt], GREEDY)[0]
+    assert result.cached_tokens_by_tier["ssd"] >= BS
+    assert_same_output(result, uncached(prompt))
+    assert again.shutdown(30)
+
+
+@needs_native
+def test_a_forged_snapshot_in_redis_is_not_resumed_from_with_the_secret(redis_server):
+    """A hybrid model's recurrent-state snapshot forged the same way (another state under its
+    key, checksums right): a replica without the secret resumes from it and answers otherwise;
+    one with the secret loads the blocks, refuses the snapshot (counted) and answers as uncached."""
+    import numpy as np
+
+    loaded = served_file(qwen35.folder(), "int8")
+    prompt = qwen35.prompts(loaded)[0]
+    reference = uncached_runner(loaded, qwen35.PARAMS)(prompt)
+    a = replica(loaded, redis_server.url, None, engine_config={"max_step_tokens": 64}, secret=SECRET)
+    a.generate([prompt], qwen35.PARAMS)
+    assert a.shutdown(30)
+    r = redis_server.client()
+    snapshots = r.keys(f"kvc:{a.fingerprint}.snapshots-v{FORMAT_VERSION}:*")
+    assert snapshots
+    hs = header_size_for(BS)
+    for name in snapshots:
+        value = r.get(name)
+        state = np.frombuffer(value[hs:], dtype=np.float32) * np.float32(0.5)  # another state
+        r.set(name, forged(value, state.tobytes()))
+
+    misled = replica(loaded, redis_server.url, None)
+    result = misled.generate([prompt], qwen35.PARAMS)[0]
+    assert result.cached_tokens_by_tier["remote"] == qwen35.resumable(len(prompt))
+    assert result.logprobs != reference.logprobs
+    assert misled.shutdown(30)
+
+    b = replica(loaded, redis_server.url, None, secret=SECRET)
+    result = b.generate([prompt], qwen35.PARAMS)[0]
+    assert_identical_output(result, reference)
+    s = observability.snapshot(b)
+    assert s["snapshots_remote_corrupt_seal"] >= 1 and s["remote_link_snapshots_loaded"] == 0
+    assert b.shutdown(30)
+
+
+def tier_key(engine, key: bytes) -> str:
+    return f"kvc:{engine.fingerprint}-v{FORMAT_VERSION}:{key.hex()}"

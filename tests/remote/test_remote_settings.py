@@ -37,3 +37,33 @@ def test_no_url_means_no_remote_tier():
 def test_bad_values_are_clear_errors(argv, capsys, tmp_path):
     assert main(["serve", "--cache-dir", str(tmp_path), *argv]) == 2
     assert "remote" in capsys.readouterr().err
+
+
+def test_the_cache_secret_comes_from_a_file_or_the_environment_and_is_never_printed(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("KVCELLAR_CACHE_SECRET", raising=False)
+    monkeypatch.delenv("KVCELLAR_CACHE_SECRET_FILE", raising=False)
+    assert settings_for().cache_secret is None
+    secret = tmp_path / "secret"
+    secret.write_text("  s3cret-shared-by-every-replica\n")
+    secret.chmod(0o600)
+    s = settings_for("--cache-secret-file", str(secret))
+    assert s.cache_secret == b"s3cret-shared-by-every-replica" and "s3cret" not in repr(s)
+    assert not caplog.records
+    secret.chmod(0o644)
+    conf = tmp_path / "kvcellar.toml"
+    conf.write_text(f'cache_secret_file = "{secret}"\n')
+    monkeypatch.setenv("KVCELLAR_CONFIG", str(conf))
+    assert settings_for().cache_secret == b"s3cret-shared-by-every-replica"
+    assert "can be read by other users" in caplog.text
+    monkeypatch.setenv("KVCELLAR_CACHE_SECRET", "from-the-environment-0123")
+    assert settings_for().cache_secret == b"from-the-environment-0123"
+
+
+@pytest.mark.parametrize(("env", "needle"), [({"KVCELLAR_CACHE_SECRET": ""}, "at least 16 bytes"),
+                                             ({"KVCELLAR_CACHE_SECRET": "short"}, "at least 16 bytes"),
+                                             ({"KVCELLAR_CACHE_SECRET_FILE": "/nonexistent/secret"}, "No such file")])
+def test_a_bad_cache_secret_is_a_clear_error(env, needle, capsys, tmp_path, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", "--cache-dir", str(tmp_path)]) == 2
+    assert needle in capsys.readouterr().err

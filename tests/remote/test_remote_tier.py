@@ -32,6 +32,36 @@ def test_roundtrip_between_two_tiers_sharing_one_server(redis_server, open_remot
     s = reader.stats()
     assert s["remote_load_hits"] == 6 and s["remote_load_bytes"] == 6 * SPEC.nbytes
     assert reader.health()["state"] == "ok" and reader.health()["remote"]["namespace"] == f"fp-v{FORMAT_VERSION}"
+    assert not reader.health()["remote"]["sealed"] and "not sealed" in reader.health()["remote"]["warning"]
+
+
+def test_sealed_values_serve_only_replicas_with_the_same_secret(redis_server, open_remote):
+    blocks = chain(3)
+    secret = b"one deployment's secret"
+    stored(open_remote(redis_server.url, secret=secret), blocks)
+    reader = open_remote(redis_server.url, secret=secret)
+    loads = [load_request(b) for b in blocks]
+    assert reader.load(loads).result(30) == 3
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+    assert reader.health()["remote"]["sealed"] and "warning" not in reader.health()["remote"]
+    other = open_remote(redis_server.url, secret=b"another deployment's secret")
+    assert other.load([load_request(blocks[0])]).result(30) == 0
+    assert other.stats()["remote_corrupt_seal"] == 1 and redis_server.client().exists(
+        f"kvc:fp-v{FORMAT_VERSION}:{blocks[0].key.hex()}") == 0
+
+
+def test_a_value_planted_to_be_huge_is_never_read_whole(redis_server, open_remote):
+    """A value's size is bounded before it is fetched: one planted under a block's key at
+    64 MiB costs a load a block's bytes (the server's own count of what it sent), not 64 MiB."""
+    blocks = chain(1)
+    name = f"kvc:fp-v{FORMAT_VERSION}:{blocks[0].key.hex()}"
+    r = redis_server.client()
+    r.set(name, bytes(64 << 20))
+    tier = open_remote(redis_server.url)
+    before = int(r.info("stats")["total_net_output_bytes"])
+    assert tier.load([load_request(blocks[0])]).result(30) == 0
+    assert int(r.info("stats")["total_net_output_bytes"]) - before < 1 << 20
+    assert tier.stats()["remote_corrupt_size"] == 1 and r.exists(name) == 0
 
 
 def test_lookup_answers_per_key_and_stores_are_written_once(redis_server, open_remote):

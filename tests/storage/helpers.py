@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -55,6 +57,21 @@ def load_request(r: StoreRequest, dest: torch.Tensor | None = None) -> LoadReque
     if dest is None:
         dest = torch.full(r.data.shape, float("nan"), dtype=r.data.dtype)
     return LoadRequest(r.key, r.digest, r.token_ids, dest)
+
+
+def forged(honest: bytes, payload: bytes, block_size: int = 16) -> bytes:
+    """What anyone who can write to a store can make without the secret: ``honest``'s header
+    (key, digest, token ids, parent, seal) over another ``payload``, with the payload and header
+    checksums recomputed, so every check but the seal passes."""
+    from kvcellar.storage import block_format as fmt
+
+    size = fmt.header_size_for(block_size)
+    assert len(payload) == len(honest) - size
+    header = bytearray(honest[:size])
+    struct.pack_into("<I", header, 24, fmt.payload_checksum(payload))
+    end = fmt.FIXED_SIZE + 4 * block_size
+    struct.pack_into("<I", header, end, zlib.crc32(header[:end]))
+    return bytes(header) + payload
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import zlib
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from kvcellar.storage import BlockSpec
 from kvcellar.storage import block_format as fmt
 from kvcellar.storage.disk import layout, measure_read_bandwidth
 from kvcellar.storage.disk.bandwidth import measure_read_bandwidth_detailed
+from tests.storage import helpers
 from tests.storage.helpers import SPEC
 
 KEY, DIGEST = bytes(range(32)), bytes(range(100, 132))
@@ -49,7 +51,7 @@ def test_header_sizes_stay_page_aligned() -> None:
 @pytest.mark.parametrize(("offset", "value", "reason"), [
     (0, b"X", "magic"), (8, b"\x07", "version"), (60, b"\x01", "header_checksum"),
     (12, b"\x00\x00\x00\x00", "geometry"),
-    (fmt.FIXED_SIZE + 4 * 16 + 4, b"\x01", "padding"), (4095, b"\xff", "padding"),
+    (fmt.FIXED_SIZE + 4 * 16 + 4 + fmt.SEAL_SIZE, b"\x01", "padding"), (4095, b"\xff", "padding"),
 ])
 def test_header_checks(offset: int, value: bytes, reason: str) -> None:
     buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 1, 2)
@@ -57,6 +59,39 @@ def test_header_checks(offset: int, value: bytes, reason: str) -> None:
     with pytest.raises(fmt.HeaderError) as e:
         fmt.decode_header(buf)
     assert e.value.reason == reason
+
+
+def test_a_sealed_block_is_read_only_with_its_secret_namespace_and_bytes() -> None:
+    kv, other = torch.randn(SPEC.shape).to(SPEC.dtype), torch.randn(SPEC.shape).to(SPEC.dtype)
+    seal = fmt.BlockSeal(b"a deployment secret", "fp")
+    sealed = fmt.encode_block(SPEC, KEY, DIGEST, TOKENS, kv, 1, seal=seal)
+    unsealed = fmt.encode_block(SPEC, KEY, DIGEST, TOKENS, kv, 1)
+    assert sealed[:fmt.FIXED_SIZE] == unsealed[:fmt.FIXED_SIZE] and sealed != unsealed
+    again = fmt.encode_block(SPEC, KEY, DIGEST, TOKENS, kv, 1, seal=seal)
+    assert again != sealed  # a fresh nonce every time: no one-time key seals two values
+
+    def read(value: bytes, with_seal: fmt.BlockSeal | None) -> tuple[str | None, torch.Tensor]:
+        dest = torch.empty(SPEC.shape, dtype=SPEC.dtype)
+        return fmt.decode_block_into(value, SPEC, KEY, DIGEST, TOKENS, dest, with_seal), dest
+
+    reason, dest = read(sealed, seal)
+    assert reason is None and torch.equal(dest, kv)
+    assert read(sealed, None)[0] is None  # a replica without the secret ignores seals
+    assert read(unsealed, seal)[0] == "unsealed"
+    assert read(sealed, fmt.BlockSeal(b"another deployment secret", "fp"))[0] == "seal"
+    assert read(sealed, fmt.BlockSeal(b"a deployment secret", "fp.snapshots"))[0] == "seal"
+    forged = helpers.forged(sealed, other.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert read(forged, None)[0] is None  # what the secret is for: CRCs and identity pass
+    assert read(forged, seal)[0] == "seal"
+    for at in (40, fmt.FIXED_SIZE + 4 * 16 + 4 + 3, fmt.FIXED_SIZE + 4 * 16 + 4 + 20):  # created_ns, nonce, tag
+        flipped = bytearray(sealed)
+        flipped[at] ^= 1
+        if at == 40:
+            end = fmt.FIXED_SIZE + 4 * 16
+            struct.pack_into("<I", flipped, end, zlib.crc32(flipped[:end]))
+        assert read(bytes(flipped), seal)[0] == "seal"
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        fmt.BlockSeal(b"short", "fp")
 
 
 def test_identity_limits() -> None:
@@ -94,7 +129,7 @@ def test_padding_is_checked_without_a_new_format_version() -> None:
     assert fmt.FORMAT_VERSION == 2
     buf = fmt.encode_header(SPEC, KEY, DIGEST, TOKENS, 1, 2)
     fmt.decode_header(buf)
-    fmt.decode_header(buf[:fmt.FIXED_SIZE + 4 * 16 + 4])  # a caller that read less checks what it has
+    fmt.decode_header(buf[:fmt.FIXED_SIZE + 4 * 16 + 4 + fmt.SEAL_SIZE])  # a caller that read less checks what it has
     older = bytearray(buf)
     struct.pack_into("<H", older, 8, 1)
     with pytest.raises(fmt.HeaderError) as e:

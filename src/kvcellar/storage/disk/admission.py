@@ -163,6 +163,8 @@ class WriteAdmission:
         payload = tensor_bytes(r.data)
         header = encode_header(ns.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
                                time.time_ns(), r.parent)
+        if ns.seal is not None:
+            ns.seal.seal(header, payload, ns.spec.block_size)
         persistent = ns.config.durability == "persistent"
         retries = ns.config.persistent_retries if persistent else 0
         dir_retry = True  # one extra try if the shard directory vanished (cache clear)
@@ -209,7 +211,7 @@ class WriteAdmission:
         ns = self._ns
         scratch = torch.empty(ns.spec.shape, dtype=ns.spec.dtype)
         res = read_block_into(str(path), ns.spec, ns.header_size,
-                              LoadRequest(r.key, r.digest, r.token_ids, scratch))
+                              LoadRequest(r.key, r.digest, r.token_ids, scratch), ns.seal)
         ns.counters.store_verified_existing.add()
         if res.outcome is Outcome.OK:
             ns.suspects.pop(r.key)

@@ -4,9 +4,9 @@ small pool of named reader threads that runs batches of them.
 ``read_block_into`` reads the header, checks size, header (magic, version,
 header checksum), geometry (dtype, shape, block size), key, digest and token
 ids, and only then reads the payload straight into the destination tensor's
-bytes (no intermediate copy) and checks its CRC-32. A block of another prefix
-therefore never reaches ``dest``; a damaged payload may, but is reported as a
-miss. It never raises for I/O: the outcome says what happened.
+bytes (no intermediate copy) and checks its CRC-32 and, with a secret, its seal. A
+block of another prefix therefore never reaches ``dest``; a damaged or forged payload
+may, but is reported as a miss. It never raises for I/O: the outcome says what happened.
 ``verify_block_file`` runs the same checks on a file alone (``kvcellar cache
 verify``), with the header's own identity and the key of the file's name.
 
@@ -38,6 +38,7 @@ from kvcellar.storage.base import BlockSpec, LoadRequest
 from kvcellar.storage.block_format import (
     HEADER_ALIGN,
     BlockHeader,
+    BlockSeal,
     HeaderError,
     check_geometry,
     declared_header_size,
@@ -134,7 +135,8 @@ def _payload_fault(fd: int, h: BlockHeader, payload: memoryview) -> str | None:
     return None if payload_checksum(payload) == h.payload_crc32 else "checksum"
 
 
-def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest) -> ReadResult:
+def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest,
+                    seal: BlockSeal | None = None) -> ReadResult:
     expected = header_size + spec.nbytes
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -162,7 +164,10 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
             return ReadResult(Outcome.CORRUPT, "digest", **ident)
         if h.token_ids != tuple(req.token_ids):
             return ReadResult(Outcome.CORRUPT, "tokens", **ident)
-        fault = _payload_fault(fd, h, tensor_bytes(req.dest))
+        payload = tensor_bytes(req.dest)
+        fault = _payload_fault(fd, h, payload)
+        if fault is None and seal is not None:
+            fault = seal.check(h, hdr, payload)
         if fault is not None:
             return ReadResult(Outcome.CORRUPT, fault, **ident)
         return ReadResult(Outcome.OK, **ident)

@@ -90,11 +90,12 @@ class DiskTier(KVTier):
         spec: BlockSpec,
         config: DiskConfig | None = None,
         descriptor: dict[str, Any] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.spec = spec
         self.config = config = config or DiskConfig()
         self.evict_wait_s = config.evict_wait_s
-        self._ns = ns = OpenNamespace(Path(root), namespace, spec, config, descriptor)
+        self._ns = ns = OpenNamespace(Path(root), namespace, spec, config, descriptor, secret)
         self.layout = ns.layout
         self.file_size = ns.file_size
         self._table = ns.table
@@ -196,7 +197,7 @@ class DiskTier(KVTier):
     def _read_one(self, req: LoadRequest) -> bool:
         ns = self._ns
         path = self.layout.block_path(req.key)
-        res = read_block_into(str(path), self.spec, ns.header_size, req)
+        res = read_block_into(str(path), self.spec, ns.header_size, req, ns.seal)
         if res.outcome is Outcome.OK:
             self._table.add(req.key, self.file_size, persist=True)
             ns.counters.load_bytes.add(self.spec.nbytes)
@@ -311,6 +312,7 @@ class DiskTier(KVTier):
                 "path": str(self.layout.dir),
                 "durability": self.config.durability,
                 "async_writes": self.config.async_writes,
+                "sealed": ns.seal is not None,
             })
 
     # ------------------------------------------------------------------ waiting and closing

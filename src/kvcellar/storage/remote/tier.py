@@ -2,9 +2,10 @@
 
 Data path:
   lookup  one pipelined round trip of ``EXISTS`` per key, on the caller's thread
-  load    pipelined ``GET`` (``GETEX`` with a TTL) in chunks on ``kvcellar-remote-load-*``
-          threads; every value is checked by the block format (size, magic, version,
-          header checksum, geometry, key, digest, token ids, payload CRC) before it counts
+  load    pipelined ``GETRANGE`` bounded to a block's size (and ``PEXPIRE`` with a TTL) in
+          chunks on ``kvcellar-remote-load-*`` threads; every value is checked by the block
+          format (size, magic, version, header checksum, geometry, key, digest, token ids,
+          payload CRC, and the seal with a secret) before it counts
   store   a bounded queue and one writer thread (writer.py): ``EXISTS`` then
           ``SET NX [PX ttl]`` per batch; a full queue drops, never waits
 
@@ -39,7 +40,7 @@ from typing import Any
 import redis
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
-from kvcellar.storage.block_format import check_identity, decode_block_into, encode_block
+from kvcellar.storage.block_format import BlockSeal, check_identity, decode_block_into, encode_block, header_size_for
 from kvcellar.storage.faults import FaultTracker
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
@@ -48,6 +49,10 @@ from kvcellar.storage.remote.stats import RemoteStats
 from kvcellar.storage.remote.writer import RemoteWriter
 
 _log = logging.getLogger("kvcellar.storage.remote")
+
+UNSEALED_WARNING = ("blocks are not sealed: anyone who can write to this store can make replicas serve KV "
+                    "of other text; give every replica the same --cache-secret-file")
+
 
 def _is_oom(exc: BaseException) -> bool:
     """A ``noeviction`` server at ``maxmemory`` refusing a write (the server is up)."""
@@ -62,11 +67,16 @@ class RemoteTier(KVTier):
     name = "remote"
     gauges = frozenset({"remote_writer_queue_depth", "remote_ok_state"})
 
-    def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteConfig | None = None) -> None:
+    def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteConfig | None = None,
+                 secret: bytes | None = None) -> None:
         self.spec = spec
         self.config = config = config or RemoteConfig()
         self.url = url
         self.layout = RemoteLayout(fingerprint)
+        # Values are sealed when written and unsealed ones are corrupt when read (block_format):
+        # whoever can write to the store cannot make a replica serve KV it did not compute.
+        self.seal = BlockSeal(secret, fingerprint) if secret is not None else None
+        self._value_size = header_size_for(spec.block_size) + spec.nbytes
         self._c = RemoteStats()
         where = redacted(url)
         self._conn = FaultTracker("conn", self._c, _log, where, config.backoff_initial_s, config.backoff_max_s,
@@ -225,21 +235,22 @@ class RemoteTier(KVTier):
             try:
                 pipe = self._redis().pipeline(transaction=False)
                 for r in chunk:
+                    # At most one byte past a block's size: a value planted to be huge is
+                    # never read whole (``size`` below), nor held by the client.
+                    pipe.getrange(self.layout.key(r.key), 0, self._value_size)
                     if self._ttl_ms:
-                        pipe.getex(self.layout.key(r.key), px=self._ttl_ms)
-                    else:
-                        pipe.get(self.layout.key(r.key))
-                values = pipe.execute()
+                        pipe.pexpire(self.layout.key(r.key), self._ttl_ms)
+                values = pipe.execute()[::2 if self._ttl_ms else 1]
             except FAULTS as e:
                 self._fault(e, "load")
                 return n
             self._conn.success()
             for r, value in zip(chunk, values, strict=True):
-                if value is None:
+                if not value:  # GETRANGE of a missing key: empty, never a block
                     self._c.load_missing.add()
                     self._forget(r.key)
                     return n
-                reason = decode_block_into(value, self.spec, r.key, r.digest, tuple(r.token_ids), r.dest)
+                reason = decode_block_into(value, self.spec, r.key, r.digest, tuple(r.token_ids), r.dest, self.seal)
                 if reason is not None:
                     self._corrupt(r.key, reason)
                     return n
@@ -306,7 +317,7 @@ class RemoteTier(KVTier):
                 todo = [(r, name) for r, name, there in zip(requests, names, present, strict=True) if not there]
                 for r, name in todo:
                     value = encode_block(self.spec, r.key, r.digest, tuple(r.token_ids), r.data, time.time_ns(),
-                                         r.parent)
+                                         r.parent, self.seal)
                     pipe.set(name, value, nx=True, px=self._ttl_ms or None)
                 results = pipe.execute(raise_on_error=False) if todo else []
             except FAULTS as e:
@@ -380,6 +391,8 @@ class RemoteTier(KVTier):
                 "write_backoff_s": round(self._wfault.backoff_remaining(), 3),
                 "ttl_s": self.config.ttl_s,
                 "timeout_s": self.config.timeout_s,
+                "sealed": self.seal is not None,
+                **({} if self.seal is not None else {"warning": UNSEALED_WARNING}),
             })
 
     # ------------------------------------------------------------------ closing
