@@ -26,14 +26,17 @@ Why this shape:
   restart checks every byte it reads. CRC-32 detects corruption; identity is
   proven by the digest and the token ids, not by the checksum.
 - A seal (``BlockSeal``) follows the header checksum: with a deployment secret, a random
-  nonce and a Poly1305 tag over the header and payload under a one-time key derived from
-  the secret, the namespace and the nonce. CRC-32 and the identity fields follow from public
+  nonce and a tag over the header and payload under a one-time key derived from the
+  secret, the namespace and the nonce. CRC-32 and the identity fields follow from public
   data (a fingerprint, a tokenizer), so anyone who can write to a shared Redis or cache
   directory can make a block that passes them; only the secret makes one that passes the
   seal. Without a secret the field is zeros and not read; with one, zeros or a wrong tag
-  make the block a miss (deleted). Poly1305 (OpenSSL's, via ``cryptography``) because it
-  runs at several GB/s a core, where HMAC-SHA256 and keyed BLAKE2b run at 0.7-1.4
-  (docs/performance.md); each one-time key seals one value, as Poly1305 requires.
+  make the block a miss (deleted), and the seal stands in for the payload CRC on reads.
+  The tag is ChaCha20-Poly1305's over the header (its plaintext) and the payload (its
+  associated data, not copied): OpenSSL's, via ``cryptography``, runs at ~6 GB/s a core
+  without the GIL, where HMAC-SHA256 and keyed BLAKE2b run at 0.7-1.5 GB/s and a bare
+  Poly1305 holds the GIL (docs/performance.md). A one-time key per value means no
+  (key, nonce) pair ever repeats, however many blocks a deployment writes.
 - Integers are little-endian; the payload is the tensor's native byte order,
   which is little-endian on every platform kvcellar supports.
 """
@@ -50,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from kvcellar.stats import Count, SharedStats, counter
 from kvcellar.storage.base import BlockSpec
@@ -86,6 +89,7 @@ _FIXED = struct.Struct("<8sHHIQIBBBBIIQ8Q64s32s64s")
 FIXED_SIZE = _FIXED.size  # 272
 _CRC = struct.Struct("<I")
 NONCE_SIZE = 16
+_ZERO_NONCE = bytes(12)  # ChaCha20-Poly1305's own nonce: each one-time key is used once
 SEAL_SIZE = NONCE_SIZE + 16  # nonce + Poly1305 tag, right after the header checksum; zeros if unsealed
 _UNSEALED = bytes(SEAL_SIZE)
 MIN_SECRET_BYTES = 16
@@ -344,10 +348,7 @@ class BlockSeal:
     def _tag(self, nonce: bytes, header: memoryview, payload: memoryview | bytes) -> bytes:
         one_time = hashlib.blake2b(nonce + self._context, key=self._key, digest_size=32,
                                    person=b"kvcellar-otk").digest()
-        mac = Poly1305(one_time)
-        mac.update(header)
-        mac.update(payload)
-        return mac.finalize()
+        return ChaCha20Poly1305(one_time).encrypt(_ZERO_NONCE, bytes(header), payload)[-16:]
 
     def seal(self, header: bytearray, payload: memoryview | bytes, block_size: int) -> None:
         """Write the seal of ``header`` (from ``encode_header``) and ``payload`` into the
@@ -365,6 +366,20 @@ class BlockSeal:
         at = _seal_offset(header.block_size)
         tag = self._tag(header.seal[:NONCE_SIZE], memoryview(raw_header)[:at], payload)
         return None if hmac.compare_digest(tag, header.seal[NONCE_SIZE:]) else "seal"
+
+
+def payload_fault(header: BlockHeader, raw_header: bytes | bytearray | memoryview, payload: memoryview,
+                  seal: BlockSeal | None) -> str | None:
+    """None if ``payload`` is the one ``header`` (decoded from ``raw_header``) was written with,
+    else the failed check: ``checksum``, or with ``seal`` ``unsealed`` or ``seal``. With a
+    seal the CRC is computed only to name a failure (corruption or forgery): the seal alone
+    proves the bytes."""
+    if seal is None:
+        return None if payload_checksum(payload) == header.payload_crc32 else "checksum"
+    reason = seal.check(header, raw_header, payload)
+    if reason is None:
+        return None
+    return "checksum" if payload_checksum(payload) != header.payload_crc32 else reason
 
 
 def encode_block(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[int, ...],
@@ -400,6 +415,4 @@ def decode_block_into(value: bytes | memoryview, spec: BlockSpec, key: bytes, di
         return reason
     out = memoryview(dest.reshape(-1).view(torch.uint8).numpy().data)
     out[:] = mv[header_size:]
-    if payload_checksum(out) != header.payload_crc32:
-        return "checksum"
-    return None if seal is None else seal.check(header, mv[:header_size], out)
+    return payload_fault(header, mv[:header_size], out, seal)

@@ -44,6 +44,7 @@ from kvcellar.storage.block_format import (
     declared_header_size,
     decode_header,
     payload_checksum,
+    payload_fault,
 )
 from kvcellar.storage.disk.layout import key_from_block_name
 
@@ -165,9 +166,9 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
         if h.token_ids != tuple(req.token_ids):
             return ReadResult(Outcome.CORRUPT, "tokens", **ident)
         payload = tensor_bytes(req.dest)
-        fault = _payload_fault(fd, h, payload)
-        if fault is None and seal is not None:
-            fault = seal.check(h, hdr, payload)
+        if preadv_full(fd, [payload], h.header_size) != len(payload):
+            return ReadResult(Outcome.CORRUPT, "size", **ident)
+        fault = payload_fault(h, hdr, payload, seal)
         if fault is not None:
             return ReadResult(Outcome.CORRUPT, fault, **ident)
         return ReadResult(Outcome.OK, **ident)
