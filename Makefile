@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcellar-installed
 ARGS   ?=
 
-.PHONY: setup serve test test-fast lint typecheck bench clean redis-server agents
+.PHONY: setup serve test test-fast lint typecheck bench clean redis-server chromium agents
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ redis-server:
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get update -qq && apt-get install -y -qq redis-server; then exit 0; fi; \
 	echo "make: redis-server is missing; install it (sudo apt-get install redis-server) for the remote tier's tests (tests/remote), which fail without it"
+
+# The browser test (tests/server/test_browser.py) drives a real headless Chromium (Debian package),
+# installed the same way; without it that test skips with the reason.
+chromium:
+	@command -v chromium >/dev/null 2>&1 && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; then exit 0; fi; \
+	echo "make: chromium is missing; install it (sudo apt-get install chromium) for tests/server/test_browser.py, which skips without it"
 
 # The coding agents the agent tests drive (tests/coding_agents.py), pinned exactly in agents/package.json
 # (each pins its per-platform native binary package exactly, so no lockfile: one made here would
@@ -77,7 +85,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loa
 # package is not compiled again in each of them where PYTHONDONTWRITEBYTECODE is set.
 # mypy runs beside the tests at the lowest CPU priority, on the cycles they leave idle, so its
 # cold run adds nothing to the wait; its report follows theirs and either failing fails.
-test: setup redis-server agents
+test: setup redis-server chromium agents
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m compileall -q src tests
 	@nice -n 19 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \

@@ -231,9 +231,20 @@ def test_escaped_surrogate_pair_is_fine(server: ServerProcess) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_form_encoded_json_is_still_read_as_json(server: ServerProcess) -> None:
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_declared_json_is_refused_in_each_apis_shape(server: ServerProcess, content_type) -> None:
+    """What a web page can send without a CORS preflight (text/plain, a form, no type) never
+    reaches the API: 415, in the shape of the API called."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = httpx.post(server.url + CHAT, content=json.dumps(chat_body()).encode(), headers=headers, timeout=60)
+    assert_openai_error(r, 415)
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/messages", content=json.dumps(body).encode(), headers=headers, timeout=60)
+    assert r.status_code == 415 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "application/json" in r.json()["error"]["message"]
     r = httpx.post(server.url + CHAT, content=json.dumps(chat_body()).encode(),
-                   headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=60)
+                   headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
     assert r.status_code == 200, r.text
 
 

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 
 import kvcellar
 from kvcellar.engine import Engine, observability
@@ -30,7 +31,7 @@ from kvcellar.server.anthropic import adapter as anthropic
 from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.metrics import InflightLevels, ServerMetrics, SnapshotCollector, group_by_prefix, merged_stats
-from kvcellar.server.middleware import ApiGate, DrainState, RequestMetrics
+from kvcellar.server.middleware import ApiGate, BrowserGuard, DrainState, RequestMetrics
 from kvcellar.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -190,8 +191,7 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
             state.serving.close()
 
     app = FastAPI(title="kvcellar", version=kvcellar.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API with a persistent, tiered prompt KV cache.",
-                  strict_content_type=False)
+                  description="OpenAI-compatible API with a persistent, tiered prompt KV cache.")
     app.state.kvcellar = state
     errors.install_error_handlers(app)
 
@@ -243,8 +243,15 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # The last added runs first: metrics, the browser guard, CORS answers (preflights before
+    # the gate asks for a key), the gate.
     app.add_middleware(ApiGate, drain=state.drain, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes)
+    if config.origins():
+        app.add_middleware(CORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
+    app.add_middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.host_names(),
+                       allowed_origins=config.origins())
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app
 

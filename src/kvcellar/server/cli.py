@@ -9,9 +9,9 @@ from typing import Any, get_args
 
 from kvcellar.server.config import LogFormat
 
-_FIELDS = ("host", "port", "api_key", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
-           "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
-           "access_log", "log_format")
+_FIELDS = ("host", "port", "api_key", "allowed_hosts", "allowed_origins", "served_model_name", "serve_any_model",
+           "stop", "first_token_timeout", "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices",
+           "max_inflight_requests", "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(also KVCELLAR_API_KEY)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="Host header names to answer beside loopback names and the bound address, comma-separated "
+                        "(*: any); others get 403, which keeps web pages that rebind their DNS name to this "
+                        "machine out")
+    p.add_argument("--allowed-origins", default=None,
+                   help="browser origins (scheme://host[:port]) that may call the API, comma-separated (*: any), "
+                        "with CORS; requests from other origins get 403 (default: none)")
     p.add_argument("--served-model-name", default=None,
                    help="extra comma-separated names accepted in the 'model' field")
     p.add_argument("--serve-any-model", action="store_true", default=None,

@@ -18,6 +18,13 @@ class ServerConfig:
     port: int = 8000
     # Bearer token required on /v1/* when set (also KVCELLAR_API_KEY).
     api_key: str | None = None
+    # Host header names answered beside loopback names, the bound address (and any IP address
+    # when bound to all interfaces), comma-separated; "*": any. Other names are refused (403):
+    # a web page that rebinds its own name to 127.0.0.1 sends its name as the Host.
+    allowed_hosts: str | None = None
+    # Browser origins (scheme://host[:port]) allowed to call the API, comma-separated; "*": any.
+    # They get CORS answers, preflights included; a request from any other origin is refused (403).
+    allowed_origins: str | None = None
     # Extra names clients may use in the "model" field, comma-separated; the loaded
     # model's own name is always accepted.
     served_model_name: str | None = None
@@ -56,7 +63,16 @@ class ServerConfig:
             return []
         return [name.strip() for name in self.served_model_name.split(",") if name.strip()]
 
+    def host_names(self) -> list[str]:
+        return _listed(self.allowed_hosts)
+
+    def origins(self) -> list[str]:
+        return [o.rstrip("/") for o in _listed(self.allowed_origins)]
+
     def validate(self) -> None:
+        for origin in self.origins():
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"allowed_origins: {origin!r} is not scheme://host[:port] (or *)")
         for name in ("first_token_timeout", "inter_token_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -66,3 +82,7 @@ class ServerConfig:
             raise ValueError("max_choices, max_inflight_requests and max_body_bytes must be >= 1")
         if self.log_format not in get_args(LogFormat):
             raise ValueError("log_format must be text or json")
+
+
+def _listed(value: str | None) -> list[str]:
+    return [part.strip().lower() for part in (value or "").split(",") if part.strip()]

@@ -67,6 +67,7 @@ class APIError(Exception):
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
                     529: "overloaded_error"}
 
@@ -93,6 +94,24 @@ def unauthorized() -> APIError:
     return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' "
                     "(or 'x-api-key: <key>').",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def host_not_allowed(host: str) -> APIError:
+    return APIError(403, f"Host {host!r} is not a name this server answers to: a web page can point its own name "
+                    "at this machine (DNS rebinding), so only loopback names and the bound address are answered. "
+                    "Add the name with --allowed-hosts.", code="host_not_allowed")
+
+
+def origin_not_allowed(origin: str) -> APIError:
+    return APIError(403, f"Requests from the web origin {origin!r} are refused: any page a browser opens could "
+                    "otherwise drive this server. Allow the origin with --allowed-origins.",
+                    code="origin_not_allowed")
+
+
+def not_json(content_type: str | None) -> APIError:
+    got = f"'{content_type}'" if content_type else "none"
+    return APIError(415, f"The request body must be JSON, sent with 'Content-Type: application/json' (got {got}).",
+                    code="unsupported_media_type")
 
 
 def body_too_large(limit: int) -> APIError:

@@ -1,11 +1,19 @@
-"""ASGI middleware in front of the API: admission and accounting.
+"""ASGI middleware in front of the API: what a browser may do, admission and accounting.
+
+``BrowserGuard`` keeps web pages out, on every path: a server on 127.0.0.1 is reachable
+from any page the user opens. A Host header that names neither a loopback name, the bound
+address (any IP address when bound to all interfaces) nor one of ``--allowed-hosts`` is
+refused (DNS rebinding: the page's own name, pointed at this machine), and so is a request
+whose ``Origin`` is neither this server's own nor one of ``--allowed-origins`` (those get CORS
+answers, from Starlette's ``CORSMiddleware`` inside it).
 
 ``ApiGate`` guards ``/v1/*``: while the server drains it answers 503; with an API key it
-requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``); it refuses
-bodies over the limit with 413 before reading them (``Content-Length``) or as soon as the
-running total passes it (chunked), and hands the app a body it has already read in full (as
-JSON, whatever the Content-Type), so a handler's later ``receive()`` only ever sees
-``http.disconnect``. ``/health`` and ``/metrics`` pass untouched.
+requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``); a body must
+be declared JSON (415 otherwise: a page may send ``text/plain`` or no type without a CORS
+preflight, never ``application/json``); it refuses bodies over the limit with 413 before
+reading them (``Content-Length``) or as soon as the running total passes it (chunked), and
+hands the app a body it has already read in full, so a handler's later ``receive()`` only
+ever sees ``http.disconnect``. ``/health`` and ``/metrics`` pass it untouched.
 
 ``RequestMetrics`` counts responses by route and status and times them.
 """
@@ -13,6 +21,7 @@ JSON, whatever the Content-Type), so a handler's later ``receive()`` only ever s
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +41,78 @@ class DrainState:
     """Shared between the gate and whoever shuts the server down."""
 
     draining: bool = False
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+ALL_INTERFACES = frozenset({"", "0.0.0.0", "::"})
+
+
+def host_name(authority: str) -> str:
+    """The host of a Host header or an origin's authority: lower case, without the port,
+    the brackets of an IPv6 address or a trailing dot."""
+    value = authority.strip().lower()
+    if value.startswith("["):
+        value = value[1:].partition("]")[0]
+    elif value.count(":") == 1:  # a name or IPv4 address and a port; a bare IPv6 address has more
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class BrowserGuard:
+    def __init__(self, app: ASGIApp, *, bind_host: str, allowed_hosts: list[str],
+                 allowed_origins: list[str]) -> None:
+        self.app = app
+        self.any_host = "*" in allowed_hosts
+        self.any_ip = bind_host.strip("[]") in ALL_INTERFACES
+        self.hosts = LOOPBACK_NAMES | {host_name(h) for h in allowed_hosts}
+        if not self.any_ip:
+            self.hosts |= {host_name(bind_host)}
+        self.any_origin = "*" in allowed_origins
+        self.origins = frozenset(allowed_origins)
+
+    def _host_allowed(self, host: str) -> bool:
+        name = host_name(host)
+        if self.any_host or name in self.hosts or name.endswith(".localhost"):  # *.localhost is loopback (RFC 6761)
+            return True
+        if self.any_ip:  # DNS rebinding needs a name; an address is what the client dialled
+            try:
+                ipaddress.ip_address(name)
+                return True
+            except ValueError:
+                pass
+        return False
+
+    def _origin_allowed(self, origin: str, host: str | None) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if self.any_origin or origin in self.origins:
+            return True
+        scheme, _, authority = origin.partition("://")  # this server's own origin (it serves no pages)
+        return scheme in ("http", "https") and host is not None and authority == host.strip().lower()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host, origin = _header(scope, b"host"), _header(scope, b"origin")
+        if host is not None and not self._host_allowed(host):
+            await _send_error(errors.host_not_allowed(host), scope, receive, send)
+            return
+        if origin is not None and not self._origin_allowed(origin, host):
+            await _send_error(errors.origin_not_allowed(origin), scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 class ApiGate:
@@ -66,6 +147,10 @@ class ApiGate:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        content_type = _header(scope, b"content-type")
+        if not _is_json(content_type):
+            await _send_error(errors.not_json(content_type), scope, receive, send)
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             await _send_error(errors.body_too_large(self.max_body_bytes), scope, receive, send)
@@ -94,11 +179,7 @@ class ApiGate:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        # The API speaks only JSON: read every body as JSON whatever Content-Type says
-        # (curl -d sends application/x-www-form-urlencoded unless told otherwise).
-        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
-        headers.append((b"content-type", b"application/json"))
-        await self.app({**scope, "headers": headers}, replay, send)
+        await self.app(scope, replay, send)
 
 
 def _content_length(scope: Scope) -> int | None:
