@@ -184,9 +184,10 @@ def test_pages_of_other_origins_and_rebound_names_cannot_drive_the_server(tmp_pa
     assert status == "200" and json.loads(body)["choices"][0]["message"]["role"] == "assistant"
 
     # Only the allowed page's completion ran; the rest was refused before the API saw it.
+    assert server.health()["engine"]["engine_requests_total"] == 1
     counts = answered(server)
-    assert counts[("/v1/chat/completions", "200")] == 1 and counts[("/v1/models", "200")] == 1, counts
-    assert counts[("/v1/chat/completions", "403")] >= 3, counts  # evil's two, the rebound page's one
+    assert counts[("/v1/chat/completions", "403")] == 3, counts  # evil's two (one a preflight), the rebound one
+    assert counts[("/v1/models", "403")] == 2 and counts[("/v1/chat/completions", "415")] == 1, counts
 
 
 def answered(server: ServerProcess) -> dict[tuple[str, str], int]:
