@@ -104,7 +104,7 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def health(self) -> dict[str, Any]:
-        r = httpx.get(self.url + "/health", timeout=10.0)
+        r = httpx.get(self.url + "/health", headers=self.headers(), timeout=10.0)
         return r.json()
 
     def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:

@@ -122,6 +122,8 @@ def test_remove_ttl_and_redacted_url(redis_server, open_remote):
     assert tier.remove([b.key for b in blocks[:2]]) == 2
     assert tier.lookup([b.key for b in blocks]) == 0 and tier.lookup([blocks[2].key]) == 1
     assert redacted("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redacted("rediss://h:1/0?ssl_ca_certs=/ca.pem&password=secret") == "rediss://h:1/0?ssl_ca_certs=/ca.pem&password=***"
+    assert redacted("redis://h:1/0") == "redis://h:1/0"
 
 
 def test_a_full_queue_drops_instead_of_waiting(redis_server, open_remote):

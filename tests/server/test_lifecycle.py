@@ -60,9 +60,13 @@ def test_api_key_rejected_by_openai_client(keyed_server: ServerProcess) -> None:
     assert exc.value.status_code == 401
 
 
-def test_health_and_metrics_need_no_key(keyed_server: ServerProcess) -> None:
-    assert httpx.get(keyed_server.url + "/health").status_code == 200
-    assert httpx.get(keyed_server.url + "/metrics").status_code == 200
+def test_without_a_key_health_says_only_its_status_and_metrics_are_refused(keyed_server: ServerProcess) -> None:
+    """Load balancers probe /health without a key: it answers, with nothing of the cache in it."""
+    bare = httpx.get(keyed_server.url + "/health")
+    assert bare.status_code == 200 and set(bare.json()) == {"status", "pid"}
+    assert "tiers" in httpx.get(keyed_server.url + "/health", headers=keyed_server.headers()).json()
+    assert httpx.get(keyed_server.url + "/metrics").status_code == 401
+    assert httpx.get(keyed_server.url + "/metrics", headers=keyed_server.headers()).status_code == 200
 
 
 def _stream(server: ServerProcess, max_tokens: int) -> tuple[int, list[str]]:

@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 import kvcellar
 from kvcellar.engine import Engine, observability
 from kvcellar.engine.loader import linear_kernels
-from kvcellar.server import errors
+from kvcellar.server import errors, tenants
 from kvcellar.server.anthropic import adapter as anthropic
 from kvcellar.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvcellar.server.config import ServerConfig
@@ -46,6 +46,7 @@ from kvcellar.server.responses import adapter as responses
 from kvcellar.server.responses.protocol import InputTokensRequest, ResponsesRequest
 from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.serving import Serving
+from kvcellar.server.tenants import Keys
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.serving = Serving(engine, config, self.metrics)
         self.responses = ResponseStore(config.max_stored_responses)
+        self.keys = Keys.configured(config.api_key, config.api_key_file, config.shared_key_names())
         self.started = time.time()
         self.drain = DrainState()
         self.metrics.registry.register(
@@ -237,6 +239,8 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     @app.get("/health", summary="Liveness, queue, and cache statistics by tier")
     async def health() -> JSONResponse:
         body = state.health()
+        if state.keys is not None and not config.public_health and tenants.current.get() is None:
+            body = {"status": body["status"], "pid": body["pid"]}  # the rest is for key holders
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
@@ -245,8 +249,8 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
 
     # The last added runs first: metrics, the browser guard, CORS answers (preflights before
     # the gate asks for a key), the gate.
-    app.add_middleware(ApiGate, drain=state.drain, api_key=config.api_key,
-                       max_body_bytes=config.max_body_bytes)
+    app.add_middleware(ApiGate, drain=state.drain, keys=state.keys, max_body_bytes=config.max_body_bytes,
+                       public_health=config.public_health)
     if config.origins():
         app.add_middleware(CORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)

@@ -9,9 +9,10 @@ from typing import Any, get_args
 
 from kvcellar.server.config import LogFormat
 
-_FIELDS = ("host", "port", "api_key", "allowed_hosts", "allowed_origins", "served_model_name", "serve_any_model",
-           "stop", "first_token_timeout", "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices",
-           "max_inflight_requests", "access_log", "log_format")
+_FIELDS = ("host", "port", "api_key", "api_key_file", "shared_cache_keys", "public_health", "allowed_hosts",
+           "allowed_origins", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
+           "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
+           "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                   "(also KVCELLAR_API_KEY)")
+                   "(also KVCELLAR_API_KEY; --api-key-file keeps it out of `ps`)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file of API keys, one a line ('KEY' or 'NAME KEY'); each key has a prefix cache of its "
+                        "own, so no caller learns what another sent")
+    p.add_argument("--shared-cache-keys", default=None,
+                   help="names of keys (from --api-key-file; 'default' for --api-key) whose requests share one "
+                        "prefix cache, comma-separated; a request joins it with 'X-Kvcellar-Cache: shared'")
+    p.add_argument("--public-health", action="store_true", default=None,
+                   help="with keys: answer /health in full and /metrics without a key (default: /health says "
+                        "only its status, /metrics needs a key)")
     p.add_argument("--allowed-hosts", default=None,
                    help="Host header names to answer beside loopback names and the bound address, comma-separated "
                         "(*: any); others get 403, which keeps web pages that rebind their DNS name to this "

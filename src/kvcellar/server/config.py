@@ -16,8 +16,15 @@ LogFormat = Literal["text", "json"]
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Bearer token required on /v1/* when set (also KVCELLAR_API_KEY).
+    # Bearer token required on /v1/* when set (also KVCELLAR_API_KEY): the tenant "default".
     api_key: str | None = None
+    # More keys, one a line ("KEY" or "NAME KEY"), each a tenant with its own prefix cache
+    # (server/tenants.py); a file keeps keys off the command line.
+    api_key_file: str | None = None
+    # Names of keys whose requests share one prefix cache (comma-separated).
+    shared_cache_keys: str | None = None
+    # With keys: /health details and /metrics without a key (load balancers, scrapers).
+    public_health: bool = False
     # Host header names answered beside loopback names, the bound address (and any IP address
     # when bound to all interfaces), comma-separated; "*": any. Other names are refused (403):
     # a web page that rebinds its own name to 127.0.0.1 sends its name as the Host.
@@ -63,6 +70,9 @@ class ServerConfig:
             return []
         return [name.strip() for name in self.served_model_name.split(",") if name.strip()]
 
+    def shared_key_names(self) -> list[str]:
+        return [name.strip() for name in (self.shared_cache_keys or "").split(",") if name.strip()]
+
     def host_names(self) -> list[str]:
         return _listed(self.allowed_hosts)
 
@@ -70,6 +80,12 @@ class ServerConfig:
         return [o.rstrip("/") for o in _listed(self.allowed_origins)]
 
     def validate(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty (KVCELLAR_API_KEY set to nothing?): give a key or unset it; "
+                             "an empty key would mean no key")
+        from kvcellar.server.tenants import Keys
+
+        Keys.configured(self.api_key, self.api_key_file, self.shared_key_names())  # raises for a bad file
         for origin in self.origins():
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise ValueError(f"allowed_origins: {origin!r} is not scheme://host[:port] (or *)")

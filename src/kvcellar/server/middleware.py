@@ -20,7 +20,6 @@ ever sees ``http.disconnect``. ``/health`` and ``/metrics`` pass it untouched.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvcellar.server import errors
+from kvcellar.server import errors, tenants
 from kvcellar.server.metrics import ServerMetrics
 
 
@@ -116,34 +115,51 @@ def _is_json(content_type: str | None) -> bool:
 
 
 class ApiGate:
-    def __init__(self, app: ASGIApp, *, drain: DrainState, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, drain: DrainState, keys: tenants.Keys | None, max_body_bytes: int,
+                 public_health: bool = False) -> None:
         self.app = app
         self.drain = drain
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
+        self.public_health = public_health
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None:
-            return True
+    def _tenant(self, scope: Scope) -> tenants.Tenant | None:
+        """The tenant whose key the request carries (``Authorization: Bearer`` or Anthropic's
+        ``x-api-key``), None if it carries none of them."""
+        assert self.keys is not None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
-                    return True
-            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.api_key):  # Anthropic's header
-                return True
-        return False
+                if scheme.lower() == b"bearer" and (tenant := self.keys.identify(token.strip())) is not None:
+                    return tenant
+            elif name == b"x-api-key" and (tenant := self.keys.identify(value.strip())) is not None:
+                return tenant
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if not path.startswith("/v1/"):
+            if self.keys is not None and not self.public_health and path in ("/health", "/metrics"):
+                tenant = self._tenant(scope)
+                if tenant is None and path == "/metrics":
+                    await _send_error(errors.unauthorized(), scope, receive, send)
+                    return
+                tenants.current.set(tenant)  # /health without a key says only its status
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
             await _send_error(errors.shutting_down(), scope, receive, send)
             return
-        if not self._authorized(scope):
-            await _send_error(errors.unauthorized(), scope, receive, send)
-            return
+        if self.keys is not None:
+            tenant = self._tenant(scope)
+            if tenant is None:
+                await _send_error(errors.unauthorized(), scope, receive, send)
+                return
+            tenants.current.set(tenant)
+            tenants.shared.set(_header(scope, tenants.SHARED_HEADER) == "shared")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return

@@ -39,7 +39,8 @@ FLUSH_SECONDS = 5.0
 def serve(settings: Settings, log_level: str = "WARNING") -> int:
     server_cfg = settings.server
     logs.configure(log_level, server_cfg.log_format)
-    if server_cfg.host not in ("127.0.0.1", "localhost", "::1") and not server_cfg.api_key:
+    if server_cfg.host not in ("127.0.0.1", "localhost", "::1") and not (server_cfg.api_key or
+                                                                        server_cfg.api_key_file):
         print(f"kvcellar: warning: listening on {server_cfg.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
     settings.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -35,7 +35,7 @@ from kvcellar.engine import Engine, SamplingParams, TokenEvent
 from kvcellar.engine.constraints import Grammar
 from kvcellar.engine.tokenization import encode_chat, encode_prompt, generation_prompt_ids, history_length
 from kvcellar.errors import InvalidRequestError
-from kvcellar.server import errors
+from kvcellar.server import errors, tenants
 from kvcellar.server.config import ServerConfig
 from kvcellar.server.formatting import RequestShape, ResponseBuilder, TokenTexts
 from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, Timeouts
@@ -393,7 +393,7 @@ class Serving:
         gen = Generation(self.engine, self.inflight, timeouts)
         streaming: SSEResponse | None = None
         try:
-            gen.submit(prompts, params, ireq.cache_salt, ireq.history_tokens)
+            gen.submit(prompts, params, tenants.cache_salt(ireq.cache_salt), ireq.history_tokens)
             if not ireq.stream:
                 return await until_disconnect(self._collect(gen, renderer), receive)
             streaming = await self._start_stream(gen, renderer, receive)

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from kvcellar.engine import SamplingParams
-from kvcellar.server import errors
+from kvcellar.server import errors, tenants
 from kvcellar.server.internal import InternalRequest, OutputSpec
 from kvcellar.server.responses.protocol import InputTokensRequest, NamedTool, ResponsesRequest
 from kvcellar.server.responses.render import ResponsesRenderer, ToolNames
@@ -251,7 +251,7 @@ def to_internal(req: ResponsesRequest | InputTokensRequest, store: ResponseStore
     functions, params, names = convert_tools(req.tools)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        previous = store.get(req.previous_response_id)
+        previous = store.get(req.previous_response_id, tenants.owner())
         if previous is None:
             raise errors.APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                   param="previous_response_id", code="previous_response_not_found")
@@ -300,7 +300,8 @@ async def responses(serving: Serving, store: ResponseStore, req: ResponsesReques
 
     def on_done(renderer: ResponsesRenderer) -> None:
         if req.store is not False and renderer.status in ("completed", "incomplete"):
-            store.put(renderer.id, StoredResponse(conversation + renderer.reply_messages(), renderer.body()))
+            store.put(renderer.id, StoredResponse(conversation + renderer.reply_messages(), renderer.body(),
+                                                  tenants.owner()))
 
     renderer = ResponsesRenderer(req.model, tracker, names, request_echo(req), on_done)
     return await serving.run(renderer, [prepared.prompt], [prepared.params], ireq, receive)

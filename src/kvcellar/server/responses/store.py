@@ -18,6 +18,7 @@ from typing import Any
 class StoredResponse:
     messages: list[dict[str, Any]]  # internal chat messages, reply included
     response: dict[str, Any]  # the response object as sent
+    owner: str | None = None  # the tenant that stored it (server/tenants.py); None without keys
 
 
 class ResponseStore:
@@ -25,10 +26,13 @@ class ResponseStore:
         self.capacity = capacity
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The response stored under ``response_id`` by ``owner``; another tenant's is as unknown
+        as an id never stored."""
         item = self._items.get(response_id)
-        if item is not None:
-            self._items.move_to_end(response_id)
+        if item is None or item.owner != owner:
+            return None
+        self._items.move_to_end(response_id)
         return item
 
     def put(self, response_id: str, item: StoredResponse) -> None:

@@ -24,13 +24,17 @@ FAULTS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException, 
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, for logs and /health."""
+    """``url`` without its password (in the authority or as a ``password=`` query parameter,
+    which redis-py also reads), for logs and /health."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
+    if parts.query:
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query="&".join(
+            f"{k}=***" if k.lower() == "password" else f"{k}={v}" for k, v in query))
+    return urllib.parse.urlunsplit(parts)
 
 
 def is_cluster(url: str) -> bool:

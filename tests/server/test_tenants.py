@@ -1,0 +1,95 @@
+"""Several API keys on one server (``--api-key-file``): each key's prefix cache is its own, so
+no caller's ``cached_tokens`` says anything about another's prompts; sharing is explicit
+(``--shared-cache-keys``, ``X-Kvcellar-Cache: shared``); a stored response resolves only for
+the key that stored it; bad key settings stop the server before it starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvcellar.cli import main
+from tests._models import stand_in_args
+from tests.helpers import ServerProcess
+
+ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"
+DOC = ("Section 4.2. A payment intent moves from created to authorized to captured; a refund references a "
+       "captured intent and may be partial. Idempotency keys are scoped per merchant. ") * 4
+
+
+@pytest.fixture(scope="module")
+def tenants_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    keys = tmp / "keys"
+    keys.write_text(f"# name key\nalice {ALICE}\nbob {BOB}\n\ncarol {CAROL}\n")
+    server = ServerProcess(tmp / "cache", *stand_in_args(), "--api-key-file", str(keys),
+                           "--shared-cache-keys", "carol").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def chat(server: ServerProcess, key: str, question: str, **headers: str) -> int:
+    """The cached prompt tokens of one chat request under ``key`` (the system prompt starts with
+    the question: each test its own prefix)."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   headers={"Authorization": f"Bearer {key}", **headers},
+                   json={"model": "stand-in", "max_tokens": 2,
+                         "messages": [{"role": "system", "content": question + " " + DOC},
+                                      {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_one_keys_prompt_is_no_hit_for_another_key(tenants_server: ServerProcess) -> None:
+    assert chat(tenants_server, ALICE, "Is a partial refund allowed?") == 0
+    assert chat(tenants_server, ALICE, "Is a partial refund allowed?") > 0  # alice's own cache works
+    assert chat(tenants_server, BOB, "Is a partial refund allowed?") == 0  # the same prompt: nothing of alice's
+    assert chat(tenants_server, BOB, "Is a partial refund allowed?") > 0
+
+
+def test_sharing_is_explicit(tenants_server: ServerProcess) -> None:
+    shared = {"X-Kvcellar-Cache": "shared"}
+    assert chat(tenants_server, CAROL, "Which scope do idempotency keys have?") == 0
+    assert chat(tenants_server, ALICE, "Which scope do idempotency keys have?") == 0  # alice's own cache
+    assert chat(tenants_server, ALICE, "Which scope do idempotency keys have?", **shared) > 0  # carol shares
+    assert chat(tenants_server, BOB, "Which scope do idempotency keys have?", **shared) > 0
+
+
+def test_a_stored_response_resolves_only_for_the_key_that_stored_it(tenants_server: ServerProcess) -> None:
+    def respond(key: str, **fields: object) -> httpx.Response:
+        return httpx.post(tenants_server.url + "/v1/responses", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "stand-in", "input": "Hello there.", "max_output_tokens": 2, **fields},
+                          timeout=120)
+
+    first = respond(ALICE)
+    assert first.status_code == 200, first.text
+    again = respond(ALICE, previous_response_id=first.json()["id"])
+    assert again.status_code == 200, again.text
+    stolen = respond(BOB, previous_response_id=first.json()["id"])
+    assert stolen.status_code == 404 and stolen.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_health_details_and_metrics_are_for_key_holders(tenants_server: ServerProcess) -> None:
+    url = tenants_server.url
+    assert set(httpx.get(url + "/health", timeout=30).json()) == {"status", "pid"}
+    assert "tiers" in httpx.get(url + "/health", headers={"x-api-key": BOB}, timeout=30).json()
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {CAROL}"}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(("setup", "needle"), [
+    (lambda tmp, env: env.setenv("KVCELLAR_API_KEY", ""), "api_key is empty"),
+    (lambda tmp, env: env.setenv("KVCELLAR_API_KEY_FILE", str(tmp / "missing")), "No such file"),
+    (lambda tmp, env: (tmp / "k").write_text("a x\na y\n") and env.setenv("KVCELLAR_API_KEY_FILE", str(tmp / "k")),
+     "used twice"),
+    (lambda tmp, env: env.setenv("KVCELLAR_SHARED_CACHE_KEYS", "nobody"), "needs API keys"),
+])
+def test_bad_key_settings_are_clear_errors(setup, needle, tmp_path: Path, monkeypatch, capsys) -> None:
+    setup(tmp_path, monkeypatch)
+    assert main(["serve", "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert needle in capsys.readouterr().err
