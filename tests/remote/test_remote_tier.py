@@ -3,6 +3,8 @@ verification of every value, namespaces, removal."""
 
 from __future__ import annotations
 
+import pytest
+import redis
 import torch
 
 from kvcellar.storage.block_format import FORMAT_VERSION, encode_block
@@ -199,3 +201,28 @@ def test_a_loads_time_limit_grows_with_its_bytes(redis_server, open_remote):
     assert allowed.load(loads).result(30) == len(blocks)
     assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
     assert allowed.stats()["remote_load_timeouts"] == 0
+
+
+def test_the_acl_the_readme_gives_is_all_the_tier_needs(private_redis, open_remote):
+    """README, "Running it for a team": a Redis user limited to ``kvc:*`` keys and six commands
+    stores, finds, loads (refreshing a TTL), deletes a bad value and probes, without an error."""
+    acl = "kvc on >pw ~kvc:* resetchannels -@all +getrange +set +exists +del +pexpire +ping"
+    server = private_redis(user=acl).start()
+    url = f"redis://kvc:pw@127.0.0.1:{server.port}/0"
+    blocks = chain(3)
+    writer = open_remote(url, ttl_s=600, secret=b"a secret of this deployment")
+    stored(writer, blocks)
+    reader = open_remote(url, ttl_s=600, secret=b"a secret of this deployment")
+    assert reader.lookup([b.key for b in blocks]) == 3
+    loads = [load_request(b) for b in blocks]
+    assert reader.load(loads).result(30) == 3
+    assert all(bits_equal(r.dest, b.data) for r, b in zip(loads, blocks, strict=True))
+    r = server.client()  # the default user plants a bad value
+    name = f"kvc:fp-v{FORMAT_VERSION}:{blocks[0].key.hex()}"
+    r.set(name, b"not a block")
+    assert reader.load([load_request(blocks[0])]).result(30) == 0 and r.exists(name) == 0
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(url).set("other:key", b"x")  # the user reaches nothing else
+    for tier in (writer, reader):
+        s = tier.stats()
+        assert s["remote_conn_errors"] == 0 and s["remote_dropped_error"] == 0 and tier.health()["state"] == "ok"
