@@ -263,3 +263,21 @@ def test_forced_call_at_short_budgets_with_the_model(engine: Any, tools: str) ->
         assert r.finish_reason == "stop" and len(r.token_ids) <= n, (n, r.text)
         check_output(engine, f"hermes:{tools}:parallel", r.token_ids)
     assert_no_leaks(engine)
+
+
+def test_compiled_grammars_are_kept_within_their_bytes(engine: Any, monkeypatch) -> None:
+    """Distinct schemas are what any client can send: the grammars kept for reuse stay within a
+    byte bound, keyed by digest, and a kept one is still reused."""
+    from kvcellar.engine import constraints
+
+    monkeypatch.setattr(constraints, "_CACHE_BYTES", 200_000)
+    compiler = engine.grammars
+    before = compiler.stats.compiled
+    for i in range(40):
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "string"} for j in range(200)}}
+        compiler.json_schema(schema, param="response_format")
+    assert compiler.stats.compiled - before == 40
+    assert 0 < compiler.cached_bytes <= 200_000
+    hits = compiler.stats.cache_hits
+    compiler.json_schema(schema, param="response_format")  # the newest is kept
+    assert compiler.stats.cache_hits == hits + 1

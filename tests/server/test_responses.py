@@ -154,6 +154,10 @@ def test_codex_shapes_are_accepted(server: ServerProcess) -> None:
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "absent"}}, "tool_choice"),
     ({"input": "hello " * 9000}, "input"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 3}, "max_output_tokens"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": {"nested": "object"}}}, "metadata"),
 ])
 def test_bad_input_is_a_400_in_openai_shape(server: ServerProcess, body: dict[str, Any], param: str) -> None:
     r = httpx.post(server.base_url + "/responses", json={"model": MODEL, **body}, timeout=120)
@@ -161,3 +165,17 @@ def test_bad_input_is_a_400_in_openai_shape(server: ServerProcess, body: dict[st
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param, err
+
+
+def test_the_store_keeps_conversations_within_its_bytes_and_only_for_their_owner() -> None:
+    from kvcellar.server.responses.store import ResponseStore, StoredResponse
+
+    store = ResponseStore(capacity=1000, max_bytes=1 << 20)
+    turn = [{"role": "user", "content": "x" * 100_000}]
+    for i in range(50):  # 5 MB offered
+        store.put(f"r{i}", StoredResponse(turn, owner="alice"))
+    assert store.nbytes <= 1 << 20 and len(store) == 10  # the newest that fit
+    assert store.get("r49", "alice") is not None and store.get("r0", "alice") is None
+    assert store.get("r49", "bob") is None and store.get("r49") is None  # another tenant's: unknown
+    store.put("huge", StoredResponse([{"role": "user", "content": "x" * (2 << 20)}]))
+    assert store.get("huge") is None and len(store) == 10  # larger than the store: not kept, nothing dropped

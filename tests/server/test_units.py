@@ -155,3 +155,13 @@ def test_log_level_is_taken_before_or_after_serve() -> None:
     assert parser.parse_args(["serve"]).log_level == "WARNING"
     assert parser.parse_args(["--log-level", "DEBUG", "serve"]).log_level == "DEBUG"
     assert parser.parse_args(["serve", "--log-level", "INFO"]).log_level == "INFO"
+
+
+def test_names_logged_once_are_bounded() -> None:
+    from kvcellar.server.logs import FirstSeen
+
+    seen = FirstSeen(limit=100, max_len=16)
+    assert seen("web_search") and not seen("web_search")
+    assert all(seen(f"tool-{i}") for i in range(99)) and len(seen) == 100
+    assert not seen("one more") and len(seen) == 100  # full: nothing more remembered or logged
+    assert max(map(len, seen._seen)) <= 16

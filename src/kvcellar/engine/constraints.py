@@ -23,6 +23,7 @@ a ``TokenConstraint`` belongs to one sequence and is used only by the engine thr
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
 from collections.abc import Iterable, Sequence
@@ -45,6 +46,9 @@ JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator"
 # constrains nothing instead of failing the compile: tool schemas, whose every other keyword holds.
 LENIENT_JSON_STYLE: JsonCompileOptions = {**JSON_STYLE, "lenient": True}
 _CACHE_SIZE = 256
+# What the compiled grammars kept may hold in all (their sources; a request's schema can be
+# megabytes, and distinct schemas are what any client can send).
+_CACHE_BYTES = 64 << 20
 # Budget steering (TokenConstraint, Planner).
 _PLAN_CAP = 2048  # the longest start plan min_tokens looks for
 _PLAN_EXTRA_NODES = 64  # masks a start-plan search may spend improving its first completion
@@ -82,8 +86,10 @@ class GrammarCompiler:
         self._lltok: Any = None
         self._planner: Planner | None = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
-        self._plans: collections.OrderedDict[str, tuple[int, ...] | None] = collections.OrderedDict()
+        # Keyed by the source's digest: a key does not hold a second copy of a large source.
+        self._cache: collections.OrderedDict[bytes, Grammar] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._plans: collections.OrderedDict[bytes, tuple[int, ...] | None] = collections.OrderedDict()
         self.stats = GrammarStats()
 
     def prepare(self) -> None:
@@ -141,7 +147,7 @@ class GrammarCompiler:
 
         import llguidance
 
-        key = f"{int(steer_to_end)}{source}"
+        key = _digest(f"{int(steer_to_end)}{source}")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -159,10 +165,17 @@ class GrammarCompiler:
         with self._lock:
             self.stats.compiled += 1
             self.stats.compile_seconds += time.perf_counter() - t0
-            self._cache[key] = grammar
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache and len(source) <= _CACHE_BYTES:
+                self._cache[key] = grammar
+                self._cache_bytes += len(source)
+            while len(self._cache) > _CACHE_SIZE or self._cache_bytes > _CACHE_BYTES:
+                self._cache_bytes -= len(self._cache.popitem(last=False)[1].source)
         return grammar
+
+    @property
+    def cached_bytes(self) -> int:
+        """The bytes of grammar sources kept for reuse (at most ``_CACHE_BYTES``)."""
+        return self._cache_bytes
 
     def constraint(self, grammar: Grammar, max_tokens: int) -> TokenConstraint:
         """A fresh matcher state for one sequence that may generate ``max_tokens``."""
@@ -201,7 +214,7 @@ class GrammarCompiler:
     def start_plan(self, grammar: Grammar) -> tuple[int, ...] | None:
         """The shortest completion of ``grammar`` from its start that the planner finds
         (token ids), or None if none within ``_PLAN_CAP`` tokens; cached per grammar."""
-        key = grammar.source
+        key = _digest(grammar.source)
         with self._lock:
             if key in self._plans:
                 self._plans.move_to_end(key)
@@ -223,6 +236,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"The grammar could not be instantiated: {matcher.get_error()}")
         return matcher
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=20).digest()
 
 
 class TokenConstraint:

@@ -84,7 +84,7 @@ class ServerState:
         self.sources.extend(stats_sources)
         self.metrics = ServerMetrics()
         self.serving = Serving(engine, config, self.metrics)
-        self.responses = ResponseStore(config.max_stored_responses)
+        self.responses = ResponseStore(config.max_stored_responses, int(config.max_stored_responses_mb * 2**20))
         self.keys = Keys.configured(config.api_key, config.api_key_file, config.shared_key_names())
         self.started = time.time()
         self.drain = DrainState()

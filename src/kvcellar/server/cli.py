@@ -12,7 +12,7 @@ from kvcellar.server.config import LogFormat
 _FIELDS = ("host", "port", "api_key", "api_key_file", "shared_cache_keys", "public_health", "allowed_hosts",
            "allowed_origins", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
            "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
-           "access_log", "log_format")
+           "max_stored_responses", "max_stored_responses_mb", "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices", type=int, default=None, help="most choices per request (default 16)")
     p.add_argument("--max-inflight-requests", type=int, default=None,
                    help="API requests in flight before 503 (default 1024)")
+    p.add_argument("--max-stored-responses", type=int, default=None,
+                   help="Responses API replies kept for previous_response_id (default 1024)")
+    p.add_argument("--max-stored-responses-mb", type=float, default=None,
+                   help="... and the MiB they may hold in all (default 256)")
     p.add_argument("--access-log", action="store_true", default=None, help="log every HTTP request")
     p.add_argument("--log-format", default=None, choices=list(get_args(LogFormat)), help="log line format")
 

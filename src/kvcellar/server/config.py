@@ -57,6 +57,8 @@ class ServerConfig:
     stop: str | None = None
     # Responses API: replies kept in memory for previous_response_id (store: true), newest first.
     max_stored_responses: int = 1024
+    # ... and at most this many MiB of them (their conversations, as the next turn needs them).
+    max_stored_responses_mb: float = 256.0
     access_log: bool = False
     log_format: LogFormat = "text"
 
@@ -94,6 +96,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if self.max_stored_responses < 0 or self.max_stored_responses_mb < 0:
+            raise ValueError("max_stored_responses and max_stored_responses_mb must be >= 0")
         if self.max_choices < 1 or self.max_inflight_requests < 1 or self.max_body_bytes < 1:
             raise ValueError("max_choices, max_inflight_requests and max_body_bytes must be >= 1")
         if self.log_format not in get_args(LogFormat):

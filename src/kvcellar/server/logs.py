@@ -13,6 +13,28 @@ import logging
 from typing import Any
 
 
+class FirstSeen:
+    """Names worth one log line each (an unknown model, a tool type this server ignores): true
+    the first time a name is seen. Bounded, since any client can send any number of names: at
+    most ``limit`` names of ``max_len`` characters are remembered, and once full nothing more is
+    logged."""
+
+    def __init__(self, limit: int = 256, max_len: int = 128) -> None:
+        self._seen: set[str] = set()
+        self._limit = limit
+        self._max_len = max_len
+
+    def __call__(self, name: str) -> bool:
+        name = name[:self._max_len]
+        if name in self._seen or len(self._seen) >= self._limit:
+            return False
+        self._seen.add(name)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 def _value(v: Any) -> str:
     text = str(v)
     return json.dumps(text) if (not text or any(c in text for c in ' "=')) else text

@@ -40,6 +40,7 @@ from kvcellar.server.config import ServerConfig
 from kvcellar.server.formatting import RequestShape, ResponseBuilder, TokenTexts
 from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, Timeouts
 from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker, Renderer
+from kvcellar.server.logs import FirstSeen
 from kvcellar.server.metrics import ServerMetrics
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvcellar.server.reasoning import reader_factory, starts_inside, template_markup
@@ -100,7 +101,7 @@ class Serving:
         self.reasons = template_markup(getattr(engine.tokenizer, "chat_template", None))
         # a hybrid model keeps a snapshot where a chat's messages end, before this suffix
         self.generation_prompt = generation_prompt_ids(engine.tokenizer)
-        self._unknown_models_logged: set[str] = set()
+        self._unknown_model_logged = FirstSeen()
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -111,8 +112,7 @@ class Serving:
         if name in self.model_names:
             return
         if self.config.serve_any_model:
-            if name not in self._unknown_models_logged and len(self._unknown_models_logged) < 1024:
-                self._unknown_models_logged.add(name)
+            if self._unknown_model_logged(name):
                 log.info("serving model name %r with %s (serve_any_model is on)", name, self.model_name)
             self.metrics.stats.other_model_names += 1
             return

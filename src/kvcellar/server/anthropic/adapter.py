@@ -43,13 +43,14 @@ from kvcellar.server.anthropic.protocol import (
 )
 from kvcellar.server.anthropic.render import MessagesRenderer
 from kvcellar.server.internal import InternalRequest, OutputSpec
+from kvcellar.server.logs import FirstSeen
 from kvcellar.server.serving import Serving, check_text
 from kvcellar.server.tools.request import ToolPlan, check_schema, make_tool_plan
 
 log = logging.getLogger("kvcellar.server")
 
 PSEUDO_HEADER = re.compile(r"^x-anthropic-[A-Za-z0-9-]+:[^\n]*(\n|$)", re.MULTILINE)
-_logged_server_tools: set[str] = set()
+_server_tool_logged = FirstSeen()
 
 
 def strip_pseudo_headers(text: str) -> tuple[str, int]:
@@ -141,8 +142,7 @@ def plan_tools(req: MessagesRequest | CountTokensRequest) -> ToolPlan | None:
     origin: list[int] = []  # each function's index in req.tools, for errors
     for k, tool in enumerate(req.tools or []):
         if tool.input_schema is None:
-            if tool.type not in _logged_server_tools:
-                _logged_server_tools.add(str(tool.type))
+            if _server_tool_logged(str(tool.type)):
                 log.info("ignoring server tool %r (type %s): this server runs client tools only", tool.name, tool.type)
             continue
         fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}

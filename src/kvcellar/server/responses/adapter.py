@@ -32,6 +32,7 @@ from starlette.types import Receive
 from kvcellar.engine import SamplingParams
 from kvcellar.server import errors, tenants
 from kvcellar.server.internal import InternalRequest, OutputSpec
+from kvcellar.server.logs import FirstSeen
 from kvcellar.server.responses.protocol import InputTokensRequest, NamedTool, ResponsesRequest
 from kvcellar.server.responses.render import ResponsesRenderer, ToolNames
 from kvcellar.server.responses.store import ResponseStore, StoredResponse
@@ -43,7 +44,7 @@ log = logging.getLogger("kvcellar.server")
 SKIPPED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_generation_call",
                            "code_interpreter_call", "mcp_list_tools", "compaction"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text"})
-_logged_hosted: set[str] = set()
+_hosted_logged = FirstSeen()
 
 
 def _text(content: Any, where: str) -> str:
@@ -186,8 +187,7 @@ def convert_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, An
                                "required": ["input"], "additionalProperties": False}}})
             params.append(where)
         elif isinstance(kind, str):
-            if kind not in _logged_hosted:
-                _logged_hosted.add(kind)
+            if _hosted_logged(kind):
                 log.info("ignoring hosted tool type %r: this server runs function and custom tools only", kind)
         else:
             raise errors.invalid(f"Missing required parameter: '{where}.type'.", param=f"{where}.type",
@@ -290,9 +290,25 @@ def request_echo(req: ResponsesRequest) -> dict[str, Any]:
             "user": None, "error": None, "incomplete_details": None}
 
 
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """The API's limits on ``metadata`` (16 pairs, keys of 64 characters, string values of 512):
+    it is echoed in every response object, so its size is any client's to choose otherwise."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise errors.invalid(f"metadata has {len(metadata)} keys; at most 16 are allowed.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise errors.invalid("metadata keys are at most 64 characters.", param="metadata")
+        if not isinstance(value, str) or len(value) > 512:
+            raise errors.invalid(f"metadata[{key!r}] must be a string of at most 512 characters.",
+                                 param="metadata")
+
+
 async def responses(serving: Serving, store: ResponseStore, req: ResponsesRequest, receive: Receive) -> Response:
     """``POST /v1/responses``."""
     check_text(req)
+    check_metadata(req.metadata)
     serving.check_model(req.model)
     ireq, names, conversation = to_internal(req, store)
     prepared = await serving.prepare_chat(ireq)
@@ -300,8 +316,7 @@ async def responses(serving: Serving, store: ResponseStore, req: ResponsesReques
 
     def on_done(renderer: ResponsesRenderer) -> None:
         if req.store is not False and renderer.status in ("completed", "incomplete"):
-            store.put(renderer.id, StoredResponse(conversation + renderer.reply_messages(), renderer.body(),
-                                                  tenants.owner()))
+            store.put(renderer.id, StoredResponse(conversation + renderer.reply_messages(), tenants.owner()))
 
     renderer = ResponsesRenderer(req.model, tracker, names, request_echo(req), on_done)
     return await serving.run(renderer, [prepared.prompt], [prepared.params], ireq, receive)
