@@ -46,6 +46,7 @@ from kvcellar.server.responses import adapter as responses
 from kvcellar.server.responses.protocol import InputTokensRequest, ResponsesRequest
 from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.serving import Serving
+from kvcellar.server.streaming import ClientDisconnected
 from kvcellar.server.tenants import Keys
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,12 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     app.state.kvcellar = state
     errors.install_error_handlers(app)
 
+    async def client_left(request: Request, exc: Exception) -> Response:
+        state.metrics.stats.client_disconnects += 1  # while its request was prepared
+        return Response(status_code=499)  # nobody is listening; keeps the access log honest
+
+    app.add_exception_handler(ClientDisconnected, client_left)
+
     @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletion),
               response_model=None, summary="Chat completion (stream chunks: ChatCompletionChunk)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -250,7 +257,9 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     # The last added runs first: metrics, the browser guard, CORS answers (preflights before
     # the gate asks for a key), the gate.
     app.add_middleware(ApiGate, drain=state.drain, keys=state.keys, max_body_bytes=config.max_body_bytes,
-                       public_health=config.public_health)
+                       public_health=config.public_health, max_active=config.max_inflight_requests,
+                       max_body_bytes_held=int(config.max_body_mb_in_flight * 2**20),
+                       body_timeout_s=config.body_timeout)
     if config.origins():
         app.add_middleware(CORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)

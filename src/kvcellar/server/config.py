@@ -49,8 +49,14 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20
     # Upper bound on choices per request (n, times the prompts of a /v1/completions batch).
     max_choices: int = 16
-    # API requests in flight beyond this are refused with 503 instead of queueing forever.
+    # API requests in flight beyond this are refused with 503 (Retry-After) instead of queueing
+    # forever: counted from their arrival, token counts and requests still being prepared included.
     max_inflight_requests: int = 1024
+    # The request bodies those requests may hold in all, MiB (a body counts its Content-Length, or
+    # max_body_bytes while unknown); past it, 503 before the body is read.
+    max_body_mb_in_flight: float = 256.0
+    # Seconds a request body may take to arrive (408 after): a client that trickles bytes holds a slot.
+    body_timeout: float = 60.0
     # Stop strings added to every generation request, comma-separated escapes allowed ("\n"),
     # as an Ollama Modelfile's stop parameter: a small model in an agent loop ends its turn at
     # them. A reply they end reports a normal end (end_turn / stop), not a stop sequence.
@@ -96,6 +102,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if self.body_timeout <= 0 or self.max_body_mb_in_flight <= 0:
+            raise ValueError("body_timeout and max_body_mb_in_flight must be > 0")
         if self.max_stored_responses < 0 or self.max_stored_responses_mb < 0:
             raise ValueError("max_stored_responses and max_stored_responses_mb must be >= 0")
         if self.max_choices < 1 or self.max_inflight_requests < 1 or self.max_body_bytes < 1:

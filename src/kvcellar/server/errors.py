@@ -67,7 +67,7 @@ class APIError(Exception):
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    415: "invalid_request_error",
+                    408: "timeout_error", 415: "invalid_request_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error",
                     529: "overloaded_error"}
 
@@ -112,6 +112,15 @@ def not_json(content_type: str | None) -> APIError:
     got = f"'{content_type}'" if content_type else "none"
     return APIError(415, f"The request body must be JSON, sent with 'Content-Type: application/json' (got {got}).",
                     code="unsupported_media_type")
+
+
+def overloaded() -> APIError:
+    return APIError(503, "The server has too many requests in flight; retry later.", type=SERVER_ERROR,
+                    code="overloaded", headers={"Retry-After": "1"})
+
+
+def body_timeout(seconds: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {seconds:g} s.", code="request_timeout")
 
 
 def body_too_large(limit: int) -> APIError:

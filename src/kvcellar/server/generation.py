@@ -97,10 +97,11 @@ class Generation:
         return sum(1 for c in self.choices if c.finish_reason is None)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-               cache_salt: str | None, history_tokens: int | None = None) -> None:
+               cache_salt: str | None, history_tokens: int | None = None, arrived: float | None = None) -> None:
         """Submit ``len(params)`` choices of each prompt, prompt-major. If one submission
-        fails, the ones before it are cancelled and the error propagates."""
-        deadline = time.monotonic() + self.timeouts.first_token
+        fails, the ones before it are cancelled and the error propagates. ``arrived``: when the
+        request came (monotonic); its first-token timeout counts from then."""
+        deadline = (time.monotonic() if arrived is None else arrived) + self.timeouts.first_token
         try:
             for p, prompt in enumerate(prompts):
                 for sp in params:

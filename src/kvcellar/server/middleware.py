@@ -20,8 +20,10 @@ ever sees ``http.disconnect``. ``/health`` and ``/metrics`` pass it untouched.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +62,7 @@ def host_name(authority: str) -> str:
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
-            return value.decode("latin-1")
+            return str(value.decode("latin-1"))
     return None
 
 
@@ -114,14 +116,34 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+@dataclass(frozen=True)
+class RequestClock:
+    """When an API request arrived (its body's first byte awaited) and how to hear that its
+    client left: the work before its generation (tokenizing, grammars) counts against its
+    first-token timeout and stops when the client goes."""
+
+    arrived: float
+    receive: Receive
+
+
+started: ContextVar[RequestClock | None] = ContextVar("kvcellar_request_clock", default=None)
+
+
 class ApiGate:
     def __init__(self, app: ASGIApp, *, drain: DrainState, keys: tenants.Keys | None, max_body_bytes: int,
-                 public_health: bool = False) -> None:
+                 public_health: bool = False, max_active: int = 1024, max_body_bytes_held: int = 256 << 20,
+                 body_timeout_s: float = 60.0) -> None:
         self.app = app
         self.drain = drain
         self.keys = keys
         self.max_body_bytes = max_body_bytes
         self.public_health = public_health
+        self.max_active = max_active
+        self.max_body_bytes_held = max(max_body_bytes_held, max_body_bytes)  # one largest body always fits
+        self.body_timeout_s = body_timeout_s
+        # Event loop only: requests past the gate, and the body bytes they reserved.
+        self.active = 0
+        self.body_bytes = 0
 
     def _tenant(self, scope: Scope) -> tenants.Tenant | None:
         """The tenant whose key the request carries (``Authorization: Bearer`` or Anthropic's
@@ -171,31 +193,55 @@ class ApiGate:
         if declared is not None and declared > self.max_body_bytes:
             await _send_error(errors.body_too_large(self.max_body_bytes), scope, receive, send)
             return
+        # Admission, before a byte of the body is read: requests in the gate (from here to
+        # their last byte out) and the bytes of the bodies they hold are both bounded, so no
+        # number of clients makes the server hold more than that before the engine sees them.
+        reserved = declared if declared is not None else self.max_body_bytes
+        if self.active >= self.max_active or self.body_bytes + reserved > self.max_body_bytes_held:
+            await _send_error(errors.overloaded(), scope, receive, send)
+            return
+        self.active += 1
+        self.body_bytes += reserved
+        try:
+            arrived = time.monotonic()
+            body = await self._read_body(scope, receive, send, arrived + self.body_timeout_s)
+            if body is None:
+                return
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            started.set(RequestClock(arrived, replay))
+            await self.app(scope, replay, send)
+        finally:
+            self.active -= 1
+            self.body_bytes -= reserved
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send, deadline: float) -> bytes | None:
+        """The whole body, or None once an error was sent (too large, too slow) or the client left."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:  # a client that trickles its body holds a slot: not for long
+                await _send_error(errors.body_timeout(self.body_timeout_s), scope, receive, send)
+                return None
             if message["type"] == "http.disconnect":
-                return
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
                 await _send_error(errors.body_too_large(self.max_body_bytes), scope, receive, send)
-                return
+                return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+                return b"".join(chunks)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -42,6 +42,7 @@ from kvcellar.server.generation import Generation, GenerationTimeout, Inflight, 
 from kvcellar.server.internal import InternalRequest, OutputSpec, OutputTracker, Renderer
 from kvcellar.server.logs import FirstSeen
 from kvcellar.server.metrics import ServerMetrics
+from kvcellar.server.middleware import started
 from kvcellar.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvcellar.server.reasoning import reader_factory, starts_inside, template_markup
 from kvcellar.server.streaming import ClientDisconnected, SSEResponse, until_disconnect
@@ -120,9 +121,19 @@ class Serving:
                               f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
 
     async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` on the one tokenizer thread (the request's CPU work before the engine: off the
+        event loop). Within the request's first-token timeout, counted from its arrival, and only
+        while its client is there: a job not started yet is dropped when either ends."""
         loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+        clock = started.get()
         try:
-            return await loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+            if clock is None:
+                return await job
+            remaining = clock.arrived + self.config.first_token_timeout - time.monotonic()
+            return await asyncio.wait_for(until_disconnect(job, clock.receive), timeout=max(remaining, 0.0))
+        except TimeoutError:
+            raise errors.timed_out("first_token", self.config.first_token_timeout) from None
         except UnicodeError as exc:  # check_text should have caught it; never a 500 for bad text
             raise errors.invalid(f"The request holds text that cannot be encoded: {exc}") from None
 
@@ -199,12 +210,13 @@ class Serving:
         check_tool_messages(req.messages)
         fmt = req.response_format
         param = "response_format" if fmt is None or fmt.type == "json_object" else "response_format.json_schema.schema"
-        schema = response_schema(fmt)
+        schema = await self.on_tokenizer_thread(response_schema, fmt)  # schema checks: off the event loop
+        tools = await self.on_tokenizer_thread(plan_tools, req)
         ireq = InternalRequest(
             api="chat", model=req.model, messages=[self._message(m, i) for i, m in enumerate(req.messages)],
             params=self._params(req, 1, bool(req.logprobs), req.top_logprobs or 0),
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-            tools=plan_tools(req), output=OutputSpec(schema=schema, param=param) if schema is not None else None,
+            tools=tools, output=OutputSpec(schema=schema, param=param) if schema is not None else None,
             n=n, stream=bool(req.stream), cache_salt=req.cache_salt,
             first_token_timeout=req.first_token_timeout, inter_token_timeout=req.inter_token_timeout,
             explicit_skip_special=req.skip_special_tokens is not None)
@@ -284,14 +296,15 @@ class Serving:
         tools = ireq.tools
         params = dataclasses.replace(ireq.params)
         params.stop = self.with_default_stops(params.stop)
-        params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
-        # No max_tokens: whatever room the context leaves (fit_max_tokens clamps to it).
+        # No max_tokens: whatever room the context leaves (fit_max_tokens clamps to it). Checked
+        # before the grammar is compiled: a prompt that cannot fit costs no compile.
         requested = ireq.max_tokens if ireq.max_tokens is not None else self.engine.max_model_len
         try:
             params.max_tokens = self.engine.fit_max_tokens(len(prompt), requested)
         except InvalidRequestError as exc:
             exc.param = "input" if ireq.api == "responses" else "messages"
             raise
+        params.grammar = await self.on_tokenizer_thread(self._chat_grammar, ireq.output, tools)
         markup = self.reasons
         inside = markup is not None and starts_inside(
             await self.on_tokenizer_thread(self.engine.tokenizer.decode, prompt[-8:]), markup)
@@ -393,7 +406,9 @@ class Serving:
         gen = Generation(self.engine, self.inflight, timeouts)
         streaming: SSEResponse | None = None
         try:
-            gen.submit(prompts, params, tenants.cache_salt(ireq.cache_salt), ireq.history_tokens)
+            clock = started.get()
+            gen.submit(prompts, params, tenants.cache_salt(ireq.cache_salt), ireq.history_tokens,
+                       None if clock is None else clock.arrived)
             if not ireq.stream:
                 return await until_disconnect(self._collect(gen, renderer), receive)
             streaming = await self._start_stream(gen, renderer, receive)

@@ -194,7 +194,7 @@ async def messages(serving: Serving, req: MessagesRequest, receive: Receive) -> 
     """``POST /v1/messages``."""
     check_text(req)
     serving.check_model(req.model)
-    ireq, dropped = to_internal(req)
+    ireq, dropped = await serving.on_tokenizer_thread(to_internal, req)  # schema checks: off the event loop
     if dropped:
         serving.metrics.stats.anthropic_pseudo_headers_dropped += dropped
     prepared = await serving.prepare_chat(ireq)
@@ -208,5 +208,5 @@ async def count_tokens(serving: Serving, req: CountTokensRequest) -> dict[str, i
     """``POST /v1/messages/count_tokens``: the prompt as ``/v1/messages`` would render it."""
     check_text(req)
     serving.check_model(req.model)
-    ireq, _ = to_internal(req)
+    ireq, _ = await serving.on_tokenizer_thread(to_internal, req)
     return {"input_tokens": len(await serving.render_prompt(ireq))}

@@ -244,18 +244,23 @@ def _output_spec(req: ResponsesRequest | InputTokensRequest, names: ToolNames) -
     return OutputSpec(schema=schema, param="text.format.schema")
 
 
-def to_internal(req: ResponsesRequest | InputTokensRequest, store: ResponseStore
+def previous_turns(req: ResponsesRequest | InputTokensRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The conversation ``previous_response_id`` continues (event loop thread: the store's)."""
+    if req.previous_response_id is None:
+        return []
+    previous = store.get(req.previous_response_id, tenants.owner())
+    if previous is None:
+        raise errors.APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                              param="previous_response_id", code="previous_response_not_found")
+    return list(previous.messages)
+
+
+def to_internal(req: ResponsesRequest | InputTokensRequest, history: list[dict[str, Any]]
                 ) -> tuple[InternalRequest, ToolNames, list[dict[str, Any]]]:
     """The internal request, the tool name map, and the conversation to store (without
-    ``instructions``; the reply is added when it is known)."""
+    ``instructions``; the reply is added when it is known). Checks schemas: run it off the
+    event loop."""
     functions, params, names = convert_tools(req.tools)
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        previous = store.get(req.previous_response_id, tenants.owner())
-        if previous is None:
-            raise errors.APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                                  param="previous_response_id", code="previous_response_not_found")
-        history = list(previous.messages)
     conversation = history + convert_input(req.input, names)
     if not conversation:
         raise errors.invalid("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
@@ -310,7 +315,7 @@ async def responses(serving: Serving, store: ResponseStore, req: ResponsesReques
     check_text(req)
     check_metadata(req.metadata)
     serving.check_model(req.model)
-    ireq, names, conversation = to_internal(req, store)
+    ireq, names, conversation = await serving.on_tokenizer_thread(to_internal, req, previous_turns(req, store))
     prepared = await serving.prepare_chat(ireq)
     tracker = prepared.tracker()
 
@@ -326,5 +331,5 @@ async def input_tokens(serving: Serving, store: ResponseStore, req: InputTokensR
     """``POST /v1/responses/input_tokens``: the prompt as ``/v1/responses`` would render it."""
     check_text(req)
     serving.check_model(req.model)
-    ireq, _, _ = to_internal(req, store)
+    ireq, _, _ = await serving.on_tokenizer_thread(to_internal, req, previous_turns(req, store))
     return {"object": "response.input_tokens", "input_tokens": len(await serving.render_prompt(ireq))}
