@@ -12,7 +12,6 @@ from kvcellar.server.anthropic.protocol import MessagesRequest
 from kvcellar.server.protocol import ChatCompletionRequest
 from kvcellar.server.responses import adapter as responses
 from kvcellar.server.responses.protocol import ResponsesRequest
-from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.tools.request import plan_tools
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -38,7 +37,7 @@ def agent_tools(agent: str) -> list[dict[str, Any]]:
     if api == "messages":
         ireq, _ = anthropic.to_internal(MessagesRequest.model_validate(raw))
     elif api == "responses":
-        ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(raw), ResponseStore())
+        ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(raw), [])
     else:
         plan = plan_tools(ChatCompletionRequest.model_validate(raw))
         assert plan is not None

@@ -19,7 +19,6 @@ from kvcellar.server.internal import InternalRequest
 from kvcellar.server.protocol import ChatCompletionRequest
 from kvcellar.server.responses import adapter as responses
 from kvcellar.server.responses.protocol import ResponsesRequest
-from kvcellar.server.responses.store import ResponseStore
 from kvcellar.server.tools.render import ToolPrompting
 from kvcellar.server.tools.request import plan_tools
 from tests.server.agent_fixtures import body
@@ -41,7 +40,7 @@ def claude(name: str) -> tuple[InternalRequest, int]:
 
 
 def codex(name: str) -> InternalRequest:
-    ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(body(name)), ResponseStore())
+    ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(body(name)), [])
     return ireq
 
 
@@ -75,7 +74,7 @@ def test_claude_code_next_request_starts_with_the_previous_prompt(tokenizer: Any
 
 def test_codex_request_is_read_whole(tokenizer: Any) -> None:
     raw = body("codex_responses.json")
-    ireq, names, _ = responses.to_internal(ResponsesRequest.model_validate(raw), ResponseStore())
+    ireq, names, _ = responses.to_internal(ResponsesRequest.model_validate(raw), [])
     namespaced = [t for t in raw["tools"] if t["type"] == "namespace"]
     functions = [t for t in raw["tools"] if t["type"] == "function"]
     assert namespaced and any(t["type"] == "web_search" for t in raw["tools"])
@@ -103,7 +102,7 @@ def test_codex_new_item_ids_render_the_same_prompt(tokenizer: Any) -> None:
     for i, item in enumerate(other["input"]):
         item["id"] = f"msg_other_{i}"
     other["prompt_cache_key"] = "another-session"
-    ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(other), ResponseStore())
+    ireq, _, _ = responses.to_internal(ResponsesRequest.model_validate(other), [])
     assert rendered(tokenizer, ireq) == rendered(tokenizer, codex("codex_responses.json"))
 
 
