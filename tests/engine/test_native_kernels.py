@@ -587,3 +587,51 @@ def test_a_call_the_kernels_cannot_take_is_refused_before_any_runs() -> None:
         native.attend_kv(pool, layout, 2, torch.tensor([[0]]), torch.tensor([1]), q, 1.0)  # no layer 2
     with pytest.raises(IndexError):
         native.attend_kv(pool, layout, 0, torch.tensor([[5]]), torch.tensor([1]), q, 1.0)  # no block 5
+
+
+# Run in a fresh interpreter on a cache dir of its own: the library is loaded once per process.
+# ``_compile`` is replaced by a copy of this session's build (a real compile takes a minute on
+# 2 cores); what is checked is when the loader builds again and what it loads.
+_LOADER_CHILD = """
+import hashlib, json, shutil, sys
+from pathlib import Path
+from kvcellar.engine.native import lib
+good = Path(sys.argv[1])
+built = []
+def compile_(cc, folder, target):
+    built.append(target.name)
+    shutil.copyfile(good, target)
+    lib._record_of(target).write_text(hashlib.sha256(good.read_bytes()).hexdigest())
+lib._compile = compile_
+loaded = lib.library()
+print(json.dumps({"loaded": loaded is not None, "built": built,
+                  "same": loaded is not None and Path(loaded._name).read_bytes() == good.read_bytes()}))
+"""
+
+
+@pytest.mark.skipif(not native.available(), reason="kvcellar's CPU kernels")
+def test_a_library_that_is_not_the_one_recorded_is_built_again_and_a_shared_folder_refused(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvcellar.engine.native import lib
+    from tests.storage.helpers import child_env
+
+    good = Path(lib.library()._name)
+
+    def load() -> dict:
+        env = {**child_env(), "KVCELLAR_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", _LOADER_CHILD, str(good)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert load() == {"loaded": True, "built": [good.name], "same": True}  # nothing there: built
+    assert load() == {"loaded": True, "built": [], "same": True}  # recorded: loaded as it is
+    target = tmp_path / "native" / good.name
+    target.write_bytes(target.read_bytes() + b"planted")  # another library under its name
+    assert load() == {"loaded": True, "built": [good.name], "same": True}
+    (tmp_path / "native").chmod(0o777)
+    assert load() == {"loaded": False, "built": [], "same": False}  # anyone could plant one: refused

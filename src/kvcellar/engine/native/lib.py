@@ -4,7 +4,10 @@ with ctypes, and called by name.
 The C files are compiled once per source, compiler and flags with the system C compiler (one
 process at a time: the others wait on a lock file and load its result) into
 ``native/`` under the default cache directory (``paths.resolve_cache_dir``: one build per
-user, whatever ``--cache-dir`` a server is given). The library runs on the OpenMP runtime torch
+user, whatever ``--cache-dir`` a server is given). A build records its file's SHA-256 beside
+it, and a library that does not match its record (changed, half written, planted) is built
+again before it is loaded; a folder that another user owns or others may write to is refused
+(loading code from it would run whatever they put there). The library runs on the OpenMP runtime torch
 has loaded already, so its threads are torch's; ctypes drops the GIL around each call. Each
 exported function is bound from its prototype in ``kvc.h`` (argument names and types read
 from there, so the header is the one statement of them) and called with keyword arguments
@@ -103,11 +106,14 @@ def library() -> ctypes.CDLL | None:
         digest = hashlib.sha256("\0".join([*texts, cc, version, *COMPILE_FLAGS]).encode()).hexdigest()
         folder = resolve_cache_dir() / "native"
         target = folder / f"kvc-{digest[:16]}.so"
-        if not target.exists():
-            folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(folder)
+        if not _recorded(target):
             with open(folder / f"kvc-{digest[:16]}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together compile once
-                if not target.exists():
+                if not _recorded(target):
+                    if target.exists():
+                        log.warning("%s does not match its recorded SHA-256: building it again", target)
                     _compile(cc, folder, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -122,13 +128,36 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _check_private(folder: Path) -> None:
+    """Raise PermissionError unless ``folder`` is this user's and only this user may write to it."""
+    st = folder.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only its "
+                              "owner may write where the kernels are loaded from (chmod 700 it)")
+
+
+def _record_of(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _recorded(target: Path) -> bool:
+    """Whether ``target`` is the library a build here recorded (its SHA-256 in the record beside it)."""
+    try:
+        return _record_of(target).read_text().strip() == hashlib.sha256(target.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
 def _compile(cc: str, folder: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     try:
         subprocess.run([cc, *COMPILE_FLAGS, f"-I{HERE}", "-o", tmp, *map(str, SOURCES)], capture_output=True,
                        text=True, check=True, timeout=300)
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, target)  # atomic: a process that does not take the lock loads a whole file
+        Path(tmp).write_text(digest + "\n")
+        os.replace(tmp, _record_of(target))  # after the library: a build cut between them is built again
     finally:
         Path(tmp).unlink(missing_ok=True)
 
