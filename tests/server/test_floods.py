@@ -72,10 +72,10 @@ def test_floods_of_what_any_client_may_send_stay_within_the_bound(flooded: Serve
     answered_normally(flooded)
     before = peak_rss(flooded)
 
-    # 300 stored responses, each with the largest metadata the API allows.
+    # 200 stored responses, each with the largest metadata the API allows.
     metadata = {f"key{i:02d}" + "k" * 58: "v" * 512 for i in range(16)}
     stored = [("/v1/responses", json.dumps({"model": MODEL, "input": f"Reply {i}.", "metadata": metadata,
-                                            "max_output_tokens": 1, "store": True}).encode()) for i in range(300)]
+                                            "max_output_tokens": 1, "store": True}).encode()) for i in range(200)]
     assert {r.status_code for r in send_all(flooded, stored)} == {200}
 
     # 10,000 tool types this server ignores (hosted tools, Anthropic server tools), 100 a request.
@@ -88,12 +88,12 @@ def test_floods_of_what_any_client_may_send_stay_within_the_bound(flooded: Serve
         for i in range(50)]
     assert {r.status_code for r in send_all(flooded, hosted + server_tools)} == {200}
 
-    # 300 distinct schemas of ~6 KB each, compiled into grammars (the cache keeps 256).
+    # 260 distinct schemas of ~6 KB each, compiled into grammars (the cache keeps 256).
     schemas = [("/v1/chat/completions", json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "Fill it in."}], "max_tokens": 1,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
             "type": "object", "properties": {f"field_{i}_{j}_" + "p" * 40: {"type": "string"} for j in range(60)}}}},
-    }).encode()) for i in range(300)]
+    }).encode()) for i in range(260)]
     assert {r.status_code for r in send_all(flooded, schemas)} == {200}
 
     # 500 concurrent token counts of 200 KB each: 100 MB offered at once; the gate holds 8 MB.
@@ -149,4 +149,17 @@ def test_slow_bodies_hold_the_gate_until_they_get_408_and_requests_past_it_are_r
     finally:
         for sock in holders:
             sock.close()
+    answered_normally(flooded)
+
+
+def test_preparing_a_request_counts_against_its_first_token_timeout(flooded: ServerProcess) -> None:
+    """Tokenizing a 4 MB message takes seconds here: with a first-token timeout of 0.5 s the
+    request is cancelled while it is still prepared (504), not after, and nothing reaches the engine."""
+    before = flooded.health()["engine"]["engine_requests_total"]
+    r = httpx.post(flooded.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 1, "first_token_timeout": 0.5,
+        "messages": [{"role": "user", "content": "lorem ipsum " * 350_000}]})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "first_token_timeout", r.text
+    assert "preparing" in r.json()["error"]["message"]
+    assert flooded.health()["engine"]["engine_requests_total"] == before
     answered_normally(flooded)

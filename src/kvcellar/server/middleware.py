@@ -124,6 +124,7 @@ class RequestClock:
 
     arrived: float
     receive: Receive
+    first_token_timeout: float | None = None  # the request's own, where it sets a shorter one
 
 
 started: ContextVar[RequestClock | None] = ContextVar("kvcellar_request_clock", default=None)

@@ -127,13 +127,16 @@ class Serving:
         loop = asyncio.get_running_loop()
         job = loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
         clock = started.get()
+        limit = min(self.config.first_token_timeout, (clock and clock.first_token_timeout) or math.inf)
         try:
             if clock is None:
                 return await job
-            remaining = clock.arrived + self.config.first_token_timeout - time.monotonic()
+            remaining = clock.arrived + limit - time.monotonic()
             return await asyncio.wait_for(until_disconnect(job, clock.receive), timeout=max(remaining, 0.0))
         except TimeoutError:
-            raise errors.timed_out("first_token", self.config.first_token_timeout) from None
+            raise errors.APIError(504, f"Timed out after {limit:g} s before the first token, still preparing the "
+                                  "request; it was cancelled.", type=errors.SERVER_ERROR,
+                                  code="first_token_timeout") from None
         except UnicodeError as exc:  # check_text should have caught it; never a 500 for bad text
             raise errors.invalid(f"The request holds text that cannot be encoded: {exc}") from None
 
@@ -200,7 +203,15 @@ class Serving:
 
     # ---- OpenAI chat and legacy completions ---------------------------------------------
 
+    @staticmethod
+    def _own_timeout(seconds: float | None) -> None:
+        """A request's own first-token timeout bounds its preparation too."""
+        clock = started.get()
+        if clock is not None and seconds:
+            started.set(dataclasses.replace(clock, first_token_timeout=seconds))
+
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Response:
+        self._own_timeout(req.first_token_timeout)
         check_text(req)
         self.check_model(req.model)
         self._common_checks(req)
@@ -228,6 +239,7 @@ class Serving:
                               self._per_choice(prepared.params, n), ireq, receive)
 
     async def completions(self, req: CompletionRequest, receive: Receive) -> Response:
+        self._own_timeout(req.first_token_timeout)
         check_text(req)
         self.check_model(req.model)
         self._common_checks(req)
