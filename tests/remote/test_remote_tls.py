@@ -57,3 +57,16 @@ def test_a_certificate_the_client_does_not_trust_is_a_degraded_tier(tls_redis, t
     assert tier.health()["state"] == "degraded"
     assert tier.stats()["remote_stored_blocks"] == 0 and tls_redis.client().keys("kvc:fp*") == []
     assert tier.close(10) is True
+
+
+def test_a_certificate_that_does_not_name_the_host_dialled_is_a_degraded_tier(tls_redis, open_remote):
+    """The certificate names 127.0.0.1 and localhost; dialled as 127.1 (the same address) the
+    client refuses it: hostname checking is on whatever redis-py's default, and a URL can turn
+    it off on purpose."""
+    ca = tls_redis.tls.ca
+    tier = open_remote(f"rediss://127.1:{tls_redis.port}/0?ssl_ca_certs={ca}")
+    assert tier.lookup([b"k" * 32]) == 0
+    h = tier.health()
+    assert h["state"] == "degraded" and "Hostname mismatch" in str(h["last_error"]), h
+    unchecked = open_remote(f"rediss://127.1:{tls_redis.port}/0?ssl_ca_certs={ca}&ssl_check_hostname=False")
+    assert unchecked.lookup([b"k" * 32]) == 0 and unchecked.health()["state"] == "ok"

@@ -53,6 +53,10 @@ def open_client(url: str, timeout_s: float) -> Any:
         "retry_on_timeout": False,
     }
     scheme = urllib.parse.urlsplit(url).scheme
+    if scheme.startswith("rediss"):
+        # The server's certificate must name the host dialled, whatever redis-py's default (it
+        # was off before 6.0); a URL's own ssl_check_hostname still wins.
+        common.update(ssl_cert_reqs="required", ssl_check_hostname=True)
     if scheme in CLUSTER_SCHEMES:
         from redis.cluster import RedisCluster
 
