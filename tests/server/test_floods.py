@@ -106,6 +106,8 @@ def test_floods_of_what_any_client_may_send_stay_within_the_bound(flooded: Serve
     assert all(r.headers["retry-after"] == "1" for r in counted if r.status_code == 503)
 
     grown = peak_rss(flooded) - before
+    print(f"floods: peak RSS {before / 2**20:.0f} -> {(before + grown) / 2**20:.0f} MiB; token counts: "
+          f"{statuses.count(200)} answered, {statuses.count(503)} refused")
     assert grown < FLOOD_BOUND, f"peak RSS grew {grown / 2**20:.0f} MiB"
     answered_normally(flooded)
     health = flooded.health()
