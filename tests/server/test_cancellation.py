@@ -69,6 +69,10 @@ def test_disconnect_with_openai_client_stream(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_first_token_timeout_is_504_after_cancel(server: ServerProcess, stream: bool) -> None:
+    """A 1 ms first-token timeout, counted from the request's arrival, ends it while it is
+    prepared or just after its two choices were submitted: either way a 504, counted once, and
+    whatever reached the engine cancelled there (tests/server/test_first_token_deadline.py and
+    test_floods.py hold each path alone)."""
     server.wait_idle()
     before = counters(server)
     r = server.post("/v1/chat/completions", {**LONG, "stream": stream, "n": 2, "first_token_timeout": 0.001})
@@ -77,7 +81,9 @@ def test_first_token_timeout_is_504_after_cancel(server: ServerProcess, stream: 
     assert err["code"] == "first_token_timeout"
     after = server.wait_idle()
     assert after["server"]["server_first_token_timeouts"] == before["server_first_token_timeouts"] + 1
-    assert after["engine"]["engine_requests_aborted"] == before["engine_requests_aborted"] + 2
+    submitted = after["engine"]["engine_requests_total"] - before["engine_requests_total"]
+    assert submitted in (0, 2)
+    assert after["engine"]["engine_requests_aborted"] == before["engine_requests_aborted"] + submitted
 
 
 def test_inter_token_timeout_full_response(server: ServerProcess) -> None:

@@ -1,7 +1,9 @@
-"""Several API keys on one server (``--api-key-file``): each key's prefix cache is its own, so
-no caller's ``cached_tokens`` says anything about another's prompts; sharing is explicit
-(``--shared-cache-keys``, ``X-Kvcellar-Cache: shared``); a stored response resolves only for
-the key that stored it; bad key settings stop the server before it starts."""
+"""A server set up for a team (README, "Running it for a team"): several API keys
+(``--api-key-file``), each key's prefix cache its own, so no caller's ``cached_tokens`` says
+anything about another's prompts; sharing is explicit (``--shared-cache-keys``,
+``X-Kvcellar-Cache: shared``); a stored response resolves only for the key that stored it; bad
+key settings stop the server before it starts; the names and origins it was given are answered
+(``--allowed-hosts``, ``--allowed-origins`` with CORS), others refused."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def tenants_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     keys = tmp / "keys"
     keys.write_text(f"# name key\nalice {ALICE}\nbob {BOB}\n\ncarol {CAROL}\n")
     server = ServerProcess(tmp / "cache", *stand_in_args(), "--api-key-file", str(keys),
-                           "--shared-cache-keys", "carol").start()
+                           "--shared-cache-keys", "carol", "--allowed-hosts", "kvc.internal",
+                           "--allowed-origins", "https://app.example, http://localhost:5173").start()
     try:
         yield server
     finally:
@@ -93,3 +96,21 @@ def test_bad_key_settings_are_clear_errors(setup, needle, tmp_path: Path, monkey
     setup(tmp_path, monkeypatch)
     assert main(["serve", "--cache-dir", str(tmp_path / "cache")]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_allowed_hosts_and_origins_are_answered_with_cors(tenants_server: ServerProcess) -> None:
+    server = tenants_server
+    assert httpx.get(server.url + "/health", headers={"Host": "kvc.internal:80"}, timeout=30).status_code == 200
+    assert httpx.get(server.url + "/health", headers={"Host": "other.internal"}, timeout=30).status_code == 403
+    preflight = httpx.options(server.url + "/v1/chat/completions", timeout=30, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    listed = httpx.get(server.url + "/v1/models", timeout=30,
+                       headers={"Origin": "http://localhost:5173", "Authorization": f"Bearer {ALICE}"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "http://localhost:5173"
+    assert httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"},
+                     timeout=30).status_code == 403

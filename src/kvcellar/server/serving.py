@@ -134,6 +134,7 @@ class Serving:
             remaining = clock.arrived + limit - time.monotonic()
             return await asyncio.wait_for(until_disconnect(job, clock.receive), timeout=max(remaining, 0.0))
         except TimeoutError:
+            self.metrics.stats.first_token_timeouts += 1
             raise errors.APIError(504, f"Timed out after {limit:g} s before the first token, still preparing the "
                                   "request; it was cancelled.", type=errors.SERVER_ERROR,
                                   code="first_token_timeout") from None
