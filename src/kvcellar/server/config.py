@@ -6,7 +6,7 @@ Filled like every section (``kvcellar.settings.load_settings``): defaults < conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 LogFormat = Literal["text", "json"]
@@ -17,7 +17,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer token required on /v1/* when set (also KVCELLAR_API_KEY): the tenant "default".
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a printed config
     # More keys, one a line ("KEY" or "NAME KEY"), each a tenant with its own prefix cache
     # (server/tenants.py); a file keeps keys off the command line.
     api_key_file: str | None = None
