@@ -382,16 +382,24 @@ def payload_fault(header: BlockHeader, raw_header: bytes | bytearray | memoryvie
     return "checksum" if payload_checksum(payload) != header.payload_crc32 else reason
 
 
+def header_of(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[int, ...],
+              payload: memoryview, created_ns: int, parent: bytes | None = None,
+              seal: BlockSeal | None = None) -> bytearray:
+    """The header of a block with these bytes (``encode_header`` with the payload's
+    checksum), sealed when ``seal`` is given."""
+    header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns, parent)
+    if seal is not None:
+        seal.seal(header, payload, spec.block_size)
+    return header
+
+
 def encode_block(spec: BlockSpec, key: bytes, digest: bytes, token_ids: tuple[int, ...],
                  data: torch.Tensor, created_ns: int, parent: bytes | None = None,
                  seal: BlockSeal | None = None) -> bytes:
     """One whole block (header + payload) as one bytes value, for stores that keep
     values rather than files; sealed when ``seal`` is given."""
     payload = memoryview(data.reshape(-1).view(torch.uint8).numpy().data)
-    header = encode_header(spec, key, digest, token_ids, payload_checksum(payload), created_ns, parent)
-    if seal is not None:
-        seal.seal(header, payload, spec.block_size)
-    return b"".join((header, payload))
+    return b"".join((header_of(spec, key, digest, token_ids, payload, created_ns, parent, seal), payload))
 
 
 def decode_block_into(value: bytes | memoryview, spec: BlockSpec, key: bytes, digest: bytes,

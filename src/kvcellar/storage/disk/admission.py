@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvcellar.storage.base import LoadRequest, StoreRequest
-from kvcellar.storage.block_format import encode_header, payload_checksum
+from kvcellar.storage.block_format import header_of
 from kvcellar.storage.disk.keys import KeyRecord
 from kvcellar.storage.disk.namespace import OpenNamespace
 from kvcellar.storage.disk.reader import Outcome, read_block_into, tensor_bytes
@@ -161,10 +161,7 @@ class WriteAdmission:
                 self.counters.dropped_no_parent.add()
             return
         payload = tensor_bytes(r.data)
-        header = encode_header(ns.spec, r.key, r.digest, tuple(r.token_ids), payload_checksum(payload),
-                               time.time_ns(), r.parent)
-        if ns.seal is not None:
-            ns.seal.seal(header, payload, ns.spec.block_size)
+        header = header_of(ns.spec, r.key, r.digest, tuple(r.token_ids), payload, time.time_ns(), r.parent, ns.seal)
         persistent = ns.config.durability == "persistent"
         retries = ns.config.persistent_retries if persistent else 0
         dir_retry = True  # one extra try if the shard directory vanished (cache clear)

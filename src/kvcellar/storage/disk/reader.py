@@ -43,7 +43,6 @@ from kvcellar.storage.block_format import (
     check_geometry,
     declared_header_size,
     decode_header,
-    payload_checksum,
     payload_fault,
 )
 from kvcellar.storage.disk.layout import key_from_block_name
@@ -128,12 +127,13 @@ def verify_block_file(path: str, spec: BlockSpec | None, buf: bytearray | None =
         os.close(fd)
 
 
-def _payload_fault(fd: int, h: BlockHeader, payload: memoryview) -> str | None:
-    """Read the payload into ``payload``: None if whole and its checksum matches, else
-    ``size`` or ``checksum``."""
+def _payload_fault(fd: int, h: BlockHeader, payload: memoryview, raw_header: bytes | bytearray = b"",
+                   seal: BlockSeal | None = None) -> str | None:
+    """Read the payload into ``payload``: None if whole and it is the one ``h`` was written
+    with (``block_format.payload_fault``), else ``size`` or the failed check."""
     if preadv_full(fd, [payload], h.header_size) != len(payload):
         return "size"
-    return None if payload_checksum(payload) == h.payload_crc32 else "checksum"
+    return payload_fault(h, raw_header, payload, seal)
 
 
 def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadRequest,
@@ -165,10 +165,7 @@ def read_block_into(path: str, spec: BlockSpec, header_size: int, req: LoadReque
             return ReadResult(Outcome.CORRUPT, "digest", **ident)
         if h.token_ids != tuple(req.token_ids):
             return ReadResult(Outcome.CORRUPT, "tokens", **ident)
-        payload = tensor_bytes(req.dest)
-        if preadv_full(fd, [payload], h.header_size) != len(payload):
-            return ReadResult(Outcome.CORRUPT, "size", **ident)
-        fault = payload_fault(h, hdr, payload, seal)
+        fault = _payload_fault(fd, h, tensor_bytes(req.dest), hdr, seal)
         if fault is not None:
             return ReadResult(Outcome.CORRUPT, fault, **ident)
         return ReadResult(Outcome.OK, **ident)

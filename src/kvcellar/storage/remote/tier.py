@@ -40,7 +40,7 @@ from typing import Any
 import redis
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
-from kvcellar.storage.block_format import BlockSeal, check_identity, decode_block_into, encode_block, header_size_for
+from kvcellar.storage.block_format import BlockSeal, check_identity, decode_block_into, encode_block, file_size_for
 from kvcellar.storage.faults import FaultTracker
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
@@ -76,7 +76,7 @@ class RemoteTier(KVTier):
         # Values are sealed when written and unsealed ones are corrupt when read (block_format):
         # whoever can write to the store cannot make a replica serve KV it did not compute.
         self.seal = BlockSeal(secret, fingerprint) if secret is not None else None
-        self._value_size = header_size_for(spec.block_size) + spec.nbytes
+        self._value_size = file_size_for(spec)
         self._c = RemoteStats()
         where = redacted(url)
         self._conn = FaultTracker("conn", self._c, _log, where, config.backoff_initial_s, config.backoff_max_s,
