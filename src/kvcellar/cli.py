@@ -13,6 +13,7 @@ import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
 from kvcellar.engine.config import WEIGHT_MODES
+from kvcellar.engine.speculation import SPECULATIVE_MODES
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.settings import Settings, load_settings
@@ -58,6 +59,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="full: weights in --dtype; int8 / int4: weight-only quantized linears (faster decode where "
                         "the CPU runs torch's kernels: bf16), used for steps up to a size measured at warm-up; "
                         "auto (default): int4 for a 4-bit GGUF where the kernel runs, else full")
+    p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
+                   help="speculative decoding: draft tokens from the request's own text (ngram) or also from "
+                        "recent outputs of every request (suffix) and verify them in one step; the output is the "
+                        "same (default off)")
+    p.add_argument("--speculative-max-tokens", type=int, default=None,
+                   help="the longest draft, in tokens (default 8)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="serve without first running every code path once (faster start, slower first request)")
 
@@ -107,7 +114,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             **{k: get(k) for k in ("block_size", "kv_cache_gb", "kv_bits", "kv_group_size", "max_num_seqs",
                                    "max_step_tokens", "max_prefill_step_tokens", "max_model_len",
                                    "max_completion_tokens", "prefix_caching", "warmup",
-                                   "weights", "unhealthy_after_failed_steps", "max_memory_gb")},
+                                   "weights", "unhealthy_after_failed_steps", "max_memory_gb", "speculative",
+                                   "speculative_max_tokens")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
                                      "ssd_queue_blocks", "ssd_evict_wait_s", "ssd_flush_interval_s", "disk_cache_gb",

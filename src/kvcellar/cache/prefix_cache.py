@@ -406,12 +406,23 @@ class PrefixCache(Generic[S]):
 
     # ---- running sequences ----------------------------------------------------------------
 
-    def missing(self, seq: S) -> int:
-        """Blocks ``seq`` still needs to hold the KV of all its tokens."""
-        return -(-seq.num_tokens // self.block_size) - len(seq.blocks)
+    def missing(self, seq: S, extra: int = 0) -> int:
+        """Blocks ``seq`` still needs to hold the KV of all its tokens (and ``extra`` more: a
+        draft's)."""
+        return -(-(seq.num_tokens + extra) // self.block_size) - len(seq.blocks)
 
     def grow(self, seq: S, n: int) -> None:
         seq.blocks.extend(self.bm.allocate(n))
+
+    def trim(self, seq: S) -> None:
+        """Give back the blocks past ``seq``'s tokens: those a draft's rejected tokens took. They
+        were never published (a block is published once its tokens are computed and kept)."""
+        surplus = -self.missing(seq)
+        if surplus > 0:
+            kept = len(seq.blocks) - surplus
+            assert kept >= seq.num_registered
+            self.bm.release(seq.blocks[kept:])
+            del seq.blocks[kept:]
 
     def commit(self, seq: S, num_computed: int) -> None:
         """``seq``'s KV now covers its first ``num_computed`` tokens: publish full blocks (and,

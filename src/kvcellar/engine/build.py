@@ -25,6 +25,7 @@ from kvcellar.engine.engine import Engine, EngineParts
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.scheduler import Scheduler
+from kvcellar.engine.speculation import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     state_layout = StateLayout.from_model_config(loaded.model.config)
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
               if state_layout is not None else None)
-    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states)
+    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
+                          drafter=_drafter(cfg, hybrid=states is not None))
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
                          kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:
@@ -77,6 +79,16 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
                        max_model_len, wake)
+
+
+def _drafter(cfg: EngineConfig, *, hybrid: bool) -> Drafter | None:
+    if cfg.speculative == "off":
+        return None
+    if hybrid:
+        log.warning("speculative decoding is off for this model: a rejected draft would advance its "
+                    "recurrent state, which has no way back")
+        return None
+    return Drafter(cfg.speculative, cfg.speculative_max_tokens)
 
 
 def _pool_blocks(layout: KVLayout, cfg: EngineConfig, max_model_len: int) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from kvcellar.cache.hashing import DIGEST_SIZE
+from kvcellar.engine.speculation import SPECULATIVE_MODES, STEP_DRAFT_TOKENS, SpeculativeMode
 
 # ``dtype`` values; the short names are the loader's aliases (engine/loader.py resolve_dtype).
 DType = Literal["auto", "bfloat16", "float32", "float16", "bf16", "fp32", "fp16"]
@@ -94,6 +95,11 @@ class EngineConfig:
     # Steps failing in a row (a broken model or kernel, not one bad request) before /health
     # turns 503 so a load balancer takes the replica out; a step that succeeds resets it.
     unhealthy_after_failed_steps: int = 3
+    # Speculative decoding (engine/speculation.py): draft tokens from the request's own text
+    # (ngram) or also from recent outputs of every request (suffix), verified in one step; the
+    # output is the one decoding without drafts gives. speculative_max_tokens: the longest draft.
+    speculative: SpeculativeMode = "off"
+    speculative_max_tokens: int = 8
     # Refuse to load a model whose planned memory (engine/memory.py: weights + KV pool +
     # overhead) is above this many GiB; 0: only the memory available is checked.
     max_memory_gb: float = 0.0
@@ -115,5 +121,10 @@ class EngineConfig:
             raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
+        if not 1 <= self.speculative_max_tokens <= STEP_DRAFT_TOKENS:
+            raise ValueError(f"speculative_max_tokens must be between 1 and {STEP_DRAFT_TOKENS}, "
+                             f"not {self.speculative_max_tokens}")
         if not 1 <= self.key_bytes <= DIGEST_SIZE:
             raise ValueError(f"key_bytes must be between 1 and {DIGEST_SIZE}, not {self.key_bytes}")

@@ -368,6 +368,10 @@ class TokenConstraint:
             self._last_accepting = self._generated
         return ok
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar allows next, in order (the state is unchanged)."""
+        return int(self._matcher.validate_tokens(tokens))
+
     @property
     def finished(self) -> bool:
         """End the output now: nothing but the end may follow, or it is complete and the

@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import torch
+
 from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.hashing import DIGEST_SIZE, root_digest
 from kvcellar.cache.kv_pool import KVLayout, KVPool
@@ -395,23 +397,24 @@ class Engine:
                 return True
         self.stats.steps += 1
         self.stats.computed_tokens += plan.num_tokens
-        sampled = [item.seq for item in plan.items if item.sample]
+        plain = [plain_greedy(item.seq.params, item.seq.constraint) for item in plan.items for _ in range(item.rows)]
         try:
-            greedy = greedy_tokens(logits, [plain_greedy(s.params, s.constraint) for s in sampled])
+            greedy = greedy_tokens(logits, plain)
         except Exception:  # then each row alone, where a failure is that sequence's
             log.exception("picking the greedy tokens of a batch failed")
-            greedy = [None] * len(sampled)
+            greedy = [None] * len(plain)
         row = 0
         failed: list[tuple[Sequence, Exception]] = []
         for item in plan.items:
             seq, r = item.seq, row
-            row += item.sample
+            row += item.rows
             try:
+                if item.draft:
+                    self._verify(item, logits, greedy, r)
+                    continue
                 self.scheduler.commit(item)
                 if item.sample:
-                    token = greedy[r]
-                    self._append(seq, SampleResult(token, None, None) if token is not None else
-                                 sample_row(logits[r], seq.params, seq.output_ids, seq.generator, seq.constraint))
+                    self._append(seq, self._pick(seq, logits, greedy, r))
             except Exception as exc:  # one sequence's failure must not strand the others
                 log.exception("post-processing sequence %d failed", seq.seq_id)
                 failed.append((seq, exc))
@@ -427,12 +430,44 @@ class Engine:
             self.stats.step_failures_in_a_row = 0
         return True
 
+    @staticmethod
+    def _pick(seq: Sequence, logits: torch.Tensor, greedy: list[int | None], row: int) -> SampleResult:
+        token = greedy[row]
+        if token is not None:
+            return SampleResult(token, None, None)
+        return sample_row(logits[row], seq.params, seq.output_ids, seq.generator, seq.constraint)
+
+    def _verify(self, item: Scheduled, logits: torch.Tensor, greedy: list[int | None], row: int) -> None:
+        """Emit what decoding ``item.seq`` one token a step would have, from the rows of its
+        draft's step: row i is the step after the draft's first i tokens, valid while those were
+        the tokens picked; the token picked where the draft and the pick part is emitted too.
+        Only the KV of emitted tokens is kept (committed and published); the blocks rejected
+        tokens took go back."""
+        seq, draft = item.seq, item.draft
+        cache = self.scheduler.cache
+        cache.commit(seq, item.start + 1)  # the KV of the last token, fed first
+        accepted = 0
+        for i in range(len(draft) + 1):
+            res = self._pick(seq, logits, greedy, row + i)
+            self._append(seq, res)
+            if seq.state == SeqState.FINISHED or i == len(draft) or res.token_id != draft[i]:
+                break
+            accepted += 1
+            cache.commit(seq, item.start + 2 + i)  # the draft's token i was right: its KV is
+        if seq.state != SeqState.FINISHED:
+            cache.trim(seq)
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.verified(seq.seq_id, len(draft), accepted)
+        self.stats.spec_verifies += 1
+        self.stats.spec_drafted_tokens += len(draft)
+        self.stats.spec_accepted_tokens += accepted
+
     def _run_alone(self, plan: StepPlan) -> StepPlan:
         """The step of the first suspect in ``plan``, alone, if it holds one: the others of the plan
         wait a step (nothing of theirs was changed by planning it)."""
         for item in plan.items:
             if item.seq.seq_id in self._suspects:
-                return StepPlan([item], []) if any(item is d for d in plan.decodes) else StepPlan([], [item])
+                return plan.only(lambda i: i is item)  # noqa: B023 (used at once)
         return plan
 
     def _run_apart(self, plan: StepPlan, exc: Exception) -> StepPlan:
@@ -457,7 +492,7 @@ class Engine:
             return StepPlan([], [])
         keep: list[Scheduled] = []
         for item in plan.items:
-            alone = StepPlan([item], []) if any(item is d for d in plan.decodes) else StepPlan([], [item])
+            alone = plan.only(lambda i: i is item)  # noqa: B023 (used at once)
             try:
                 self.runner.run(alone)
             except Exception as item_exc:
@@ -468,7 +503,7 @@ class Engine:
             self._step_failed(exc, [item.seq for item in plan.items])
             return StepPlan([], [])
         kept = {id(item) for item in keep}
-        return StepPlan([i for i in plan.decodes if id(i) in kept], [i for i in plan.prefills if id(i) in kept])
+        return plan.only(lambda i: id(i) in kept)
 
     def _culprits(self) -> list[Sequence]:
         """The sequences an exception outside the forward is traced to: the one the

@@ -156,6 +156,18 @@ class ModelRunner:
             decode = DecodeBatch(len(tables), self._tensor(padded).view(len(tables), width), ctx, mask)
 
         spans: list[PrefillSpan] = []
+        if plan.verifies and recurrent is not None:
+            raise RuntimeError("a hybrid model's recurrent state cannot take back a draft's rejected tokens")
+        for item in plan.verifies:  # a span like a prefill's, the draft after the last token; every row kept
+            seq = item.seq
+            start_idx = len(ids)
+            context = item.start + item.length
+            table = [b.block_id for b in seq.blocks[: (context + bs - 1) // bs]]
+            ids.append(seq.token_ids[item.start])
+            ids.extend(item.draft)
+            place(table, item.start, item.length)
+            keep.extend(range(start_idx, len(ids)))
+            spans.append(PrefillSpan(start_idx, item.length, context, self._tensor(table).view(1, -1)))
         for item in plan.prefills:
             seq = item.seq
             start_idx = len(ids)
@@ -201,7 +213,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits ``[n_sampled, vocab]``, in plan order (decodes, then prefills that sample)."""
+        """Float32 logits ``[rows, vocab]``, in plan order: a row per decode, every row of a verify,
+        a row per prefill that samples."""
         # torch's thread count is process-wide: set it for this step only (switching costs
         # nothing measurable), so other engines and callers see the count they set.
         threads = self.decode_threads if plan.num_tokens <= SMALL_STEP_TOKENS else self.threads

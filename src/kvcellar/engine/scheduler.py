@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvcellar.cache.block_manager import BlockManager
@@ -38,6 +38,7 @@ from kvcellar.cache.state_pool import StatePool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
+from kvcellar.engine.speculation import STEP_DRAFT_TOKENS, Drafter
 from kvcellar.stats import Stats, counter
 
 
@@ -47,20 +48,35 @@ class Scheduled:
     start: int  # tokens computed before this step
     length: int  # tokens fed this step
     sample: bool  # the sequence's last token is fed: sample the next one
+    # Speculative decoding: tokens drafted to follow the last one, fed after it (``length`` is
+    # 1 + their count); every row is sampled, and the engine keeps those the model agrees with.
+    draft: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        """Rows of logits this item gets."""
+        return self.length if self.draft else int(self.sample)
 
 
 @dataclass
 class StepPlan:
     decodes: list[Scheduled]
     prefills: list[Scheduled]
+    verifies: list[Scheduled] = field(default_factory=list)  # decodes with a draft (``Scheduled.draft``)
 
     @property
     def items(self) -> list[Scheduled]:
-        return self.decodes + self.prefills
+        """In the order of the packed step and its logits: decodes, verifies, prefills."""
+        return self.decodes + self.verifies + self.prefills
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.length for s in self.prefills)
+        return len(self.decodes) + sum(s.length for s in self.verifies) + sum(s.length for s in self.prefills)
+
+    def only(self, keep: Callable[[Scheduled], bool]) -> StepPlan:
+        """The plan of the items ``keep`` says, each in its kind."""
+        return StepPlan([i for i in self.decodes if keep(i)], [i for i in self.prefills if keep(i)],
+                        [i for i in self.verifies if keep(i)])
 
 
 @dataclass
@@ -82,6 +98,7 @@ class Scheduler:
         config: EngineConfig,
         copy_block: Callable[[int, int], None] | None = None,
         states: StatePool | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_step_tokens = config.max_step_tokens
@@ -96,6 +113,9 @@ class Scheduler:
             blocks, lower, enabled=config.prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads,
             states=states, snapshot_every_blocks=config.snapshot_every_blocks)
+        # Speculative decoding (engine/speculation.py): None when off (and for hybrid models,
+        # whose recurrent state a rejected draft would advance).
+        self.drafter = drafter
 
     @property
     def loading(self) -> list[Sequence]:
@@ -122,6 +142,8 @@ class Scheduler:
             self.running.remove(seq)
         self.cache.forget(seq)
         seq.state = SeqState.FINISHED
+        if self.drafter is not None:
+            self.drafter.finished(seq.seq_id, seq.output_ids)
 
     def preempt(self, seq: Sequence) -> None:
         """Put running ``seq`` back at the head of the queue, its blocks and state given back: it
@@ -156,16 +178,23 @@ class Scheduler:
         decoding = any(not seq.in_prefill for seq in self.running)
         budget = self.max_step_tokens if decoding else self.max_prefill_step_tokens
         decodes: list[Scheduled] = []
+        verifies: list[Scheduled] = []
         prefills: list[Scheduled] = []
+        drafts = min(STEP_DRAFT_TOKENS, budget) if self.drafter is not None else 0
 
         for seq in list(self.running):
             if seq.in_prefill or seq not in self.running:
                 continue
             self.in_hand = seq
-            if not self._ensure_slot(seq, decodes):
+            if not self._ensure_slot(seq, decodes, verifies):
                 continue
-            decodes.append(Scheduled(seq, seq.num_computed, 1, True))
-            budget -= 1
+            draft = self._draft(seq, drafts) if drafts > 0 else ()
+            if draft:
+                verifies.append(Scheduled(seq, seq.num_computed, 1 + len(draft), True, draft))
+                drafts -= len(draft)
+            else:
+                decodes.append(Scheduled(seq, seq.num_computed, 1, True))
+            budget -= 1 + len(draft)
 
         self.in_hand = None
 
@@ -201,23 +230,45 @@ class Scheduler:
         if self.waiting:
             self.cache.prefetch_for(self.waiting, reserve=len(self.running))
 
-        if not decodes and not prefills:
+        if not decodes and not prefills and not verifies:
             return None
-        return StepPlan(decodes, prefills)
+        return StepPlan(decodes, prefills, verifies)
+
+    def _draft(self, seq: Sequence, most: int) -> tuple[int, ...]:
+        """A draft for decoding ``seq`` (its blocks grown to hold it), of at most ``most`` tokens,
+        none past ``max_tokens``, and only as long as free blocks hold it: a draft never preempts."""
+        assert self.drafter is not None
+        most = min(most, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+        if most <= 0:
+            return ()
+        draft = self.drafter.propose(seq.seq_id, seq.token_ids, most)
+        if draft and seq.constraint is not None:  # only what the grammar allows is worth verifying
+            draft = draft[:seq.constraint.valid_prefix(draft)]
+        if not draft:
+            return ()
+        bs = self.cache.block_size
+        held = len(seq.blocks) * bs - seq.num_tokens  # free slots in its last block
+        room = held + self.cache.available() * bs
+        draft = draft[:room]
+        needed = self.cache.missing(seq, extra=len(draft))
+        if needed > 0:
+            self.cache.grow(seq, needed)
+        return tuple(draft)
 
     def _chunk(self, seq: Sequence, budget: int) -> Scheduled:
         length = min(seq.num_tokens - seq.num_computed, budget)
         start = seq.num_computed
         return Scheduled(seq, start, length, start + length == seq.num_tokens)
 
-    def _ensure_slot(self, seq: Sequence, planned: list[Scheduled]) -> bool:
+    def _ensure_slot(self, seq: Sequence, *planned: list[Scheduled]) -> bool:
         """Make room for the KV of token ``num_tokens - 1``; preempt others if needed.
         Returns False if ``seq`` itself had to be preempted."""
         needed = self.cache.missing(seq)
         while needed > self.cache.available():
             victim = self.running[-1]
             self._preempt(victim)
-            planned[:] = [p for p in planned if p.seq is not victim]
+            for items in planned:
+                items[:] = [p for p in items if p.seq is not victim]
             if victim is seq:
                 return False
         if needed > 0:

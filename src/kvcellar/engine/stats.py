@@ -32,3 +32,8 @@ class EngineStats(Stats):
     kv_group_size: int = gauge()
     kv_bytes_per_token: int = gauge()
     kv_pool_tokens: int = gauge()
+    # Speculative decoding (engine/speculation.py): steps that verified a sequence's draft, the
+    # tokens drafted, and those the model agreed with (each also counts in generated_tokens).
+    spec_verifies: int = counter()
+    spec_drafted_tokens: int = counter()
+    spec_accepted_tokens: int = counter()
