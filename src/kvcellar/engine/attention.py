@@ -87,6 +87,7 @@ class StepMeta:
     # long context splits into chunks that keep every core busy (a short one is one chunk).
     attend_threads: int = 0
     _mask_cache: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    _direct: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Names of the attention code paths this step ran (recorded by layer 0): the runner counts
     # paths a request runs for the first time, which warm-up exists to make zero.
     paths: set[str] = field(default_factory=set)
@@ -110,6 +111,29 @@ class StepMeta:
                 mask &= k_pos > q_pos - window
             self._mask_cache[key] = mask
         return mask
+
+    def direct_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole step as one call of the kernel that reads blocks in place: block tables
+        (padded with the null block), contexts and query rows of its decodes (a row each) and
+        spans, in packed order."""
+        if self._direct is None:
+            tables: list[torch.Tensor] = []
+            contexts: list[torch.Tensor] = []
+            rows: list[int] = []
+            if self.decode is not None:
+                tables.extend(self.decode.block_tables)
+                contexts.append(self.decode.contexts)
+                rows.extend([1] * self.decode.count)
+            for span in self.prefills:
+                tables.append(span.block_table[0])
+                contexts.append(torch.tensor([span.context]))
+                rows.append(span.length)
+            width = max(t.shape[0] for t in tables)
+            padded = torch.zeros((len(tables), width), dtype=torch.int64)  # the null block: never read
+            for i, t in enumerate(tables):
+                padded[i, :t.shape[0]] = t
+            self._direct = (padded, torch.cat(contexts).to(torch.int64), torch.tensor(rows, dtype=torch.int64))
+        return self._direct
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         batch = self.decode
@@ -155,14 +179,26 @@ def paged_attention(
 
     pool.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
-    out = torch.empty((total, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
     q = query[0]  # [Hq, T, D]
 
     # A kernel that reads the blocks where they lie (kvcellar's CPU kernels): one query
     # position attends without a gathered copy of its context, which SDPA would read again
-    # (quantized: several times the packed blocks' bytes).
+    # (quantized: several times the packed blocks' bytes). Every position of the step goes in
+    # one call: its decodes, prefill chunks and drafts alike (a call per span cost more in
+    # Python than a verification's attention).
     direct = pool.attends and kwargs.get("softcap") is None
     scale = scaling if scaling is not None else head_dim ** -0.5
+    if direct:
+        if layer == 0 and meta.decode is not None:
+            record("decode" if meta.decode_mask(window) is None else "decode_masked")
+        if layer == 0 and meta.prefills:
+            record("prefill_direct")
+        tables, contexts, rows = meta.direct_batch()
+        qa = q.transpose(0, 1).reshape(total, n_kv_heads, groups, head_dim)
+        o = pool.attend(layer, tables, contexts, qa, scale, meta.attend_threads, rows, sinks, window or 0)
+        return o.reshape(1, total, n_q_heads, head_dim), None
+
+    out = torch.empty((total, n_q_heads, head_dim), dtype=query.dtype, device=query.device)
 
     batch = meta.decode
     if batch is not None:
@@ -171,10 +207,7 @@ def paged_attention(
         qd = q[:, :n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
         mask = meta.decode_mask(window)
         record("decode" if mask is None else "decode_masked")
-        if direct:
-            o = pool.attend(layer, batch.block_tables, batch.contexts, qd, scale, meta.attend_threads, sinks=sinks,
-                            window=window or 0)
-        elif sinks is not None:
+        if sinks is not None:
             k, v = pool.gather(layer, batch.block_tables)
             o = _attend_with_sinks(qd, k, v, mask, scale, sinks.view(1, n_kv_heads, groups, 1), causal=False)
         else:
@@ -183,16 +216,6 @@ def paged_attention(
         out[:n] = o.reshape(n, n_q_heads, head_dim)
 
     for i, span in enumerate(meta.prefills):
-        if direct:  # every position by a decode step's arithmetic, however the prompt was cut
-            record("prefill_direct")
-            n = span.length
-            qp = q[:, span.start : span.start + n].transpose(0, 1).reshape(n, n_kv_heads, groups, head_dim)
-            contexts = torch.full((1,), span.context, dtype=torch.int64)
-            rows = torch.full((1,), n, dtype=torch.int64)
-            o = pool.attend(layer, span.block_table, contexts, qp, scale, meta.attend_threads, rows, sinks,
-                            window or 0)
-            out[span.start : span.start + n] = o.reshape(n, n_q_heads, head_dim)
-            continue
         k, v = pool.gather(layer, span.block_table)
         k = k[:, :, : span.context]
         v = v[:, :, : span.context]

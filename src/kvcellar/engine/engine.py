@@ -395,6 +395,8 @@ class Engine:
             except Exception as again:
                 self._step_failed(again, [item.seq for item in plan.items])
                 return True
+        if self.scheduler.drafter is not None and not plan.prefills:
+            self.scheduler.drafter.observe(plan.num_tokens, time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.computed_tokens += plan.num_tokens
         plain = [plain_greedy(item.seq.params, item.seq.constraint) for item in plan.items for _ in range(item.rows)]

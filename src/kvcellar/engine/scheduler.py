@@ -38,7 +38,7 @@ from kvcellar.cache.state_pool import StatePool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
-from kvcellar.engine.speculation import STEP_DRAFT_TOKENS, Drafter
+from kvcellar.engine.speculation import STEP_DRAFT_TOKENS, Candidate, Drafter
 from kvcellar.stats import Stats, counter
 
 
@@ -180,22 +180,18 @@ class Scheduler:
         decodes: list[Scheduled] = []
         verifies: list[Scheduled] = []
         prefills: list[Scheduled] = []
-        drafts = min(STEP_DRAFT_TOKENS, budget) if self.drafter is not None else 0
 
         for seq in list(self.running):
             if seq.in_prefill or seq not in self.running:
                 continue
             self.in_hand = seq
-            if not self._ensure_slot(seq, decodes, verifies):
+            if not self._ensure_slot(seq, decodes):
                 continue
-            draft = self._draft(seq, drafts) if drafts > 0 else ()
-            if draft:
-                verifies.append(Scheduled(seq, seq.num_computed, 1 + len(draft), True, draft))
-                drafts -= len(draft)
-            else:
-                decodes.append(Scheduled(seq, seq.num_computed, 1, True))
-            budget -= 1 + len(draft)
-
+            decodes.append(Scheduled(seq, seq.num_computed, 1, True))
+            budget -= 1
+        if self.drafter is not None and decodes:
+            decodes, verifies = self._drafts(decodes, min(STEP_DRAFT_TOKENS, budget))
+            budget -= sum(len(v.draft) for v in verifies)
         self.in_hand = None
 
         for seq in self.running:
@@ -234,41 +230,56 @@ class Scheduler:
             return None
         return StepPlan(decodes, prefills, verifies)
 
-    def _draft(self, seq: Sequence, most: int) -> tuple[int, ...]:
-        """A draft for decoding ``seq`` (its blocks grown to hold it), of at most ``most`` tokens,
-        none past ``max_tokens``, and only as long as free blocks hold it: a draft never preempts."""
-        assert self.drafter is not None
-        most = min(most, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
-        if most <= 0:
-            return ()
-        draft = self.drafter.propose(seq.seq_id, seq.token_ids, most)
-        if draft and seq.constraint is not None:  # only what the grammar allows is worth verifying
-            draft = draft[:seq.constraint.valid_prefix(draft)]
-        if not draft:
-            return ()
+    def _drafts(self, decodes: list[Scheduled], budget: int) -> tuple[list[Scheduled], list[Scheduled]]:
+        """The decodes that verify a draft this step (engine/speculation.py chooses which, and how
+        much of it, within ``budget`` tokens), each grown by the blocks it needs: a draft never
+        preempts, it is cut to the room free blocks leave. Returns (decodes, verifies)."""
+        drafter = self.drafter
+        assert drafter is not None
+        candidates: dict[int, tuple[Scheduled, Candidate]] = {}
+        for item in decodes:
+            seq = item.seq
+            most = min(drafter.max_tokens, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+            found = drafter.candidate(seq.seq_id, seq.token_ids, most)
+            if found is not None and seq.constraint is not None:  # only what the grammar allows is worth verifying
+                del found.draft[seq.constraint.valid_prefix(found.draft):]
+            if found is not None and found.draft:
+                candidates[id(item)] = (item, found)
+        if not candidates:
+            return decodes, []
+        drafter.choose([c for _, c in candidates.values()], len(decodes), budget)
+        plain: list[Scheduled] = []
+        verifies: list[Scheduled] = []
         bs = self.cache.block_size
-        held = len(seq.blocks) * bs - seq.num_tokens  # free slots in its last block
-        room = held + self.cache.available() * bs
-        draft = draft[:room]
-        needed = self.cache.missing(seq, extra=len(draft))
-        if needed > 0:
-            self.cache.grow(seq, needed)
-        return tuple(draft)
+        for item in decodes:
+            seq = item.seq
+            taken = candidates[id(item)][1].taken if id(item) in candidates else 0
+            if taken:
+                room = len(seq.blocks) * bs - seq.num_tokens + self.cache.available() * bs
+                taken = min(taken, room)
+            if not taken:
+                plain.append(item)
+                continue
+            draft = tuple(candidates[id(item)][1].draft[:taken])
+            needed = self.cache.missing(seq, extra=len(draft))
+            if needed > 0:
+                self.cache.grow(seq, needed)
+            verifies.append(Scheduled(seq, item.start, 1 + len(draft), True, draft))
+        return plain, verifies
 
     def _chunk(self, seq: Sequence, budget: int) -> Scheduled:
         length = min(seq.num_tokens - seq.num_computed, budget)
         start = seq.num_computed
         return Scheduled(seq, start, length, start + length == seq.num_tokens)
 
-    def _ensure_slot(self, seq: Sequence, *planned: list[Scheduled]) -> bool:
+    def _ensure_slot(self, seq: Sequence, planned: list[Scheduled]) -> bool:
         """Make room for the KV of token ``num_tokens - 1``; preempt others if needed.
         Returns False if ``seq`` itself had to be preempted."""
         needed = self.cache.missing(seq)
         while needed > self.cache.available():
             victim = self.running[-1]
             self._preempt(victim)
-            for items in planned:
-                items[:] = [p for p in items if p.seq is not victim]
+            planned[:] = [p for p in planned if p.seq is not victim]
             if victim is seq:
                 return False
         if needed > 0:

@@ -21,10 +21,13 @@ Drafters (``--speculative``):
   (``SharedOutputs``: what earlier turns and other requests emitted, which agents emit again);
   a match there drafts as far as the continuations seen after it agree (the match's frequency).
 
-Per sequence the draft length adapts (``Pacer``): it grows while drafts are taken whole and
-shrinks to what was taken; a draft taken not at all pauses drafting for a number of steps that
-doubles with each miss in a row, so text that does not repeat costs a verification now and
-then, not every step.
+Drafting is worth it only while the tokens a draft adds outweigh the rows it costs: a step's
+draft tokens are chosen one at a time (``Drafter.choose``), the likeliest first, each only if it
+raises the step's expected tokens per second, from what steps of each row count cost here
+(``RowCost``, learnt from the steps run) and how often such drafts were taken (per sequence,
+and per match length over all of them). Text that does not repeat has short matches whose
+drafts are rarely taken, and stops drafting; more sequences in a step make every extra row
+cost more of a step's worth, so drafting asks for surer drafts.
 
 Engine thread only.
 """
@@ -43,8 +46,6 @@ SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
 # text (drafts that fail); longer matches are rarer and better.
 MIN_NGRAM = 2
 MAX_NGRAM = 4
-FIRST_LENGTH = 4  # draft length of a sequence's first draft
-MAX_PAUSE = 64  # steps without drafting after many misses in a row
 # Draft tokens one step verifies in all: beyond it a step of many sequences grows past what a
 # decode step of them costs (the panels' cost grows with rows once they are compute-bound).
 STEP_DRAFT_TOKENS = 16
@@ -161,30 +162,104 @@ class SharedOutputs:
         return list(self._outputs)
 
 
+class RowCost:
+    """What a step costs by its rows, learnt from the steps the engine runs (decodes and
+    verifications; a step with a prefill chunk says nothing about a decode's cost): a moving
+    average per row count, interpolated between the counts seen, extrapolated past the last
+    with the slope of the last two (``PRIOR_SLOPE`` of a row's cost before two are known)."""
+
+    PRIOR_SLOPE = 0.5  # an extra row's cost, in rows' worth of the smallest step seen
+    WEIGHT = 0.2  # of a new observation in the moving average
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def seconds(self, rows: int) -> float | None:
+        """A step of ``rows`` rows, in seconds; None before any step was seen."""
+        known = self._seconds
+        if rows in known:
+            return known[rows]
+        if not known:
+            return None
+        counts = sorted(known)
+        below = [r for r in counts if r < rows]
+        above = [r for r in counts if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return known[lo] + (known[hi] - known[lo]) * (rows - lo) / (hi - lo)
+        if len(counts) >= 2 and below:
+            lo, hi = counts[-2], counts[-1]
+            slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
+        else:
+            slope = self.PRIOR_SLOPE * known[counts[0]] / counts[0]
+        edge = below[-1] if below else above[0]
+        return max(0.0, known[edge] + slope * (rows - edge))
+
+
+# Match lengths (tokens of the context that agree with the earlier occurrence) whose drafts'
+# acceptance is learnt apart: a long match is the better evidence.
+MATCH_BUCKETS = (2, 4, 8, 16, 32)
+MATCH_CAP = 64  # a match is measured back this far at most
+SHARED_BUCKET = -1  # drafts from other requests' outputs
+
+
+def _bucket(length: int) -> int:
+    found = MATCH_BUCKETS[0]
+    for b in MATCH_BUCKETS:
+        if length >= b:
+            found = b
+    return found
+
+
+class Acceptance:
+    """How often a drafted token is taken, given the ones before it were: ``taken / (taken +
+    missed)`` from counts that fade (``FADE`` a verification), starting from ``prior`` taken and
+    missed each."""
+
+    FADE = 0.9
+
+    def __init__(self, prior: float = 1.0) -> None:
+        self.taken = prior
+        self.missed = prior
+
+    def rate(self) -> float:
+        return self.taken / (self.taken + self.missed)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.taken = self.taken * self.FADE + accepted
+        self.missed = self.missed * self.FADE + (accepted < drafted)
+
+
 @dataclasses.dataclass
 class Pacer:
-    """One sequence's drafting: its index over its own tokens and how long its drafts are."""
+    """One sequence's drafting: its index over its own tokens, its acceptance, and the kind of
+    match its last draft came from."""
 
-    length: int
     index: NgramIndex = dataclasses.field(default_factory=NgramIndex)
-    pause: int = 0  # steps left without drafting
-    misses: int = 0  # drafts in a row of which nothing was taken
+    acceptance: Acceptance = dataclasses.field(default_factory=lambda: Acceptance(prior=0.5))
+    bucket: int = MATCH_BUCKETS[0]
 
-    def verified(self, drafted: int, accepted: int, most: int) -> None:
-        if accepted == drafted:
-            self.length = min(most, self.length + 2)
-            self.misses = 0
-        elif accepted == 0:
-            self.length = max(1, self.length // 2)
-            self.misses += 1
-            self.pause = min(MAX_PAUSE, 1 << self.misses)
-        else:
-            self.length = max(1, accepted + 1)
-            self.misses = 0
+
+@dataclasses.dataclass
+class Candidate:
+    """A sequence that decodes this step, with the draft it could verify."""
+
+    seq_id: int
+    draft: list[int]
+    rate: float  # chance that a drafted token is taken, given the ones before it were
+    taken: int = 0  # tokens of ``draft`` the step will verify
 
 
 class Drafter:
-    """Drafts for sequences (``ngram`` or ``suffix``); the engine tells it what was taken."""
+    """Drafts for sequences (``ngram`` or ``suffix``), as long as they pay: a step's draft tokens
+    are chosen one at a time, the likeliest next (a sequence's i-th token is taken with its
+    acceptance rate to the i-th power), while the tokens it is expected to add raise the step's
+    expected tokens per second under the row costs seen so far (``RowCost``). The engine tells
+    it what each verification took and what each step cost."""
 
     def __init__(self, mode: SpeculativeMode, max_tokens: int, shared: SharedOutputs | None = None) -> None:
         if mode not in ("ngram", "suffix"):
@@ -192,34 +267,73 @@ class Drafter:
         self.mode = mode
         self.max_tokens = max_tokens
         self.shared = shared if shared is not None else (SharedOutputs() if mode == "suffix" else None)
+        self.costs = RowCost()
         self._pacers: dict[int, Pacer] = {}
+        # acceptance by match length, over every sequence: a sequence's own counts start from it
+        self._by_match: dict[int, Acceptance] = {b: Acceptance() for b in (*MATCH_BUCKETS, SHARED_BUCKET)}
 
-    def propose(self, seq_id: int, tokens: Seq[int], limit: int) -> list[int]:
-        """A draft of at most ``limit`` tokens to follow ``tokens`` (the sequence's prompt and
-        output), or none."""
+    def candidate(self, seq_id: int, tokens: Seq[int], limit: int) -> Candidate | None:
+        """What sequence ``seq_id`` (its prompt and output ``tokens``) could draft, at most
+        ``limit`` tokens; None: nothing matches."""
+        if limit <= 0:
+            return None
         pacer = self._pacers.get(seq_id)
         if pacer is None:
-            pacer = self._pacers[seq_id] = Pacer(min(FIRST_LENGTH, self.max_tokens))
-        if pacer.pause > 0:
-            pacer.pause -= 1
-            return []
-        limit = min(limit, pacer.length)
-        if limit <= 0:
-            return []
+            pacer = self._pacers[seq_id] = Pacer()
         index = pacer.index
         index.extend(tokens, len(tokens) - 1)  # not the n-grams ending the list: they match themselves
-        pos, _ = index.match(tokens)
-        own = list(tokens[pos:pos + limit]) if pos >= 0 else []
-        if self.shared is not None and len(own) < limit:
+        pos, n = index.match(tokens)
+        draft: list[int] = []
+        if pos >= 0:
+            draft = list(tokens[pos:pos + limit])
+            while n < MATCH_CAP and pos - n - 1 >= 0 and tokens[pos - n - 1] == tokens[len(tokens) - n - 1]:
+                n += 1
+            pacer.bucket = _bucket(n)
+        if self.shared is not None and len(draft) < limit:
             other = self.shared.draft(tokens, limit)
-            if len(other) > len(own):
-                return other
-        return own
+            if len(other) > len(draft):
+                draft, pacer.bucket = other, SHARED_BUCKET
+        if not draft:
+            return None
+        prior = self._by_match[pacer.bucket].rate()
+        own = pacer.acceptance
+        # the sequence's own record weighs in as it grows; the match's kind speaks first
+        rate = (own.taken + 2 * prior) / (own.taken + own.missed + 2)
+        return Candidate(seq_id, draft, rate)
+
+    def choose(self, candidates: list[Candidate], rows: int, budget: int) -> None:
+        """Set ``taken`` of each candidate: the draft tokens worth verifying in a step of ``rows``
+        rows without them, ``budget`` tokens at most."""
+        base = self.costs.seconds(rows)
+        if base is None or not candidates:
+            return
+        expected = float(rows)  # tokens the step emits: one a row, plus what drafts add
+        seconds = base
+        total = rows
+        while budget > 0:
+            best = max(candidates, key=lambda c: c.rate ** (c.taken + 1) if c.taken < len(c.draft) else -1.0)
+            if best.taken >= len(best.draft):
+                return
+            gain = best.rate ** (best.taken + 1)
+            after = self.costs.seconds(total + 1)
+            assert after is not None
+            if (expected + gain) / max(after, 1e-9) <= expected / max(seconds, 1e-9):
+                return
+            best.taken += 1
+            expected += gain
+            seconds = after
+            total += 1
+            budget -= 1
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
         pacer = self._pacers.get(seq_id)
         if pacer is not None:
-            pacer.verified(drafted, accepted, self.max_tokens)
+            pacer.acceptance.update(drafted, accepted)
+            self._by_match[pacer.bucket].update(drafted, accepted)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` decode or draft rows (no prefill) took ``seconds``."""
+        self.costs.observe(rows, seconds)
 
     def finished(self, seq_id: int, output: Seq[int]) -> None:
         """The sequence is done: forget it; its output joins the shared index (suffix)."""
