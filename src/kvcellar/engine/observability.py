@@ -80,6 +80,24 @@ def step_health(engine: Engine) -> dict[str, object]:
     }
 
 
+def speculation_health(engine: Engine) -> dict[str, object]:
+    """Speculative decoding for /health: the mode, and what drafts did (``/metrics`` has the
+    counters: ``engine_spec_*``)."""
+    stats = engine.stats
+    drafted, accepted, verifies = stats.spec_drafted_tokens, stats.spec_accepted_tokens, stats.spec_verifies
+    active = engine.scheduler.drafter is not None
+    return {
+        "mode": engine.config.speculative if active else "off",
+        "max_tokens": engine.config.speculative_max_tokens if active else 0,
+        "verifies": verifies,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        # tokens a verification emitted: the accepted ones and the one the model picked after them
+        "tokens_per_verify": round((accepted + verifies) / verifies, 3) if verifies else None,
+    }
+
+
 def tier_reports(engine: Engine) -> list[dict[str, object]]:
     """Per cache tier, top first: name, state, last_shutdown_clean, and the blocks asked of
     it and served by it (the hit-rate pair)."""

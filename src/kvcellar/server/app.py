@@ -150,6 +150,7 @@ class ServerState:
             "last_shutdown_reason": None if ssd is None else (ssd.get("ssd") or {}).get("last_shutdown_reason"),
             # Why /health may be 503 while not draining: steps failing in a row.
             "engine_steps": observability.step_health(self.engine),
+            "speculative": observability.speculation_health(self.engine),
             "tiers": tiers,
             **self._artifact_health(),
             **group_by_prefix({k: v for k, v in stats.items() if k not in shown}),

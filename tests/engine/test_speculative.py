@@ -1,0 +1,295 @@
+"""Speculative decoding gives the output decoding without drafts gives.
+
+The embedded model as ``--weights auto`` serves it, kvcellar's kernels on: greedy tokens and
+logprobs to the bit against an engine without speculation, for text that repeats (a file to
+rewrite, a JSON document, a list) and text that does not, batched together, with stop strings
+and ``max_tokens`` inside accepted drafts, grammars, 8-bit KV, and seeded sampling; a
+chi-square test of the sampled distribution at a drafted position; no block leaked or
+published with a rejected token's KV (a later hit on the output gives the uncached bits). Most
+cases run ``Eager``, the real drafter with its cost test left out (every candidate draft is
+verified whole), so that drafts, rejections and rollbacks happen at every step that has a
+match; one case runs the drafter as served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcellar.engine import SamplingParams
+from kvcellar.engine.speculation import Candidate, Drafter, NgramIndex, RowCost, SharedOutputs
+from kvcellar.engine.tokenization import encode_chat
+from kvcellar.server.tools.grammar import forced_call_grammar
+from tests._models import (
+    assert_identical_output,
+    assert_no_leaks,
+    embedded,
+    make_engine,
+    tiered,
+    uncached_runner,
+)
+
+CODE = "\n".join(f"def scale_{i}(values, factor={i}):\n    return [v * factor + {i * i} for v in values]\n"
+                 for i in range(12))
+DOCUMENT = json.dumps({"status": "draft", "rows": [{"id": i, "city": ["Lyon", "Porto", "Oslo"][i % 3],
+                                                     "open": i % 2 == 0} for i in range(10)]}, indent=1)
+PROMPTS = {
+    "rewrite": f"Here is a file:\n```python\n{CODE}```\nRename scale to grow everywhere. Reply with the whole file.",
+    "json": f"```json\n{DOCUMENT}\n```\nRepeat this JSON with status set to final.",
+    "list": "Continue this list up to 30: 1. apple 2. pear 3. plum 4. apple 5. pear 6. plum 7. apple 8.",
+    "natural": "Tell me about the history of tea in two paragraphs.",
+}
+GREEDY = SamplingParams(max_tokens=72, temperature=0.0, logprobs=True, top_logprobs=3)
+
+
+class Eager(Drafter):
+    """The drafter with its cost test left out: every candidate's whole draft is verified."""
+
+    def choose(self, candidates: list[Candidate], rows: int, budget: int) -> None:
+        for c in candidates:
+            c.taken = min(len(c.draft), budget)
+            budget -= c.taken
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Any:
+    return embedded("auto", "auto")
+
+
+def chat(loaded: Any, text: str) -> list[int]:
+    return encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
+
+
+def speculative(loaded: Any, mode: str = "ngram", eager: bool = True, **overrides: Any) -> Any:
+    engine = make_engine(loaded, speculative=mode, **overrides)
+    if eager:
+        engine.scheduler.drafter = Eager(mode, engine.config.speculative_max_tokens)
+    return engine
+
+
+def spec_counts(engine: Any) -> tuple[int, int, int]:
+    s = engine.stats
+    return s.spec_verifies, s.spec_drafted_tokens, s.spec_accepted_tokens
+
+
+def test_greedy_output_is_the_plain_decoding_in_a_mixed_batch(loaded):
+    prompts = [chat(loaded, p) for p in PROMPTS.values()]
+    prompts.append(prompts[0])  # n > 1: two sequences of one prompt
+    reference = uncached_runner(loaded, GREEDY).many(prompts)
+    engine = speculative(loaded)
+    results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, reference, strict=True):
+        assert_identical_output(result, ref)
+        assert result.finish_reason == ref.finish_reason
+    verifies, drafted, accepted = spec_counts(engine)
+    assert verifies > 0 and 0 < accepted < drafted  # drafts taken and drafts rolled back
+    assert engine.stats.steps < GREEDY.max_tokens + 8  # fewer steps than tokens: drafts were taken
+    assert_no_leaks(engine)
+
+
+def test_the_drafter_as_served_speeds_up_a_copy_and_keeps_its_output(loaded):
+    prompt = chat(loaded, PROMPTS["rewrite"])
+    params = SamplingParams(max_tokens=100, temperature=0.0)
+    [ref] = uncached_runner(loaded, params).many([prompt])
+    engine = speculative(loaded, eager=False)
+    [result] = engine.generate([prompt], params)
+    assert result.token_ids == ref.token_ids and result.text == ref.text
+    assert spec_counts(engine)[2] > 25 and engine.stats.steps < 80  # 100 tokens
+    assert_no_leaks(engine)
+
+
+def test_stop_strings_and_max_tokens_inside_accepted_drafts(loaded):
+    prompt = chat(loaded, PROMPTS["json"])
+    [full] = uncached_runner(loaded, GREEDY).many([prompt])
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 6]  # a stop string in the copied middle
+    assert stop.strip() and stop in text
+    cases = [SamplingParams(max_tokens=72, temperature=0.0, stop=(stop,)),
+             SamplingParams(max_tokens=37, temperature=0.0, logprobs=True),
+             SamplingParams(max_tokens=1, temperature=0.0)]
+    reference = make_engine(loaded, prefix_caching=False).generate([prompt] * len(cases), cases)
+    engine = speculative(loaded)
+    for result, ref in zip(engine.generate([prompt] * len(cases), cases), reference, strict=True):
+        assert result.token_ids == ref.token_ids and result.text == ref.text
+        assert result.finish_reason == ref.finish_reason and result.logprobs == ref.logprobs
+    assert [r.finish_reason for r in reference] == ["stop", "length", "length"]
+    assert spec_counts(engine)[2] > 0
+    assert_no_leaks(engine)
+
+
+def test_grammars_json_schema_and_forced_tool_calls(loaded):
+    schema = {"type": "object", "properties": {"status": {"type": "string"}, "rows": {
+        "type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                                    "city": {"type": "string"}}}}},
+              "required": ["status", "rows"]}
+    engine = speculative(loaded)
+    plain = make_engine(loaded)
+    tool = {"type": "function", "function": {"name": "write_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+        "required": ["path", "content"]}}}
+    cases = [(PROMPTS["json"], lambda e: e.grammars.json_schema(schema, param="response_format")),
+             (PROMPTS["rewrite"], lambda e: forced_call_grammar(e.grammars, "hermes", [tool], parallel=False))]
+    for text, grammar in cases:
+        prompt = chat(loaded, text)
+        ours = SamplingParams(max_tokens=64, temperature=0.0, logprobs=True, grammar=grammar(engine))
+        theirs = SamplingParams(max_tokens=64, temperature=0.0, logprobs=True, grammar=grammar(plain))
+        [result] = engine.generate([prompt], ours)
+        [ref] = plain.generate([prompt], theirs)
+        assert result.token_ids == ref.token_ids and result.logprobs == ref.logprobs
+        assert result.finish_reason == ref.finish_reason
+    assert spec_counts(engine)[2] > 0
+    assert_no_leaks(engine)
+
+
+def test_quantized_kv(loaded):
+    prompts = [chat(loaded, PROMPTS["rewrite"]), chat(loaded, PROMPTS["list"])]
+    reference = uncached_runner(loaded, GREEDY, kv_bits=8).many(prompts)
+    engine = speculative(loaded, kv_bits=8)
+    for result, ref in zip(engine.generate(prompts, GREEDY), reference, strict=True):
+        assert_identical_output(result, ref)
+    assert spec_counts(engine)[2] > 0
+    assert_no_leaks(engine)
+
+
+def test_seeded_sampling_gives_the_same_tokens(loaded):
+    prompts = [chat(loaded, PROMPTS["json"]), chat(loaded, PROMPTS["list"])]
+    params = [SamplingParams(max_tokens=64, temperature=0.7, top_p=0.95, seed=s) for s in (1, 2)]
+    plain = make_engine(loaded).generate(prompts, params)
+    engine = speculative(loaded)
+    for result, ref in zip(engine.generate(prompts, params), plain, strict=True):
+        assert result.token_ids == ref.token_ids
+    assert spec_counts(engine)[2] > 0
+
+
+def test_sampled_tokens_at_a_drafted_position_follow_the_model(loaded):
+    """The second token is sampled at a verification row whose draft the prompt suggests; its
+    frequencies, given the most common first token, against the sampling distribution (top 20
+    at temperature 0.6, from a run without drafts with the top 20 logprobs), by a chi-square
+    test."""
+    text = "red green blue red green blue red green blue red green blue red green"
+    prompt = loaded.tokenizer(text)["input_ids"]
+    n = 240
+    engine = speculative(loaded, max_num_seqs=16)  # 16: every decode of a step gets its draft
+    # max_tokens 3: the second token is picked at a verification (nothing is drafted to be the last)
+    params = [SamplingParams(max_tokens=3, temperature=0.6, top_k=20, seed=1000 + i) for i in range(n)]
+    pairs = [tuple(r.token_ids[:2]) for r in engine.generate([prompt] * n, params)]
+    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)
+    seconds = [p[1] for p in pairs if p[0] == first]
+    assert len(seconds) > 100
+    assert spec_counts(engine)[0] >= len(seconds)  # after the likeliest first token, the prompt drafts
+    plain = make_engine(loaded)
+    [probe] = plain.generate([prompt + [first]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=True,
+                                                                top_logprobs=20))
+    top = dict(probe.top_logprobs[0])
+    weights = torch.softmax(torch.tensor(list(top.values()), dtype=torch.float64) / 0.6, dim=0)
+    probs = dict(zip(top, weights.tolist(), strict=True))
+    observed: dict[int, int] = {}
+    for t in seconds:
+        observed[t] = observed.get(t, 0) + 1
+    cells = [t for t, p in probs.items() if p * len(seconds) >= 5]
+    stat, rest_obs, rest_exp = 0.0, len(seconds), len(seconds)
+    for t in cells:
+        expected = probs[t] * len(seconds)
+        stat += (observed.get(t, 0) - expected) ** 2 / expected
+        rest_obs -= observed.get(t, 0)
+        rest_exp -= expected
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        dof = len(cells)
+    else:
+        dof = len(cells) - 1
+    assert dof >= 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, (stat, dof, observed, probs)
+
+
+def test_rejected_tokens_are_never_published(loaded, tmp_path: Path):
+    """Blocks written through to the SSD while drafts were rolled back hold the KV of the tokens
+    kept: a restarted engine's hit on the whole output gives the uncached bits."""
+    prompt = chat(loaded, PROMPTS["rewrite"])
+    params = SamplingParams(max_tokens=80, temperature=0.0)
+    engine = tiered(loaded, tmp_path / "kv", speculative="ngram")
+    engine.scheduler.drafter = Eager("ngram", engine.config.speculative_max_tokens)
+    [result] = engine.generate([prompt], params)
+    assert 0 < spec_counts(engine)[2] < spec_counts(engine)[1]
+    assert_no_leaks(engine)
+    assert engine.shutdown()
+    follow = prompt + result.token_ids[:-1]
+    probe = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    [ref] = uncached_runner(loaded, probe).many([follow])
+    restarted = tiered(loaded, tmp_path / "kv")
+    [hit] = restarted.generate([follow], probe)
+    assert hit.num_cached_tokens >= (len(follow) // 16 - 1) * 16
+    assert_identical_output(hit, ref)
+    restarted.shutdown()
+
+
+def test_a_hybrid_model_runs_without_drafts():
+    from kvcellar.engine.build import _drafter
+    from kvcellar.engine.config import EngineConfig
+
+    assert _drafter(EngineConfig(speculative="ngram"), hybrid=True) is None
+    assert isinstance(_drafter(EngineConfig(speculative="suffix"), hybrid=False), Drafter)
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative="eagle").validate()
+    with pytest.raises(ValueError, match="speculative_max_tokens"):
+        EngineConfig(speculative_max_tokens=0).validate()
+
+
+# ---- the drafter's parts -----------------------------------------------------------------------
+
+
+def test_ngram_index_finds_the_latest_longest_match():
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    index = NgramIndex()
+    index.extend(tokens, len(tokens) - 1)
+    pos, n = index.match(tokens)
+    assert (pos, n) == (3, 3)  # "1 2 3" occurred at 0..2: its continuation starts at 3, not after "2 3" at 5
+    index.extend(tokens + [7], len(tokens))
+    assert index.match([8, 8]) == (-1, 0)
+
+
+def test_shared_outputs_draft_while_continuations_agree_and_forget_old_ones():
+    shared = SharedOutputs(capacity=40)
+    shared.add([1, 2, 3, 4, 5, 6])
+    shared.add([1, 2, 3, 4, 5, 6])
+    assert shared.draft([9, 1, 2], 8) == [3, 4, 5, 6]
+    shared.add([1, 2, 7, 7, 7, 7])
+    shared.add([1, 2, 7, 7, 7, 7])
+    shared.add([1, 2, 8, 8, 8, 8])
+    assert shared.draft([9, 1, 2], 8) == []  # what follows "1 2" agrees in 2 of 5 outputs only
+    for _ in range(10):
+        shared.add([5, 5, 5, 5, 5])
+    assert shared.tokens <= 40 and shared.draft([1, 2], 4) == []  # the old outputs are gone
+
+
+def test_row_costs_interpolate_and_extrapolate():
+    costs = RowCost()
+    assert costs.seconds(3) is None
+    costs.observe(1, 0.030)
+    assert costs.seconds(2) == pytest.approx(0.030 + RowCost.PRIOR_SLOPE * 0.030)
+    costs.observe(5, 0.070)
+    assert costs.seconds(3) == pytest.approx(0.050)
+    assert costs.seconds(9) == pytest.approx(0.110)
+
+
+def test_drafts_are_chosen_by_what_they_pay():
+    memory_bound = Drafter("ngram", 8)  # a big model's step: rows nearly free up to the panels' width
+    for rows, seconds in ((1, 0.300), (2, 0.310), (9, 0.350)):
+        memory_bound.observe(rows, seconds)
+    sure, unsure = Candidate(1, [5] * 8, 0.9), Candidate(2, [6] * 8, 0.2)
+    memory_bound.choose([sure, unsure], 1, 16)
+    assert sure.taken == 8 and unsure.taken <= 1
+    compute_bound = Drafter("ngram", 8)  # every row costs its share of the step
+    for rows, seconds in ((8, 0.090), (16, 0.180)):
+        compute_bound.observe(rows, seconds)
+    many = [Candidate(i, [5] * 8, 0.6) for i in range(8)]
+    compute_bound.choose(many, 8, 16)
+    assert all(c.taken == 0 for c in many)
+    unknown = Drafter("ngram", 8)  # no step seen yet: nothing is drafted
+    unknown.choose([sure := Candidate(1, [5] * 4, 0.99)], 1, 16)
+    assert sure.taken == 0
