@@ -61,8 +61,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto (default): int4 for a 4-bit GGUF where the kernel runs, else full")
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="speculative decoding: draft tokens from the request's own text (ngram) or also from "
-                        "recent outputs of every request (suffix) and verify them in one step; the output is the "
-                        "same (default off)")
+                        "recent outputs of every request (suffix), verified in one step; the output is the same. "
+                        "auto (default): ngram on CPUs (kvcellar's attention kernel), off on GPUs")
     p.add_argument("--speculative-max-tokens", type=int, default=None,
                    help="the longest draft, in tokens (default 8)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,

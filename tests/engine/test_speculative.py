@@ -78,7 +78,7 @@ def spec_counts(engine: Any) -> tuple[int, int, int]:
 def test_greedy_output_is_the_plain_decoding_in_a_mixed_batch(loaded):
     prompts = [chat(loaded, p) for p in PROMPTS.values()]
     prompts.append(prompts[0])  # n > 1: two sequences of one prompt
-    reference = uncached_runner(loaded, GREEDY).many(prompts)
+    reference = uncached_runner(loaded, GREEDY, speculative="off").many(prompts)
     engine = speculative(loaded)
     results = engine.generate(prompts, GREEDY)
     for result, ref in zip(results, reference, strict=True):
@@ -93,7 +93,7 @@ def test_greedy_output_is_the_plain_decoding_in_a_mixed_batch(loaded):
 def test_the_drafter_as_served_speeds_up_a_copy_and_keeps_its_output(loaded):
     prompt = chat(loaded, PROMPTS["rewrite"])
     params = SamplingParams(max_tokens=100, temperature=0.0)
-    [ref] = uncached_runner(loaded, params).many([prompt])
+    [ref] = uncached_runner(loaded, params, speculative="off").many([prompt])
     engine = speculative(loaded, eager=False)
     [result] = engine.generate([prompt], params)
     assert result.token_ids == ref.token_ids and result.text == ref.text
@@ -103,14 +103,14 @@ def test_the_drafter_as_served_speeds_up_a_copy_and_keeps_its_output(loaded):
 
 def test_stop_strings_and_max_tokens_inside_accepted_drafts(loaded):
     prompt = chat(loaded, PROMPTS["json"])
-    [full] = uncached_runner(loaded, GREEDY).many([prompt])
+    [full] = uncached_runner(loaded, GREEDY, speculative="off").many([prompt])
     text = full.text
     stop = text[len(text) // 2: len(text) // 2 + 6]  # a stop string in the copied middle
     assert stop.strip() and stop in text
     cases = [SamplingParams(max_tokens=72, temperature=0.0, stop=(stop,)),
              SamplingParams(max_tokens=37, temperature=0.0, logprobs=True),
              SamplingParams(max_tokens=1, temperature=0.0)]
-    reference = make_engine(loaded, prefix_caching=False).generate([prompt] * len(cases), cases)
+    reference = make_engine(loaded, prefix_caching=False, speculative="off").generate([prompt] * len(cases), cases)
     engine = speculative(loaded)
     for result, ref in zip(engine.generate([prompt] * len(cases), cases), reference, strict=True):
         assert result.token_ids == ref.token_ids and result.text == ref.text
@@ -126,7 +126,7 @@ def test_grammars_json_schema_and_forced_tool_calls(loaded):
                                                                     "city": {"type": "string"}}}}},
               "required": ["status", "rows"]}
     engine = speculative(loaded)
-    plain = make_engine(loaded)
+    plain = make_engine(loaded, speculative="off")
     tool = {"type": "function", "function": {"name": "write_file", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
         "required": ["path", "content"]}}}
@@ -146,7 +146,7 @@ def test_grammars_json_schema_and_forced_tool_calls(loaded):
 
 def test_quantized_kv(loaded):
     prompts = [chat(loaded, PROMPTS["rewrite"]), chat(loaded, PROMPTS["list"])]
-    reference = uncached_runner(loaded, GREEDY, kv_bits=8).many(prompts)
+    reference = uncached_runner(loaded, GREEDY, kv_bits=8, speculative="off").many(prompts)
     engine = speculative(loaded, kv_bits=8)
     for result, ref in zip(engine.generate(prompts, GREEDY), reference, strict=True):
         assert_identical_output(result, ref)
@@ -157,7 +157,7 @@ def test_quantized_kv(loaded):
 def test_seeded_sampling_gives_the_same_tokens(loaded):
     prompts = [chat(loaded, PROMPTS["json"]), chat(loaded, PROMPTS["list"])]
     params = [SamplingParams(max_tokens=64, temperature=0.7, top_p=0.95, seed=s) for s in (1, 2)]
-    plain = make_engine(loaded).generate(prompts, params)
+    plain = make_engine(loaded, speculative="off").generate(prompts, params)
     engine = speculative(loaded)
     for result, ref in zip(engine.generate(prompts, params), plain, strict=True):
         assert result.token_ids == ref.token_ids
@@ -180,8 +180,8 @@ def test_sampled_tokens_at_a_drafted_position_follow_the_model(loaded):
     seconds = [p[1] for p in pairs if p[0] == first]
     assert len(seconds) > 100
     assert spec_counts(engine)[0] >= len(seconds)  # after the likeliest first token, the prompt drafts
-    plain = make_engine(loaded)
-    [probe] = plain.generate([prompt + [first]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=True,
+    plain = make_engine(loaded, speculative="off")
+    [probe] = plain.generate([[*prompt, first]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=True,
                                                                 top_logprobs=20))
     top = dict(probe.top_logprobs[0])
     weights = torch.softmax(torch.tensor(list(top.values()), dtype=torch.float64) / 0.6, dim=0)
@@ -220,8 +220,8 @@ def test_rejected_tokens_are_never_published(loaded, tmp_path: Path):
     assert engine.shutdown()
     follow = prompt + result.token_ids[:-1]
     probe = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
-    [ref] = uncached_runner(loaded, probe).many([follow])
-    restarted = tiered(loaded, tmp_path / "kv")
+    [ref] = uncached_runner(loaded, probe, speculative="off").many([follow])
+    restarted = tiered(loaded, tmp_path / "kv", speculative="off")
     [hit] = restarted.generate([follow], probe)
     assert hit.num_cached_tokens >= (len(follow) // 16 - 1) * 16
     assert_identical_output(hit, ref)
@@ -232,8 +232,11 @@ def test_a_hybrid_model_runs_without_drafts():
     from kvcellar.engine.build import _drafter
     from kvcellar.engine.config import EngineConfig
 
-    assert _drafter(EngineConfig(speculative="ngram"), hybrid=True) is None
-    assert isinstance(_drafter(EngineConfig(speculative="suffix"), hybrid=False), Drafter)
+    assert _drafter(EngineConfig(speculative="ngram"), hybrid=True, exact=True) is None
+    assert _drafter(EngineConfig(), hybrid=True, exact=True) is None
+    assert _drafter(EngineConfig(), hybrid=False, exact=False) is None  # auto: not where rows round apart
+    assert getattr(_drafter(EngineConfig(), hybrid=False, exact=True), "mode", None) == "ngram"
+    assert isinstance(_drafter(EngineConfig(speculative="suffix"), hybrid=False, exact=False), Drafter)
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative="eagle").validate()
     with pytest.raises(ValueError, match="speculative_max_tokens"):
@@ -249,7 +252,7 @@ def test_ngram_index_finds_the_latest_longest_match():
     index.extend(tokens, len(tokens) - 1)
     pos, n = index.match(tokens)
     assert (pos, n) == (3, 3)  # "1 2 3" occurred at 0..2: its continuation starts at 3, not after "2 3" at 5
-    index.extend(tokens + [7], len(tokens))
+    index.extend([*tokens, 7], len(tokens))
     assert index.match([8, 8]) == (-1, 0)
 
 

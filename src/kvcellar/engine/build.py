@@ -59,7 +59,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
               if state_layout is not None else None)
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
-                          drafter=_drafter(cfg, hybrid=states is not None))
+                          drafter=_drafter(cfg, hybrid=states is not None, exact=pool.attends))
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
                          kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:
@@ -81,14 +81,19 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
                        max_model_len, wake)
 
 
-def _drafter(cfg: EngineConfig, *, hybrid: bool) -> Drafter | None:
-    if cfg.speculative == "off":
+def _drafter(cfg: EngineConfig, *, hybrid: bool, exact: bool) -> Drafter | None:
+    """The drafter ``cfg.speculative`` asks for; ``exact``: a step's rows get the numbers a decode
+    step gives them (kvcellar's attention kernel), which ``auto`` needs."""
+    mode = cfg.speculative
+    if mode == "auto":
+        mode = "ngram" if exact and not hybrid else "off"
+    if mode == "off":
         return None
     if hybrid:
         log.warning("speculative decoding is off for this model: a rejected draft would advance its "
                     "recurrent state, which has no way back")
         return None
-    return Drafter(cfg.speculative, cfg.speculative_max_tokens)
+    return Drafter(mode, cfg.speculative_max_tokens)
 
 
 def _pool_blocks(layout: KVLayout, cfg: EngineConfig, max_model_len: int) -> int:

@@ -87,7 +87,7 @@ def speculation_health(engine: Engine) -> dict[str, object]:
     drafted, accepted, verifies = stats.spec_drafted_tokens, stats.spec_accepted_tokens, stats.spec_verifies
     active = engine.scheduler.drafter is not None
     return {
-        "mode": engine.config.speculative if active else "off",
+        "mode": engine.scheduler.drafter.mode if engine.scheduler.drafter is not None else "off",
         "max_tokens": engine.config.speculative_max_tokens if active else 0,
         "verifies": verifies,
         "drafted_tokens": drafted,

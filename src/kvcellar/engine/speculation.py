@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Literal, get_args
 
-SpeculativeMode = Literal["off", "ngram", "suffix"]
+SpeculativeMode = Literal["auto", "off", "ngram", "suffix"]
 SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
 
 # The n-gram lengths a draft is matched on: a single token matches almost anywhere in natural
