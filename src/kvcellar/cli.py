@@ -12,8 +12,7 @@ from typing import Any
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
-from kvcellar.engine.config import WEIGHT_MODES
-from kvcellar.engine.speculation import SPECULATIVE_MODES
+from kvcellar.engine.config import SPECULATIVE_MODES, WEIGHT_MODES
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.settings import Settings, load_settings

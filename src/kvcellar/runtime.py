@@ -19,6 +19,7 @@ from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, rea
 from kvcellar.engine import Engine, assemble_engine
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
+from kvcellar.engine.speculation import RecentOutputs
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
@@ -221,6 +222,14 @@ def check_memory(settings: Settings) -> None:
     check_fits(plan, settings.engine.max_memory_gb)
 
 
+def keep_outputs(engine: Engine, cache_dir: Path) -> None:
+    """``--speculative suffix``: the outputs it drafts from, kept in ``cache_dir/spec/`` across
+    restarts (a file per KV namespace: the token ids are this model's)."""
+    drafter = engine.scheduler.drafter
+    if drafter is not None and drafter.mode == "suffix":
+        drafter.outputs = RecentOutputs(Path(cache_dir) / "spec" / f"{engine.fingerprint[:32]}.outputs")
+
+
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
     """Load the model (through the artifact cache under the cache root) unless given, build
     the engine and attach the SSD and remote tiers. The caller starts it and owns ``shutdown``."""
@@ -230,6 +239,7 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
         loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                   artifacts=open_artifacts(settings))
     engine = assemble_engine(loaded, settings.engine)
+    keep_outputs(engine, settings.cache_dir)
     try:
         attach_disk_tier(engine, settings)
         attach_remote_tier(engine, settings)

@@ -50,7 +50,7 @@ def median(summary: dict[str, Any] | None) -> float:
 
 
 def test_scenarios_registered() -> None:
-    assert {"ttft", "agent", "decode"} <= set(discover())
+    assert {"ttft", "agent", "decode", "spec"} <= set(discover())
 
 
 def test_stats() -> None:
@@ -150,3 +150,16 @@ def test_decode_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: 
         assert median(row["aggregate_tok_s"]) > 0 and not row["errors"]
         assert row["tokens_per_stream"] == [16]  # ignore_eos: exactly max_tokens
     assert t["ssd"] is not None and t["ssd"]["generated_tokens"] >= 2 * 16 and t["ssd"]["stored_blocks"] >= 0
+
+
+@pytest.mark.slow
+def test_spec_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session server drafts by default (``--speculative auto``: ngram on a CPU): a code edit's
+    drafts are verified and taken, and /health says so."""
+    res = run_bench(capsys, tmp_path / "spec", "spec", "--base-url", server.url, "--kinds", "code-edit",
+                    "--max-tokens", "48", "--streams", "2")
+    t = res["targets"]["server"]
+    assert t["rows"]["code-edit"]["tok_s"] > 0 and t["batch_tok_s"][0] > 0
+    drafts = t["accepted_by_kind"]["code-edit"]
+    assert drafts["verifies"] > 0 and 0 < drafts["accepted"] <= drafts["drafted"]
+    assert t["speculative"]["mode"] == "ngram" and t["speculative"]["acceptance_rate"] > 0

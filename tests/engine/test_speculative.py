@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from kvcellar.engine.speculation import Candidate, Drafter, NgramIndex, RowCost, SharedOutputs
+from kvcellar.engine.speculation import Candidate, Drafter, NgramIndex, RecentOutputs, RowCost, SharedOutputs
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.server.tools.grammar import forced_call_grammar
 from tests._models import (
@@ -66,7 +66,7 @@ def chat(loaded: Any, text: str) -> list[int]:
 def speculative(loaded: Any, mode: str = "ngram", eager: bool = True, **overrides: Any) -> Any:
     engine = make_engine(loaded, speculative=mode, **overrides)
     if eager:
-        engine.scheduler.drafter = Eager(mode, engine.config.speculative_max_tokens)
+        engine.scheduler.drafter = _eager(engine, mode)
     return engine
 
 
@@ -213,7 +213,7 @@ def test_rejected_tokens_are_never_published(loaded, tmp_path: Path):
     prompt = chat(loaded, PROMPTS["rewrite"])
     params = SamplingParams(max_tokens=80, temperature=0.0)
     engine = tiered(loaded, tmp_path / "kv", speculative="ngram")
-    engine.scheduler.drafter = Eager("ngram", engine.config.speculative_max_tokens)
+    engine.scheduler.drafter = _eager(engine, "ngram")
     [result] = engine.generate([prompt], params)
     assert 0 < spec_counts(engine)[2] < spec_counts(engine)[1]
     assert_no_leaks(engine)
@@ -296,3 +296,58 @@ def test_drafts_are_chosen_by_what_they_pay():
     unknown = Drafter("ngram", 8)  # no step seen yet: nothing is drafted
     unknown.choose([sure := Candidate(1, [5] * 4, 0.99)], 1, 16)
     assert sure.taken == 0
+
+
+def test_suffix_drafts_from_earlier_outputs_and_keeps_them_across_a_restart(loaded, tmp_path: Path):
+    """A second request that writes what an earlier one wrote drafts from it (suffix), with the
+    same output; the outputs survive a restart in the cache dir."""
+    from kvcellar.runtime import keep_outputs
+
+    prompts = [chat(loaded, "Write a haiku about the sea."), chat(loaded, "Write a haiku about the sea, please.")]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    reference = make_engine(loaded, speculative="off").generate(prompts, params)
+    engine = make_engine(loaded, speculative="suffix")
+    keep_outputs(engine, tmp_path)
+    engine.scheduler.drafter = drafter = _eager(engine, "suffix")
+    [first] = engine.generate(prompts[:1], params)
+    before = spec_counts(engine)[2]
+    [second] = engine.generate(prompts[1:], params)
+    assert [first.token_ids, second.token_ids] == [r.token_ids for r in reference]
+    common = next(i for i, (a, b) in enumerate(zip(*[r.token_ids for r in reference], strict=False)) if a != b)
+    assert common < 4 or spec_counts(engine)[2] - before >= common - 4  # the shared opening was drafted
+    engine.shutdown()
+    files = list((tmp_path / "spec").iterdir())
+    assert len(files) == 1 and files[0].stat().st_mode & 0o077 == 0
+    restarted = make_engine(loaded, speculative="suffix")
+    keep_outputs(restarted, tmp_path)
+    assert restarted.scheduler.drafter.outputs.tokens == drafter.outputs.tokens > 0
+    restarted.shutdown()
+
+
+def _eager(engine: Any, mode: str) -> Eager:
+    drafter = Eager(mode, engine.config.speculative_max_tokens, engine.scheduler.drafter.outputs)
+    return drafter
+
+
+def test_recent_outputs_are_kept_per_root_and_a_damaged_file_is_rebuilt(tmp_path: Path):
+    path = tmp_path / "spec" / "x.outputs"
+    outputs = RecentOutputs(path)
+    outputs.add(b"tenant-a", [1, 2, 3, 4, 5, 6])
+    drafter = Drafter("suffix", 8, outputs)
+    for rows, seconds in ((1, 0.030), (9, 0.031)):
+        drafter.observe(rows, seconds)
+    assert drafter.candidate(1, [9, 1, 2], 8, b"tenant-a").draft == [3, 4, 5, 6]
+    assert drafter.candidate(2, [9, 1, 2], 8, b"tenant-b") is None  # another tenant's outputs never draft
+    outputs.close()
+    again = RecentOutputs(path)
+    assert again.load_error is None and again.get(b"tenant-a").draft([1, 2], 8) == [3, 4, 5, 6]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    damaged = RecentOutputs(path)
+    assert damaged.load_error is not None and damaged.tokens == 0
+    damaged.add(b"tenant-a", [7, 8, 9, 10])
+    damaged.close()
+    assert RecentOutputs(path).get(b"tenant-a").draft([7, 8], 4) == [9, 10]
+    path.write_bytes(path.read_bytes()[:-5])  # cut short
+    assert RecentOutputs(path).load_error is not None

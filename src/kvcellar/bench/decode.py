@@ -30,8 +30,8 @@ from kvcellar.bench.targets import (
     Target,
     add_target_arguments,
     cleanup_cache,
-    kvcellar_target,
     peer_targets,
+    variant_targets,
 )
 
 NAME = "decode"
@@ -122,11 +122,9 @@ def _config(args: argparse.Namespace) -> DecodeConfig:
 def run(args: argparse.Namespace) -> DecodeResult:
     cfg = _config(args)
     out: Path = args.out
+    targets = variant_targets(args, out, "--ssd-policy", cfg.policies)
     if args.base_url:
-        targets: list[Target] = [Target(args.name or "server", args.base_url, api_key=args.api_key)]
         cfg.policies = []
-    else:
-        targets = [kvcellar_target(args, f"kvcellar-{p}", out, ["--ssd-policy", p]) for p in cfg.policies]
     targets += peer_targets(args, out)
     raw: dict[str, dict[int, list[StreamsRun]]] = {t.name: {c: [] for c in cfg.concurrency} for t in targets}
     counters: dict[str, dict[str, float]] = {}

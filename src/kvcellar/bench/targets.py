@@ -346,6 +346,14 @@ def targets_from_args(args: argparse.Namespace, out_dir: Path) -> list[Target]:
     return targets
 
 
+def variant_targets(args: argparse.Namespace, out_dir: Path, flag: str, values: Sequence[str]) -> list[Target]:
+    """kvcellar started once per value of ``flag`` (``kvcellar-<value>``), or the --base-url
+    server alone; the peers are the caller's to add."""
+    if args.base_url:
+        return [Target(args.name or "server", args.base_url, api_key=args.api_key)]
+    return [kvcellar_target(args, f"kvcellar-{v}", out_dir, [flag, v]) for v in values]
+
+
 def peer_targets(args: argparse.Namespace, out_dir: Path) -> list[Target]:
     out: list[Target] = []
     if args.peer_command:

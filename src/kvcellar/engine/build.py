@@ -59,7 +59,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
               if state_layout is not None else None)
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
-                          drafter=_drafter(cfg, hybrid=states is not None, exact=pool.attends))
+                          drafter=_drafter(cfg, hybrid=states is not None, exact=pool.attends and not getattr(
+                              loaded.model.config.get_text_config(), "attn_logit_softcapping", None)))
     runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
                          kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from kvcellar.cache.hashing import DIGEST_SIZE
-from kvcellar.engine.speculation import SPECULATIVE_MODES, STEP_DRAFT_TOKENS, SpeculativeMode
 
 # ``dtype`` values; the short names are the loader's aliases (engine/loader.py resolve_dtype).
 DType = Literal["auto", "bfloat16", "float32", "float16", "bf16", "fp32", "fp16"]
@@ -21,6 +20,12 @@ DType = Literal["auto", "bfloat16", "float32", "float16", "bf16", "fp32", "fp16"
 WeightMode = Literal["auto", "full", "int8", "int4"]
 WEIGHT_MODES: tuple[WeightMode, ...] = get_args(WeightMode)
 KVBits = Literal[16, 8, 4]
+# ``speculative`` values (engine/speculation.py drafts).
+SpeculativeMode = Literal["auto", "off", "ngram", "suffix"]
+SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
+# Draft tokens one step verifies in all (and so the longest draft): beyond it a step of many
+# sequences grows past what a decode step of them costs.
+STEP_DRAFT_TOKENS = 16
 
 
 @dataclass

@@ -279,6 +279,8 @@ class Engine:
                 return self._shutdown_result
             deadline = time.monotonic() + timeout
             clean = self._stop_engine(timeout)
+            if self.scheduler.drafter is not None:
+                self.scheduler.drafter.close()
             clean = self.lower.close(max(1.0, deadline - time.monotonic()),
                                      cached=self.blocks.cached_blocks(), states=self.scheduler.cache.states) and clean
             self._shutdown_result = clean

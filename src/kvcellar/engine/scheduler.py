@@ -36,9 +36,9 @@ from kvcellar.cache.block_manager import BlockManager
 from kvcellar.cache.prefix_cache import Admission, PrefixCache
 from kvcellar.cache.state_pool import StatePool
 from kvcellar.cache.tiering import LowerTierLink
-from kvcellar.engine.config import EngineConfig
+from kvcellar.engine.config import STEP_DRAFT_TOKENS, EngineConfig
 from kvcellar.engine.sequence import SeqState, Sequence
-from kvcellar.engine.speculation import STEP_DRAFT_TOKENS, Candidate, Drafter
+from kvcellar.engine.speculation import Candidate, Drafter
 from kvcellar.stats import Stats, counter
 
 
@@ -143,7 +143,7 @@ class Scheduler:
         self.cache.forget(seq)
         seq.state = SeqState.FINISHED
         if self.drafter is not None:
-            self.drafter.finished(seq.seq_id, seq.output_ids)
+            self.drafter.finished(seq.seq_id, seq.output_ids, seq.root)
 
     def preempt(self, seq: Sequence) -> None:
         """Put running ``seq`` back at the head of the queue, its blocks and state given back: it
@@ -240,7 +240,7 @@ class Scheduler:
         for item in decodes:
             seq = item.seq
             most = min(drafter.max_tokens, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
-            found = drafter.candidate(seq.seq_id, seq.token_ids, most)
+            found = drafter.candidate(seq.seq_id, seq.token_ids, most, seq.root)
             if found is not None and seq.constraint is not None:  # only what the grammar allows is worth verifying
                 del found.draft[seq.constraint.valid_prefix(found.draft):]
             if found is not None and found.draft:

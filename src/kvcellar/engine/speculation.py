@@ -17,9 +17,10 @@ Drafters (``--speculative``):
 * ``ngram`` (prompt lookup): the longest n-gram (``MIN_NGRAM``..``MAX_NGRAM`` tokens) that
   ends the sequence and occurred before in its prompt or output; the draft is what followed
   its latest occurrence.
-* ``suffix``: the same over the sequence, and over recent outputs of every request
-  (``SharedOutputs``: what earlier turns and other requests emitted, which agents emit again);
-  a match there drafts as far as the continuations seen after it agree (the match's frequency).
+* ``suffix``: the same over the sequence, and over recent outputs of every request of its
+  cache root (``SharedOutputs``: what earlier turns and other requests emitted, which agents
+  emit again); a match there drafts as far as the continuations seen after it agree (the
+  match's frequency). They are kept in the cache dir across restarts (``RecentOutputs``).
 
 Drafting is worth it only while the tokens a draft adds outweigh the rows it costs: a step's
 draft tokens are chosen one at a time (``Drafter.choose``), the likeliest first, each only if it
@@ -36,19 +37,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import logging
+import os
+import struct
+import time
 from collections.abc import Sequence as Seq
-from typing import Literal, get_args
+from pathlib import Path
 
-SpeculativeMode = Literal["auto", "off", "ngram", "suffix"]
-SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
+from kvcellar.engine.config import SpeculativeMode
+
+log = logging.getLogger(__name__)
+
 
 # The n-gram lengths a draft is matched on: a single token matches almost anywhere in natural
 # text (drafts that fail); longer matches are rarer and better.
 MIN_NGRAM = 2
 MAX_NGRAM = 4
-# Draft tokens one step verifies in all: beyond it a step of many sequences grows past what a
-# decode step of them costs (the panels' cost grows with rows once they are compute-bound).
-STEP_DRAFT_TOKENS = 16
 # suffix: recent outputs of all requests the shared index keeps, in tokens.
 SHARED_TOKENS = 1 << 18
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
@@ -234,6 +239,118 @@ class Acceptance:
         self.missed = self.missed * self.FADE + (accepted < drafted)
 
 
+class RecentOutputs:
+    """``suffix``'s shared outputs, one ``SharedOutputs`` per cache root (the model and the
+    request's cache salt: a tenant's outputs never draft for another, whose speed would tell
+    what the first one wrote), ``PARTITIONS`` at most (the least recently used dropped), and
+    kept in a file across restarts (``path``): written whole, atomically, at most every
+    ``SAVE_EVERY_S`` while outputs arrive and at ``close``; a file that does not read back whole
+    (damaged, cut short, another format) is ignored, and replaced by the next save."""
+
+    PARTITIONS = 16
+    SAVE_EVERY_S = 60.0
+    MAGIC = b"KVCSPEC1"
+
+    def __init__(self, path: Path | None = None, capacity: int = SHARED_TOKENS) -> None:
+        self.path = path
+        self.capacity = capacity
+        self._parts: collections.OrderedDict[bytes, SharedOutputs] = collections.OrderedDict()
+        self._dirty = False
+        self._saved_at = time.monotonic()
+        self.load_error: str | None = None
+        if path is not None:
+            self._load(path)
+
+    def get(self, root: bytes) -> SharedOutputs | None:
+        part = self._parts.get(root)
+        if part is not None:
+            self._parts.move_to_end(root)
+        return part
+
+    def add(self, root: bytes, output: Seq[int]) -> None:
+        part = self._parts.get(root)
+        if part is None:
+            part = self._parts[root] = SharedOutputs(self.capacity)
+            while len(self._parts) > self.PARTITIONS:
+                self._parts.popitem(last=False)
+        self._parts.move_to_end(root)
+        part.add(output)
+        self._dirty = True
+        if self.path is not None and time.monotonic() - self._saved_at >= self.SAVE_EVERY_S:
+            self.save()
+
+    def close(self) -> None:
+        if self._dirty and self.path is not None:
+            self.save()
+
+    def save(self) -> None:
+        """Write every partition to ``path`` (temp file, fsync, rename; owner-only)."""
+        assert self.path is not None
+        self._saved_at = time.monotonic()
+        body = bytearray()
+        for root, part in self._parts.items():
+            outputs = part.outputs()
+            body += struct.pack("<H", len(root)) + root + struct.pack("<I", len(outputs))
+            for out in outputs:
+                body += struct.pack(f"<I{len(out)}i", len(out), *out)
+        digest = hashlib.blake2b(bytes(body), digest_size=16).digest()
+        data = self.MAGIC + struct.pack("<Q", len(body)) + digest + bytes(body)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            self._dirty = False
+        except OSError as exc:  # a full or read-only disk loses the drafts' memory, nothing else
+            log.warning("could not save the speculative decoding outputs to %s: %s", self.path, exc)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self.load_error = str(exc)
+            return
+        try:
+            head = len(self.MAGIC) + 8 + 16
+            if data[:len(self.MAGIC)] != self.MAGIC:
+                raise ValueError("not an outputs file")
+            (size,) = struct.unpack_from("<Q", data, len(self.MAGIC))
+            body = data[head:]
+            if len(body) != size or hashlib.blake2b(body, digest_size=16).digest() != data[head - 16:head]:
+                raise ValueError("damaged or cut short")
+            at = 0
+            parts: list[tuple[bytes, list[tuple[int, ...]]]] = []
+            while at < len(body):
+                (n,) = struct.unpack_from("<H", body, at)
+                root = body[at + 2:at + 2 + n]
+                (count,) = struct.unpack_from("<I", body, at + 2 + n)
+                at += 6 + n
+                outs = []
+                for _ in range(count):
+                    (length,) = struct.unpack_from("<I", body, at)
+                    outs.append(struct.unpack_from(f"<{length}i", body, at + 4))
+                    at += 4 + 4 * length
+                parts.append((root, outs))
+        except (ValueError, struct.error) as exc:
+            self.load_error = str(exc)
+            log.warning("ignoring the speculative decoding outputs in %s (%s); they are written anew", path, exc)
+            return
+        for root, outs in parts[-self.PARTITIONS:]:
+            part = self._parts[root] = SharedOutputs(self.capacity)
+            for out in outs:
+                part.add(out)
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self._parts.values())
+
+
 @dataclasses.dataclass
 class Pacer:
     """One sequence's drafting: its index over its own tokens, its acceptance, and the kind of
@@ -261,20 +378,20 @@ class Drafter:
     expected tokens per second under the row costs seen so far (``RowCost``). The engine tells
     it what each verification took and what each step cost."""
 
-    def __init__(self, mode: SpeculativeMode, max_tokens: int, shared: SharedOutputs | None = None) -> None:
+    def __init__(self, mode: SpeculativeMode, max_tokens: int, outputs: RecentOutputs | None = None) -> None:
         if mode not in ("ngram", "suffix"):
             raise ValueError(f"no drafter for speculative mode {mode!r}")
         self.mode = mode
         self.max_tokens = max_tokens
-        self.shared = shared if shared is not None else (SharedOutputs() if mode == "suffix" else None)
+        self.outputs = outputs if outputs is not None else (RecentOutputs() if mode == "suffix" else None)
         self.costs = RowCost()
         self._pacers: dict[int, Pacer] = {}
         # acceptance by match length, over every sequence: a sequence's own counts start from it
         self._by_match: dict[int, Acceptance] = {b: Acceptance() for b in (*MATCH_BUCKETS, SHARED_BUCKET)}
 
-    def candidate(self, seq_id: int, tokens: Seq[int], limit: int) -> Candidate | None:
-        """What sequence ``seq_id`` (its prompt and output ``tokens``) could draft, at most
-        ``limit`` tokens; None: nothing matches."""
+    def candidate(self, seq_id: int, tokens: Seq[int], limit: int, root: bytes = b"") -> Candidate | None:
+        """What sequence ``seq_id`` (its prompt and output ``tokens``; ``root``: its cache root)
+        could draft, at most ``limit`` tokens; None: nothing matches."""
         if limit <= 0:
             return None
         pacer = self._pacers.get(seq_id)
@@ -289,8 +406,9 @@ class Drafter:
             while n < MATCH_CAP and pos - n - 1 >= 0 and tokens[pos - n - 1] == tokens[len(tokens) - n - 1]:
                 n += 1
             pacer.bucket = _bucket(n)
-        if self.shared is not None and len(draft) < limit:
-            other = self.shared.draft(tokens, limit)
+        shared = self.outputs.get(root) if self.outputs is not None else None
+        if shared is not None and len(draft) < limit:
+            other = shared.draft(tokens, limit)
             if len(other) > len(draft):
                 draft, pacer.bucket = other, SHARED_BUCKET
         if not draft:
@@ -335,8 +453,13 @@ class Drafter:
         """A step of ``rows`` decode or draft rows (no prefill) took ``seconds``."""
         self.costs.observe(rows, seconds)
 
-    def finished(self, seq_id: int, output: Seq[int]) -> None:
-        """The sequence is done: forget it; its output joins the shared index (suffix)."""
+    def finished(self, seq_id: int, output: Seq[int], root: bytes = b"") -> None:
+        """The sequence is done: forget it; its output joins its root's shared index (suffix)."""
         self._pacers.pop(seq_id, None)
-        if self.shared is not None and output:
-            self.shared.add(output)
+        if self.outputs is not None and output:
+            self.outputs.add(root, output)
+
+    def close(self) -> None:
+        """Keep the shared outputs (suffix, with a file)."""
+        if self.outputs is not None:
+            self.outputs.close()
