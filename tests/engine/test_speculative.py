@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams
-from kvcellar.engine.speculation import Candidate, Drafter, NgramIndex, RecentOutputs, RowCost, SharedOutputs
+from kvcellar.engine.speculation import (
+    EXPLORE_EVERY,
+    Candidate,
+    Drafter,
+    NgramIndex,
+    RecentOutputs,
+    RowCost,
+    SharedOutputs,
+)
 from kvcellar.engine.tokenization import encode_chat
 from kvcellar.server.tools.grammar import forced_call_grammar
 from tests._models import (
@@ -293,6 +301,12 @@ def test_drafts_are_chosen_by_what_they_pay():
     many = [Candidate(i, [5] * 8, 0.6) for i in range(8)]
     compute_bound.choose(many, 8, 16)
     assert all(c.taken == 0 for c in many)
+    declined = [Candidate(i, [5] * 8, 0.6) for i in range(8)]
+    for _ in range(EXPLORE_EVERY - 2):  # the step above was the first declined
+        compute_bound.choose(declined, 8, 16)
+        assert all(c.taken == 0 for c in declined)
+    compute_bound.choose(declined, 8, 16)  # now and then one token anyway, to measure again
+    assert sum(c.taken for c in declined) == 1
     unknown = Drafter("ngram", 8)  # no step seen yet: nothing is drafted
     unknown.choose([sure := Candidate(1, [5] * 4, 0.99)], 1, 16)
     assert sure.taken == 0

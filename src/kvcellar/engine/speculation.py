@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 # text (drafts that fail); longer matches are rarer and better.
 MIN_NGRAM = 2
 MAX_NGRAM = 4
+# Steps with candidates but no draft worth it, after which one token is drafted anyway (to
+# measure again what drafting costs and yields here): ~1 % of a step's cost on text that never
+# repeats.
+EXPLORE_EVERY = 32
 # suffix: recent outputs of all requests the shared index keeps, in tokens.
 SHARED_TOKENS = 1 << 18
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
@@ -385,6 +389,7 @@ class Drafter:
         self.max_tokens = max_tokens
         self.outputs = outputs if outputs is not None else (RecentOutputs() if mode == "suffix" else None)
         self.costs = RowCost()
+        self._declined = 0  # steps in a row whose candidates choose declined
         self._pacers: dict[int, Pacer] = {}
         # acceptance by match length, over every sequence: a sequence's own counts start from it
         self._by_match: dict[int, Acceptance] = {b: Acceptance() for b in (*MATCH_BUCKETS, SHARED_BUCKET)}
@@ -423,25 +428,35 @@ class Drafter:
         """Set ``taken`` of each candidate: the draft tokens worth verifying in a step of ``rows``
         rows without them, ``budget`` tokens at most."""
         base = self.costs.seconds(rows)
-        if base is None or not candidates:
+        if base is None or not candidates or budget <= 0:
             return
         expected = float(rows)  # tokens the step emits: one a row, plus what drafts add
         seconds = base
         total = rows
-        while budget > 0:
+        taken = 0
+        while taken < budget:
             best = max(candidates, key=lambda c: c.rate ** (c.taken + 1) if c.taken < len(c.draft) else -1.0)
             if best.taken >= len(best.draft):
-                return
+                break
             gain = best.rate ** (best.taken + 1)
             after = self.costs.seconds(total + 1)
             assert after is not None
             if (expected + gain) / max(after, 1e-9) <= expected / max(seconds, 1e-9):
-                return
+                break
             best.taken += 1
+            taken += 1
             expected += gain
             seconds = after
             total += 1
-            budget -= 1
+        if taken:
+            self._declined = 0
+            return
+        # What is never tried is never measured again: a step cost or an acceptance that came out
+        # badly once (a noisy minute) would end drafting for good. So now and then, one token.
+        self._declined += 1
+        if self._declined >= EXPLORE_EVERY:
+            self._declined = 0
+            max(candidates, key=lambda c: c.rate).taken = 1
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
         pacer = self._pacers.get(seq_id)
