@@ -59,7 +59,7 @@ MAX_NGRAM = 4
 # repeats.
 EXPLORE_EVERY = 32
 # suffix: recent outputs of all requests the shared index keeps, in tokens.
-SHARED_TOKENS = 1 << 18
+SHARED_TOKENS = 1 << 15
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
 SHARED_AGREEMENT = 0.5
 _SEPARATOR = -1  # between outputs in the shared corpus: no n-gram spans two
@@ -251,7 +251,7 @@ class RecentOutputs:
     ``SAVE_EVERY_S`` while outputs arrive and at ``close``; a file that does not read back whole
     (damaged, cut short, another format) is ignored, and replaced by the next save."""
 
-    PARTITIONS = 16
+    PARTITIONS = 8
     SAVE_EVERY_S = 60.0
     MAGIC = b"KVCSPEC1"
 
