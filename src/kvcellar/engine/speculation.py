@@ -55,14 +55,14 @@ log = logging.getLogger(__name__)
 MIN_NGRAM = 2
 MAX_NGRAM = 4
 # Steps with candidates but no draft worth it, after which one token is drafted anyway (to
-# measure again what drafting costs and yields here): ~1 % of a step's cost on text that never
-# repeats.
+# measure again what drafting costs and yields here): a few % of the steps' time at most on
+# text that never repeats (docs/performance.md).
 EXPLORE_EVERY = 32
-# suffix: recent outputs of all requests the shared index keeps, in tokens.
+# suffix: recent outputs a cache root's shared index keeps, in tokens (its n-gram counts take
+# ~1 KiB a token: docs/performance.md).
 SHARED_TOKENS = 1 << 15
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
 SHARED_AGREEMENT = 0.5
-_SEPARATOR = -1  # between outputs in the shared corpus: no n-gram spans two
 
 
 class NgramIndex:
@@ -81,10 +81,7 @@ class NgramIndex:
             for n in range(MIN_NGRAM, MAX_NGRAM + 1):
                 if end - n < 0:
                     break
-                gram = tuple(tokens[end - n:end])
-                if _SEPARATOR in gram:
-                    break
-                last[gram] = end
+                last[tuple(tokens[end - n:end])] = end
         self.indexed = max(self.indexed, upto)
 
     def match(self, tail: Seq[int]) -> tuple[int, int]:
@@ -101,8 +98,8 @@ class NgramIndex:
 
 
 class SharedOutputs:
-    """Recent outputs of every request, in one corpus (``SHARED_TOKENS`` at most, the oldest
-    dropped), with an index of which tokens followed each n-gram and how often."""
+    """Recent outputs of the requests of one cache root (``SHARED_TOKENS`` at most, the oldest
+    dropped), with an index of which tokens followed each n-gram in them and how often."""
 
     def __init__(self, capacity: int = SHARED_TOKENS) -> None:
         self.capacity = capacity
