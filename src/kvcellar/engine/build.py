@@ -58,10 +58,15 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     state_layout = StateLayout.from_model_config(loaded.model.config)
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
               if state_layout is not None else None)
+    quantized = loaded.take_quantized()
+    # A step's rows get a decode step's numbers where kvcellar's kernels compute them: the
+    # attention kernel (no soft-cap), and linears by the int4/int8 kernels or in bf16 (float32
+    # dense matmuls sum 1-7 rows otherwise than 8 or more: docs/performance.md).
+    exact = (pool.attends and bool(quantized or loaded.dtype == torch.bfloat16)
+             and not getattr(loaded.model.config.get_text_config(), "attn_logit_softcapping", None))
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
-                          drafter=_drafter(cfg, hybrid=states is not None, exact=pool.attends and not getattr(
-                              loaded.model.config.get_text_config(), "attn_logit_softcapping", None)))
-    runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=loaded.take_quantized(),
+                          drafter=_drafter(cfg, hybrid=states is not None, exact=exact))
+    runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=quantized,
                          kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
@@ -84,7 +89,8 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
 
 def _drafter(cfg: EngineConfig, *, hybrid: bool, exact: bool) -> Drafter | None:
     """The drafter ``cfg.speculative`` asks for; ``exact``: a step's rows get the numbers a decode
-    step gives them (kvcellar's attention kernel), which ``auto`` needs."""
+    step gives them, which ``auto`` needs (elsewhere drafts change outputs by float rounding, as
+    batching does there)."""
     mode = cfg.speculative
     if mode == "auto":
         mode = "ngram" if exact and not hybrid else "off"

@@ -103,8 +103,9 @@ class EngineConfig:
     # Speculative decoding (engine/speculation.py): draft tokens from the request's own text
     # (ngram) or also from recent outputs of every request (suffix), verified in one step; the
     # output is the one decoding without drafts gives. auto: ngram where a step's rows get the
-    # numbers a decode step gives them (kvcellar's attention kernel: CPU), else off (GPUs: their
-    # kernels round by a step's row count). speculative_max_tokens: the longest draft.
+    # numbers a decode step gives them (kvcellar's attention kernel on a CPU, with int4/int8 or
+    # bf16 linears), else off (GPUs, float32 dense weights: their matmuls round by a step's row
+    # count). speculative_max_tokens: the longest draft.
     speculative: SpeculativeMode = "auto"
     speculative_max_tokens: int = 8
     # Refuse to load a model whose planned memory (engine/memory.py: weights + KV pool +
