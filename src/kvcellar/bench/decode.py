@@ -231,19 +231,16 @@ def plot(result: DecodeResult, out_dir: Path) -> list[Path]:
     levels = result.config.concurrency
     none = Summary(median=0, min=0, max=0, n=0, values=[])  # a level with no figure: an empty bar
     fig, ax = plt.subplots(figsize=(max(6, 2 + 2 * len(names)), 4.5))
-    width = 0.8 / max(1, len(levels))
-    for j, c in enumerate(levels):
+    groups = []
+    for c in levels:
         meds, lo, hi = [], [], []
         for name in names:
             s = result.targets[name].concurrency[c].aggregate_tok_s or none
             meds.append(s.median)
             lo.append(s.median - s.min)
             hi.append(s.max - s.median)
-        ax.bar([i + j * width for i in range(len(names))], meds, width, yerr=[lo, hi], capsize=4,
-               label=f"{c} stream{'s' if c != 1 else ''}")
-    ax.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(names))], names, fontsize=8)
+        groups.append((f"{c} stream{'s' if c != 1 else ''}", meds, [lo, hi]))
+    report.grouped_bars(ax, names, groups)
     ax.set_ylabel("aggregate output tok/s (median, min–max)")
     ax.set_title("Decode throughput by SSD policy")
-    ax.legend()
-    ax.grid(True, axis="y", alpha=0.3)
     return report.save_figure(fig, out_dir, "decode.png")

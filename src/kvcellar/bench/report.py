@@ -97,6 +97,18 @@ def pyplot() -> Any:
     return plt
 
 
+def grouped_bars(ax: Any, names: Sequence[str], groups: Sequence[tuple[str, Sequence[float], Any]]) -> None:
+    """One group of bars per name, a bar per ``(label, values, yerr)`` of ``groups`` in each
+    (``yerr`` as matplotlib takes it, or None), with the names under the groups."""
+    width = 0.8 / max(1, len(groups))
+    for j, (label, values, yerr) in enumerate(groups):
+        ax.bar([i + j * width for i in range(len(names))], values, width, yerr=yerr,
+               capsize=4 if yerr is not None else 0, label=label)
+    ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(names))], names, fontsize=8)
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def save_figure(fig: Any, out_dir: Path, name: str) -> list[Path]:
     """Write ``fig`` as ``out_dir/name`` and free it; the list a scenario's ``plot`` returns."""
     path = out_dir / name

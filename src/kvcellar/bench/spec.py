@@ -181,9 +181,10 @@ def run(args: argparse.Namespace) -> SpecResult:
 
 
 def _spec_counts(t: Target) -> dict[str, int] | None:
-    if not t.is_kvcellar:
+    health = t.health()  # None: not kvcellar
+    if health is None:
         return None
-    section = (t.health() or {}).get("speculative") or {}
+    section = health.get("speculative") or {}
     return {"drafted": int(section.get("drafted_tokens") or 0), "accepted": int(section.get("accepted_tokens") or 0),
             "verifies": int(section.get("verifies") or 0)}
 
@@ -273,13 +274,8 @@ def plot(result: SpecResult, out_dir: Path) -> list[Path]:
     names = list(result.targets)
     kinds = result.config.kinds
     fig, ax = plt.subplots(figsize=(max(6, 2 + 1.5 * len(names)), 4.5))
-    width = 0.8 / max(1, len(kinds))
-    for j, kind in enumerate(kinds):
-        ax.bar([i + j * width for i in range(len(names))],
-               [result.targets[n].rows[kind].tok_s or 0 for n in names], width, label=kind)
-    ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(names))], names, fontsize=8)
+    report.grouped_bars(ax, names, [(kind, [result.targets[n].rows[kind].tok_s or 0 for n in names], None)
+                                    for kind in kinds])
     ax.set_ylabel("decode tok/s, one stream")
     ax.set_title("Speculative decoding by kind of work")
-    ax.legend()
-    ax.grid(True, axis="y", alpha=0.3)
     return report.save_figure(fig, out_dir, "spec.png")

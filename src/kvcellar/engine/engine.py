@@ -401,7 +401,7 @@ class Engine:
             self.scheduler.drafter.observe(plan.num_tokens, time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.computed_tokens += plan.num_tokens
-        plain = [plain_greedy(item.seq.params, item.seq.constraint) for item in plan.items for _ in range(item.rows)]
+        plain = [p for item in plan.items for p in [plain_greedy(item.seq.params, item.seq.constraint)] * item.rows]
         try:
             greedy = greedy_tokens(logits, plain)
         except Exception:  # then each row alone, where a failure is that sequence's
