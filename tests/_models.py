@@ -409,3 +409,32 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not sched.cache._computing
     states = sched.cache.states  # a hybrid model's recurrent-state slots: none held by a sequence
     assert states is None or states.num_held == 0
+
+
+@functools.cache
+def mlx_embedded() -> LoadedModel:
+    """The embedded model on the MLX engine (``--engine mlx``), from the same prepared entry."""
+    from kvcellar.artifacts.store import ArtifactCache
+    from kvcellar.engine.mlx.loader import load_mlx
+
+    return load_mlx(None, dtype="float32", artifacts=ArtifactCache(shared_models_dir()))
+
+
+@functools.cache
+def mlx_stand_in_folder() -> Path:
+    """``stand_in()``'s model saved as a folder (MLX's reference BLAS on Linux runs the embedded
+    model at ~3 tokens/s; this one at ~10x that)."""
+    folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-mlx-")) / "mlx-stand-in"
+    atexit.register(shutil.rmtree, folder.parent, ignore_errors=True)
+    loaded = stand_in()
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@functools.cache
+def mlx_stand_in() -> LoadedModel:
+    """``mlx_stand_in_folder()`` on the MLX engine."""
+    from kvcellar.engine.mlx.loader import load_mlx
+
+    return load_mlx(str(mlx_stand_in_folder()), dtype="float32")

@@ -12,7 +12,7 @@ from typing import Any
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
-from kvcellar.engine.config import SPECULATIVE_MODES, WEIGHT_MODES
+from kvcellar.engine.config import ENGINE_KINDS, SPECULATIVE_MODES, WEIGHT_MODES
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.settings import Settings, load_settings
@@ -58,6 +58,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="full: weights in --dtype; int8 / int4: weight-only quantized linears (faster decode where "
                         "the CPU runs torch's kernels: bf16), used for steps up to a size measured at warm-up; "
                         "auto (default): int4 for a 4-bit GGUF where the kernel runs, else full")
+    p.add_argument("--engine", default=None, choices=list(ENGINE_KINDS),
+                   help="the framework computing the model: torch (default) or mlx (mlx-lm's models, the extra "
+                        "kvcellar[mlx]; llama, mistral, qwen2/3 and gemma3)")
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="speculative decoding: draft tokens from the request's own text (ngram) or also from "
                         "recent outputs of every request (suffix), verified in one step; the output is the same. "
@@ -114,7 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                    "max_step_tokens", "max_prefill_step_tokens", "max_model_len",
                                    "max_completion_tokens", "prefix_caching", "warmup",
                                    "weights", "unhealthy_after_failed_steps", "max_memory_gb", "speculative",
-                                   "speculative_max_tokens")},
+                                   "speculative_max_tokens", "engine")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
                                      "ssd_queue_blocks", "ssd_evict_wait_s", "ssd_flush_interval_s", "disk_cache_gb",

@@ -44,6 +44,10 @@ MOE_GGUF_ARCHITECTURES = ("gemma4", "gpt-oss", "qwen35moe", "qwen3moe")
 # ``model_type`` of a HF-format ``config.json`` (directories, hub snapshots).
 MODEL_TYPES = ("gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama", "ministral", "ministral3",
                "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe")
+# What the MLX engine (``--engine mlx``, engine/mlx/) serves: the dense families mlx-lm and
+# kvcellar both serve; the others run on the torch engine.
+MLX_GGUF_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+MLX_MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "mistral", "qwen2", "qwen3")
 # Families transformers builds that kvcellar would run wrongly, and why.
 NOT_YET = {
     "gemma2": "its attention soft-caps the attention logits, which kvcellar's paged attention does not",
@@ -103,10 +107,14 @@ def source_architecture(source: ModelSource) -> str:
     return model_type if isinstance(model_type, str) else ""
 
 
-def check_architecture(source: ModelSource) -> str:
-    """The source's architecture if kvcellar serves it; else ``ModelLoadError`` naming it."""
+def check_architecture(source: ModelSource, engine: str = "torch") -> str:
+    """The source's architecture if kvcellar's ``engine`` serves it; else ``ModelLoadError`` naming it."""
     arch = source_architecture(source)
-    supported = GGUF_ARCHITECTURES if source.kind == "gguf" else MODEL_TYPES
+    supported: tuple[str, ...]
+    if engine == "mlx":
+        supported = MLX_GGUF_ARCHITECTURES if source.kind == "gguf" else MLX_MODEL_TYPES
+    else:
+        supported = GGUF_ARCHITECTURES if source.kind == "gguf" else MODEL_TYPES
     if arch in supported:
         return arch
     where = "general.architecture" if source.kind == "gguf" else "config.json model_type"
@@ -115,7 +123,10 @@ def check_architecture(source: ModelSource) -> str:
         raise ModelLoadError(f"{source.name} names no architecture (no {where}); kvcellar serves only known ones "
                              f"({supported_text})")
     reason = f": {NOT_YET[arch]}" if arch in NOT_YET else ""
-    raise ModelLoadError(f"kvcellar does not serve the {arch!r} architecture of {source.name}{reason} "
+    if engine == "mlx" and arch in (GGUF_ARCHITECTURES if source.kind == "gguf" else MODEL_TYPES):
+        reason = ": the torch engine (--engine torch) serves it"
+    who = "kvcellar --engine mlx" if engine == "mlx" else "kvcellar"
+    raise ModelLoadError(f"{who} does not serve the {arch!r} architecture of {source.name}{reason} "
                          f"({supported_text})")
 
 

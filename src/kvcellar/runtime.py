@@ -203,7 +203,8 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     cfg = settings.engine
     source = resolve_source(settings.model)
     dev = resolve_device(cfg.device)
-    precision = resolve_serving(cfg.dtype, cfg.weights, source, dev)
+    # The MLX engine serves full weights (mlx-lm's, in its own memory).
+    precision = resolve_serving(cfg.dtype, "full" if cfg.engine == "mlx" else cfg.weights, source, dev)
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
     return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
                        state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots)
@@ -236,8 +237,13 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
     if loaded is None:
         cfg = settings.engine
         check_memory(settings)
-        loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
-                                  artifacts=open_artifacts(settings))
+        if cfg.engine == "mlx":
+            from kvcellar.engine.mlx.loader import load_mlx
+
+            loaded = load_mlx(settings.model, dtype=cfg.dtype, artifacts=open_artifacts(settings))
+        else:
+            loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
+                                      artifacts=open_artifacts(settings))
     engine = assemble_engine(loaded, settings.engine)
     keep_outputs(engine, settings.cache_dir)
     try:

@@ -23,7 +23,7 @@ from kvcellar.engine import native
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.engine import Engine, EngineParts
 from kvcellar.engine.loader import LoadedModel
-from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.model_runner import ModelRunner, StepRunner
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.speculation import Drafter
 
@@ -46,9 +46,11 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         log.warning("max_model_len %d is above the model's trained context of %d tokens",
                     max_model_len, loaded.max_context)
     num_blocks = _pool_blocks(layout, cfg, max_model_len)
+    mlx = is_mlx(loaded)
     fast = native.gathers_kv(layout, loaded.device)
+    attends = native.attends_kv(layout, loaded.device) and not mlx  # MLX attends in its own kernel
     pool = KVPool(layout, num_blocks, loaded.device, gather_quantized=native.gather_kv if fast else None,
-                  attend_direct=native.attend_kv if native.attends_kv(layout, loaded.device) else None,
+                  attend_direct=native.attend_kv if attends else None,
                   write_quantized=native.write_kv if fast else None)
     blocks = BlockManager(num_blocks, cfg.block_size, key_bytes=cfg.key_bytes)
     wake = threading.Event()
@@ -59,15 +61,22 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
               if state_layout is not None else None)
     quantized = loaded.take_quantized()
+    runner: StepRunner
+    if mlx:
+        from kvcellar.engine.mlx.runner import MLXRunner
+
+        runner = MLXRunner(loaded.model.module, pool)
+    else:
+        runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=quantized,
+                             kernel_dtype=loaded.kernel_dtype, states=states)
     # A step's rows get a decode step's numbers where kvcellar's kernels compute them: the
     # attention kernel (no soft-cap), and linears by the int4/int8 kernels or in bf16 (float32
     # dense matmuls sum 1-7 rows otherwise than 8 or more: docs/performance.md).
+    # MLX: not measured, so not assumed.
     exact = (pool.attends and bool(quantized or loaded.dtype == torch.bfloat16)
              and not getattr(loaded.model.config.get_text_config(), "attn_logit_softcapping", None))
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
                           drafter=_drafter(cfg, hybrid=states is not None, exact=exact))
-    runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=quantized,
-                         kernel_dtype=loaded.kernel_dtype, states=states)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
     descriptor = kv_descriptor(
@@ -82,9 +91,15 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 else "",
         recurrence=native.RECURRENCE if state_layout is not None and native.runs_gated_delta(
             loaded.device, state_layout.value_dim) else "",
+        engine="mlx" if mlx else "torch",
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
                        max_model_len, wake)
+
+
+def is_mlx(loaded: LoadedModel) -> bool:
+    """Whether ``loaded`` is an mlx-lm model (``--engine mlx``, engine/mlx/)."""
+    return type(loaded.model).__name__ == "MLXModel"
 
 
 def _drafter(cfg: EngineConfig, *, hybrid: bool, exact: bool) -> Drafter | None:

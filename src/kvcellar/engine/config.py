@@ -23,6 +23,9 @@ KVBits = Literal[16, 8, 4]
 # ``speculative`` values (engine/speculation.py drafts).
 SpeculativeMode = Literal["auto", "off", "ngram", "suffix"]
 SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
+# ``engine`` values: the framework computing the model (engine/mlx/ for mlx).
+EngineKind = Literal["torch", "mlx"]
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 # Draft tokens one step verifies in all (and so the longest draft): beyond it a step of many
 # sequences grows past what a decode step of them costs.
 STEP_DRAFT_TOKENS = 16
@@ -108,6 +111,10 @@ class EngineConfig:
     # count). speculative_max_tokens: the longest draft.
     speculative: SpeculativeMode = "auto"
     speculative_max_tokens: int = 8
+    # The framework computing the model: torch (kernels of its own, every architecture), or mlx
+    # (mlx-lm's models, the dense families; the extra ``kvcellar[mlx]``; engine/mlx/). The
+    # scheduler, prefix cache and tiers are the same; their blocks are another namespace.
+    engine: EngineKind = "torch"
     # Refuse to load a model whose planned memory (engine/memory.py: weights + KV pool +
     # overhead) is above this many GiB; 0: only the memory available is checked.
     max_memory_gb: float = 0.0
@@ -129,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, not {self.engine!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, not {self.speculative!r}")
         if not 1 <= self.speculative_max_tokens <= STEP_DRAFT_TOKENS:

@@ -36,7 +36,7 @@ from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.constraints import GrammarCompiler
 from kvcellar.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from kvcellar.engine.loader import LoadedModel
-from kvcellar.engine.model_runner import ModelRunner
+from kvcellar.engine.model_runner import StepRunner
 from kvcellar.engine.output import final_event, token_event
 from kvcellar.engine.sampling import SampleResult, SamplingParams, greedy_tokens, plain_greedy, sample_row
 from kvcellar.engine.scheduler import Scheduled, Scheduler, StepPlan
@@ -82,7 +82,7 @@ class EngineParts:
     blocks: BlockManager
     lower: LowerTierLink
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepRunner
     descriptor: dict[str, Any]  # what the KV cache's fingerprint is computed from
     fingerprint: str
     max_model_len: int

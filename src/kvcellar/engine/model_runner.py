@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -43,6 +43,22 @@ class RunnerStats(Stats):
     PREFIX: ClassVar[str] = "runner_"
     cold_paths: int = counter()  # attention paths first run by a request (see ``paths_seen``)
     decode_threads: int = gauge()
+
+
+class StepRunner(Protocol):
+    """What the engine runs a step plan with: ``ModelRunner`` (torch) or ``engine/mlx``'s."""
+
+    states: StatePool | None
+    threads: int
+    paths_seen: set[str]
+    stats: RunnerStats
+
+    def run(self, plan: StepPlan) -> torch.Tensor: ...
+
+    def set_decode_threads(self, n: int) -> None: ...
+
+    def calibrate_decode_threads(self, decode_step: Callable[[], object], steps: int = 4,
+                                 clock: Callable[[], float] = time.perf_counter) -> int: ...
 
 
 def _slot(seq: Any) -> int:

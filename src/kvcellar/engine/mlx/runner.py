@@ -1,0 +1,102 @@
+"""Turns a step plan into mlx-lm forward calls over the paged pool.
+
+One call runs every decode of the step as a batch of one-token rows (each with its own RoPE
+offset and context); each prefill chunk and each verify span runs as a call of its own, one
+row of many tokens. The model's final hidden states are projected to logits only at the
+rows the step samples (a decode's, a verify's every row, a prefill chunk's last if it samples).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from kvcellar.cache.block_manager import NULL_BLOCK
+from kvcellar.cache.kv_pool import KVPool
+from kvcellar.cache.state_pool import StatePool
+from kvcellar.engine.mlx.paged import PagedLayerCache, StepSlots, to_torch
+from kvcellar.engine.model_runner import RunnerStats
+from kvcellar.engine.scheduler import Scheduled, StepPlan
+
+
+class MLXRunner:
+    """The MLX engine's step runner (``ModelRunner``'s counterpart): ``run(plan)`` gives the
+    float32 logits of the sampled rows, in plan order."""
+
+    def __init__(self, module: Any, pool: KVPool) -> None:
+        self.module = module
+        # A multimodal wrapper's text model (Gemma 3) computes the text.
+        self.text = getattr(module, "language_model", module)
+        self.pool = pool
+        self.states: StatePool | None = None  # hybrid models are the torch engine's
+        self.block_size = pool.layout.block_size
+        self.num_layers = len(self.text.layers)
+        self.paths_seen: set[str] = set()
+        self.threads = 1  # MLX schedules its own threads
+        self.decode_threads = 1
+        self.stats = RunnerStats(decode_threads=1)
+
+    def set_decode_threads(self, n: int) -> None:
+        """MLX has no thread count to set; kept for the engine's interface."""
+
+    def calibrate_decode_threads(self, decode_step: Callable[[], object], steps: int = 4,
+                                 clock: Callable[[], float] = time.perf_counter) -> int:
+        return 1
+
+    def _slots(self, items: list[tuple[list[int], int, int]]) -> StepSlots:
+        """Rows ``(block table, first position, tokens)``, all of one length."""
+        bs = self.block_size
+        width = max(len(table) for table, _, _ in items)
+        blocks: list[int] = []
+        offsets: list[int] = []
+        positions = []
+        for table, start, length in items:
+            span = list(range(start, start + length))
+            positions.append(span)
+            blocks.extend(table[p // bs] for p in span)
+            offsets.extend(p % bs for p in span)
+        tables = [table + [NULL_BLOCK] * (width - len(table)) for table, _, _ in items]
+        return StepSlots(torch.tensor(blocks, dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
+                         torch.tensor(tables, dtype=torch.long), np.array(positions, dtype=np.int64))
+
+    def _hidden(self, ids: list[list[int]], slots: StepSlots) -> mx.array:
+        caches = [PagedLayerCache(self.pool, i, slots) for i in range(self.num_layers)]
+        out: mx.array = self.text.model(mx.array(ids), cache=caches)
+        return out
+
+    def _logits(self, hidden: mx.array) -> torch.Tensor:
+        """The output head over final hidden states ``[rows, hidden]``."""
+        text = self.text
+        logits = text.lm_head(hidden) if "lm_head" in text else text.model.embed_tokens.as_linear(hidden)
+        return to_torch(logits.astype(mx.float32))
+
+    def _table(self, item: Scheduled, context: int) -> list[int]:
+        return [b.block_id for b in item.seq.blocks[: (context + self.block_size - 1) // self.block_size]]
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]``: a row per decode, every row of a verify, a row per
+        prefill that samples."""
+        parts: list[mx.array] = []
+        if plan.decodes:
+            rows = [(self._table(item, item.start + 1), item.start, 1) for item in plan.decodes]
+            ids = [[item.seq.token_ids[item.start]] for item in plan.decodes]
+            parts.append(self._hidden(ids, self._slots(rows))[:, 0])
+        for item in plan.verifies:
+            seq = item.seq
+            ids = [[seq.token_ids[item.start], *item.draft]]
+            slots = self._slots([(self._table(item, item.start + item.length), item.start, item.length)])
+            parts.append(self._hidden(ids, slots)[0])
+        for item in plan.prefills:
+            end = item.start + item.length
+            slots = self._slots([(self._table(item, end), item.start, item.length)])
+            hidden = self._hidden([item.seq.token_ids[item.start:end]], slots)
+            if item.sample:
+                parts.append(hidden[0, -1:])
+        if not parts:
+            return torch.empty((0, 0), dtype=torch.float32)
+        return self._logits(mx.concatenate(parts, axis=0))

@@ -1,0 +1,122 @@
+"""The MLX engine (``--engine mlx``, engine/mlx/) in process, on MLX's CPU backend: mlx-lm's
+own greedy output and the torch engine's logits on the embedded model, and every prefix-cache
+path cached == uncached (full and partial hits, chunked prefill, preemption, the SSD tier after
+a restart, 8- and 4-bit KV) on the stand-in saved as a folder (MLX's reference BLAS here runs
+the embedded model at a few tokens a second)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+import torch
+from mlx_lm.generate import generate_step
+
+from kvcellar.engine import SamplingParams
+from kvcellar.errors import ModelLoadError
+from tests._models import (
+    assert_no_leaks,
+    assert_same_output,
+    chat_ids,
+    embedded,
+    expected_cached,
+    make_engine,
+    mlx_embedded,
+    mlx_stand_in,
+    tiered,
+    uncached_runner,
+)
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+SYSTEM = "You answer questions about the storage runbook in one short sentence, citing the step. " * 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mlx_stand_in()
+
+
+def test_greedy_output_is_mlx_lm_generate_and_the_torch_engine_agrees():
+    loaded = mlx_embedded()
+    prompt = loaded.tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"]
+    engine = make_engine(loaded)
+    ours = engine.generate([prompt], GREEDY)[0]
+    theirs = [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model.module, max_tokens=8,
+                                               sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert ours.token_ids == theirs
+    again = engine.generate([prompt], GREEDY)[0]  # its own prefix from RAM
+    assert_same_output(again, ours)
+    assert engine.descriptor["engine"] == "mlx"
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+
+    torch_engine = make_engine(embedded("float32"))  # the same weights on the torch engine
+    reference = torch_engine.generate([prompt], GREEDY)[0]
+    torch_engine.shutdown(10)
+    assert reference.token_ids == ours.token_ids
+    torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(reference.logprobs), rtol=0, atol=2e-3)
+    assert torch_engine.fingerprint != engine.fingerprint  # other arithmetic, other namespace
+
+
+@pytest.mark.parametrize("kv_bits", [16, 8, 4])
+def test_prefix_hits_chunks_and_preemption_equal_uncached(model, kv_bits):
+    uncached = uncached_runner(model, GREEDY, kv_bits=kv_bits)
+    prompts = [chat_ids(model, q, SYSTEM) for q in ("Disk is full on db-3.", "Replica lag is 40 MB.",
+                                                     "Renew the certificate?")]
+    # chunks of 24 tokens: prefill spans across block boundaries, decodes beside them
+    engine = make_engine(model, kv_bits=kv_bits, max_step_tokens=24)
+    first = engine.generate(prompts[:1], GREEDY)[0]
+    assert_same_output(first, uncached(prompts[0]))
+    rest = engine.generate(prompts, GREEDY)  # a full hit and two partial ones, batched
+    for prompt, result in zip(prompts, rest, strict=True):
+        assert_same_output(result, uncached(prompt))
+        assert result.num_cached_tokens == expected_cached(len(prompt), len(prompts[0]) if prompt == prompts[0]
+                                                           else _common(prompt, prompts[0]))
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+
+    uncached.engine.shutdown(10)
+
+    # a pool too small for three growing sequences: some are preempted and resumed
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
+    alone = uncached_runner(model, long, kv_bits=kv_bits, block_size=8)
+    short = [model.tokenizer(f"Step {i}: check the disk, then the replicas, then the certificates.")["input_ids"]
+             for i in range(3)]
+    tight = make_engine(model, kv_bits=kv_bits, block_size=8, kv_cache_blocks=12)
+    results = tight.generate(short, long)
+    assert tight.scheduler.stats.preemptions > 0
+    for prompt, result in zip(short, results, strict=True):
+        assert_same_output(result, alone(prompt))
+    assert_no_leaks(tight)
+    tight.shutdown(10)
+    alone.engine.shutdown(10)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_ssd_tier_after_a_restart(model, tmp_path):
+    uncached = uncached_runner(model, GREEDY)
+    prompt = chat_ids(model, "Fail over with lag?", SYSTEM)
+    first = tiered(model, tmp_path)
+    a = first.generate([prompt], GREEDY)[0]
+    assert first.shutdown(30)
+    second = tiered(model, tmp_path)  # empty RAM, the same directory
+    b = second.generate([prompt], GREEDY)[0]
+    assert b.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    assert second.scheduler.cache.stats.lower_tier_hit_tokens == b.num_cached_tokens
+    assert_same_output(a, uncached(prompt))
+    assert_same_output(b, uncached(prompt))
+    assert second.shutdown(30)
+    uncached.engine.shutdown(10)
+
+
+def test_architectures_mlx_lm_and_kvcellar_do_not_share_are_refused(tmp_path):
+    from kvcellar.engine.mlx.loader import load_mlx
+
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    with pytest.raises(ModelLoadError, match=r"--engine mlx does not serve the 'qwen3_moe'.*--engine torch"):
+        load_mlx(str(folder))
