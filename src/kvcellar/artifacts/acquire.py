@@ -31,6 +31,7 @@ from kvcellar.artifacts.manifest import (
     describe_files,
     stat_signature,
 )
+from kvcellar.paths import full_fsync
 
 log = logging.getLogger("kvcellar.artifacts.store")
 
@@ -177,7 +178,7 @@ def _describe(tmp: Path, progress: bool | None) -> dict[str, Any]:
 def _fsync_path(path: Path, *, directory: bool = False) -> None:
     fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
     try:
-        os.fsync(fd)
+        full_fsync(fd)
     finally:
         os.close(fd)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvcellar.paths import full_fsync
 from kvcellar.storage.base import LoadRequest, StoreRequest
 from kvcellar.storage.block_format import header_of
 from kvcellar.storage.disk.keys import KeyRecord
@@ -254,7 +255,7 @@ class WriteAdmission:
         try:
             os.write(fd, bytes(_PROBE_BYTES))
             if ns.config.durability == "persistent":
-                os.fsync(fd)
+                full_fsync(fd)
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):

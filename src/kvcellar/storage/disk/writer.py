@@ -49,6 +49,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvcellar.paths import full_fsync
 from kvcellar.storage.base import StoreRequest
 from kvcellar.storage.disk.stats import DiskWriterStats
 from kvcellar.storage.writer import BoundedWriter
@@ -72,7 +73,7 @@ def write_block_file(
         try:
             _writev_all(fd, parts)
             if fsync:
-                os.fsync(fd)
+                full_fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, final)
@@ -91,7 +92,7 @@ def write_block_file(
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        full_fsync(fd)
     finally:
         os.close(fd)
 
