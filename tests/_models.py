@@ -160,9 +160,11 @@ def stand_in() -> LoadedModel:
     against the embedded model's 135M, and a cached run still has to equal an uncached one to
     the last logprob.
     Head dim 64 as the embedded model's (KV quantization groups of 64)."""
-    return tiny_model("llama", embedded("float32").tokenizer, name="stand-in", hidden_size=256,
-                      intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=8192)
+    return tiny_model("llama", embedded("float32").tokenizer, name="stand-in", **STAND_IN)
+
+
+STAND_IN = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192}
 
 
 SERVER_STAND_IN = "stand-in"  # the model name a server of ``server_stand_in()`` answers to
@@ -422,11 +424,12 @@ def mlx_embedded() -> LoadedModel:
 
 @functools.cache
 def mlx_stand_in_folder() -> Path:
-    """``stand_in()``'s model saved as a folder (MLX's reference BLAS on Linux runs the embedded
+    """``stand_in()``'s weights saved as a folder (MLX's reference BLAS on Linux runs the embedded
     model at ~3 tokens/s; this one at ~10x that)."""
     folder = Path(tempfile.mkdtemp(prefix="kvcellar-test-mlx-")) / "mlx-stand-in"
     atexit.register(shutil.rmtree, folder.parent, ignore_errors=True)
-    loaded = stand_in()
+    # a model of its own: an engine prepares the linears of the model it serves (stand_in()'s)
+    loaded = tiny_model("llama", embedded("float32").tokenizer, name="mlx-stand-in", **STAND_IN)
     loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return folder

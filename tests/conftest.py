@@ -59,6 +59,8 @@ LONGEST_FIRST = (
     "tests/server/test_concurrency.py",
     "tests/server/test_responses.py",
     "tests/integration/test_coding_agents.py",
+    "tests/remote/test_mlx_servers.py",
+    "tests/engine/test_mlx_engine.py",
     "tests/integration/test_gemma4_agent.py",
     "tests/integration/test_gemma4.py",
     "tests/integration/test_engine_ssd.py",
