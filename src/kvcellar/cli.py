@@ -79,6 +79,10 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="file holding a secret (>= 16 bytes) every replica shares: blocks written to the SSD and "
                         "remote tiers are sealed with it, and blocks without its seal are never served (also "
                         "KVCELLAR_CACHE_SECRET_FILE, or the secret itself in KVCELLAR_CACHE_SECRET)")
+    p.add_argument("--cache-previous-secrets-file", default=None,
+                   help="while rotating the secret: the secrets before it, one a line, whose seals are still "
+                        "accepted on reads (blocks are sealed with --cache-secret-file's); also "
+                        "KVCELLAR_CACHE_PREVIOUS_SECRETS_FILE")
     p.add_argument("--ssd-policy", default=None, choices=list(SSD_POLICIES),
                    help="SSD tier: write every new block through (default), write blocks RAM evicts, or off")
     p.add_argument("--ssd-durability", default=None, choices=list(DURABILITIES),
@@ -108,7 +112,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     environment."""
     get: Callable[[str], Any] = lambda name: getattr(args, name, None)  # noqa: E731
     return load_settings(get("config"), model=get("model"), cache_dir=get("cache_dir"),
-                         cache_secret_file=get("cache_secret_file"), flags={
+                         cache_secret_file=get("cache_secret_file"),
+                         cache_previous_secrets_file=get("cache_previous_secrets_file"), flags={
         "engine": {
             # --dtype and --device default to "auto", which must not override the file
             "dtype": None if get("dtype") == "auto" else get("dtype"),

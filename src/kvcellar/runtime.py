@@ -25,6 +25,7 @@ from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
 from kvcellar.settings import Settings
 from kvcellar.storage.base import BlockSpec, KVTier
+from kvcellar.storage.block_format import CacheSecret
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.remote.config import RemoteConfig
 
@@ -40,7 +41,7 @@ def attach_disk_tier(engine: Engine, settings: Settings) -> None:
 
 
 def open_disk_tier(engine: Engine, root: Path, disk: DiskConfig, policy: str | None = None,
-                   secret: bytes | None = None) -> None:
+                   secret: bytes | CacheSecret | None = None) -> None:
     """The SSD tier at ``root`` under ``engine`` (``policy``: the config's unless given). A
     hybrid model's snapshots go beside its blocks, in the namespace ``<fingerprint>.snapshots``,
     with a share of the capacity (``snapshot_share``) and a queue of a few snapshots; a block
@@ -75,7 +76,7 @@ def attach_remote_tier(engine: Engine, settings: Settings) -> None:
 
 
 def open_remote_tier(engine: Engine, remote: RemoteConfig, policy: str | None = None,
-                     secret: bytes | None = None) -> None:
+                     secret: bytes | CacheSecret | None = None) -> None:
     """The remote tier at ``remote.url`` under ``engine``; a hybrid model's snapshots under
     keys of their own namespace (``<fingerprint>.snapshots``), a few at a time in its queue.
     ``secret``: as for ``open_disk_tier``; without one a shared store can be poisoned, which

@@ -14,7 +14,6 @@ field; ``key=None`` is a knob users do not set. Each section is validated once, 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import tomllib
 import types
@@ -28,9 +27,10 @@ from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.engine.config import EngineConfig
 from kvcellar.paths import resolve_cache_dir
 from kvcellar.server.config import ServerConfig
-from kvcellar.storage.block_format import MIN_SECRET_BYTES
+from kvcellar.storage.block_format import CacheSecret
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.remote.config import RemoteConfig
+from kvcellar.storage.secret import resolve_cache_secret
 
 ENV_PREFIX = "KVCELLAR_"
 
@@ -42,9 +42,10 @@ class Settings:
     model: str | None = None
     cache_dir: Path = field(default_factory=resolve_cache_dir)
     # The deployment secret the SSD and remote tiers seal blocks with (storage/block_format.py),
-    # from ``cache_secret_file`` or ``KVCELLAR_CACHE_SECRET``; None: blocks are not sealed.
+    # and during a rotation the ones before it (storage/secret.py says from where); None:
+    # blocks are not sealed.
     cache_secret_file: Path | None = None
-    cache_secret: bytes | None = field(default=None, repr=False)
+    cache_secret: CacheSecret | None = field(default=None, repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
@@ -59,7 +60,7 @@ class Settings:
 # The sections: a table of the config file each, and the prefix of their environment variables.
 SECTIONS = {"engine": ENV_PREFIX, "disk": ENV_PREFIX, "remote": ENV_PREFIX, "server": ENV_PREFIX,
             "artifacts": ARTIFACT_ENV_PREFIX}
-TOP_LEVEL_KEYS = ("model", "cache_dir", "cache_secret_file")
+TOP_LEVEL_KEYS = ("model", "cache_dir", "cache_secret_file", "cache_previous_secrets_file")
 
 
 def load_settings(
@@ -68,12 +69,14 @@ def load_settings(
     model: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_secret_file: str | os.PathLike[str] | None = None,
+    cache_previous_secrets_file: str | os.PathLike[str] | None = None,
     flags: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Settings:
     """``Settings`` from defaults < config file < environment < flags, validated.
 
     ``config_file``: the TOML file (else ``KVCELLAR_CONFIG``, else none), with top-level
-    ``model``, ``cache_dir`` and ``cache_secret_file`` and a table per section; an unknown
+    ``model``, ``cache_dir``, ``cache_secret_file`` and ``cache_previous_secrets_file`` and a
+    table per section; an unknown
     table or key is an error.
     ``flags``: per section, the values given on the command line (None: not given).
     """
@@ -86,13 +89,9 @@ def load_settings(
         model=model or file_values.get("model"),
         cache_dir=resolve_cache_dir(cache_dir or os.environ.get("KVCELLAR_CACHE_DIR") or file_values.get("cache_dir")),
     )
-    # Flag, then environment (a file's path, else the secret itself), then the config file.
-    secret_file = cache_secret_file or os.environ.get("KVCELLAR_CACHE_SECRET_FILE")
-    if not secret_file and "KVCELLAR_CACHE_SECRET" in os.environ:
-        settings.cache_secret = _checked_secret(os.environ["KVCELLAR_CACHE_SECRET"].encode(), "KVCELLAR_CACHE_SECRET")
-    elif secret_file or file_values.get("cache_secret_file"):
-        settings.cache_secret_file = Path(secret_file or file_values["cache_secret_file"]).expanduser()
-        settings.cache_secret = read_cache_secret(settings.cache_secret_file)
+    settings.cache_secret_file, settings.cache_secret = resolve_cache_secret(
+        cache_secret_file, cache_previous_secrets_file, file_values.get("cache_secret_file"),
+        file_values.get("cache_previous_secrets_file"))
     for name, env_prefix in SECTIONS.items():
         section = getattr(settings, name)
         table = file_values.get(name, {})
@@ -104,28 +103,6 @@ def load_settings(
         section.validate()
     _tiers_follow_prefix_caching(settings)
     return settings
-
-
-def read_cache_secret(path: Path) -> bytes:
-    """The secret in the file at ``path``, whitespace around it stripped. A file others can
-    read is used, with a warning: secrets mounted into containers often are."""
-    try:
-        raw = path.read_bytes()
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ValueError(f"cache secret file {path}: {exc.strerror or exc}") from exc
-    if mode & 0o077:
-        logging.getLogger(__name__).warning("cache secret file %s can be read by other users (mode %o); "
-                                            "chmod 600 it", path, mode & 0o777)
-    return _checked_secret(raw, f"cache secret file {path}")
-
-
-def _checked_secret(raw: bytes, where: str) -> bytes:
-    secret = raw.strip()
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{where}: a cache secret must be at least {MIN_SECRET_BYTES} bytes "
-                         f"(got {len(secret)}); e.g. `head -c 32 /dev/urandom | base64 > FILE`")
-    return secret
 
 
 def _tiers_follow_prefix_caching(settings: Settings) -> None:

@@ -6,6 +6,7 @@ the same for any model, and a wrong block moves the logprobs as surely)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from kvcellar.engine import SamplingParams, native, observability
 from kvcellar.runtime import open_disk_tier, open_remote_tier
-from kvcellar.storage.block_format import FIXED_SIZE, FORMAT_VERSION, SEAL_SIZE, header_size_for
+from kvcellar.storage.block_format import FIXED_SIZE, FORMAT_VERSION, SEAL_SIZE, CacheSecret, header_size_for
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.remote.config import RemoteConfig
 from tests._models import (
@@ -417,6 +418,57 @@ def test_forged_block_files_on_a_shared_ssd_are_not_served_with_the_secret(model
     assert result.cached_tokens_by_tier["ssd"] >= BS
     assert_same_output(result, uncached(prompt))
     assert again.shutdown(30)
+
+
+def test_a_secret_rotation_keeps_the_cache_and_cache_verify_checks_the_seals(model, uncached, tmp_path, capsys):
+    """Rotating the secret: replicas given the new secret and the old one as previous read what
+    the old one sealed and seal with the new; once the old one is dropped its blocks are
+    counted misses. ``kvcellar cache verify`` with the secrets says how many blocks a previous
+    secret still seals (when it can go) and finds a forged file, which it deletes."""
+    from kvcellar.cli import main
+
+    new = b"the secret after the rotation!"
+    old_prompt = ask(model, "Who may approve a refund?")
+    new_prompt = chat_ids(model, "Who may roll back a deploy?", "Deploy handbook, release team. " * 12)
+    a = replica(model, None, tmp_path / "ssd", secret=SECRET)
+    a.generate([old_prompt], GREEDY)
+    assert a.shutdown(30)
+    old_blocks = len(list((tmp_path / "ssd").rglob("*.kvb")))
+
+    rotating = replica(model, None, tmp_path / "ssd", secret=CacheSecret(new, (SECRET,)))
+    results = rotating.generate([old_prompt, new_prompt], GREEDY)
+    assert results[0].cached_tokens_by_tier["ssd"] == expected_cached(len(old_prompt), len(old_prompt))
+    assert_same_output(results[0], uncached(old_prompt))
+    assert_same_output(results[1], uncached(new_prompt))
+    assert observability.snapshot(rotating)["ssd_corrupt_total"] == 0
+    assert rotating.shutdown(30)
+
+    secrets = tmp_path / "secret"
+    secrets.write_bytes(new)
+    previous = tmp_path / "previous"
+    previous.write_bytes(SECRET + b"\n")
+    kv = tmp_path / "ssd"
+
+    def verify(*args: str) -> dict[str, Any]:
+        assert main(["cache", "verify", "--json", "--cache-dir", str(tmp_path), *args]) in (0, 1)
+        return json.loads(capsys.readouterr().out)["namespaces"][0]
+
+    (tmp_path / "kv").symlink_to(kv)  # ``kvcellar cache`` reads <cache-dir>/kv
+    rotation = verify("--keep", "--cache-secret-file", str(secrets), "--cache-previous-secrets-file", str(previous))
+    assert rotation["seals_checked"] and rotation["sealed_by_previous_secret"] == old_blocks
+    assert rotation["ok"] == rotation["checked"] and not rotation["bad"]
+    unchecked = verify("--keep")
+    assert not unchecked["seals_checked"] and unchecked["ok"] == unchecked["checked"]
+
+    paths = [tier(a, "ssd").layout.block_path(k) for k in block_keys(a, new_prompt)]  # sealed with the new one
+    paths[0].write_bytes(shuffled_forgeries([p.read_bytes() for p in paths[:2]])[0])
+    dropped = verify("--cache-secret-file", str(secrets))  # the old secret dropped: its blocks are bad too
+    assert dropped["bad"] == {"seal": old_blocks + 1} and dropped["deleted"] == old_blocks + 1
+
+    after = replica(model, None, tmp_path / "ssd", secret=new)
+    result = after.generate([new_prompt], GREEDY)[0]
+    assert_same_output(result, uncached(new_prompt))
+    assert after.shutdown(30)
 
 
 @needs_native

@@ -47,23 +47,45 @@ def test_the_cache_secret_comes_from_a_file_or_the_environment_and_is_never_prin
     secret.write_text("  s3cret-shared-by-every-replica\n")
     secret.chmod(0o600)
     s = settings_for("--cache-secret-file", str(secret))
-    assert s.cache_secret == b"s3cret-shared-by-every-replica" and "s3cret" not in repr(s)
+    assert s.cache_secret.current == b"s3cret-shared-by-every-replica" and "s3cret" not in repr(s)
     assert not caplog.records
     secret.chmod(0o644)
     conf = tmp_path / "kvcellar.toml"
     conf.write_text(f'cache_secret_file = "{secret}"\n')
     monkeypatch.setenv("KVCELLAR_CONFIG", str(conf))
-    assert settings_for().cache_secret == b"s3cret-shared-by-every-replica"
+    assert settings_for().cache_secret.current == b"s3cret-shared-by-every-replica"
     assert "can be read by other users" in caplog.text
     monkeypatch.setenv("KVCELLAR_CACHE_SECRET", "from-the-environment-0123")
-    assert settings_for().cache_secret == b"from-the-environment-0123"
+    assert settings_for().cache_secret.current == b"from-the-environment-0123"
+
+    # a rotation: the secrets before it, one a line, accepted on reads
+    previous = tmp_path / "previous"
+    previous.write_text("the-secret-before-this-one\n\n  and-the-one-before-that  \n")
+    previous.chmod(0o600)
+    s = settings_for("--cache-previous-secrets-file", str(previous))
+    assert s.cache_secret.current == b"from-the-environment-0123"
+    assert s.cache_secret.previous == (b"the-secret-before-this-one", b"and-the-one-before-that")
+    assert "the-secret" not in repr(s)
+    monkeypatch.setenv("KVCELLAR_CACHE_PREVIOUS_SECRETS_FILE", str(previous))
+    assert len(settings_for().cache_secret.previous) == 2
 
 
 @pytest.mark.parametrize(("env", "needle"), [({"KVCELLAR_CACHE_SECRET": ""}, "at least 16 bytes"),
                                              ({"KVCELLAR_CACHE_SECRET": "short"}, "at least 16 bytes"),
-                                             ({"KVCELLAR_CACHE_SECRET_FILE": "/nonexistent/secret"}, "No such file")])
+                                             ({"KVCELLAR_CACHE_SECRET_FILE": "/nonexistent/secret"}, "No such file"),
+                                             ({"KVCELLAR_CACHE_PREVIOUS_SECRETS_FILE": "/dev/null/x"},
+                                              "Not a directory")])
 def test_a_bad_cache_secret_is_a_clear_error(env, needle, capsys, tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert main(["serve", "--cache-dir", str(tmp_path)]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_previous_secrets_without_a_current_one_are_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVCELLAR_CACHE_SECRET", raising=False)
+    monkeypatch.delenv("KVCELLAR_CACHE_SECRET_FILE", raising=False)
+    previous = tmp_path / "previous"
+    previous.write_text("the-secret-before-this-one\n")
+    assert main(["serve", "--cache-dir", str(tmp_path), "--cache-previous-secrets-file", str(previous)]) == 2
+    assert "but no current one" in capsys.readouterr().err

@@ -94,6 +94,29 @@ def test_a_sealed_block_is_read_only_with_its_secret_namespace_and_bytes() -> No
         fmt.BlockSeal(b"short", "fp")
 
 
+def test_a_rotation_reads_what_the_previous_secret_sealed_and_seals_with_the_new_one() -> None:
+    kv = torch.randn(SPEC.shape).to(SPEC.dtype)
+    old, new = b"the secret before the rotation", b"the secret after the rotation"
+    before = fmt.encode_block(SPEC, KEY, DIGEST, TOKENS, kv, 1, seal=fmt.BlockSeal(old, "fp"))
+    rotating = fmt.BlockSeal(fmt.CacheSecret(new, (old,)), "fp")
+    after = fmt.encode_block(SPEC, KEY, DIGEST, TOKENS, kv, 1, seal=rotating)
+
+    def sealer(value: bytes, seal: fmt.BlockSeal) -> int | str:
+        header_size = fmt.declared_header_size(value)
+        return seal.sealer(fmt.decode_header(value[:header_size]), value[:header_size], value[header_size:])
+
+    assert sealer(before, rotating) == 1 and sealer(after, rotating) == 0
+    assert sealer(after, fmt.BlockSeal(old, "fp")) == "seal"  # sealed with the new secret only
+    assert sealer(before, fmt.BlockSeal(new, "fp")) == "seal"  # once the old one is dropped
+    assert sealer(after, fmt.BlockSeal(new, "fp")) == 0
+    forged = helpers.forged(before, torch.randn(SPEC.shape).to(SPEC.dtype).reshape(-1).view(torch.uint8)
+                            .numpy().tobytes())
+    assert sealer(forged, rotating) == "seal"
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        fmt.BlockSeal(fmt.CacheSecret(new, (b"short",)), "fp")
+    assert "rotation" not in repr(fmt.CacheSecret(new, (old,)))
+
+
 def test_identity_limits() -> None:
     with pytest.raises(ValueError):
         fmt.encode_header(SPEC, b"", DIGEST, TOKENS, 1, 2)

@@ -36,7 +36,8 @@ Why this shape:
   associated data, not copied): OpenSSL's, via ``cryptography``, runs at ~6 GB/s a core
   without the GIL, where HMAC-SHA256 and keyed BLAKE2b run at 0.7-1.5 GB/s and a bare
   Poly1305 holds the GIL (docs/performance.md). A one-time key per value means no
-  (key, nonce) pair ever repeats, however many blocks a deployment writes.
+  (key, nonce) pair ever repeats, however many blocks a deployment writes. Rotation: a
+  ``CacheSecret`` seals with its current secret and accepts its previous ones on reads.
 - Integers are little-endian; the payload is the tensor's native byte order,
   which is little-endian on every platform kvcellar supports.
 """
@@ -333,39 +334,64 @@ def identity_mismatch(header: BlockHeader, key: bytes, digest: bytes, token_ids:
     return None
 
 
+@dataclass(frozen=True)
+class CacheSecret:
+    """A deployment's secret: ``current`` seals what is written; while a rotation is under way,
+    the secrets before it (``previous``) still unseal what they sealed."""
+
+    current: bytes
+    previous: tuple[bytes, ...] = ()
+
+    def __repr__(self) -> str:  # never printed
+        return f"CacheSecret(<{len(self.current)} bytes>, previous=<{len(self.previous)}>)"
+
+
 class BlockSeal:
     """Seals and checks blocks of one namespace with a deployment secret (see the module's
     docstring). Thread-safe: it holds only immutable keys."""
 
-    def __init__(self, secret: bytes, namespace: str) -> None:
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"a cache secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-        self._key = hashlib.blake2b(secret, digest_size=32, person=b"kvcellar-seal").digest()
+    def __init__(self, secret: bytes | CacheSecret, namespace: str) -> None:
+        secrets = (secret.current, *secret.previous) if isinstance(secret, CacheSecret) else (secret,)
+        for one in secrets:
+            if len(one) < MIN_SECRET_BYTES:
+                raise ValueError(f"a cache secret must be at least {MIN_SECRET_BYTES} bytes, got {len(one)}")
+        # The first seals; every one is accepted on reads.
+        self._keys = tuple(hashlib.blake2b(one, digest_size=32, person=b"kvcellar-seal").digest()
+                           for one in secrets)
         # The namespace is in every one-time key: a sealed block of one model, format or
         # snapshot namespace is no block of another.
         self._context = namespace.encode()
 
-    def _tag(self, nonce: bytes, header: memoryview, payload: memoryview | bytes) -> bytes:
-        one_time = hashlib.blake2b(nonce + self._context, key=self._key, digest_size=32,
-                                   person=b"kvcellar-otk").digest()
+    def _tag(self, key: bytes, nonce: bytes, header: memoryview, payload: memoryview | bytes) -> bytes:
+        one_time = hashlib.blake2b(nonce + self._context, key=key, digest_size=32, person=b"kvcellar-otk").digest()
         return ChaCha20Poly1305(one_time).encrypt(_ZERO_NONCE, bytes(header), payload)[-16:]
 
     def seal(self, header: bytearray, payload: memoryview | bytes, block_size: int) -> None:
         """Write the seal of ``header`` (from ``encode_header``) and ``payload`` into the
-        header: a fresh nonce, so no one-time key seals two values."""
+        header, under the current secret: a fresh nonce, so no one-time key seals two values."""
         at = _seal_offset(block_size)
         nonce = os.urandom(NONCE_SIZE)
-        header[at:at + SEAL_SIZE] = nonce + self._tag(nonce, memoryview(header)[:at], payload)
+        header[at:at + SEAL_SIZE] = nonce + self._tag(self._keys[0], nonce, memoryview(header)[:at], payload)
 
-    def check(self, header: BlockHeader, raw_header: bytes | bytearray | memoryview,
-              payload: memoryview | bytes) -> str | None:
-        """None if ``header`` (decoded from ``raw_header``) carries this secret's seal of
-        these bytes, else the failed check: ``unsealed`` or ``seal``."""
+    def sealer(self, header: BlockHeader, raw_header: bytes | bytearray | memoryview,
+               payload: memoryview | bytes) -> int | str:
+        """Which secret sealed these bytes (0: the current one, 1...: the previous ones in
+        order), else the failed check: ``unsealed`` or ``seal``."""
         if header.seal == _UNSEALED:
             return "unsealed"
         at = _seal_offset(header.block_size)
-        tag = self._tag(header.seal[:NONCE_SIZE], memoryview(raw_header)[:at], payload)
-        return None if hmac.compare_digest(tag, header.seal[NONCE_SIZE:]) else "seal"
+        nonce, tag = header.seal[:NONCE_SIZE], header.seal[NONCE_SIZE:]
+        for i, key in enumerate(self._keys):
+            if hmac.compare_digest(self._tag(key, nonce, memoryview(raw_header)[:at], payload), tag):
+                return i
+        return "seal"
+
+    def check(self, header: BlockHeader, raw_header: bytes | bytearray | memoryview,
+              payload: memoryview | bytes) -> str | None:
+        """None if ``header`` (decoded from ``raw_header``) carries the seal of these bytes by
+        one of the accepted secrets, else the failed check: ``unsealed`` or ``seal``."""
+        found = self.sealer(header, raw_header, payload)
+        return found if isinstance(found, str) else None
 
 
 def payload_fault(header: BlockHeader, raw_header: bytes | bytearray | memoryview, payload: memoryview,

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcellar.paths import resolve_cache_dir
 from kvcellar.storage.disk import maintenance
+from kvcellar.storage.secret import resolve_cache_secret
 from kvcellar.units import format_bytes
 
 __all__ = ["add_cache_commands", "kv_root", "run_cache_command"]
@@ -41,6 +42,12 @@ def add_cache_commands(subparsers: Any) -> argparse.ArgumentParser:
     sub.add_parser("stats", parents=[common], help="blocks, bytes and ages per namespace")
     v = sub.add_parser("verify", parents=[common], help="read and check every block; delete bad ones")
     v.add_argument("--keep", action="store_true", help="report bad blocks without deleting them")
+    v.add_argument("--cache-secret-file", default=None,
+                   help="the servers' secret: seals are checked too, and unsealed or forged blocks are bad (also "
+                        "KVCELLAR_CACHE_SECRET_FILE, or the secret itself in KVCELLAR_CACHE_SECRET)")
+    v.add_argument("--cache-previous-secrets-file", default=None,
+                   help="during a rotation, the secrets before it, one a line: their seals count as good, and "
+                        "how many blocks still carry them is reported (also KVCELLAR_CACHE_PREVIOUS_SECRETS_FILE)")
     p = sub.add_parser("prune", parents=[common],
                        help="delete expired blocks, then LRU blocks over a size (the tier's order: leaves first)")
     p.add_argument("--ttl-days", type=float, default=7.0, help="delete blocks not used for this long (default 7)")
@@ -87,7 +94,12 @@ def run_cache_command(args: argparse.Namespace) -> int:
         print(f"  total: {sum(s.blocks for s in stats)} blocks, {format_bytes(total)}")
         return 0
     if cmd == "verify":
-        reports = maintenance.verify_cache(root, delete=not args.keep, progress=progress)
+        try:
+            _, secret = resolve_cache_secret(args.cache_secret_file, args.cache_previous_secrets_file)
+        except ValueError as exc:
+            print(f"kvcellar: {exc}", file=sys.stderr)
+            return 2
+        reports = maintenance.verify_cache(root, delete=not args.keep, progress=progress, secret=secret)
         bad = sum(sum(r.bad.values()) for r in reports)
         if args.json:
             _dump({"kv_root": str(root), "namespaces": [r.as_dict() for r in reports]})
@@ -97,9 +109,11 @@ def run_cache_command(args: argparse.Namespace) -> int:
                     print(f"  {r.info.namespace}: skipped ({r.skipped})")
                     continue
                 detail = ", ".join(f"{k}: {n}" for k, n in sorted(r.bad.items())) or "none"
-                print(f"  {r.info.namespace}: {r.checked} checked, {r.ok} ok, bad: {detail}, "
+                previous = f" ({r.previous_secret} sealed by a previous secret)" if r.previous_secret else ""
+                print(f"  {r.info.namespace}: {r.checked} checked, {r.ok} ok{previous}, bad: {detail}, "
                       f"deleted {r.deleted}, unreadable {r.unreadable}")
-            print(f"verify: {bad} bad block(s)" + (" deleted" if bad and not args.keep else ""))
+            print(f"verify: {bad} bad block(s)" + (" deleted" if bad and not args.keep else "")
+                  + ("" if secret is not None else "; seals not checked (no --cache-secret-file)"))
         return 1 if bad else 0
     if cmd == "prune":
         cap = None if args.max_gb is None else int(args.max_gb * GIB)

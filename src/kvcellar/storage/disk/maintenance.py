@@ -24,7 +24,15 @@ import torch
 from tqdm import tqdm
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.block_format import FILE_SUFFIX, FORMAT_VERSION, HEADER_ALIGN, HeaderError, header_size_for
+from kvcellar.storage.block_format import (
+    FILE_SUFFIX,
+    FORMAT_VERSION,
+    HEADER_ALIGN,
+    BlockSeal,
+    CacheSecret,
+    HeaderError,
+    header_size_for,
+)
 from kvcellar.storage.disk.layout import (
     BLOCKS_DIR,
     DESCRIPTOR_FILE,
@@ -224,17 +232,26 @@ class NamespaceVerify:
     deleted: int = 0
     unreadable: int = 0
     skipped: str | None = None  # why the namespace was not verified
+    # With a secret: whether seals were checked, and the good blocks (in ``ok``) that a
+    # previous secret sealed, which a rotation must keep accepting until they are gone.
+    seals_checked: bool = False
+    previous_secret: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"namespace": self.info.namespace, "format_version": self.info.version, "checked": self.checked,
                 "ok": self.ok, "bad": dict(self.bad), "deleted": self.deleted, "unreadable": self.unreadable,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "seals_checked": self.seals_checked,
+                "sealed_by_previous_secret": self.previous_secret}
 
 
-def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) -> list[NamespaceVerify]:
+def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False,
+                 secret: bytes | CacheSecret | None = None) -> list[NamespaceVerify]:
+    """Check every block of every namespace; with ``secret`` (the servers'), seals too: an
+    unsealed or forged block is bad, as the tiers count it."""
     out = []
     for ns in list_namespaces(kv_root):
-        rep = NamespaceVerify(ns)
+        rep = NamespaceVerify(ns, seals_checked=secret is not None)
+        seal = BlockSeal(secret, ns.namespace) if secret is not None else None
         out.append(rep)
         if not ns.current:
             rep.skipped = f"format version {ns.version} (this kvcellar reads version {FORMAT_VERSION})"
@@ -245,15 +262,16 @@ def verify_cache(kv_root: Path, *, delete: bool = True, progress: bool = False) 
         for f in tqdm(blocks, desc=f"verify {ns.namespace[:12]}", unit="block", disable=not progress):
             rep.checked += 1
             try:
-                reason = verify_block_file(f.path, spec, buf)
+                reason = verify_block_file(f.path, spec, buf, seal)
             except FileNotFoundError:
                 rep.checked -= 1
                 continue
             except OSError:
                 rep.unreadable += 1
                 continue
-            if reason is None:
+            if reason in (None, "previous_secret"):
                 rep.ok += 1
+                rep.previous_secret += reason is not None
                 continue
             rep.bad[reason] = rep.bad.get(reason, 0) + 1
             if delete:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcellar.storage.base import BlockSpec
-from kvcellar.storage.block_format import FORMAT_VERSION, BlockSeal, header_size_for
+from kvcellar.storage.block_format import FORMAT_VERSION, BlockSeal, CacheSecret, header_size_for
 from kvcellar.storage.disk.capacity import CapacityGuard
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.keys import KeyRecord
@@ -55,7 +55,7 @@ class OpenNamespace:
     does no I/O; call ``open``."""
 
     def __init__(self, root: Path, namespace: str, spec: BlockSpec, config: DiskConfig,
-                 descriptor: dict[str, Any] | None, secret: bytes | None = None) -> None:
+                 descriptor: dict[str, Any] | None, secret: bytes | CacheSecret | None = None) -> None:
         self.spec = spec
         # Blocks are sealed when written and unsealed ones are corrupt when read (block_format).
         self.seal = BlockSeal(secret, namespace) if secret is not None else None

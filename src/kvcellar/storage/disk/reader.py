@@ -43,6 +43,7 @@ from kvcellar.storage.block_format import (
     check_geometry,
     declared_header_size,
     decode_header,
+    payload_checksum,
     payload_fault,
 )
 from kvcellar.storage.disk.layout import key_from_block_name
@@ -101,12 +102,14 @@ def read_header(fd: int, first: int = HEADER_ALIGN) -> BlockHeader:
     return decode_header(head)
 
 
-def verify_block_file(path: str, spec: BlockSpec | None, buf: bytearray | None = None) -> str | None:
+def verify_block_file(path: str, spec: BlockSpec | None, buf: bytearray | None = None,
+                      seal: BlockSeal | None = None) -> str | None:
     """Read and check one block file completely, without a request to compare it with:
     header, geometry (when ``spec`` is known), size, key against the file name, payload
-    checksum. None if good, else the reason (as in the tier's ``ssd_corrupt_*`` counters).
-    ``buf``: reused for the payload when it has the right size. Leaves atime alone. Raises
-    OSError if the file cannot be read."""
+    checksum, and with ``seal`` its seal. None if good, ``previous_secret`` if good and sealed
+    by one of ``seal``'s previous secrets (a rotation's), else the reason (as in the tier's
+    ``ssd_corrupt_*`` counters). ``buf``: reused for the payload when it has the right size.
+    Leaves atime alone. Raises OSError if the file cannot be read."""
     fd = open_noatime(path)
     try:
         size = os.fstat(fd).st_size
@@ -122,7 +125,15 @@ def verify_block_file(path: str, spec: BlockSpec | None, buf: bytearray | None =
             return "key"
         if buf is None or len(buf) != h.payload_nbytes:
             buf = bytearray(h.payload_nbytes)
-        return _payload_fault(fd, h, memoryview(buf))
+        payload = memoryview(buf)
+        if seal is None:
+            return _payload_fault(fd, h, payload)
+        if preadv_full(fd, [payload], h.header_size) != len(payload):
+            return "size"
+        found = seal.sealer(h, os.pread(fd, h.header_size, 0), payload)
+        if isinstance(found, str):
+            return "checksum" if payload_checksum(payload) != h.payload_crc32 else found
+        return "previous_secret" if found else None
     finally:
         os.close(fd)
 

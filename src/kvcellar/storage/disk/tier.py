@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
-from kvcellar.storage.block_format import MAX_KEY_LEN, check_identity
+from kvcellar.storage.block_format import MAX_KEY_LEN, CacheSecret, check_identity
 from kvcellar.storage.disk.admission import WriteAdmission
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.namespace import OpenNamespace
@@ -90,7 +90,7 @@ class DiskTier(KVTier):
         spec: BlockSpec,
         config: DiskConfig | None = None,
         descriptor: dict[str, Any] | None = None,
-        secret: bytes | None = None,
+        secret: bytes | CacheSecret | None = None,
     ) -> None:
         self.spec = spec
         self.config = config = config or DiskConfig()

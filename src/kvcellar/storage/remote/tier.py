@@ -40,7 +40,14 @@ from typing import Any
 import redis
 
 from kvcellar.storage.base import BlockSpec, KVTier, LoadRequest, StoreRequest, tier_health
-from kvcellar.storage.block_format import BlockSeal, check_identity, decode_block_into, encode_block, file_size_for
+from kvcellar.storage.block_format import (
+    BlockSeal,
+    CacheSecret,
+    check_identity,
+    decode_block_into,
+    encode_block,
+    file_size_for,
+)
 from kvcellar.storage.faults import FaultTracker
 from kvcellar.storage.remote.config import RemoteConfig
 from kvcellar.storage.remote.connection import FAULTS, is_cluster, open_client, redacted
@@ -68,7 +75,7 @@ class RemoteTier(KVTier):
     gauges = frozenset({"remote_writer_queue_depth", "remote_ok_state"})
 
     def __init__(self, url: str, fingerprint: str, spec: BlockSpec, config: RemoteConfig | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | CacheSecret | None = None) -> None:
         self.spec = spec
         self.config = config = config or RemoteConfig()
         self.url = url
