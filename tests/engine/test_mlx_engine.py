@@ -14,6 +14,7 @@ import torch
 from mlx_lm.generate import generate_step
 
 from kvcellar.engine import SamplingParams
+from kvcellar.engine.mlx.runner import span_groups
 from kvcellar.errors import ModelLoadError
 from tests._models import (
     assert_no_leaks,
@@ -27,6 +28,7 @@ from tests._models import (
     tiered,
     uncached_runner,
 )
+from tests.engine.test_speculative import speculative
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
@@ -91,6 +93,30 @@ def test_prefix_hits_chunks_and_preemption_equal_uncached(model, kv_bits, kv_gro
     assert_no_leaks(tight)
     tight.shutdown(10)
     alone.engine.shutdown(10)
+
+
+def test_padded_prefill_batches_and_drafts_equal_uncached(model):
+    """Prompts of different lengths prefilled as one padded call, and drafts verified
+    (``--speculative ngram``): each output is its uncached single run's."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
+    uncached = uncached_runner(model, params, speculative="off")
+    base = "List the steps: disk, replicas, certificates, backups, alerts. "
+    prompts = [model.tokenizer(base * n + "Again: disk, replicas, certificates,")["input_ids"] for n in (3, 3, 4)]
+    prompts[1] = prompts[1][:-2]  # two tokens shorter: padded
+    engine = speculative(model, max_step_tokens=512)  # every draft verified
+    results = engine.generate(prompts, params)
+    assert engine.stats.spec_verifies > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert_same_output(result, uncached(prompt))
+    assert_no_leaks(engine)
+    engine.shutdown(10)
+    uncached.engine.shutdown(10)
+
+
+def test_spans_of_similar_length_share_a_call():
+    assert span_groups([40, 38, 12, 11, 40, 9]) == [[0, 4, 1, 2], [3, 5]]  # 17.5 % and 9 % padding
+    assert span_groups([100, 50]) == [[0], [1]]  # 33 % padding: apart
+    assert span_groups([]) == []
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -1,9 +1,10 @@
 """Turns a step plan into mlx-lm forward calls over the paged pool.
 
 One call runs every decode of the step as a batch of one-token rows (each with its own RoPE
-offset and context); each prefill chunk and each verify span runs as a call of its own, one
-row of many tokens. The model's final hidden states are projected to logits only at the
-rows the step samples (a decode's, a verify's every row, a prefill chunk's last if it samples).
+offset and context); prefill chunks and verify spans run as rows of calls of their own, those
+of similar lengths together (padded to the longest; ``span_groups``). The model's final hidden
+states are projected to logits only at the rows the step samples (a decode's, a verify's every
+row, a prefill chunk's last if it samples).
 """
 
 from __future__ import annotations
@@ -48,21 +49,22 @@ class MLXRunner:
                                  clock: Callable[[], float] = time.perf_counter) -> int:
         return 1
 
-    def _slots(self, items: list[tuple[list[int], int, int]]) -> StepSlots:
-        """Rows ``(block table, first position, tokens)``, all of one length."""
+    def _slots(self, rows: list[tuple[list[int], int, int]], width: int) -> StepSlots:
+        """Rows ``(block table, first position, tokens)`` padded to ``width`` tokens: a pad
+        continues its row's positions and writes into the null block, which no row reads
+        unmasked."""
         bs = self.block_size
-        width = max(len(table) for table, _, _ in items)
         blocks: list[int] = []
         offsets: list[int] = []
-        positions = []
-        for table, start, length in items:
-            span = list(range(start, start + length))
-            positions.append(span)
-            blocks.extend(table[p // bs] for p in span)
-            offsets.extend(p % bs for p in span)
-        tables = [table + [NULL_BLOCK] * (width - len(table)) for table, _, _ in items]
+        for table, start, length in rows:
+            for p in range(start, start + width):
+                blocks.append(table[p // bs] if p < start + length else NULL_BLOCK)
+                offsets.append(p % bs)
+        widest = max(len(table) for table, _, _ in rows)
+        tables = [table + [NULL_BLOCK] * (widest - len(table)) for table, _, _ in rows]
+        positions = np.array([[start + t for t in range(width)] for _, start, _ in rows], dtype=np.int64)
         return StepSlots(torch.tensor(blocks, dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
-                         torch.tensor(tables, dtype=torch.long), np.array(positions, dtype=np.int64))
+                         torch.tensor(tables, dtype=torch.long), positions)
 
     def _hidden(self, ids: list[list[int]], slots: StepSlots) -> mx.array:
         caches = [PagedLayerCache(self.pool, i, slots) for i in range(self.num_layers)]
@@ -85,18 +87,42 @@ class MLXRunner:
         if plan.decodes:
             rows = [(self._table(item, item.start + 1), item.start, 1) for item in plan.decodes]
             ids = [[item.seq.token_ids[item.start]] for item in plan.decodes]
-            parts.append(self._hidden(ids, self._slots(rows))[:, 0])
-        for item in plan.verifies:
-            seq = item.seq
-            ids = [[seq.token_ids[item.start], *item.draft]]
-            slots = self._slots([(self._table(item, item.start + item.length), item.start, item.length)])
-            parts.append(self._hidden(ids, slots)[0])
-        for item in plan.prefills:
-            end = item.start + item.length
-            slots = self._slots([(self._table(item, end), item.start, item.length)])
-            hidden = self._hidden([item.seq.token_ids[item.start:end]], slots)
-            if item.sample:
-                parts.append(hidden[0, -1:])
+            parts.append(self._hidden(ids, self._slots(rows, 1))[:, 0])
+        spans = plan.verifies + plan.prefills
+        kept: dict[int, mx.array] = {}
+        for group in span_groups([item.length for item in spans]):
+            width = max(spans[i].length for i in group)
+            ids = []
+            for i in group:
+                item = spans[i]
+                tokens = ([item.seq.token_ids[item.start], *item.draft] if item.draft
+                          else item.seq.token_ids[item.start:item.start + item.length])
+                ids.append(tokens + [0] * (width - item.length))
+            rows = [(self._table(spans[i], spans[i].start + spans[i].length), spans[i].start, spans[i].length)
+                    for i in group]
+            hidden = self._hidden(ids, self._slots(rows, width))
+            for row, i in enumerate(group):
+                item = spans[i]
+                if item.draft:
+                    kept[i] = hidden[row, :item.length]
+                elif item.sample:
+                    kept[i] = hidden[row, item.length - 1:item.length]
+        parts.extend(kept[i] for i in range(len(spans)) if i in kept)
         if not parts:
             return torch.empty((0, 0), dtype=torch.float32)
         return self._logits(mx.concatenate(parts, axis=0))
+
+
+def span_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """The spans (by index) run as one call each group: rows of similar length, padded to the
+    longest, with at most ``waste`` of a call's tokens padding."""
+    groups: list[list[int]] = []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * lengths[group[0]] <= (1 + waste) * (
+                sum(lengths[j] for j in group) + lengths[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
