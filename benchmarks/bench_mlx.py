@@ -192,8 +192,9 @@ def main() -> None:
     try:
         folder = prepared_folder(args.model, work / "prep")
         theirs = mlx_lm_folder(folder, work / "mlx-lm-model")
-        kv_cmd = [str(Path(sys.executable).parent / "kvcellar"), "serve", "--engine", "mlx", "--model", args.model or str(folder),
-                  "--port", "{port}", "--cache-dir", str(work / "prep"), "--no-warmup"]
+        kv_cmd = [str(Path(sys.executable).parent / "kvcellar"), "serve", "--engine", "mlx",
+                  "--model", args.model or str(folder), "--port", "{port}", "--cache-dir", str(work / "prep"),
+                  "--no-warmup"]
         results: dict[str, Any] = {
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "python": platform.python_version()},
