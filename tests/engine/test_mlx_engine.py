@@ -26,6 +26,7 @@ from tests._models import (
     mlx_embedded,
     mlx_stand_in,
     tiered,
+    tiny_model,
     uncached_runner,
 )
 from tests.engine.test_speculative import speculative
@@ -137,6 +138,33 @@ def test_ssd_tier_after_a_restart(model, tmp_path):
     assert_same_output(b, uncached(prompt))
     assert second.shutdown(30)
     uncached.engine.shutdown(10)
+
+
+@pytest.mark.parametrize(("arch", "config"), [
+    ("qwen2", {}),
+    ("qwen3", {}),
+    # six layers: five of them sliding (a 16-token window), the last global
+    ("gemma3_text", {"num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16}),
+])
+def test_each_family_gives_the_torch_engines_tokens(arch, config, tmp_path):
+    """A small random model of each family mlx-lm and kvcellar both serve, saved as a folder:
+    the MLX engine's greedy tokens and logprobs are the torch engine's on the same weights,
+    over a prompt longer than a sliding window, and again from the cache."""
+    from kvcellar.engine.mlx.loader import load_mlx
+
+    torch_model = tiny_model(arch, mlx_stand_in().tokenizer, **config)
+    torch_model.model.save_pretrained(tmp_path / arch)
+    torch_model.tokenizer.save_pretrained(tmp_path / arch)
+    ours = load_mlx(str(tmp_path / arch), dtype="float32")
+    prompt = ours.tokenizer("Check the disk, then the replicas, then the certificates. " * 5)["input_ids"]
+    reference = make_engine(torch_model).generate([prompt], GREEDY)[0]
+    engine = make_engine(ours, max_step_tokens=32)
+    for result in engine.generate([prompt], GREEDY) + engine.generate([prompt], GREEDY):
+        assert result.token_ids == reference.token_ids
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(reference.logprobs),
+                                   rtol=0, atol=2e-3)
+    assert result.num_cached_tokens > 0
+    engine.shutdown(10)
 
 
 def test_without_the_extra_the_error_names_it(monkeypatch):

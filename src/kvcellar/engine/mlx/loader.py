@@ -51,11 +51,12 @@ def resolve_mlx_dtype(dtype: str) -> torch.dtype:
 def mlx_model_config(config: dict[str, Any]) -> dict[str, Any]:
     """What mlx-lm reads from ``config.json`` where transformers 5 writes it otherwise:
     ``rope_parameters`` instead of ``rope_theta``/``rope_scaling`` (mlx-lm would take its
-    default theta: other positions, other outputs)."""
+    default theta: other positions, other outputs), ``layer_types`` instead of Gemma 3's
+    ``sliding_window_pattern``."""
+    over: dict[str, Any] = {}
     params = config.get("rope_parameters")
     if not isinstance(params, dict) or "rope_theta" in config:
-        return {}
-    over: dict[str, Any] = {}
+        params = {}
     if "rope_theta" in params:
         over["rope_theta"] = params["rope_theta"]
     if params.get("rope_type", "default") != "default":
@@ -66,6 +67,13 @@ def mlx_model_config(config: dict[str, Any]) -> dict[str, Any]:
         over["rope_local_base_freq"] = local.get("rope_theta")
         if full.get("rope_type", "default") != "default":
             over["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    types = config.get("layer_types")
+    if (isinstance(types, list) and "sliding_window_pattern" not in config and "full_attention" in types
+            and "sliding_attention" in types):
+        # Gemma 3: mlx-lm places global layers by a period; transformers 5 lists each layer's kind
+        period = types.index("full_attention") + 1
+        if all((t == "full_attention") == (i % period == period - 1) for i, t in enumerate(types)):
+            over["sliding_window_pattern"] = period
     return {k: v for k, v in over.items() if v is not None}
 
 
