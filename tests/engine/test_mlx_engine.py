@@ -78,8 +78,9 @@ def test_prefix_hits_chunks_and_preemption_equal_uncached(model, kv_bits, kv_gro
                                                            else _common(prompt, prompts[0]))
     assert_no_leaks(engine)
     engine.shutdown(10)
-
     uncached.engine.shutdown(10)
+    if kv_bits != 16:  # preemption frees and refills blocks as at 16 bits: the pool's code, not MLX's
+        return
 
     # a pool too small for three growing sequences: some are preempted and resumed
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
