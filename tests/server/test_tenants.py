@@ -15,7 +15,7 @@ import pytest
 
 from kvcellar.cli import main
 from tests._models import stand_in_args
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, wait_until
 
 ALICE, BOB, CAROL = "sk-alice-0123456789", "sk-bob-0123456789", "sk-carol-0123456789"
 DOC = ("Section 4.2. A payment intent moves from created to authorized to captured; a refund references a "
@@ -29,7 +29,8 @@ def tenants_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     keys.write_text(f"# name key\nalice {ALICE}\nbob {BOB}\n\ncarol {CAROL}\n")
     server = ServerProcess(tmp / "cache", *stand_in_args(), "--api-key-file", str(keys),
                            "--shared-cache-keys", "carol", "--allowed-hosts", "kvc.internal",
-                           "--allowed-origins", "https://app.example, http://localhost:5173").start()
+                           "--allowed-origins", "https://app.example, http://localhost:5173",
+                           "--max-inflight-per-key", "2").start()
     try:
         yield server
     finally:
@@ -75,6 +76,32 @@ def test_a_stored_response_resolves_only_for_the_key_that_stored_it(tenants_serv
     assert again.status_code == 200, again.text
     stolen = respond(BOB, previous_response_id=first.json()["id"])
     assert stolen.status_code == 404 and stolen.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_one_key_cannot_take_every_slot(tenants_server: ServerProcess) -> None:
+    """``--max-inflight-per-key 2``: alice's third request while two of hers stream is a 429 in
+    the API's error shape; bob is served meanwhile; once hers end, alice is served again."""
+    url = tenants_server.url + "/v1/chat/completions"
+
+    def ask(key: str, **fields: object) -> dict[str, object]:
+        return {"headers": {"Authorization": f"Bearer {key}"}, "json": {
+            "model": "stand-in", "max_tokens": 2, "messages": [{"role": "user", "content": "Count to a thousand."}],
+            **fields}}
+
+    long = {"max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with (httpx.Client(timeout=120) as client, client.stream("POST", url, **ask(ALICE, **long)) as one,
+          client.stream("POST", url, **ask(ALICE, **long)) as two):
+        assert one.status_code == two.status_code == 200
+        next(one.iter_lines()), next(two.iter_lines())  # both generating
+        third = client.post(url, **ask(ALICE))
+        assert third.status_code == 429 and third.headers["retry-after"] == "1"
+        assert third.json()["error"]["code"] == "rate_limit_exceeded"
+        assert client.post(url, **ask(BOB)).status_code == 200
+        claude = client.post(tenants_server.url + "/v1/messages", headers={"x-api-key": ALICE}, json={
+            "model": "stand-in", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert claude.status_code == 429 and claude.json()["error"]["type"] == "rate_limit_error"
+    wait_until(lambda: httpx.post(url, timeout=120, **ask(ALICE)).status_code == 200, timeout=60,
+               what="alice's slots to come back once her streams closed")
 
 
 def test_health_details_and_metrics_are_for_key_holders(tenants_server: ServerProcess) -> None:

@@ -261,7 +261,7 @@ def create_app(engine: Engine, settings: ServerConfig | None = None,
     app.add_middleware(ApiGate, drain=state.drain, keys=state.keys, max_body_bytes=config.max_body_bytes,
                        public_health=config.public_health, max_active=config.max_inflight_requests,
                        max_body_bytes_held=int(config.max_body_mb_in_flight * 2**20),
-                       body_timeout_s=config.body_timeout)
+                       body_timeout_s=config.body_timeout, max_active_per_key=config.max_inflight_per_key)
     if config.origins():
         app.add_middleware(CORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)

@@ -12,8 +12,8 @@ from kvcellar.server.config import LogFormat
 _FIELDS = ("host", "port", "api_key", "api_key_file", "shared_cache_keys", "public_health", "allowed_hosts",
            "allowed_origins", "served_model_name", "serve_any_model", "stop", "first_token_timeout",
            "inter_token_timeout", "shutdown_timeout", "max_body_bytes", "max_choices", "max_inflight_requests",
-           "max_stored_responses", "max_stored_responses_mb", "max_body_mb_in_flight", "body_timeout", "access_log",
-           "log_format")
+           "max_inflight_per_key", "max_stored_responses", "max_stored_responses_mb", "max_body_mb_in_flight",
+           "body_timeout", "access_log", "log_format")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices", type=int, default=None, help="most choices per request (default 16)")
     p.add_argument("--max-inflight-requests", type=int, default=None,
                    help="API requests in flight before 503 (default 1024)")
+    p.add_argument("--max-inflight-per-key", type=int, default=None,
+                   help="with API keys: one key's API requests in flight before 429, so no caller takes every slot "
+                        "(default 0: no cap per key)")
     p.add_argument("--max-body-mb-in-flight", type=float, default=None,
                    help="MiB of request bodies the requests in flight may hold in all; past it, 503 (default 256)")
     p.add_argument("--body-timeout", type=float, default=None,

@@ -52,6 +52,10 @@ class ServerConfig:
     # API requests in flight beyond this are refused with 503 (Retry-After) instead of queueing
     # forever: counted from their arrival, token counts and requests still being prepared included.
     max_inflight_requests: int = 1024
+    # With API keys: one key's requests in flight beyond this are refused with 429 (Retry-After),
+    # so that one caller's burst or runaway agent cannot take every slot from the others. 0: no
+    # cap per key (max_inflight_requests alone).
+    max_inflight_per_key: int = 0
     # The request bodies those requests may hold in all, MiB (a body counts its Content-Length, or
     # max_body_bytes while unknown); past it, 503 before the body is read.
     max_body_mb_in_flight: float = 256.0
@@ -106,6 +110,8 @@ class ServerConfig:
             raise ValueError("body_timeout and max_body_mb_in_flight must be > 0")
         if self.max_stored_responses < 0 or self.max_stored_responses_mb < 0:
             raise ValueError("max_stored_responses and max_stored_responses_mb must be >= 0")
+        if self.max_inflight_per_key < 0:
+            raise ValueError(f"max_inflight_per_key must be >= 0, not {self.max_inflight_per_key}")
         if self.max_choices < 1 or self.max_inflight_requests < 1 or self.max_body_bytes < 1:
             raise ValueError("max_choices, max_inflight_requests and max_body_bytes must be >= 1")
         if self.log_format not in get_args(LogFormat):

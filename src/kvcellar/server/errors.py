@@ -119,6 +119,11 @@ def overloaded() -> APIError:
                     code="overloaded", headers={"Retry-After": "1"})
 
 
+def key_over_quota(limit: int) -> APIError:
+    return APIError(429, f"This API key has {limit} requests in flight, the most one key may have; retry when one "
+                    "ends.", type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
 def body_timeout(seconds: float) -> APIError:
     return APIError(408, f"The request body did not arrive within {seconds:g} s.", code="request_timeout")
 

@@ -133,7 +133,7 @@ started: ContextVar[RequestClock | None] = ContextVar("kvcellar_request_clock", 
 class ApiGate:
     def __init__(self, app: ASGIApp, *, drain: DrainState, keys: tenants.Keys | None, max_body_bytes: int,
                  public_health: bool = False, max_active: int = 1024, max_body_bytes_held: int = 256 << 20,
-                 body_timeout_s: float = 60.0) -> None:
+                 body_timeout_s: float = 60.0, max_active_per_key: int = 0) -> None:
         self.app = app
         self.drain = drain
         self.keys = keys
@@ -142,9 +142,12 @@ class ApiGate:
         self.max_active = max_active
         self.max_body_bytes_held = max(max_body_bytes_held, max_body_bytes)  # one largest body always fits
         self.body_timeout_s = body_timeout_s
-        # Event loop only: requests past the gate, and the body bytes they reserved.
+        self.max_active_per_key = max_active_per_key
+        # Event loop only: requests past the gate, the body bytes they reserved, and (with keys)
+        # the requests of each tenant (at most one entry per key).
         self.active = 0
         self.body_bytes = 0
+        self.active_by_tenant: dict[str, int] = {}
 
     def _tenant(self, scope: Scope) -> tenants.Tenant | None:
         """The tenant whose key the request carries (``Authorization: Bearer`` or Anthropic's
@@ -176,6 +179,7 @@ class ApiGate:
         if self.drain.draining:
             await _send_error(errors.shutting_down(), scope, receive, send)
             return
+        tenant = None
         if self.keys is not None:
             tenant = self._tenant(scope)
             if tenant is None:
@@ -201,6 +205,12 @@ class ApiGate:
         if self.active >= self.max_active or self.body_bytes + reserved > self.max_body_bytes_held:
             await _send_error(errors.overloaded(), scope, receive, send)
             return
+        name = tenant.name if tenant is not None else None
+        if name is not None and self.max_active_per_key:
+            if self.active_by_tenant.get(name, 0) >= self.max_active_per_key:
+                await _send_error(errors.key_over_quota(self.max_active_per_key), scope, receive, send)
+                return
+            self.active_by_tenant[name] = self.active_by_tenant.get(name, 0) + 1
         self.active += 1
         self.body_bytes += reserved
         try:
@@ -222,6 +232,12 @@ class ApiGate:
         finally:
             self.active -= 1
             self.body_bytes -= reserved
+            if name is not None and self.max_active_per_key:
+                left = self.active_by_tenant[name] - 1
+                if left:
+                    self.active_by_tenant[name] = left
+                else:
+                    del self.active_by_tenant[name]
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send, deadline: float) -> bytes | None:
         """The whole body, or None once an error was sent (too large, too slow) or the client left."""
