@@ -92,7 +92,8 @@ def test_one_key_cannot_take_every_slot(tenants_server: ServerProcess) -> None:
     with (httpx.Client(timeout=120) as client, client.stream("POST", url, **ask(ALICE, **long)) as one,
           client.stream("POST", url, **ask(ALICE, **long)) as two):
         assert one.status_code == two.status_code == 200
-        next(one.iter_lines()), next(two.iter_lines())  # both generating
+        lines = [one.iter_lines(), two.iter_lines()]  # held: a dropped iterator closes its stream
+        assert all(next(it).startswith("data: ") for it in lines)  # both generating
         third = client.post(url, **ask(ALICE))
         assert third.status_code == 429 and third.headers["retry-after"] == "1"
         assert third.json()["error"]["code"] == "rate_limit_exceeded"
