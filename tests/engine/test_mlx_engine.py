@@ -142,6 +142,11 @@ def test_ssd_tier_after_a_restart(model, tmp_path):
 
 
 @pytest.mark.parametrize(("arch", "config"), [
+    # Llama 3.x's RoPE scaling, as transformers 5 writes it (rope_parameters)
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}}),
+    ("mistral", {}),
     ("qwen2", {}),
     ("qwen3", {}),
     # six layers: five of them sliding (a 16-token window), the last global
