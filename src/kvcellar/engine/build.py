@@ -46,7 +46,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         log.warning("max_model_len %d is above the model's trained context of %d tokens",
                     max_model_len, loaded.max_context)
     num_blocks = _pool_blocks(layout, cfg, max_model_len)
-    mlx = is_mlx(loaded)
+    mlx = loaded.engine == "mlx"
     fast = native.gathers_kv(layout, loaded.device)
     attends = native.attends_kv(layout, loaded.device) and not mlx  # MLX attends in its own kernel
     pool = KVPool(layout, num_blocks, loaded.device, gather_quantized=native.gather_kv if fast else None,
@@ -95,11 +95,6 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),
                        max_model_len, wake)
-
-
-def is_mlx(loaded: LoadedModel) -> bool:
-    """Whether ``loaded`` is an mlx-lm model (``--engine mlx``, engine/mlx/)."""
-    return type(loaded.model).__name__ == "MLXModel"
 
 
 def _drafter(cfg: EngineConfig, *, hybrid: bool, exact: bool) -> Drafter | None:

@@ -62,6 +62,9 @@ class LoadedModel:
     artifact: ArtifactLease | None = None
     # The entry of its quantized linears (``--weights int8|int4`` on a GGUF), held the same way.
     quantized_artifact: ArtifactLease | None = None
+    # The framework computing it: ``torch`` (``model`` a transformers model), or ``mlx`` (an
+    # ``engine/mlx`` model, ``--engine mlx``).
+    engine: str = "torch"
 
     @property
     def config(self) -> Any:

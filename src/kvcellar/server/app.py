@@ -126,7 +126,7 @@ class ServerState:
         return {
             "status": "draining" if self.draining else "ok" if self.engine.healthy else "unhealthy",
             "model": self.serving.model_name,
-            "backend": self.engine.config.engine,  # the framework computing the model (--engine): torch or mlx
+            "backend": self.engine.loaded.engine,  # the framework computing the model (--engine): torch or mlx
             "weights": self.engine.loaded.weights,
             "linears": linear_kernels(self.engine.loaded.model),  # how many run which kernel
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),

@@ -139,7 +139,7 @@ def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache
         weights_id=weights_id, tokenizer_id=tokenizer_identity(tokenizer),
         eos_token_ids=eos_ids(wrapped, tokenizer),
         max_context=int(getattr(text, "max_position_embeddings", 0) or 4096),
-        load_seconds=timings, weights="full",
+        load_seconds=timings, weights="full", engine="mlx",
     )
     loaded.artifact = lease
     return loaded
