@@ -119,11 +119,11 @@ def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache
                           torch.float16: mx.float16}[torch_dtype])
         mx.eval(module.parameters())
         timings["weights"] = time.perf_counter() - t0
-    except ModelLoadError:
-        raise
     except Exception as exc:
         if lease is not None:
             lease.release()
+        if isinstance(exc, ModelLoadError):
+            raise
         raise ModelLoadError(f"--engine mlx could not load {source.name} from {folder}: {exc}") from exc
     wrapped = MLXModel(module, config)
     try:
