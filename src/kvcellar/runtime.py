@@ -204,8 +204,9 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     cfg = settings.engine
     source = resolve_source(settings.model)
     dev = resolve_device(cfg.device)
-    # The MLX engine serves full weights (mlx-lm's, in its own memory).
-    precision = resolve_serving(cfg.dtype, "full" if cfg.engine == "mlx" else cfg.weights, source, dev)
+    # The MLX engine's ``auto`` is full weights.
+    weights = "full" if cfg.engine == "mlx" and cfg.weights == "auto" else cfg.weights
+    precision = resolve_serving(cfg.dtype, weights, source, dev)
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
     return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
                        state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots)
@@ -241,7 +242,7 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
         if cfg.engine == "mlx":
             from kvcellar.engine.mlx.loader import load_mlx
 
-            loaded = load_mlx(settings.model, dtype=cfg.dtype, artifacts=open_artifacts(settings))
+            loaded = load_mlx(settings.model, dtype=cfg.dtype, weights=cfg.weights, artifacts=open_artifacts(settings))
         else:
             loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                       artifacts=open_artifacts(settings))

@@ -25,6 +25,7 @@ from tests._models import (
     make_engine,
     mlx_embedded,
     mlx_stand_in,
+    mlx_stand_in_folder,
     tiered,
     tiny_model,
     uncached_runner,
@@ -171,6 +172,28 @@ def test_each_family_gives_the_torch_engines_tokens(arch, config, tmp_path):
                                    rtol=0, atol=2e-3)
     assert result.num_cached_tokens > 0
     engine.shutdown(10)
+
+
+def test_mlx_quantized_weights_are_other_weights_and_their_hits_equal_uncached(model):
+    """``--weights int4`` under MLX (``mlx.nn.quantize``): another weights identity, so another
+    cache, and its hits give what recomputing with those weights gives."""
+    from kvcellar.engine.mlx.loader import load_mlx
+
+    int4 = load_mlx(str(mlx_stand_in_folder()), dtype="float32", weights="int4")
+    assert int4.weights == "int4" and int4.weights_id != model.weights_id
+    assert "QuantizedLinear" in {type(m).__name__ for _, m in int4.model.module.named_modules()}
+    uncached = uncached_runner(int4, GREEDY)
+    prompt = chat_ids(int4, "Where is the runbook?", SYSTEM)
+    engine = make_engine(int4)
+    first, again = engine.generate([prompt], GREEDY) + engine.generate([prompt], GREEDY)
+    assert again.num_cached_tokens == expected_cached(len(prompt), len(prompt))
+    assert_same_output(first, uncached(prompt))
+    assert_same_output(again, uncached(prompt))
+    full = make_engine(model)
+    assert full.generate([prompt], GREEDY)[0].logprobs != first.logprobs  # they are other weights
+    assert full.fingerprint != engine.fingerprint
+    for e in (engine, full, uncached.engine):
+        e.shutdown(10)
 
 
 def test_without_the_extra_the_error_names_it(monkeypatch):

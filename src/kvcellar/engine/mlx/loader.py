@@ -25,6 +25,9 @@ from kvcellar.model_source import check_architecture, resolve_source
 
 # The compute dtypes the MLX engine serves, by ``--dtype``; ``auto`` is float32 on a CPU
 # (MLX's CPU backend has no fast half-precision matmul) and bfloat16 on a GPU.
+# ``--weights int8|int4`` under MLX: its own affine quantization (``mlx.nn.quantize``: a scale
+# and a bias per group of this many weights), of the linears and the embedding.
+QUANT_GROUP = 64
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -77,9 +80,21 @@ def mlx_model_config(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in over.items() if v is not None}
 
 
-def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache | None = None,
+def quantize_module(module: Any, bits: int) -> None:
+    """Quantize ``module``'s linears and embedding in place to ``bits`` (MLX's affine format,
+    ``QUANT_GROUP`` weights a group); layers whose rows do not split into groups stay as they are."""
+    import mlx.nn as nn
+
+    quantize = nn.quantize  # type: ignore[attr-defined]  # in mlx, not in its type stubs
+    quantize(module, group_size=QUANT_GROUP, bits=bits,
+             class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP == 0)
+
+
+def load_mlx(model: str | None, *, dtype: str = "auto", weights: str = "auto", artifacts: ArtifactCache | None = None,
              progress: bool | None = None) -> LoadedModel:
-    """Resolve ``model`` and load it as an mlx-lm model (``LoadedModel.model`` an ``MLXModel``)."""
+    """Resolve ``model`` and load it as an mlx-lm model (``LoadedModel.model`` an ``MLXModel``).
+    ``weights``: ``full`` (or ``auto``) in ``dtype``; ``int8``/``int4`` quantized by MLX
+    (``quantize_module``), which makes them other weights (their identity says so)."""
     import json
 
     from mlx_lm.utils import load_model
@@ -91,7 +106,12 @@ def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache
     source = resolve_source(model)
     check_architecture(source, engine="mlx")
     torch_dtype = resolve_mlx_dtype(dtype)
+    if weights not in ("auto", "full", "int8", "int4"):
+        raise ModelLoadError(f"--engine mlx serves weights auto, full, int8 or int4; not {weights!r}")
+    bits = {"int8": 8, "int4": 4}.get(weights, 0)
     weights_id = weights_identity(source, artifacts.file_digest if artifacts is not None else file_sha256)
+    if bits:
+        weights_id += f"+mlx-int{bits}-g{QUANT_GROUP}"  # other weights, other KV
     timings["source_identity"] = time.perf_counter() - t0
     lease = None
     if source.kind == "gguf":
@@ -117,6 +137,8 @@ def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache
         module, _ = load_model(folder, model_config=mlx_model_config(raw))
         module.set_dtype({torch.float32: mx.float32, torch.bfloat16: mx.bfloat16,
                           torch.float16: mx.float16}[torch_dtype])
+        if bits:
+            quantize_module(module, bits)
         mx.eval(module.parameters())
         timings["weights"] = time.perf_counter() - t0
     except Exception as exc:
@@ -139,7 +161,7 @@ def load_mlx(model: str | None, *, dtype: str = "auto", artifacts: ArtifactCache
         weights_id=weights_id, tokenizer_id=tokenizer_identity(tokenizer),
         eos_token_ids=eos_ids(wrapped, tokenizer),
         max_context=int(getattr(text, "max_position_embeddings", 0) or 4096),
-        load_seconds=timings, weights="full", engine="mlx",
+        load_seconds=timings, weights=weights if bits else "full", engine="mlx",
     )
     loaded.artifact = lease
     return loaded
