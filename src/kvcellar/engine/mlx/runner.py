@@ -39,7 +39,6 @@ class MLXRunner:
         self.num_layers = len(self.text.layers)
         self.paths_seen: set[str] = set()
         self.threads = 1  # MLX schedules its own threads
-        self.decode_threads = 1
         self.stats = RunnerStats(decode_threads=1)
 
     def set_decode_threads(self, n: int) -> None:
