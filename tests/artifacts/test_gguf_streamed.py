@@ -8,6 +8,7 @@ whole model (the way entries were prepared before).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -323,8 +324,12 @@ def test_preparing_holds_a_tensor_and_a_shard_not_the_model(tmp_path: Path) -> N
     shard = 32 << 20
     out = tmp_path / "out"
     out.mkdir()
+    # glibc raises its mmap threshold as large blocks are freed, after which freed chunks stay
+    # resident or not by the order of allocations (tens of MiB between runs): a fixed
+    # threshold makes the figure what the preparation holds, not the allocator's history.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     run = subprocess.run([sys.executable, "-c", CHILD, str(warm), str(big), str(out), str(shard)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     grew = json.loads(run.stdout.strip().splitlines()[-1])
     mib = {k: round(v / 2**20) for k, v in grew.items()}
