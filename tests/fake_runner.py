@@ -111,12 +111,13 @@ class Driver:
     def attach(self, tier: KVTier, policy: str = "write_through") -> None:
         self.lower.attach(tier, policy)
 
-    def submit(self, prompt: Seq[int], max_tokens: int = 4, salt: str | None = None) -> Sequence:
+    def submit(self, prompt: Seq[int], max_tokens: int = 4, salt: str | None = None,
+               tenant: str | None = None) -> Sequence:
         self._ids += 1
         seq = Sequence(seq_id=self._ids, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=SamplingParams(max_tokens=max_tokens), root=root_digest("fake", salt),
                        emit=lambda _e: None, detokenizer=None, stop_matcher=None,  # type: ignore[arg-type]
-                       eos_token_ids=frozenset())
+                       eos_token_ids=frozenset(), tenant=tenant)
         self._max_tokens[seq.seq_id] = max_tokens
         self.sched.add(seq)
         return seq

@@ -93,6 +93,31 @@ def test_no_room_keeps_arrival_order_and_reserves_the_whole_prompt() -> None:
     driver.assert_no_leaks()
 
 
+def test_tenants_are_admitted_in_turn() -> None:
+    """Two slots: alice's backlog fills them, in arrival order; when one frees, bob's request
+    (sent after all of hers) is admitted before her third. With both waiting from the start,
+    a slot goes to each."""
+    driver = Driver(num_blocks=64, max_num_seqs=2)
+    alice = [driver.submit([i + 1] * 3, 2 + 4 * i, tenant="alice") for i in range(4)]
+    driver.step()
+    assert [s.state for s in alice] == [SeqState.RUNNING] * 2 + [SeqState.WAITING] * 2
+    bob = driver.submit([9, 9], 2, tenant="bob")
+    while alice[0].seq_id not in driver.done:
+        driver.step()
+    driver.step()
+    assert bob.state != SeqState.WAITING and alice[2].state == SeqState.WAITING
+    driver.run()
+    assert [driver.done[s.seq_id] for s in alice] == [reference([i + 1] * 3, 2 + 4 * i) for i in range(4)]
+    assert driver.done[bob.seq_id] == reference([9, 9], 2)
+    driver.assert_no_leaks()
+
+    both = [driver.submit([5] * 3, 3, tenant="alice") for _ in range(3)] + [driver.submit([6], 3, tenant="bob")]
+    driver.step()
+    assert [s.state for s in both] == [SeqState.RUNNING, SeqState.WAITING, SeqState.WAITING, SeqState.RUNNING]
+    driver.run()
+    driver.assert_no_leaks()
+
+
 def test_a_fully_cached_prompt_on_a_block_boundary_recomputes_one_token_in_a_copy() -> None:
     driver = Driver()
     prompt = list(range(10, 18))  # exactly 2 blocks

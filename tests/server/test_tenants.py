@@ -7,6 +7,7 @@ key settings stop the server before it starts; the names and origins it was give
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from kvcellar.cli import main
+from kvcellar.server.tenants import TurnTaking
 from tests._models import stand_in_args
 from tests.helpers import ServerProcess, wait_until
 
@@ -142,3 +144,26 @@ def test_allowed_hosts_and_origins_are_answered_with_cors(tenants_server: Server
     assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "http://localhost:5173"
     assert httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"},
                      timeout=30).status_code == 403
+
+
+def test_the_tokenizer_thread_takes_tenants_in_turn() -> None:
+    """Alice's three queued jobs and bob's one, behind a running job: bob's runs second, not
+    last; a job cancelled before it starts never runs; closing cancels what waits."""
+    worker = TurnTaking("test-turns")
+    ran: list[str] = []
+    gate = threading.Event()
+    first = worker.submit(None, gate.wait)
+    jobs = [worker.submit(who, lambda name=f"{who}{i}": ran.append(name))
+            for who, i in [("alice", 1), ("alice", 2), ("alice", 3), ("bob", 1)]]
+    dropped = worker.submit("carol", lambda: ran.append("carol"))
+    assert dropped.cancel()
+    gate.set()
+    for job in [first, *jobs]:
+        job.result(timeout=30)
+    assert ran == ["alice1", "bob1", "alice2", "alice3"]
+    gate.clear()
+    worker.submit(None, gate.wait)
+    waiting = worker.submit("bob", lambda: ran.append("late"))
+    worker.close()
+    gate.set()
+    assert waiting.cancelled() and ran[-1] == "alice3"

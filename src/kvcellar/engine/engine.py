@@ -144,10 +144,12 @@ class Engine:
         cache_salt: str | None = None,
         stream: EventStream | None = None,
         history_tokens: int | None = None,
+        tenant: str | None = None,
     ) -> RequestHandle:
         """Queue a completion of ``prompt_ids``; its events arrive on the returned stream.
         ``history_tokens``: a chat prompt's tokens before its generation prompt (the part the
-        conversation's next turn repeats), where a hybrid model also keeps a snapshot."""
+        conversation's next turn repeats), where a hybrid model also keeps a snapshot.
+        ``tenant``: who asks (an API key's name), for fair admission between tenants."""
         if not self._accepting:
             raise EngineStoppedError("the engine is shutting down")
         try:
@@ -175,6 +177,7 @@ class Engine:
             constraint=(self.grammars.constraint(params.grammar, params.max_tokens)
                         if params.grammar is not None else None),
             history_tokens=history_tokens if history_tokens is not None and 0 < history_tokens < len(prompt) else None,
+            tenant=tenant,
         )
         self._inbox.put(_Add(seq))
         self._wake.set()

@@ -12,9 +12,11 @@ for a next token, so prefill takes bigger, more efficient chunks):
 4. waiting sequences are admitted in arrival order while budget and sequence slots allow
    and the prefix cache finds them room (``cache/prefix_cache.py``: what a sequence reuses,
    reserves and loads is decided there; the scheduler acts on the ``Admission`` it gets
-   back). A deferred sequence (its next block is being computed or read by another)
-   keeps its place for the next step; one with no room stops admission, to keep arrival
-   order;
+   back). With several tenants (API keys) waiting, the next is the earliest of the tenant
+   with the fewest sequences admitted, so one key's backlog does not hold another's
+   requests behind it. A deferred sequence (its next block is being computed or read by
+   another) keeps its place for the next step; one with no room stops admission, to keep
+   the order;
 5. waiting sequences that were not admitted may start reading their next blocks from a
    lower tier now (prefetch, ``cache/prefetch.py``), so the read overlaps this step's
    compute.
@@ -28,6 +30,7 @@ Threading: not thread-safe; only the engine thread calls in.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -202,18 +205,22 @@ class Scheduler:
                 budget -= prefills[-1].length
 
         deferred: list[Sequence] = []
+        admitted = collections.Counter(s.tenant for s in itertools.chain(self.running, self.loading))
         try:
             while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
-                seq = self.in_hand = self.waiting.popleft()
+                at = self._next_waiting(admitted)
+                seq = self.in_hand = self.waiting[at]
+                del self.waiting[at]
                 reserve = sum(1 for s in self.running if not s.in_prefill)
                 admission = self.cache.admit(seq, reserve=reserve, crowded=bool(self.running or self.loading))
-                if admission is Admission.NO_ROOM:  # keep arrival order, try next step
-                    self.waiting.appendleft(seq)
+                if admission is Admission.NO_ROOM:  # keep the order, try next step
+                    self.waiting.insert(at, seq)
                     break
                 if admission is Admission.DEFERRED:
                     deferred.append(seq)
                     continue
                 self.stats.admitted += 1
+                admitted[seq.tenant] += 1
                 if admission is Admission.LOADING:
                     seq.state = SeqState.LOADING
                     continue
@@ -229,6 +236,22 @@ class Scheduler:
         if not decodes and not prefills and not verifies:
             return None
         return StepPlan(decodes, prefills, verifies)
+
+    def _next_waiting(self, admitted: collections.Counter[str | None]) -> int:
+        """Where in ``waiting`` the next sequence to admit is: the first of the tenant with the
+        fewest sequences admitted (the head when one tenant waits)."""
+        best, fewest = 0, -1
+        seen: set[str | None] = set()
+        for i, seq in enumerate(self.waiting):
+            if seq.tenant in seen:
+                continue
+            seen.add(seq.tenant)
+            n = admitted[seq.tenant]
+            if fewest < 0 or n < fewest:
+                best, fewest = i, n
+                if n == 0:
+                    break
+        return best
 
     def _drafts(self, decodes: list[Scheduled], budget: int) -> tuple[list[Scheduled], list[Scheduled]]:
         """The decodes that verify a draft this step (engine/speculation.py chooses which, and how

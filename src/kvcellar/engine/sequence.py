@@ -146,6 +146,7 @@ class Sequence:
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # grammar state (structured outputs)
     arrival: float = field(default_factory=time.monotonic)
+    tenant: str | None = None  # the API key's name: admission takes tenants in turn
     state: SeqState = SeqState.WAITING
     blocks: list[Block] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool

@@ -97,16 +97,18 @@ class Generation:
         return sum(1 for c in self.choices if c.finish_reason is None)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-               cache_salt: str | None, history_tokens: int | None = None, arrived: float | None = None) -> None:
+               cache_salt: str | None, history_tokens: int | None = None, arrived: float | None = None,
+               tenant: str | None = None) -> None:
         """Submit ``len(params)`` choices of each prompt, prompt-major. If one submission
         fails, the ones before it are cancelled and the error propagates. ``arrived``: when the
-        request came (monotonic); its first-token timeout counts from then."""
+        request came (monotonic); its first-token timeout counts from then. ``tenant``: the
+        API key's name (admission takes tenants in turn)."""
         deadline = (time.monotonic() if arrived is None else arrived) + self.timeouts.first_token
         try:
             for p, prompt in enumerate(prompts):
                 for sp in params:
                     handle = self.engine.submit(prompt, sp, cache_salt=cache_salt, stream=self._stream,
-                                                history_tokens=history_tokens)
+                                                history_tokens=history_tokens, tenant=tenant)
                     choice = Choice(len(self.choices), p, handle, deadline)
                     self.choices.append(choice)
                     self._by_seq[handle.seq_id] = choice

@@ -24,7 +24,6 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -97,7 +96,7 @@ class Serving:
         self.fingerprint = "fp_" + engine.fingerprint[:12]
         self.tokens = TokenTexts(engine.tokenizer)
         self.inflight = Inflight()
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvcellar-tokenize")
+        self._tokenizer_thread = tenants.TurnTaking("kvcellar-tokenize")
         self.tool_prompting = ToolPrompting.probe(engine.tokenizer)
         self.reasons = template_markup(getattr(engine.tokenizer, "chat_template", None))
         # a hybrid model keeps a snapshot where a chat's messages end, before this suffix
@@ -105,7 +104,7 @@ class Serving:
         self._unknown_model_logged = FirstSeen()
 
     def close(self) -> None:
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_thread.close()
 
     # ---- shared checks ------------------------------------------------------------------
 
@@ -122,10 +121,10 @@ class Serving:
 
     async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn`` on the one tokenizer thread (the request's CPU work before the engine: off the
-        event loop). Within the request's first-token timeout, counted from its arrival, and only
-        while its client is there: a job not started yet is dropped when either ends."""
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+        event loop), the tenants' jobs in turn. Within the request's first-token timeout, counted
+        from its arrival, and only while its client is there: a job not started yet is dropped
+        when either ends."""
+        job = asyncio.wrap_future(self._tokenizer_thread.submit(tenants.owner(), lambda: fn(*args, **kwargs)))
         clock = started.get()
         limit = min(self.config.first_token_timeout, (clock and clock.first_token_timeout) or math.inf)
         try:
@@ -421,7 +420,7 @@ class Serving:
         try:
             clock = started.get()
             gen.submit(prompts, params, tenants.cache_salt(ireq.cache_salt), ireq.history_tokens,
-                       None if clock is None else clock.arrived)
+                       None if clock is None else clock.arrived, tenants.owner())
             if not ireq.stream:
                 return await until_disconnect(self._collect(gen, renderer), receive)
             streaming = await self._start_stream(gen, renderer, receive)

@@ -14,17 +14,30 @@ it.
 
 ``ApiGate`` identifies the tenant of each request and sets ``current`` (and ``shared``) for the
 task that serves it; what runs inside reads them.
+
+Tenants also take turns: ``--max-inflight-per-key`` caps one key's requests in flight, the
+tokenizer thread (``TurnTaking``) runs the jobs of the tenants waiting one each in turn, and
+the scheduler admits the waiting sequence of the tenant with the fewest admitted
+(``engine/scheduler.py``), so one key's backlog of long prompts does not hold another's
+requests behind it.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 SHARED_HEADER = b"x-kvcellar-cache"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -117,3 +130,60 @@ def read_key_file(path: Path) -> dict[str, str]:
     if not keys:
         raise ValueError(f"api key file {path}: no keys in it")
     return keys
+
+
+class TurnTaking:
+    """One worker thread whose queue is a queue per tenant: each tenant's jobs in their order,
+    the tenants with jobs waiting served one job each in turn. A job cancelled before it starts
+    is dropped; ``close`` cancels what has not started."""
+
+    def __init__(self, name: str) -> None:
+        # tenant -> its jobs; the dict's order is the turn order
+        self._queues: dict[str | None, collections.deque[tuple[Future[Any], Callable[[], Any]]]] = {}
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tenant: str | None, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the worker is closed")
+            self._queues.setdefault(tenant, collections.deque()).append((future, fn))
+            self._ready.notify()
+        return future
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            for jobs in self._queues.values():
+                for future, _ in jobs:
+                    future.cancel()
+            self._queues.clear()
+            self._ready.notify()
+
+    def _next(self) -> tuple[Future[Any], Callable[[], Any]] | None:
+        with self._ready:
+            while not self._queues and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                return None
+            tenant = next(iter(self._queues))
+            jobs = self._queues.pop(tenant)
+            job = jobs.popleft()
+            if jobs:  # its next job waits for the others' turns
+                self._queues[tenant] = jobs
+            return job
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
