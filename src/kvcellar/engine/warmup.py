@@ -145,7 +145,7 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
                 engine.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
                 budget.charge(time.perf_counter() - start, tokens, [r.prompt for r in wave])
                 steps += int(engine.stats.steps - before)
-            if engine.config.decode_threads == 0:
+            if engine.config.decode_threads == 0 and engine.runner.threads > 1:  # else no choice to make
                 prompt = filler[: max(1, min(len(filler), engine.pool_tokens // 8))]
                 if budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
                     steps += _calibrate_decode_threads(engine, prompt)
