@@ -8,21 +8,20 @@ before it, with ``--max-body-mb-in-flight 8`` (bodies held at once) and
 ``--max-stored-responses-mb 8`` (conversations kept). The counts are the issue's scaled to
 half a minute of this suite on 2 cores (a stored response costs ~0.1 s, a distinct schema
 ~0.2 s); the bounds they press on are checked at full scale without a server
-(tests/server/test_responses.py, tests/engine/test_constraints.py, tests/server/test_units.py).
+(tests/server/test_responses.py, tests/engine/test_constraints.py, tests/server/test_units.py),
+and benchmarks/bench_floods.py sends the issue's full counts to a server.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests._models import stand_in_args
+from tests.floods import distinct_schemas, peak_rss, send_all, stored_responses, token_counts, unknown_tools
 from tests.helpers import ServerProcess, wait_until
 
 FLOOD_BOUND = 1 << 30
@@ -40,72 +39,27 @@ def flooded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         server.stop()
 
 
-def peak_rss(server: ServerProcess) -> int:
-    """The server process's peak resident set so far, bytes."""
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
-
-
 def answered_normally(server: ServerProcess) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
 
 
-async def _send_all(url: str, bodies: list[tuple[str, bytes]], concurrency: int) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(path: str, body: bytes) -> httpx.Response:
-            async with gate:
-                return await client.post(path, content=body, headers={"Content-Type": "application/json"})
-
-        return await asyncio.gather(*(one(path, body) for path, body in bodies))
-
-
-def send_all(server: ServerProcess, bodies: list[tuple[str, bytes]], concurrency: int = 8) -> list[httpx.Response]:
-    return asyncio.run(_send_all(server.url, bodies, concurrency))
-
-
 def test_floods_of_what_any_client_may_send_stay_within_the_bound(flooded: ServerProcess) -> None:
     answered_normally(flooded)
-    before = peak_rss(flooded)
-
-    # 100 stored responses, each with the largest metadata the API allows.
-    metadata = {f"key{i:02d}" + "k" * 58: "v" * 512 for i in range(16)}
-    stored = [("/v1/responses", json.dumps({"model": MODEL, "input": f"Reply {i}.", "metadata": metadata,
-                                            "max_output_tokens": 1, "store": True}).encode()) for i in range(100)]
-    assert {r.status_code for r in send_all(flooded, stored)} == {200}
-
-    # 10,000 tool types this server ignores (hosted tools, Anthropic server tools), 100 a request.
-    hosted = [("/v1/responses/input_tokens", json.dumps({
-        "model": MODEL, "input": "hi", "tools": [{"type": f"hosted_{i}_{j}" + "x" * 200} for j in range(100)],
-    }).encode()) for i in range(50)]
-    server_tools = [("/v1/messages/count_tokens", json.dumps({
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"type": f"server_{i}_{j}" + "x" * 200, "name": f"t{j}"} for j in range(100)]}).encode())
-        for i in range(50)]
-    assert {r.status_code for r in send_all(flooded, hosted + server_tools)} == {200}
-
-    # 100 distinct schemas of ~6 KB each, compiled into grammars.
-    schemas = [("/v1/chat/completions", json.dumps({
-        "model": MODEL, "messages": [{"role": "user", "content": "Fill it in."}], "max_tokens": 1,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-            "type": "object", "properties": {f"field_{i}_{j}_" + "p" * 40: {"type": "string"} for j in range(60)}}}},
-    }).encode()) for i in range(100)]
-    assert {r.status_code for r in send_all(flooded, schemas)} == {200}
-
-    # 500 concurrent token counts of 200 KB each: 100 MB offered at once; the gate holds 8 MB.
-    big = [("/v1/messages/count_tokens", json.dumps({
-        "model": MODEL, "messages": [{"role": "user", "content": f"{i} " + "lorem ipsum " * 17_000}]}).encode())
-        for i in range(500)]
-    counted = send_all(flooded, big, concurrency=500)
+    pid = flooded.proc.pid
+    before = peak_rss(pid)
+    assert {r.status_code for r in send_all(flooded.url, stored_responses(MODEL, 100))} == {200}
+    # 10,000 tool types
+    assert {r.status_code for r in send_all(flooded.url, unknown_tools(MODEL, 100))} == {200}
+    assert {r.status_code for r in send_all(flooded.url, distinct_schemas(MODEL, 100))} == {200}
+    # 500 at once, 100 MB offered; the gate holds 8 MB
+    counted = send_all(flooded.url, token_counts(MODEL, 500), concurrency=500)
     statuses = [r.status_code for r in counted]
     assert set(statuses) <= {200, 503} and statuses.count(200) >= 20 and statuses.count(503) >= 100, statuses
     assert all(r.headers["retry-after"] == "1" for r in counted if r.status_code == 503)
 
-    grown = peak_rss(flooded) - before
+    grown = peak_rss(pid) - before
     print(f"floods: peak RSS {before / 2**20:.0f} -> {(before + grown) / 2**20:.0f} MiB; token counts: "
           f"{statuses.count(200)} answered, {statuses.count(503)} refused")
     assert grown < FLOOD_BOUND, f"peak RSS grew {grown / 2**20:.0f} MiB"
