@@ -13,7 +13,7 @@ import pytest
 
 from kvcellar.cache.prefix_cache import Admission
 from kvcellar.cache.tiering import LowerTierLink
-from kvcellar.engine.sequence import SeqState
+from kvcellar.engine.sequence import SeqState, Sequence
 from kvcellar.storage.disk.config import DiskConfig
 from kvcellar.storage.disk.tier import DiskTier
 from tests.fake_runner import VOCAB, Driver, reference
@@ -115,6 +115,28 @@ def test_tenants_are_admitted_in_turn() -> None:
     driver.step()
     assert [s.state for s in both] == [SeqState.RUNNING, SeqState.WAITING, SeqState.WAITING, SeqState.RUNNING]
     driver.run()
+    driver.assert_no_leaks()
+
+
+def test_a_full_pool_preempts_the_tenant_holding_the_most() -> None:
+    """Alice's two growing sequences and bob's small one, admitted last, fill the pool: room is
+    taken from alice's, not from bob's (the most recently admitted), and all finish exactly."""
+    driver = Driver(num_blocks=9, max_num_seqs=4, max_step_tokens=64)  # 8 usable blocks
+    preempted: list[str | None] = []
+    preempt = driver.sched._preempt
+
+    def recorded(seq: Sequence) -> None:
+        preempted.append(seq.tenant)
+        preempt(seq)
+
+    driver.sched._preempt = recorded  # type: ignore[method-assign]
+    alice = [driver.submit([i + 1] * 6, 14, tenant="alice") for i in range(2)]  # 5 blocks each in the end
+    driver.step()
+    bob = driver.submit([3, 3], 14, tenant="bob")  # 4 blocks in the end
+    driver.run()
+    assert preempted and set(preempted) == {"alice"}
+    assert [driver.done[s.seq_id] for s in alice] == [reference([i + 1] * 6, 14) for i in range(2)]
+    assert driver.done[bob.seq_id] == reference([3, 3], 14)
     driver.assert_no_leaks()
 
 

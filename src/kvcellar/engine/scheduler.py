@@ -7,7 +7,8 @@ for a next token, so prefill takes bigger, more efficient chunks):
 1. sequences whose lower-tier loads are over join the running batch;
 2. every running sequence that is decoding gets one token (decodes never wait behind a
    prefill); a decode that needs a new block and finds none preempts the most recently
-   admitted sequence (its full blocks stay in the prefix cache, so resuming is cheap);
+   admitted sequence of the tenant holding the most blocks (its full blocks stay in the
+   prefix cache, so resuming is cheap);
 3. sequences in the middle of a prefill continue with a chunk of what budget is left;
 4. waiting sequences are admitted in arrival order while budget and sequence slots allow
    and the prefix cache finds them room (``cache/prefix_cache.py``: what a sequence reuses,
@@ -300,7 +301,7 @@ class Scheduler:
         Returns False if ``seq`` itself had to be preempted."""
         needed = self.cache.missing(seq)
         while needed > self.cache.available():
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             planned[:] = [p for p in planned if p.seq is not victim]
             if victim is seq:
@@ -308,6 +309,16 @@ class Scheduler:
         if needed > 0:
             self.cache.grow(seq, needed)
         return True
+
+    def _victim(self) -> Sequence:
+        """The sequence to preempt: the most recently admitted of the tenant holding the most
+        blocks (the most recently admitted when one tenant runs), so a tenant short of room
+        takes it from its own backlog before another's."""
+        held: collections.Counter[str | None] = collections.Counter()
+        for seq in self.running:
+            held[seq.tenant] += len(seq.blocks)
+        tenant = max(held, key=held.__getitem__)
+        return next(seq for seq in reversed(self.running) if seq.tenant == tenant)
 
     # ---- after the forward ----------------------------------------------------------------
 
