@@ -140,6 +140,42 @@ def test_a_full_pool_preempts_the_tenant_holding_the_most() -> None:
     driver.assert_no_leaks()
 
 
+def test_a_short_prompt_behind_a_long_prefill_starts_at_once() -> None:
+    """A 6-token prompt sent while a 200-token prompt is in prefill (32 tokens a step) gets its
+    first token in the next step, which keeps the long prefill going with the rest; a third
+    prompt, shorter than the long one's rest, is then computed first (fewest tokens left
+    first). Every output is the reference model's."""
+    driver = Driver(max_step_tokens=32, num_blocks=128)  # room for all three prompts
+    long = driver.submit([i % 50 + 1 for i in range(200)], 3)
+    driver.step()
+    assert long.num_computed == 32
+    short = driver.submit([7, 8, 9, 7, 8, 9], 3)
+    driver.step()
+    assert len(short.output_ids) == 1 and long.num_computed == 32 + 26 and long.in_prefill
+    medium = driver.submit([5] * 60, 2)
+    driver.step()  # the short one decodes; the medium one is admitted with half the rest
+    assert medium.num_computed == 15 and long.num_computed == 58 + 16
+    driver.step()  # the medium one has fewer tokens left: it goes first, with all the budget left
+    assert medium.num_computed == 15 + 31 and long.num_computed == 74
+    driver.run()
+    for seq, (prompt, n) in ((long, ([i % 50 + 1 for i in range(200)], 3)), (short, ([7, 8, 9, 7, 8, 9], 3)),
+                             (medium, ([5] * 60, 2))):
+        assert driver.done[seq.seq_id] == reference(prompt, n)
+    driver.assert_no_leaks()
+
+    # No room for the waiting prompt (63 usable blocks, the long one holds 51): the long prefill
+    # gets back the half kept for it.
+    tight = Driver(max_step_tokens=32)
+    again = tight.submit([i % 50 + 1 for i in range(200)], 3)
+    tight.step()
+    waiting = tight.submit([6] * 60, 2)
+    tight.step()
+    assert waiting.state == SeqState.WAITING and again.num_computed == 64
+    tight.run()
+    assert tight.done[waiting.seq_id] == reference([6] * 60, 2)
+    tight.assert_no_leaks()
+
+
 def test_a_fully_cached_prompt_on_a_block_boundary_recomputes_one_token_in_a_copy() -> None:
     driver = Driver()
     prompt = list(range(10, 18))  # exactly 2 blocks

@@ -9,7 +9,10 @@ for a next token, so prefill takes bigger, more efficient chunks):
    prefill); a decode that needs a new block and finds none preempts the most recently
    admitted sequence of the tenant holding the most blocks (its full blocks stay in the
    prefix cache, so resuming is cheap);
-3. sequences in the middle of a prefill continue with a chunk of what budget is left;
+3. sequences in the middle of a prefill continue with a chunk of what budget is left, the
+   one with the fewest tokens left first; while a slot is free and the next waiting prompt is
+   shorter than a running prefill's rest, up to half the budget is kept for admitting it, so
+   a short request behind a long prompt starts at once;
 4. waiting sequences are admitted in arrival order while budget and sequence slots allow
    and the prefix cache finds them room (``cache/prefix_cache.py``: what a sequence reuses,
    reserves and loads is decided there; the scheduler acts on the ``Admission`` it gets
@@ -198,15 +201,12 @@ class Scheduler:
             budget -= sum(len(v.draft) for v in verifies)
         self.in_hand = None
 
-        for seq in self.running:
-            if budget <= 0:
-                break
-            if seq.in_prefill:
-                prefills.append(self._chunk(seq, budget))
-                budget -= prefills[-1].length
+        admitted = collections.Counter(s.tenant for s in itertools.chain(self.running, self.loading))
+        prefilling = sorted((s for s in self.running if s.in_prefill), key=lambda s: s.num_tokens - s.num_computed)
+        kept = self._admission_reserve(budget, prefilling, admitted)
+        budget = self._continue_prefills(prefilling, prefills, budget, kept)
 
         deferred: list[Sequence] = []
-        admitted = collections.Counter(s.tenant for s in itertools.chain(self.running, self.loading))
         try:
             while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
                 at = self._next_waiting(admitted)
@@ -231,12 +231,46 @@ class Scheduler:
             self.in_hand = None
         finally:  # an exception is the sequence in hand's alone: the deferred keep their place
             self.waiting.extendleft(reversed(deferred))
+        if kept and budget > 0:  # what admission left (no room, a load, a shorter prompt) goes back
+            budget = self._continue_prefills(prefilling, prefills, budget)
         if self.waiting:
             self.cache.prefetch_for(self.waiting, reserve=len(self.running))
 
         if not decodes and not prefills and not verifies:
             return None
         return StepPlan(decodes, prefills, verifies)
+
+    def _continue_prefills(self, prefilling: list[Sequence], prefills: list[Scheduled], budget: int,
+                           kept: int = 0) -> int:
+        """Chunks for ``prefilling`` (fewest tokens left first) within ``budget`` less ``kept``,
+        growing those already in ``prefills``; returns the budget left."""
+        given = {item.seq.seq_id: i for i, item in enumerate(prefills)}
+        for seq in prefilling:
+            if budget - kept <= 0:
+                break
+            i = given.get(seq.seq_id)
+            had = 0 if i is None else prefills[i].length
+            more = min(budget - kept, seq.num_tokens - seq.num_computed - had)
+            if more <= 0:
+                continue
+            item = self._chunk(seq, had + more)
+            if i is None:
+                prefills.append(item)
+            else:
+                prefills[i] = item
+            budget -= more
+        return budget
+
+    def _admission_reserve(self, budget: int, prefilling: list[Sequence],
+                           admitted: collections.Counter[str | None]) -> int:
+        """The step's tokens kept from running prefills for the sequence admitted next: while a
+        slot is free and its prompt is shorter than what a running prefill has left, up to half
+        the budget, so it starts now instead of after the long prefill (which keeps the rest)."""
+        if not prefilling or not self.waiting or len(self.running) + len(self.loading) >= self.max_num_seqs:
+            return 0
+        prompt = self.waiting[self._next_waiting(admitted)].num_tokens
+        longest = prefilling[-1].num_tokens - prefilling[-1].num_computed
+        return min(budget // 2, prompt) if prompt < longest else 0
 
     def _next_waiting(self, admitted: collections.Counter[str | None]) -> int:
         """Where in ``waiting`` the next sequence to admit is: the first of the tenant with the
