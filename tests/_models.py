@@ -123,8 +123,10 @@ def assert_generates_like_reference(reference: Any, loaded: LoadedModel, prompt:
     engine.shutdown(10)
 
 
-def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any) -> LoadedModel:
-    """A small random-weight model of a transformers architecture, with ``tokenizer``."""
+def tiny_model(arch: str, tokenizer: Any, name: str | None = None, dtype: torch.dtype = torch.float32,
+               **config: Any) -> LoadedModel:
+    """A small random-weight model of a transformers architecture, with ``tokenizer``, its
+    weights drawn in float32 and then cast to ``dtype``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = {
@@ -149,6 +151,7 @@ def tiny_model(arch: str, tokenizer: Any, name: str | None = None, **config: Any
     # Random weights produce near-uniform logits; sharpen them so greedy paths are stable.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+    model.to(dtype)
     model.generation_config.eos_token_id = None
     return wrap_model(model, tokenizer, name=name or f"tiny-{arch}")
 

@@ -17,7 +17,6 @@ from torch import nn
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
-from kvcellar.engine.warmup import warm_up
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
@@ -339,7 +338,6 @@ def test_a_float32_model_with_bf16_kernels_is_lean_and_every_prefix_path_agrees(
     assert lean and all(m._dense is None and m.kernel_dtype == torch.bfloat16 for m in lean)
     x = torch.randn(3, lean[0].in_features)
     assert lean[0].quantized_kernel(x).dtype == torch.float32 and lean[0](x).dtype == torch.float32
-    warm_up(engine)
 
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
     uncached = uncached_runner(loaded, params)
