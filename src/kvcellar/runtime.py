@@ -208,8 +208,10 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     weights = "full" if cfg.engine == "mlx" and cfg.weights == "auto" else cfg.weights
     precision = resolve_serving(cfg.dtype, weights, source, dev)
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
+    # a hybrid's drafts keep the state after each drafted row (``auto`` drafts where rows are exact)
+    draft_slots = cfg.speculative_max_tokens if cfg.speculative != "off" else 0
     return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
-                       state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots)
+                       state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots + draft_slots)
 
 
 def check_memory(settings: Settings) -> None:

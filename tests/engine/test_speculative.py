@@ -36,6 +36,9 @@ from tests._models import (
     assert_no_leaks,
     embedded,
     make_engine,
+    needs_native,
+    qwen35_gguf,
+    served_file,
     tiered,
     uncached_runner,
 )
@@ -236,15 +239,14 @@ def test_rejected_tokens_are_never_published(loaded, tmp_path: Path):
     restarted.shutdown()
 
 
-def test_a_hybrid_model_runs_without_drafts():
+def test_the_drafter_is_the_one_the_settings_ask_for():
     from kvcellar.engine.build import _drafter
     from kvcellar.engine.config import EngineConfig
 
-    assert _drafter(EngineConfig(speculative="ngram"), hybrid=True, exact=True) is None
-    assert _drafter(EngineConfig(), hybrid=True, exact=True) is None
-    assert _drafter(EngineConfig(), hybrid=False, exact=False) is None  # auto: not where rows round apart
-    assert getattr(_drafter(EngineConfig(), hybrid=False, exact=True), "mode", None) == "ngram"
-    assert isinstance(_drafter(EngineConfig(speculative="suffix"), hybrid=False, exact=False), Drafter)
+    assert _drafter(EngineConfig(), exact=False) is None  # auto: not where rows round apart
+    assert getattr(_drafter(EngineConfig(), exact=True), "mode", None) == "ngram"
+    assert _drafter(EngineConfig(speculative="off"), exact=True) is None
+    assert isinstance(_drafter(EngineConfig(speculative="suffix"), exact=False), Drafter)
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative="eagle").validate()
     with pytest.raises(ValueError, match="speculative_max_tokens"):
@@ -365,3 +367,33 @@ def test_recent_outputs_are_kept_per_root_and_a_damaged_file_is_rebuilt(tmp_path
     assert RecentOutputs(path).get(b"tenant-a").draft([7, 8], 4) == [9, 10]
     path.write_bytes(path.read_bytes()[:-5])  # cut short
     assert RecentOutputs(path).load_error is not None
+
+
+@needs_native
+def test_a_hybrid_models_drafts_give_the_plain_decoding_and_its_turns_resume_from_them():
+    """Qwen3.5's linear-attention state is taken back to the last row the model agreed with
+    (drafts verified whole, most of them partly rejected), a checkpoint at a block boundary
+    crossed inside a verification is the state after that row: greedy tokens and logprobs are
+    the plain decoding's, in a batch, and the next turn (prompt + reply) resumes from the
+    snapshot the speculative generation left, to the uncached bits."""
+    loaded = served_file(qwen35_gguf(), "auto")
+    assert loaded.weights in ("int4", "int8")
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True)
+    cycle = list(range(40, 70))
+    prompts = [cycle * 3 + cycle[:7], [5, 6, 7, 8] * 12, list(range(100, 160)), cycle[::-1] * 2]
+    uncached = uncached_runner(loaded, params, speculative="off")
+    engine = speculative(loaded)
+    states = engine.scheduler.cache.states
+    assert states is not None and states.draft_slots == engine.config.speculative_max_tokens
+    results = engine.generate(prompts, params)
+    for result, ref in zip(results, uncached.many(prompts), strict=True):
+        assert_identical_output(result, ref)
+    verifies, drafted, accepted = spec_counts(engine)
+    assert verifies > 0 and 0 < accepted < drafted
+    assert states.drafts_free == states.draft_slots
+    turns = [p + r.token_ids + [9, 10, 11] for p, r in zip(prompts, results, strict=True)]
+    for result, prompt, ref in zip(engine.generate(turns, params), turns, uncached.many(turns), strict=True):
+        assert result.num_cached_tokens > len(prompts[turns.index(prompt)])  # past the first prompt
+        assert_identical_output(result, ref)
+    assert_no_leaks(engine)
+    engine.shutdown(10)

@@ -15,6 +15,10 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
 * its history checkpoint: a chat prompt's state at the last boundary before its generation
   prompt (``history_point``), where the conversation's next turn resumes when its template
   renders the reply otherwise than the model wrote it;
+* a draft's row (``take_drafts``): the state after each drafted token but the last of a
+  speculative verification, one of which becomes the live state again when the model rejects
+  the tokens after it (the rows' slots are the pool's own, apart from the free ones: a
+  verification never takes a slot an admission or a snapshot needs);
 * or a stored snapshot: a checkpoint handed over when the prompt's prefill is done (the history
   one too), every ``snapshot_every_blocks`` blocks, and when the sequence is released (a
   generation's end: an agent's next turn starts right there), keyed by the digest of the block
@@ -119,19 +123,23 @@ def history_point(history_tokens: int | None, prompt_tokens: int, block_size: in
 
 class StatePool:
     def __init__(self, layout: StateLayout, slots: int, device: torch.device | str = "cpu", *,
-                 max_snapshots: int = 0) -> None:
+                 max_snapshots: int = 0, draft_slots: int = 0) -> None:
         """``slots``: live and checkpoint slots (two per sequence that may run at once); the
-        pool adds ``max_snapshots`` for the snapshots it keeps."""
+        pool adds ``max_snapshots`` for the snapshots it keeps and ``draft_slots`` for the rows
+        of a step's speculative verifications."""
         self.layout = layout
         self.max_snapshots = max_snapshots
-        self.slots = slots + max_snapshots
+        self.draft_slots = draft_slots
+        self.slots = slots + max_snapshots + draft_slots
         self.device = torch.device(device)
         lay = layout
         self.conv = torch.empty((lay.num_layers, self.slots, lay.conv_channels, lay.conv_kernel - 1),
                                 dtype=STATE_DTYPE, device=self.device)
         self.recurrent = torch.empty((lay.num_layers, self.slots, lay.heads, lay.key_dim, lay.value_dim),
                                      dtype=STATE_DTYPE, device=self.device)
-        self._free = list(range(self.slots - 1, -1, -1))
+        shared = self.slots - draft_slots
+        self._free = list(range(shared - 1, -1, -1))
+        self._drafts = list(range(self.slots - 1, shared - 1, -1))
         self._stored: OrderedDict[bytes, Snapshot] = OrderedDict()  # first = least recently used
         self.stats = StateStats(snapshot_bytes=layout.bytes_per_slot)
         self.on_evict: Callable[[bytes, Snapshot], None] | None = None  # before the slot is freed
@@ -144,7 +152,7 @@ class StatePool:
     @property
     def num_held(self) -> int:
         """Slots held by sequences (live or checkpoint)."""
-        return self.slots - len(self._free) - len(self._stored)
+        return self.slots - self.draft_slots - len(self._free) - len(self._stored)
 
     def acquire(self, zeroed: bool = True) -> int:
         """A slot; ``zeroed``: holding the state before a sequence's first token."""
@@ -159,9 +167,24 @@ class StatePool:
         return slot
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.slots:
+        if slot in self._free or not 0 <= slot < self.slots - self.draft_slots:
             raise AssertionError(f"state slot {slot} released but not held")
         self._free.append(slot)
+
+    @property
+    def drafts_free(self) -> int:
+        """Draft-row slots not taken this step."""
+        return len(self._drafts)
+
+    def take_drafts(self, n: int) -> tuple[int, ...]:
+        """``n`` draft-row slots (fewer if fewer are left), held until ``return_drafts``."""
+        return tuple(self._drafts.pop() for _ in range(min(n, len(self._drafts))))
+
+    def return_drafts(self, slots: tuple[int, ...]) -> None:
+        shared = self.slots - self.draft_slots
+        if any(s in self._drafts or not shared <= s < self.slots for s in slots):
+            raise AssertionError(f"draft slots {slots} returned but not taken")
+        self._drafts.extend(slots)
 
     def copy(self, src: int, dst: int) -> None:
         self.conv[:, dst].copy_(self.conv[:, src])

@@ -58,9 +58,19 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     # evict_only tiers store every evicted block; write_through ones those whose store was dropped.
     blocks.on_evict = lower.evicted
     state_layout = StateLayout.from_model_config(loaded.model.config)
-    states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots)
-              if state_layout is not None else None)
     quantized = loaded.take_quantized()
+    # A step's rows get a decode step's numbers where kvcellar's kernels compute them: the
+    # attention kernel (no soft-cap), and linears by the int4/int8 kernels or in bf16 (float32
+    # dense matmuls sum 1-7 rows otherwise than 8 or more: docs/performance.md).
+    # MLX: not measured, so not assumed.
+    exact = (pool.attends and bool(quantized or loaded.dtype == torch.bfloat16)
+             and not getattr(loaded.model.config.get_text_config(), "attn_logit_softcapping", None))
+    drafter = _drafter(cfg, exact=exact)
+    # a hybrid's verification keeps the state after each drafted row but the last
+    draft_slots = cfg.speculative_max_tokens if drafter is not None else 0
+    states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots,
+                        draft_slots=draft_slots)
+              if state_layout is not None else None)
     runner: StepRunner
     if mlx:
         from kvcellar.engine.mlx.runner import MLXRunner
@@ -69,14 +79,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     else:
         runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=quantized,
                              kernel_dtype=loaded.kernel_dtype, states=states)
-    # A step's rows get a decode step's numbers where kvcellar's kernels compute them: the
-    # attention kernel (no soft-cap), and linears by the int4/int8 kernels or in bf16 (float32
-    # dense matmuls sum 1-7 rows otherwise than 8 or more: docs/performance.md).
-    # MLX: not measured, so not assumed.
-    exact = (pool.attends and bool(quantized or loaded.dtype == torch.bfloat16)
-             and not getattr(loaded.model.config.get_text_config(), "attn_logit_softcapping", None))
-    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states,
-                          drafter=_drafter(cfg, hybrid=states is not None, exact=exact))
+    scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states, drafter=drafter)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
     descriptor = kv_descriptor(
@@ -97,18 +100,14 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
                        max_model_len, wake)
 
 
-def _drafter(cfg: EngineConfig, *, hybrid: bool, exact: bool) -> Drafter | None:
+def _drafter(cfg: EngineConfig, *, exact: bool) -> Drafter | None:
     """The drafter ``cfg.speculative`` asks for; ``exact``: a step's rows get the numbers a decode
     step gives them, which ``auto`` needs (elsewhere drafts change outputs by float rounding, as
     batching does there)."""
     mode = cfg.speculative
     if mode == "auto":
-        mode = "ngram" if exact and not hybrid else "off"
+        mode = "ngram" if exact else "off"
     if mode == "off":
-        return None
-    if hybrid:
-        log.warning("speculative decoding is off for this model: a rejected draft would advance its "
-                    "recurrent state, which has no way back")
         return None
     return Drafter(mode, cfg.speculative_max_tokens)
 

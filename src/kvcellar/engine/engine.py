@@ -385,6 +385,15 @@ class Engine:
         if plan is None:
             self.lower.flush()
             return False
+        try:
+            return self._run_step(plan)
+        finally:  # a hybrid's draft rows are the step's, whatever became of it
+            states = self.scheduler.cache.states
+            for item in plan.verifies:
+                if states is not None and item.rows_kept:
+                    states.return_drafts(item.rows_kept)
+
+    def _run_step(self, plan: StepPlan) -> bool:
         if self._suspects:
             plan = self._run_alone(plan)
         t0 = time.perf_counter()
@@ -452,7 +461,7 @@ class Engine:
         tokens took go back."""
         seq, draft = item.seq, item.draft
         cache = self.scheduler.cache
-        cache.commit(seq, item.start + 1)  # the KV of the last token, fed first
+        self._commit_verified(item, 0)  # the KV of the last token, fed first
         accepted = 0
         for i in range(len(draft) + 1):
             res = self._pick(seq, logits, greedy, row + i)
@@ -460,14 +469,29 @@ class Engine:
             if seq.state == SeqState.FINISHED or i == len(draft) or res.token_id != draft[i]:
                 break
             accepted += 1
-            cache.commit(seq, item.start + 2 + i)  # the draft's token i was right: its KV is
+            self._commit_verified(item, i + 1)  # the draft's token i was right: its KV is
         if seq.state != SeqState.FINISHED:
             cache.trim(seq)
+            if item.rows_kept and accepted < len(draft) and cache.states is not None and seq.state_slot is not None:
+                # the recurrent state back to after the last row the model agreed with
+                cache.states.copy(item.rows_kept[accepted], seq.state_slot)
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.verified(seq.seq_id, len(draft), accepted)
         self.stats.spec_verifies += 1
         self.stats.spec_drafted_tokens += len(draft)
         self.stats.spec_accepted_tokens += accepted
+
+    def _commit_verified(self, item: Scheduled, row: int) -> None:
+        """Commit ``item``'s tokens through its verification's ``row``. A hybrid's checkpoint at a
+        block boundary that row ends is the state after it, which the verification kept apart
+        (or the live state, after its last row)."""
+        seq, cache = item.seq, self.scheduler.cache
+        computed = item.start + 1 + row
+        states = cache.states
+        if (states is not None and item.rows_kept and seq.checkpoint_slot is not None
+                and seq.state_slot is not None and computed % cache.block_size == 0):
+            states.copy(item.rows_kept[row] if row < len(item.rows_kept) else seq.state_slot, seq.checkpoint_slot)
+        cache.commit(seq, computed)
 
     def _run_alone(self, plan: StepPlan) -> StepPlan:
         """The step of the first suspect in ``plan``, alone, if it holds one: the others of the plan

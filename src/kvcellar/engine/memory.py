@@ -76,8 +76,8 @@ class MemoryPlan:
 def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int,
                 state_slots: int = 0) -> MemoryPlan:
     """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4);
-    ``state_slots``: the recurrent-state slots a hybrid model's engine keeps (live, checkpoint
-    and snapshot ones)."""
+    ``state_slots``: the recurrent-state slots a hybrid model's engine keeps (live, checkpoint,
+    snapshot and draft-row ones)."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
     embedding = mxfp4 = 0

@@ -172,8 +172,6 @@ class ModelRunner:
             decode = DecodeBatch(len(tables), self._tensor(padded).view(len(tables), width), ctx, mask)
 
         spans: list[PrefillSpan] = []
-        if plan.verifies and recurrent is not None:
-            raise RuntimeError("a hybrid model's recurrent state cannot take back a draft's rejected tokens")
         for item in plan.verifies:  # a span like a prefill's, the draft after the last token; every row kept
             seq = item.seq
             start_idx = len(ids)
@@ -184,6 +182,13 @@ class ModelRunner:
             place(table, item.start, item.length)
             keep.extend(range(start_idx, len(ids)))
             spans.append(PrefillSpan(start_idx, item.length, context, self._tensor(table).view(1, -1)))
+            if recurrent is not None:  # the state after each row but the last kept apart (the engine
+                # takes it back to the last row the model agrees with, checkpoints from it)
+                if len(item.rows_kept) != len(item.draft):
+                    raise RuntimeError("a hybrid model's draft needs a state slot for each drafted token")
+                recurrent.spans.append((start_idx, item.length, _slot(seq)))
+                for row, slot in enumerate(item.rows_kept):
+                    recurrent.captures[start_idx + row] = slot
         for item in plan.prefills:
             seq = item.seq
             start_idx = len(ids)

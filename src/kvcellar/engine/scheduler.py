@@ -58,6 +58,9 @@ class Scheduled:
     # Speculative decoding: tokens drafted to follow the last one, fed after it (``length`` is
     # 1 + their count); every row is sampled, and the engine keeps those the model agrees with.
     draft: tuple[int, ...] = ()
+    # A hybrid model's verification: the state slots that keep the state after each of its rows
+    # but the last (``StatePool.take_drafts``), for the rows the model may reject.
+    rows_kept: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -120,8 +123,7 @@ class Scheduler:
             blocks, lower, enabled=config.prefix_caching, copy_block=copy_block,
             prefetch_pool_fraction=config.prefetch_pool_fraction, prefetch_max_reads=config.prefetch_max_reads,
             states=states, snapshot_every_blocks=config.snapshot_every_blocks)
-        # Speculative decoding (engine/speculation.py): None when off (and for hybrid models,
-        # whose recurrent state a rejected draft would advance).
+        # Speculative decoding (engine/speculation.py): None when off.
         self.drafter = drafter
 
     @property
@@ -305,6 +307,9 @@ class Scheduler:
                 candidates[id(item)] = (item, found)
         if not candidates:
             return decodes, []
+        states = self.cache.states
+        if states is not None:  # a hybrid's drafted token takes a draft-row slot
+            budget = min(budget, states.drafts_free)
         drafter.choose([c for _, c in candidates.values()], len(decodes), budget)
         plain: list[Scheduled] = []
         verifies: list[Scheduled] = []
@@ -318,11 +323,17 @@ class Scheduler:
             if not taken:
                 plain.append(item)
                 continue
+            kept = states.take_drafts(taken) if states is not None else ()
+            if states is not None and len(kept) < taken:  # (choose kept within them)
+                taken = len(kept)
+                if not taken:
+                    plain.append(item)
+                    continue
             draft = tuple(candidates[id(item)][1].draft[:taken])
             needed = self.cache.missing(seq, extra=len(draft))
             if needed > 0:
                 self.cache.grow(seq, needed)
-            verifies.append(Scheduled(seq, item.start, 1 + len(draft), True, draft))
+            verifies.append(Scheduled(seq, item.start, 1 + len(draft), True, draft, kept))
         return plain, verifies
 
     def _chunk(self, seq: Sequence, budget: int) -> Scheduled:
