@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.engine import SamplingParams
+from kvcellar.engine import SamplingParams, native
+from kvcellar.engine.config import STEP_HYBRID_VERIFIES
 from kvcellar.engine.speculation import (
     EXPLORE_EVERY,
     Candidate,
@@ -370,21 +371,26 @@ def test_recent_outputs_are_kept_per_root_and_a_damaged_file_is_rebuilt(tmp_path
 
 
 @needs_native
-def test_a_hybrid_models_drafts_give_the_plain_decoding_and_its_turns_resume_from_them():
-    """Qwen3.5's linear-attention state is taken back to the last row the model agreed with
-    (drafts verified whole, most of them partly rejected), a checkpoint at a block boundary
-    crossed inside a verification is the state after that row: greedy tokens and logprobs are
-    the plain decoding's, in a batch, and the next turn (prompt + reply) resumes from the
-    snapshot the speculative generation left, to the uncached bits."""
+@pytest.mark.parametrize("rule", ["kernel", "torch"])
+def test_a_hybrid_models_drafts_give_the_plain_decoding_and_its_turns_resume_from_them(rule, monkeypatch):
+    """Qwen3.5's linear-attention state is rewound to the last row the model agreed with (drafts
+    verified whole, most of them partly rejected), a checkpoint at a block boundary crossed
+    inside a verification is the state after that row: greedy tokens and logprobs are the plain
+    decoding's, in a batch of more sequences than a step verifies, and the next turn (prompt +
+    reply) resumes from the snapshot the speculative generation left, to the uncached bits. With
+    kvcellar's recurrence kernel, and with torch's (CUDA's path)."""
+    if rule == "torch":
+        monkeypatch.setattr(native, "runs_gated_delta", lambda device, value_dim: False)
     loaded = served_file(qwen35_gguf(), "auto")
     assert loaded.weights in ("int4", "int8")
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True)
     cycle = list(range(40, 70))
-    prompts = [cycle * 3 + cycle[:7], [5, 6, 7, 8] * 12, list(range(100, 160)), cycle[::-1] * 2]
+    prompts = [cycle * 3 + cycle[:7], [5, 6, 7, 8] * 12, list(range(100, 160)), cycle[::-1] * 2,
+               [9, 8, 7] * 15, cycle[5:] * 2]
     uncached = uncached_runner(loaded, params, speculative="off")
     engine = speculative(loaded)
     states = engine.scheduler.cache.states
-    assert states is not None and states.draft_slots == engine.config.speculative_max_tokens
+    assert states is not None and states.draft_slots == STEP_HYBRID_VERIFIES
     results = engine.generate(prompts, params)
     for result, ref in zip(results, uncached.many(prompts), strict=True):
         assert_identical_output(result, ref)

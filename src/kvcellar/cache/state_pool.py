@@ -15,10 +15,10 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
 * its history checkpoint: a chat prompt's state at the last boundary before its generation
   prompt (``history_point``), where the conversation's next turn resumes when its template
   renders the reply otherwise than the model wrote it;
-* a draft's row (``take_drafts``): the state after each drafted token but the last of a
-  speculative verification, one of which becomes the live state again when the model rejects
-  the tokens after it (the rows' slots are the pool's own, apart from the free ones: a
-  verification never takes a slot an admission or a snapshot needs);
+* the state before a speculative verification (``take_drafts``), from which the engine rewinds
+  the live state to the last drafted token the model agreed with (``ModelRunner.rewind``);
+  these slots are apart from the free ones, for a step's verifications only: one never takes
+  a slot an admission or a snapshot needs;
 * or a stored snapshot: a checkpoint handed over when the prompt's prefill is done (the history
   one too), every ``snapshot_every_blocks`` blocks, and when the sequence is released (a
   generation's end: an agent's next turn starts right there), keyed by the digest of the block
@@ -125,8 +125,8 @@ class StatePool:
     def __init__(self, layout: StateLayout, slots: int, device: torch.device | str = "cpu", *,
                  max_snapshots: int = 0, draft_slots: int = 0) -> None:
         """``slots``: live and checkpoint slots (two per sequence that may run at once); the
-        pool adds ``max_snapshots`` for the snapshots it keeps and ``draft_slots`` for the rows
-        of a step's speculative verifications."""
+        pool adds ``max_snapshots`` for the snapshots it keeps and ``draft_slots`` for a step's
+        speculative verifications."""
         self.layout = layout
         self.max_snapshots = max_snapshots
         self.draft_slots = draft_slots
@@ -173,11 +173,11 @@ class StatePool:
 
     @property
     def drafts_free(self) -> int:
-        """Draft-row slots not taken this step."""
+        """Verification slots not taken this step."""
         return len(self._drafts)
 
     def take_drafts(self, n: int) -> tuple[int, ...]:
-        """``n`` draft-row slots (fewer if fewer are left), held until ``return_drafts``."""
+        """``n`` verification slots (fewer if fewer are left), held until ``return_drafts``."""
         return tuple(self._drafts.pop() for _ in range(min(n, len(self._drafts))))
 
     def return_drafts(self, slots: tuple[int, ...]) -> None:

@@ -29,6 +29,9 @@ ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 # Draft tokens one step verifies in all (and so the longest draft): beyond it a step of many
 # sequences grows past what a decode step of them costs.
 STEP_DRAFT_TOKENS = 16
+# A hybrid model's verifications in one step (each keeps the state before it in a state slot of
+# its own: a Qwen3.5-9B's is 53 MB).
+STEP_HYBRID_VERIFIES = 4
 
 
 @dataclass

@@ -21,7 +21,7 @@ each of a step's rows continues.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ class RecurrentStep:
     # packed row -> a slot to copy the state after that row's token into (a sequence's
     # checkpoint at a block boundary)
     captures: dict[int, int]
+    # a speculative verification's live slot -> a replay per layer: ``replay(row, dst)`` turns
+    # ``dst``, holding the state before the verification, into the state after its ``row``
+    # (``ModelRunner.rewind``); filled by the layers as the step runs
+    verifies: dict[int, list[Callable[[int, int], None]]] = field(default_factory=dict)
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +158,9 @@ class GatedDeltaNet:
                 if target is not None:
                     conv[target].copy_(joined[:, t + 1 : t + taps])
             groups.append((slice(first, first + length), *self._heads(rowwise(F.silu, convolved.t())), slot))
+            if slot in step.verifies:
+                step.verifies[slot].append(self._replay(joined, *groups[-1][1:4], decay[first : first + length],
+                                                        beta[first : first + length], conv, recurrent, native_rule))
         if native_rule:
             core = self._native_rule(groups, rows, decay, beta, recurrent, step.captures)
         else:
@@ -176,6 +183,29 @@ class GatedDeltaNet:
         for row, target in captures.items():
             capture[row] = target
         return native.gated_delta(q, k, v, decay, beta, recurrent, slots, capture)
+
+    @staticmethod
+    def _replay(joined: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                beta: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
+                native_rule: bool) -> Callable[[int, int], None]:
+        """What turns a slot holding the state before a span into the state after the span's
+        ``row``: its convolution inputs after that row, and the rule run again over rows 0..row
+        of the span's inputs, by the code that ran them in the step (the same bits)."""
+        taps = joined.shape[-1] - q.shape[0] + 1
+
+        def replay(row: int, dst: int) -> None:
+            n = row + 1
+            conv[dst].copy_(joined[:, n : n + taps - 1])
+            if native_rule:
+                slots = torch.full((n,), dst, dtype=torch.int64)
+                native.gated_delta(q[:n], k[:n], v[:n], decay[:n], beta[:n], recurrent, slots,
+                                   torch.full((n,), -1, dtype=torch.int64))
+                return
+            state = recurrent[dst]
+            for t in range(n):
+                gated_delta(q[t], k[t], v[t], decay[t], beta[t], state)
+
+        return replay
 
     @staticmethod
     def _torch_rule(groups: list[Any], rows: int, decay: torch.Tensor, beta: torch.Tensor, recurrent: torch.Tensor,

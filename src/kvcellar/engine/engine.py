@@ -387,11 +387,11 @@ class Engine:
             return False
         try:
             return self._run_step(plan)
-        finally:  # a hybrid's draft rows are the step's, whatever became of it
+        finally:  # a hybrid's verification slots are the step's, whatever became of it
             states = self.scheduler.cache.states
-            for item in plan.verifies:
-                if states is not None and item.rows_kept:
-                    states.return_drafts(item.rows_kept)
+            held = tuple(item.state_before for item in plan.verifies if item.state_before is not None)
+            if states is not None and held:
+                states.return_drafts(held)
 
     def _run_step(self, plan: StepPlan) -> bool:
         if self._suspects:
@@ -472,9 +472,9 @@ class Engine:
             self._commit_verified(item, i + 1)  # the draft's token i was right: its KV is
         if seq.state != SeqState.FINISHED:
             cache.trim(seq)
-            if item.rows_kept and accepted < len(draft) and cache.states is not None and seq.state_slot is not None:
+            if item.state_before is not None and accepted < len(draft) and seq.state_slot is not None:
                 # the recurrent state back to after the last row the model agreed with
-                cache.states.copy(item.rows_kept[accepted], seq.state_slot)
+                self.runner.rewind(item, accepted, seq.state_slot)
         if self.scheduler.drafter is not None:
             self.scheduler.drafter.verified(seq.seq_id, len(draft), accepted)
         self.stats.spec_verifies += 1
@@ -483,14 +483,17 @@ class Engine:
 
     def _commit_verified(self, item: Scheduled, row: int) -> None:
         """Commit ``item``'s tokens through its verification's ``row``. A hybrid's checkpoint at a
-        block boundary that row ends is the state after it, which the verification kept apart
-        (or the live state, after its last row)."""
+        block boundary that row ends is the state after it: rewound to (the live state after the
+        verification's last row)."""
         seq, cache = item.seq, self.scheduler.cache
         computed = item.start + 1 + row
         states = cache.states
-        if (states is not None and item.rows_kept and seq.checkpoint_slot is not None
+        if (states is not None and item.state_before is not None and seq.checkpoint_slot is not None
                 and seq.state_slot is not None and computed % cache.block_size == 0):
-            states.copy(item.rows_kept[row] if row < len(item.rows_kept) else seq.state_slot, seq.checkpoint_slot)
+            if row < len(item.draft):
+                self.runner.rewind(item, row, seq.checkpoint_slot)
+            else:
+                states.copy(seq.state_slot, seq.checkpoint_slot)
         cache.commit(seq, computed)
 
     def _run_alone(self, plan: StepPlan) -> StepPlan:

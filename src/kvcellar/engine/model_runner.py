@@ -55,6 +55,8 @@ class StepRunner(Protocol):
 
     def run(self, plan: StepPlan) -> torch.Tensor: ...
 
+    def rewind(self, item: Scheduled, row: int, dst: int) -> None: ...
+
     def set_decode_threads(self, n: int) -> None: ...
 
     def calibrate_decode_threads(self, decode_step: Callable[[], object], steps: int = 4,
@@ -81,6 +83,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.states = states
+        self._recurrent: RecurrentStep | None = None  # the last step's (``rewind``)
         hybrid = is_hybrid(model)
         if hybrid and states is None:
             raise ValueError("a hybrid model needs a recurrent-state pool")
@@ -182,13 +185,13 @@ class ModelRunner:
             place(table, item.start, item.length)
             keep.extend(range(start_idx, len(ids)))
             spans.append(PrefillSpan(start_idx, item.length, context, self._tensor(table).view(1, -1)))
-            if recurrent is not None:  # the state after each row but the last kept apart (the engine
-                # takes it back to the last row the model agrees with, checkpoints from it)
-                if len(item.rows_kept) != len(item.draft):
-                    raise RuntimeError("a hybrid model's draft needs a state slot for each drafted token")
-                recurrent.spans.append((start_idx, item.length, _slot(seq)))
-                for row, slot in enumerate(item.rows_kept):
-                    recurrent.captures[start_idx + row] = slot
+            if recurrent is not None:  # the state before the span kept apart: ``rewind`` replays from it
+                if item.state_before is None:
+                    raise RuntimeError("a hybrid model's draft needs a state slot to keep the state before it")
+                live = _slot(seq)
+                recurrent.pool.copy(live, item.state_before)
+                recurrent.spans.append((start_idx, item.length, live))
+                recurrent.verifies[live] = []
         for item in plan.prefills:
             seq = item.seq
             start_idx = len(ids)
@@ -203,6 +206,7 @@ class ModelRunner:
                 recurrent.spans.append((start_idx, item.length, _slot(seq)))
                 self._capture(recurrent, item, start_idx)
 
+        self._recurrent = recurrent
         pos_t = self._tensor(positions)
         meta = StepMeta(
             pool=self.pool,
@@ -219,6 +223,15 @@ class ModelRunner:
             "logits_to_keep": self._tensor(keep),
         }
         return inputs, meta
+
+    def rewind(self, item: Scheduled, row: int, dst: int) -> None:
+        """Into state slot ``dst``, the state after row ``row`` of ``item``'s verification in the last
+        step (a hybrid model's): the state before it, and its rows 0..``row`` run again."""
+        assert self.states is not None and self._recurrent is not None and item.state_before is not None
+        replays = self._recurrent.verifies[_slot(item.seq)]
+        self.states.copy(item.state_before, dst)
+        for replay in replays:
+            replay(row, dst)
 
     def _capture(self, recurrent: RecurrentStep, item: Scheduled, first_row: int) -> None:
         """Checkpoint the state of ``item``'s sequence at the block boundary its tokens cross

@@ -58,9 +58,9 @@ class Scheduled:
     # Speculative decoding: tokens drafted to follow the last one, fed after it (``length`` is
     # 1 + their count); every row is sampled, and the engine keeps those the model agrees with.
     draft: tuple[int, ...] = ()
-    # A hybrid model's verification: the state slots that keep the state after each of its rows
-    # but the last (``StatePool.take_drafts``), for the rows the model may reject.
-    rows_kept: tuple[int, ...] = ()
+    # A hybrid model's verification: the state slot that keeps the state before it
+    # (``StatePool.take_drafts``), to rewind to the last row the model agrees with.
+    state_before: int | None = None
 
     @property
     def rows(self) -> int:
@@ -308,8 +308,6 @@ class Scheduler:
         if not candidates:
             return decodes, []
         states = self.cache.states
-        if states is not None:  # a hybrid's drafted token takes a draft-row slot
-            budget = min(budget, states.drafts_free)
         drafter.choose([c for _, c in candidates.values()], len(decodes), budget)
         plain: list[Scheduled] = []
         verifies: list[Scheduled] = []
@@ -323,17 +321,17 @@ class Scheduler:
             if not taken:
                 plain.append(item)
                 continue
-            kept = states.take_drafts(taken) if states is not None else ()
-            if states is not None and len(kept) < taken:  # (choose kept within them)
-                taken = len(kept)
-                if not taken:
+            before = None
+            if states is not None:  # a hybrid's verification keeps the state before it in a slot
+                if not states.drafts_free:
                     plain.append(item)
                     continue
+                (before,) = states.take_drafts(1)
             draft = tuple(candidates[id(item)][1].draft[:taken])
             needed = self.cache.missing(seq, extra=len(draft))
             if needed > 0:
                 self.cache.grow(seq, needed)
-            verifies.append(Scheduled(seq, item.start, 1 + len(draft), True, draft, kept))
+            verifies.append(Scheduled(seq, item.start, 1 + len(draft), True, draft, before))
         return plain, verifies
 
     def _chunk(self, seq: Sequence, budget: int) -> Scheduled:

@@ -41,6 +41,9 @@ class MLXRunner:
         self.threads = 1  # MLX schedules its own threads
         self.stats = RunnerStats(decode_threads=1)
 
+    def rewind(self, item: Scheduled, row: int, dst: int) -> None:
+        raise RuntimeError("the MLX engine runs no hybrid model: there is no recurrent state to rewind")
+
     def set_decode_threads(self, n: int) -> None:
         """MLX has no thread count to set; kept for the engine's interface."""
 
