@@ -10,7 +10,9 @@ engine picks each row's token as a decode step would (the same sampler, the same
 the sequence's generator), keeping drafted tokens while they equal what it picked. So the
 output is the one plain decoding gives, token for token, greedy and seeded sampling alike;
 with a draft that is a point mass this is standard speculative sampling (accept with the
-model's probability of the draft token, else sample the rest of the distribution).
+model's probability of the draft token, else sample the rest of the distribution). A hybrid
+model's rows advance its linear-attention state too: where the model rejects a draft's tail,
+the engine rewinds that state to the last row kept (``ModelRunner.rewind``).
 
 Drafters (``--speculative``):
 
