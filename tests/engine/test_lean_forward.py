@@ -13,7 +13,7 @@ from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
-from tests._models import chat_ids, make_engine, needs_native, served_gpt_oss, served_moe, tiny_model
+from tests._models import chat_ids, embedded, make_engine, needs_native, served_gpt_oss, served_moe, tiny_model
 
 GEMMA4 = {"global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 24,
           "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
@@ -123,15 +123,20 @@ def test_fused_and_unfused_linears_give_the_same_outputs_on_every_cache_path(dty
     transformers' modules over a separately loaded copy whose linears are not fused: the
     same greedy outputs on a first run, a RAM hit, a hit with a tail and a batch; logprobs
     within fp32 noise, or bf16 rounding (a matmul over fused weights rounds like any other
-    matmul shape)."""
+    matmul shape). float32 on the embedded model; bf16 on a small llama (a CPU without native
+    bf16 emulates its matmuls, slow at the embedded model's size)."""
     from kvcellar.artifacts.store import ArtifactCache
     from kvcellar.runtime import prepare_and_load
     from tests._models import LOGPROB_TOL, TEST_DEVICE, assert_equivalent_output, assert_same_output, shared_models_dir
 
     # Two loads of their own: the shared ``embedded`` model is prepared (fused or not) by
     # whichever test of this worker made the first engine over it.
-    fused, unfused = (prepare_and_load(None, dtype=dtype, device=TEST_DEVICE, weights="full",
-                                       artifacts=ArtifactCache(shared_models_dir())) for _ in range(2))
+    if dtype == "float32":
+        fused, unfused = (prepare_and_load(None, dtype=dtype, device=TEST_DEVICE, weights="full",
+                                           artifacts=ArtifactCache(shared_models_dir())) for _ in range(2))
+    else:
+        tokenizer = embedded().tokenizer
+        fused, unfused = (tiny_model("llama", tokenizer, dtype=torch.bfloat16) for _ in range(2))
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
     a, b = make_engine(fused, max_step_tokens=48), make_engine(unfused, lean_forward=False, max_step_tokens=48)
     assert a.runner.linears.fused and not b.runner.linears.fused
