@@ -515,3 +515,13 @@ def test_the_memory_plan_counts_every_state_slot():
     assert plan.state_pool_bytes == 96 * per_slot
     assert plan.total_bytes == plan.weights_bytes + (1 << 20) + 96 * per_slot + plan.overhead_bytes
     assert "recurrent states" in plan.describe()
+    # what a server plans: live and checkpoint slots, snapshots, and a slot per sequence a step's
+    # drafts may verify (the state before each)
+    from kvcellar.engine.config import STEP_HYBRID_VERIFIES, EngineConfig
+    from kvcellar.runtime import memory_plan
+    from kvcellar.settings import Settings
+
+    for speculative, verifying in (("auto", STEP_HYBRID_VERIFIES), ("off", 0)):
+        settings = Settings(model=str(folder()), engine=EngineConfig(speculative=speculative, weights="full"))
+        slots = 2 * settings.engine.max_num_seqs + settings.engine.state_snapshots + verifying
+        assert memory_plan(settings).state_pool_bytes == slots * per_slot

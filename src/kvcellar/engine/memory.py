@@ -77,7 +77,7 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
                 state_slots: int = 0) -> MemoryPlan:
     """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4);
     ``state_slots``: the recurrent-state slots a hybrid model's engine keeps (live, checkpoint,
-    snapshot and draft-row ones)."""
+    snapshot and verification ones)."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
     embedding = mxfp4 = 0
