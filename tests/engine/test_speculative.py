@@ -8,7 +8,8 @@ chi-square test of the sampled distribution at a drafted position; no block leak
 published with a rejected token's KV (a later hit on the output gives the uncached bits). Most
 cases run ``Eager``, the real drafter with its cost test left out (every candidate draft is
 verified whole), so that drafts, rejections and rollbacks happen at every step that has a
-match; one case runs the drafter as served."""
+match; one case runs the drafter as served. A hybrid model (Qwen3.5) too: its recurrent state
+rewound where drafts are rejected, its snapshots the plain decoding's."""
 
 from __future__ import annotations
 
@@ -398,8 +399,8 @@ def test_a_hybrid_models_drafts_give_the_plain_decoding_and_its_turns_resume_fro
     assert verifies > 0 and 0 < accepted < drafted
     assert states.drafts_free == states.draft_slots
     turns = [p + r.token_ids + [9, 10, 11] for p, r in zip(prompts, results, strict=True)]
-    for result, prompt, ref in zip(engine.generate(turns, params), turns, uncached.many(turns), strict=True):
-        assert result.num_cached_tokens > len(prompts[turns.index(prompt)])  # past the first prompt
+    for result, first, ref in zip(engine.generate(turns, params), prompts, uncached.many(turns), strict=True):
+        assert result.num_cached_tokens > len(first)  # resumed past the first prompt
         assert_identical_output(result, ref)
     assert_no_leaks(engine)
     engine.shutdown(10)
