@@ -17,7 +17,6 @@ from pathlib import Path
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.engine import Engine, assemble_engine
-from kvcellar.engine.config import STEP_HYBRID_VERIFIES
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.engine.speculation import RecentOutputs
@@ -210,7 +209,7 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     precision = resolve_serving(cfg.dtype, weights, source, dev)
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
     # a hybrid's verifications keep the state before them (``auto`` drafts where rows are exact)
-    draft_slots = min(cfg.max_num_seqs, STEP_HYBRID_VERIFIES) if cfg.speculative != "off" else 0
+    draft_slots = cfg.verify_state_slots if cfg.speculative != "off" else 0
     return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
                        state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots + draft_slots)
 

@@ -15,7 +15,7 @@ sequence) in two preallocated tensors (``conv [layers, slots, channels, kernel -
 * its history checkpoint: a chat prompt's state at the last boundary before its generation
   prompt (``history_point``), where the conversation's next turn resumes when its template
   renders the reply otherwise than the model wrote it;
-* the state before a speculative verification (``take_drafts``), from which the engine rewinds
+* the state before a speculative verification (``take_verify_slot``), from which the engine rewinds
   the live state to the last drafted token the model agreed with (``ModelRunner.rewind``);
   these slots are apart from the free ones, for a step's verifications only: one never takes
   a slot an admission or a snapshot needs;
@@ -176,11 +176,11 @@ class StatePool:
         """Verification slots not taken this step."""
         return len(self._drafts)
 
-    def take_drafts(self, n: int) -> tuple[int, ...]:
-        """``n`` verification slots (fewer if fewer are left), held until ``return_drafts``."""
-        return tuple(self._drafts.pop() for _ in range(min(n, len(self._drafts))))
+    def take_verify_slot(self) -> int | None:
+        """A verification slot, held until ``return_verify_slots``; None if all are taken."""
+        return self._drafts.pop() if self._drafts else None
 
-    def return_drafts(self, slots: tuple[int, ...]) -> None:
+    def return_verify_slots(self, slots: tuple[int, ...]) -> None:
         shared = self.slots - self.draft_slots
         if any(s in self._drafts or not shared <= s < self.slots for s in slots):
             raise AssertionError(f"draft slots {slots} returned but not taken")

@@ -20,7 +20,7 @@ from kvcellar.cache.namespace import kv_descriptor, kv_fingerprint
 from kvcellar.cache.state_pool import StateLayout, StatePool
 from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine import native
-from kvcellar.engine.config import STEP_HYBRID_VERIFIES, EngineConfig
+from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.engine import Engine, EngineParts
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner, StepRunner
@@ -67,7 +67,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
              and not getattr(loaded.model.config.get_text_config(), "attn_logit_softcapping", None))
     drafter = _drafter(cfg, exact=exact)
     # a hybrid's verification keeps the state before it
-    draft_slots = min(cfg.max_num_seqs, STEP_HYBRID_VERIFIES) if drafter is not None else 0
+    draft_slots = cfg.verify_state_slots if drafter is not None else 0
     states = (StatePool(state_layout, 2 * cfg.max_num_seqs, loaded.device, max_snapshots=cfg.state_snapshots,
                         draft_slots=draft_slots)
               if state_layout is not None else None)

@@ -122,6 +122,12 @@ class EngineConfig:
     # overhead) is above this many GiB; 0: only the memory available is checked.
     max_memory_gb: float = 0.0
 
+    @property
+    def verify_state_slots(self) -> int:
+        """State slots a hybrid model keeps for its verifications where drafting is on (the
+        state before each; at most ``STEP_HYBRID_VERIFIES`` sequences verify in a step)."""
+        return min(self.max_num_seqs, STEP_HYBRID_VERIFIES)
+
     def validate(self) -> None:
         if min(self.block_size, self.max_num_seqs, self.max_step_tokens, self.unhealthy_after_failed_steps,
                self.snapshot_every_blocks) < 1:

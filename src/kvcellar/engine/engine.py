@@ -391,7 +391,7 @@ class Engine:
             states = self.scheduler.cache.states
             held = tuple(item.state_before for item in plan.verifies if item.state_before is not None)
             if states is not None and held:
-                states.return_drafts(held)
+                states.return_verify_slots(held)
 
     def _run_step(self, plan: StepPlan) -> bool:
         if self._suspects:

@@ -59,7 +59,7 @@ class Scheduled:
     # 1 + their count); every row is sampled, and the engine keeps those the model agrees with.
     draft: tuple[int, ...] = ()
     # A hybrid model's verification: the state slot that keeps the state before it
-    # (``StatePool.take_drafts``), to rewind to the last row the model agrees with.
+    # (``StatePool.take_verify_slot``), to rewind to the last row the model agrees with.
     state_before: int | None = None
 
     @property
@@ -321,12 +321,11 @@ class Scheduler:
             if not taken:
                 plain.append(item)
                 continue
-            before = None
-            if states is not None:  # a hybrid's verification keeps the state before it in a slot
-                if not states.drafts_free:
-                    plain.append(item)
-                    continue
-                (before,) = states.take_drafts(1)
+            # a hybrid's verification keeps the state before it in a slot; none left: a plain decode
+            before = states.take_verify_slot() if states is not None else None
+            if states is not None and before is None:
+                plain.append(item)
+                continue
             draft = tuple(candidates[id(item)][1].draft[:taken])
             needed = self.cache.missing(seq, extra=len(draft))
             if needed > 0:
