@@ -120,6 +120,7 @@ class GatedDeltaNet:
         self.projections = together([module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
         self.out = linear(module.out_proj)
         self.conv_weight: torch.Tensor = module.conv1d.weight.squeeze(1)  # [channels, kernel]
+        self.conv_taps = self.conv_weight.t().to(STATE_DTYPE).contiguous()  # [kernel, channels]
         self.neg_a: torch.Tensor = -module.A_log.float().exp()
         self.dt_bias: torch.Tensor = module.dt_bias
         self.norm_weight: torch.Tensor = module.norm.weight
@@ -129,15 +130,62 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         """``x [1, rows, hidden]`` (normed) -> the layer's output ``[1, rows, hidden]``."""
         rows = x.shape[1]
-        flat = x[0]
-        mixed, z, b, a = self.projections(flat)  # mixed: [rows, channels]
-        g = self.neg_a * rowwise(F.softplus, a.float() + self.dt_bias)  # [rows, value_heads]
-        decay = rowwise(torch.exp, g)
-        beta = rowwise(torch.sigmoid, b.float())
+        mixed, z, b, a = self.projections(x[0])  # mixed: [rows, channels]
+        kernels = native.runs_gated_delta(x.device, self.value_dim)
+        core = self._native(mixed, b, a, step) if kernels else self._torch(mixed, b, a, step)
+        if kernels and x.dtype == torch.float32:
+            normed = native.gated_norm(core, z, self.norm_weight, self.norm_eps)
+        else:
+            normed = self._gated_norm(core, z.view(rows, self.value_heads, self.value_dim), x.dtype)
+        return self.out(normed.reshape(1, rows, -1))
+
+    def _native(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+        """The layer's work between its projections on kvcellar's kernels: a call each for the
+        convolution, the rule's inputs and the rule, over every row of the step."""
+        rows = mixed.shape[0]
+        slots = torch.empty(rows, dtype=torch.int64)
+        if step.decode_slots is not None:
+            slots[: step.decode_slots.shape[0]] = step.decode_slots
+        for first, length, slot in step.spans:
+            slots[first : first + length] = slot
+        captures = torch.full((rows,), -1, dtype=torch.int64)
+        for row, target in step.captures.items():
+            captures[row] = target
+        conv = step.pool.conv[self.index]
+        recurrent = step.pool.recurrent[self.index]
+        inputs = mixed.to(STATE_DTYPE).contiguous()
+        convolved = native.delta_conv(inputs, conv, slots, captures, self.conv_taps)
+        q, k, v, decay, beta = native.delta_inputs(convolved, a, b, self.neg_a, self.dt_bias, self.key_heads,
+                                                   self.key_dim, self.scale, L2_EPS)
+        for first, length, slot in step.spans:
+            if slot in step.verifies:
+                span = slice(first, first + length)
+                step.verifies[slot].append(self._native_replay(inputs[span], q[span], k[span], v[span], decay[span],
+                                                               beta[span], conv, recurrent))
+        return native.gated_delta(q, k, v, decay, beta, recurrent, slots, captures)
+
+    def _native_replay(self, inputs: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       decay: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor,
+                       recurrent: torch.Tensor) -> Callable[[int, int], None]:
+        """``_replay`` on the kernels: the span's rows 0..row run again through the convolution
+        and the rule, from the state before the span that ``dst`` holds."""
+
+        def replay(row: int, dst: int) -> None:
+            n = row + 1
+            slots, none = torch.full((n,), dst, dtype=torch.int64), torch.full((n,), -1, dtype=torch.int64)
+            native.delta_conv(inputs[:n], conv, slots, none, self.conv_taps)
+            native.gated_delta(q[:n], k[:n], v[:n], decay[:n], beta[:n], recurrent, slots, none)
+
+        return replay
+
+    def _torch(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+        """The layer's work between its projections in torch (where kvcellar's kernels do not run)."""
+        rows = mixed.shape[0]
         conv = step.pool.conv[self.index]
         recurrent = step.pool.recurrent[self.index]
         taps = self.conv_weight.shape[-1]
-        native_rule = native.runs_gated_delta(x.device, self.value_dim)
+        decay = rowwise(torch.exp, self.neg_a * rowwise(F.softplus, a.float() + self.dt_bias))  # [rows, value_heads]
+        beta = rowwise(torch.sigmoid, b.float())
         # per group of rows (the decode rows, then each prefill span): its rows, q, k, v, slots
         groups: list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | int]] = []
         if step.decode_slots is not None:
@@ -160,34 +208,12 @@ class GatedDeltaNet:
             groups.append((slice(first, first + length), *self._heads(rowwise(F.silu, convolved.t())), slot))
             if slot in step.verifies:
                 step.verifies[slot].append(self._replay(joined, *groups[-1][1:4], decay[first : first + length],
-                                                        beta[first : first + length], conv, recurrent, native_rule))
-        if native_rule:
-            core = self._native_rule(groups, rows, decay, beta, recurrent, step.captures)
-        else:
-            core = self._torch_rule(groups, rows, decay, beta, recurrent, step.captures)
-        normed = self._gated_norm(core, z.view(rows, self.value_heads, self.value_dim), x.dtype)
-        return self.out(normed.reshape(1, rows, -1))
-
-    def _native_rule(self, groups: list[Any], rows: int, decay: torch.Tensor, beta: torch.Tensor,
-                     recurrent: torch.Tensor, captures: dict[int, int]) -> torch.Tensor:
-        """Every row of the step in one call of kvcellar's kernel."""
-        shape = (rows, self.value_heads)
-        q = torch.empty((*shape, self.key_dim), dtype=STATE_DTYPE)
-        k = torch.empty_like(q)
-        v = torch.empty((*shape, self.value_dim), dtype=STATE_DTYPE)
-        slots = torch.empty(rows, dtype=torch.int64)
-        for span, gq, gk, gv, slot in groups:
-            q[span], k[span], v[span] = gq, gk, gv
-            slots[span] = slot
-        capture = torch.full((rows,), -1, dtype=torch.int64)
-        for row, target in captures.items():
-            capture[row] = target
-        return native.gated_delta(q, k, v, decay, beta, recurrent, slots, capture)
+                                                        beta[first : first + length], conv, recurrent))
+        return self._torch_rule(groups, rows, decay, beta, recurrent, step.captures)
 
     @staticmethod
     def _replay(joined: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                beta: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor,
-                native_rule: bool) -> Callable[[int, int], None]:
+                beta: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> Callable[[int, int], None]:
         """What turns a slot holding the state before a span into the state after the span's
         ``row``: its convolution inputs after that row, and the rule run again over rows 0..row
         of the span's inputs, by the code that ran them in the step (the same bits)."""
@@ -196,11 +222,6 @@ class GatedDeltaNet:
         def replay(row: int, dst: int) -> None:
             n = row + 1
             conv[dst].copy_(joined[:, n : n + taps - 1])
-            if native_rule:
-                slots = torch.full((n,), dst, dtype=torch.int64)
-                native.gated_delta(q[:n], k[:n], v[:n], decay[:n], beta[:n], recurrent, slots,
-                                   torch.full((n,), -1, dtype=torch.int64))
-                return
             state = recurrent[dst]
             for t in range(n):
                 gated_delta(q[t], k[t], v[t], decay[t], beta[t], state)

@@ -43,13 +43,13 @@ class _PoolLayer:
 
 
 def _zero_centred_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' ``Qwen3_5RMSNorm``, op for op."""
-    weight, eps = module.weight, float(module.eps)
+    """transformers' ``Qwen3_5RMSNorm``, op for op (its ``1 + w`` computed once)."""
+    scale, eps = 1.0 + module.weight.float(), float(module.eps)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        out: torch.Tensor = (h * (1.0 + weight.float())).type_as(x)
+        out: torch.Tensor = (h * scale).type_as(x)
         return out
 
     return norm

@@ -6,7 +6,7 @@ to 8 bits per block of 32 and multiply in 8-bit dot products (``matmul``; ``int8
 activations in ``KernelTable.kernel_dtype`` terms): torch's int4 kernel converts every weight
 to float first and stays well below memory speed on such a CPU (docs/performance.md). The
 library also attends over KV blocks where they lie and reads and writes quantized KV blocks
-(``kv``), runs hybrid models' gated delta rule (``recurrent``), and checksums block files
+(``kv``), runs hybrid models' linear attention (``recurrent``), and checksums block files
 (``checksum``). Where it cannot be built (another CPU, no
 compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is None and torch's kernels run.
 """
@@ -36,7 +36,14 @@ from kvcellar.engine.native.matmul import (
     quantize_activations,
     wide_panels,
 )
-from kvcellar.engine.native.recurrent import RECURRENCE, gated_delta, runs_gated_delta
+from kvcellar.engine.native.recurrent import (
+    RECURRENCE,
+    delta_conv,
+    delta_inputs,
+    gated_delta,
+    gated_norm,
+    runs_gated_delta,
+)
 
 # The revision of the numbers these kernels compute (part of the KV namespace where they
 # compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
@@ -47,7 +54,8 @@ ARITHMETIC = "kvc-3"
 __all__ = [
     "ARITHMETIC", "BLOCK", "ENV_SWITCH", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "WIDE_FLAGS", "WIDE_PANEL",
     "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "attend_kv", "attends_kv", "available", "cpu_flags", "crc32",
-    "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32", "gated_delta", "gather_kv", "gathers_kv",
+    "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
+    "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_matmul",
     "panel_min_rows", "quantize_activations", "runs_gated_delta", "wide_panels", "write_kv",
 ]

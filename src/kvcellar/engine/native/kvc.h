@@ -6,7 +6,8 @@
  *   int8.c      int8 linears and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
- *   recurrent.c the gated delta rule of hybrid models' linear attention
+ *   recurrent.c hybrid models' linear attention: the gated delta rule and the elementwise work
+ *               around it
  *   crc32.c     the block files' checksum
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
@@ -124,5 +125,8 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
 uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
 int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows, int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads);
+int kvc_delta_inputs(const float *conv, const float *a, const float *b, const float *neg_a, const float *dt_bias, int64_t rows, int64_t key_heads, int64_t key_dim, int64_t value_heads, int64_t value_dim, float scale, float eps, float *q, float *k, float *v, float *decay, float *beta, int threads);
+int kvc_gated_norm(const float *core, const float *z, const float *weight, int64_t rows, int64_t heads, int64_t dim, float eps, float *out, int threads);
+int kvc_delta_conv(const float *x, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, const float *weight, int64_t rows, int64_t channels, int64_t taps, float *out, int threads);
 
 #endif
