@@ -125,6 +125,14 @@ def test_every_int4_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, co
         assert torch.equal(native.matmul_int4(x, nibbles, scales, offsets, THREADS, kernel), whole), kernel
     for start, end in ((0, 1), (1, 3), (3, 7), (7, 8), (8, 21), (21, 45), (44, 45)):
         assert torch.equal(native.matmul_int4(x[start:end], nibbles, scales, offsets, 1), whole[start:end])
+    if out % native.PANEL == 0:  # the weight kept as panels: the same bits at every row count
+        panels = native.pack_int4(nibbles, scales, offsets, THREADS)
+        rows_layout = (nibbles, scales, offsets)
+        assert all(p.shape == t.shape and not torch.equal(p, t) for p, t in zip(panels, rows_layout, strict=True))
+        assert all(torch.equal(u, t) for u, t in zip(native.unpack_int4(*panels, THREADS), rows_layout, strict=True))
+        assert torch.equal(native.matmul_int4(x, *panels, THREADS, panels=True), whole)
+        for start, end in ((0, 1), (1, 3), (3, 7), (7, 8), (8, 21), (21, 45), (44, 45)):
+            assert torch.equal(native.matmul_int4(x[start:end], *panels, 1, panels=True), whole[start:end])
 
 
 @needs_native
@@ -138,19 +146,23 @@ def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols
 
 
 @needs_native
-@pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4"])
-@pytest.mark.parametrize(("out", "cols"), [(40, 256), (33, 320)])
+@pytest.mark.parametrize(("kind", "out", "cols"), [
+    *((kind, out, cols) for kind in ("int4", "int8", "mxfp4") for out, cols in ((40, 256), (33, 320))),
+    ("int4 panels", 40, 256),  # kept as panels (rows in 8s)
+])
 def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out, cols):
     """``moe_matmul`` runs a MoE layer's experts in one call: each expert's rows (none, one,
     a tile and a tail, a panel's worth and more) get the bits its linear gives them alone,
     so a token's numbers do not depend on which other tokens share its step or its experts."""
     counts = [0, 1, 3, 0, 5, 8, 13, 0]
     x = activations(sum(counts), cols)
-    if kind == "int4":
+    if kind.startswith("int4"):
         quants = [quantize_int4(torch.randn(out, cols, generator=torch.Generator().manual_seed(e)) * 0.05)
                   for e in range(len(counts))]
         parts = [(q.qweight, q.scales.half(), q.offsets.half()) for q in quants]
-        experts = native.expert_weights("int4", [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
+        kept = [native.pack_int4(*p, THREADS) for p in parts] if kind == "int4 panels" else parts
+        experts = native.expert_weights("int4", [p[0] for p in kept], [p[1] for p in kept], [p[2] for p in kept],
+                                        panels=kind == "int4 panels")
 
         def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
             return native.matmul_int4(rows, *parts[e], 1)
@@ -259,6 +271,9 @@ def test_int4_dequantization_is_exact():
     bf16 = torch.empty(90 - 7, 1056, dtype=torch.bfloat16)
     native.dequantize_int4(nibbles, scales, offsets, 7, 90, bf16, THREADS)
     assert torch.equal(bf16, out.to(torch.bfloat16))  # rounded to nearest even, as torch rounds
+    kept = torch.empty_like(out)
+    native.dequantize_int4(*native.pack_int4(nibbles, scales, offsets, THREADS), 7, 90, kept, THREADS, panels=True)
+    assert torch.equal(kept, out)
 
 
 @needs_native
@@ -305,9 +320,13 @@ def test_linears_of_one_input_called_together_give_each_its_own_calls_bits(dtype
         for layer, y in zip(linears, got, strict=True):
             assert y.shape == (1, rows, layer.out_features) and y.dtype == dtype
             assert torch.equal(y, layer(x[:, :rows])), (rows, layer.out_features)
-    ys = native.matmul_int4_many(x[0, :3].float(), [(m._q, m._scale, m._zero) for m in linears], THREADS)
-    for layer, y in zip(linears, ys, strict=True):
-        assert torch.equal(y, native.matmul_int4(x[0, :3].float(), layer._q, layer._scale, layer._zero, 1))
+    for panels in (False, True):  # the layouts apart: outputs in 8s are kept as panels where stores_panels
+        group = [m for m in linears if m.panels == panels]
+        ys = native.matmul_int4_many(x[0, :3].float(), [(m._q, m._scale, m._zero) for m in group], THREADS, panels)
+        for layer, y in zip(group, ys, strict=True):
+            assert torch.equal(y, native.matmul_int4(x[0, :3].float(), layer._q, layer._scale, layer._zero, 1,
+                                                     panels=panels))
+    assert [m.panels for m in linears] == [native.stores_panels(m.out_features) for m in linears]
     mixed = call_together([linears[0], torch.nn.Linear(320, 8).to(dtype)])  # not all int4: each its own call
     assert [y.shape[-1] for y in mixed(x[:, :2])] == [40, 8]
 

@@ -200,9 +200,12 @@ class _Fused:
             if len(weights) != len(linears) or len({(f[0], f[1].shape) for f in weights}) != 1:
                 return None
             kind = weights[0][0]
+            panels = {m.panels for m in fast}
+            if len(panels) != 1:
+                return None
             offsets = [f[3] for f in weights if f[3] is not None]
             experts = native.expert_weights(kind, [f[1] for f in weights], [f[2] for f in weights],
-                                            offsets if kind == "int4" else None)
+                                            offsets if kind == "int4" else None, panels=panels.pop())
             biases = [m.bias for m in fast if m.bias is not None]
             if biases and len(biases) != len(fast):
                 return None

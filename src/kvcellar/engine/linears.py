@@ -18,8 +18,10 @@ own forward, kvcellar's lean forward and a test's reference all run the same num
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,9 +150,11 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
     linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind == "int4"]
     if len(linears) < 2 or len(linears) != len(modules) or len({(m.in_features, m.dtype) for m in linears}) != 1:
         return apart
+    if len({m.panels for m in linears}) != 1:
+        return apart
     weights = [(m._q, m._scale, m._zero) for m in linears]
     assert all(q is not None and s is not None and z is not None for q, s, z in weights)
-    group = native.Int4Group(weights)  # type: ignore[arg-type]
+    group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
     outs = group.outs
     cols, dtype = linears[0].in_features, linears[0].dtype
 
@@ -166,6 +170,36 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
         return results
 
     return together
+
+
+_MADV_DONTNEED = 4
+
+
+def _drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> None:
+    """Gives back the pages of ``tensors`` that a file mapping holds (the artifact cache's
+    weights, read once to pack them): loading a model would otherwise hold the file's pages
+    and the packed copy at once. The file is not changed; a later read maps the pages again."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    spans = []
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0":  # an inode: a file's mapping
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            spans.append((start, end))
+    page = mmap.PAGESIZE
+    for t in tensors:
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        if not any(start <= lo and hi <= end for start, end in spans):
+            continue
+        first, last = -(-lo // page) * page, hi // page * page  # whole pages inside the tensor only
+        if last > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 class FastLinear(nn.Module):
@@ -193,6 +227,7 @@ class FastLinear(nn.Module):
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
         self.group_size = 0
+        self.panels = False  # int4 kept in the panel layout (``native.pack_int4``)
         if self.quant_kind is not None:
             assert quant is not None
             try:
@@ -228,6 +263,11 @@ class FastLinear(nn.Module):
                 assert quant.offsets is not None
                 self._scale = quant.scales.to(torch.float16).contiguous()  # float16 already: as mapped
                 self._zero = quant.offsets.to(torch.float16).contiguous()
+                if native.stores_panels(self.out_features):
+                    mapped = (self._q, self._scale, self._zero)
+                    self._q, self._scale, self._zero = native.pack_int4(*mapped, torch.get_num_threads())
+                    self.panels = True
+                    _drop_mapped_pages(mapped)
             return
         self._scale, zero = quant.kernel_params(dtype)
         if quant.kind == "int8":
@@ -297,7 +337,8 @@ class FastLinear(nn.Module):
         out = _scratch_buffer(rows * cols, dtype, self.device).view(rows, cols)
         if self.native and self.quant_kind == "int4":
             assert self._scale is not None and self._zero is not None
-            return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads())
+            return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads(),
+                                          self.panels)
         if self.quant_kind == "mxfp4":
             assert self._scale is not None
             return native.dequantize_mxfp4(self._q, self._scale, 0, rows, out, torch.get_num_threads())
@@ -336,7 +377,7 @@ class FastLinear(nn.Module):
                 out = native.matmul_mxfp4(x32, self._q, self._scale, threads)
             else:
                 assert self._zero is not None
-                out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads)
+                out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads, panels=self.panels)
             out = out.to(self.dtype)
             return out if self.bias is None else out + self.bias
         x = x2d.to(self.kernel_dtype)

@@ -32,8 +32,11 @@ from kvcellar.engine.native.matmul import (
     matmul_int8,
     matmul_mxfp4,
     moe_matmul,
+    pack_int4,
     panel_min_rows,
     quantize_activations,
+    stores_panels,
+    unpack_int4,
     wide_panels,
 )
 from kvcellar.engine.native.recurrent import (
@@ -57,5 +60,6 @@ __all__ = [
     "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_matmul",
-    "panel_min_rows", "quantize_activations", "runs_gated_delta", "wide_panels", "write_kv",
+    "pack_int4", "panel_min_rows", "quantize_activations", "runs_gated_delta", "stores_panels", "unpack_int4",
+    "wide_panels", "write_kv",
 ]

@@ -191,9 +191,10 @@ int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *off
 #define ACT_BYTES (8 * 1024 * 1024)
 
 /* Panel p's blocks: for block b, chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7,
- * 32 bytes; scales and offsets as floats, 8 a block. */
+ * 32 bytes; scales and offsets (float16), 8 a block. The panel layout some CPUs keep their
+ * weights in (kvc_pack_q4) is these panels one after the other. */
 static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
-                       int64_t blocks, uint8_t *packed, float *ps, float *po) {
+                       int64_t blocks, uint8_t *packed, uint16_t *ps, uint16_t *po) {
     const int64_t stride = blocks * (BLOCK / 2);
     for (int64_t b = 0; b < blocks; b++) {
         __m128i row[PANEL];
@@ -210,8 +211,8 @@ static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t 
             _mm_storeu_si128((__m128i *)(dst + 96), _mm_unpackhi_epi64(t2, t3));
         }
         for (int j = 0; j < PANEL; j++) {
-            ps[b * PANEL + j] = _cvtsh_ss(scales[(r0 + j) * blocks + b]);
-            po[b * PANEL + j] = _cvtsh_ss(offsets[(r0 + j) * blocks + b]);
+            ps[b * PANEL + j] = scales[(r0 + j) * blocks + b];
+            po[b * PANEL + j] = offsets[(r0 + j) * blocks + b];
         }
     }
 }
@@ -220,7 +221,7 @@ static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t 
  * y[a * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations'
  * reordered block, its high nibbles inputs 16 + 4c.. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const uint8_t *packed, const float *ps, const float *po, int64_t blocks, const int8_t *xq,
+        const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, const int8_t *xq,
         const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
     __m256 acc[MR];
     for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
@@ -242,7 +243,8 @@ static inline __attribute__((always_inline)) void panel_tile(
                 sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(hi, xh));
             }
         }
-        const __m256 ws = _mm256_load_ps(ps + b * PANEL), wo = _mm256_load_ps(po + b * PANEL);
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ps + b * PANEL)));
+        const __m256 wo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + b * PANEL)));
         for (int a = 0; a < N; a++) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
             acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
@@ -256,7 +258,7 @@ static inline __attribute__((always_inline)) void panel_tile(
  * packed/ps/po and multiply activation rows a0..a1-1 against it into y. */
 typedef void (*panel_rows_fn)(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
                               int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                              int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po);
+                              int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, void *ps, void *po);
 
 /* The panel kernels' driver: panels of `width` output rows split among the threads, each
  * packed once per pass over ACT_BYTES of activations in tiles of `mr` rows; a thread without
@@ -294,23 +296,30 @@ static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint1
     }
 }
 
-static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
-                       int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
-                       float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
-    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
+/* Activation rows a0..a1-1 against one packed panel (ps, po: its float16 scales and offsets)
+ * into y (the panel's first output column), MR rows a tile. */
+static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, int64_t cols,
+                        const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1, float *y,
+                        int64_t out) {
     int64_t a = a0;
     for (; a + MR <= a1; a += MR)
-        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
-                   y + a * out + p * PANEL, out, MR);
+        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out, out, MR);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *sa = xs + a * blocks;
-    float *ya = y + a * out + p * PANEL;
+    float *ya = y + a * out;
     switch (a1 - a) {  /* the last rows, each count its own constant */
         case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
         case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
         case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
         default: break;
     }
+}
+
+static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
+                       int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
+                       float *y, int64_t out, uint8_t *packed, void *ps, void *po) {
+    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
+    panel_tiles(packed, ps, po, blocks, cols, xq, xd, xs, a0, a1, y + p * PANEL, out);
 }
 
 /* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
@@ -425,7 +434,8 @@ static inline AVX512 __attribute__((always_inline)) void panel16_tile(
 
 static AVX512 void panel16_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p,
                                 int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                                int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, float *ps, float *po) {
+                                int64_t a0, int64_t a1, float *y, int64_t out, uint8_t *packed, void *vps, void *vpo) {
+    float *ps = vps, *po = vpo;
     pack_panel16(w, scales, offsets, p * PANEL16, blocks, packed, ps, po);
     int64_t a = a0;
     for (; a + MR16 <= a1; a += MR16)
@@ -517,4 +527,106 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
             }
         }
     }
+}
+
+/* ---- Weights kept in the panel layout ------------------------------------------------------
+ * Where the 8-row panels are a CPU's prefill kernel, its int4 weights are packed once, at
+ * load (kvc_pack_q4): each 8 output rows' nibbles, scales and offsets become the panel
+ * pack_panel makes, in the place of the same rows (so the tensors keep their shapes). Every
+ * step then multiplies panels as they lie: a decode step's row needs no horizontal sums per
+ * block (the row kernel's cost on CPUs without AVX-512), and a prefill packs nothing. A
+ * panel's products are the row kernel's to the bit (panel_tile's order is q4_rows8's). */
+
+void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
+                 uint8_t *pw, uint16_t *ps, uint16_t *po, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < out / PANEL; p++)
+        pack_panel(w, scales, offsets, p * PANEL, blocks, pw + p * blocks * (PANEL * BLOCK / 2),
+                   ps + p * blocks * PANEL, po + p * blocks * PANEL);
+}
+
+/* The row layout back from the panel layout (a dense fallback's dequantization reads rows). */
+void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, uint8_t *w,
+                   uint16_t *scales, uint16_t *offsets, int threads) {
+    const int64_t blocks = cols / BLOCK, stride = cols / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < out / PANEL; p++) {
+        const uint8_t *pp = pw + p * blocks * (PANEL * BLOCK / 2);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < PANEL; j++)
+                    memcpy(w + (p * PANEL + j) * stride + b * (BLOCK / 2) + 4 * c, pp + b * 128 + c * 32 + j * 4, 4);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int j = 0; j < PANEL; j++) {
+                scales[(p * PANEL + j) * blocks + b] = ps[(p * blocks + b) * PANEL + j];
+                offsets[(p * PANEL + j) * blocks + b] = po[(p * blocks + b) * PANEL + j];
+            }
+    }
+}
+
+/* Panel p of a weight in the panel layout against activation rows a0..a1-1. */
+static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
+                                     int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                                     int64_t a0, int64_t a1, float *y, int64_t out) {
+    panel_tiles(pw + p * blocks * (PANEL * BLOCK / 2), ps + p * blocks * PANEL, po + p * blocks * PANEL, blocks, cols,
+                xq, xd, xs, a0, a1, y + p * PANEL, out);
+}
+
+/* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
+ * activations in passes of ACT_BYTES, as the packing panel kernel takes them. */
+void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
+                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
+    int64_t step = ACT_BYTES / cols / MR * MR;
+    if (step < MR) step = MR;
+    for (int64_t a0 = 0; a0 < rows; a0 += step) {
+        const int64_t a1 = a0 + step < rows ? a0 + step : rows;
+        #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS : 1) num_threads(threads)
+        for (int64_t p = 0; p < panels; p++)
+            packed_panel_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+    }
+}
+
+/* kvc_gemm_q4_many for weights in the panel layout (each outs[i] a multiple of 8). */
+int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
+                      const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
+                      const float *xs, int64_t rows, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (outs[i] <= 0 || outs[i] % PANEL) return -2;
+        n += outs[i] / PANEL;
+    }
+    moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
+    if (!units) return -1;
+    for (int64_t i = 0, u = 0; i < count; i++)
+        for (int64_t g = 0; g < outs[i] / PANEL; g++) units[u++] = (moe_unit){i, g};
+    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
+    for (int64_t u = 0; u < n; u++) {
+        const int64_t i = units[u].e;
+        packed_panel_rows((const uint8_t *)w[i], (const uint16_t *)scales[i], (const uint16_t *)offsets[i], units[u].g,
+                          blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], outs[i]);
+    }
+    free(units);
+    return 0;
+}
+
+/* kvc_moe_q4 for experts in the panel layout (out a multiple of 8). */
+int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,
+                int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                float *y, int threads) {
+    if (out % PANEL) return -2;
+    const int64_t blocks = cols / BLOCK;
+    int64_t count;
+    moe_unit *units = moe_units(starts, experts, out / PANEL, &count);
+    if (!units) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t u = 0; u < count; u++) {
+        const int64_t e = units[u].e;
+        packed_panel_rows((const uint8_t *)w[e], (const uint16_t *)scales[e], (const uint16_t *)offsets[e], units[u].g,
+                          blocks, cols, xq, xd, xs, starts[e], starts[e + 1], y, out);
+    }
+    free(units);
+    return 0;
 }

@@ -2,7 +2,8 @@
  * functions the library exports (native/library.py binds each by name). Built as one shared
  * library from the .c files beside this header:
  *   quantize.c  activations to 8 bits per block of 32 (the input of every linear kernel)
- *   int4.c      int4 linears: the row kernel, 8- and 16-row panels, routed experts, dequantization
+ *   int4.c      int4 linears: the row kernel, 8- and 16-row panels, weights kept as panels,
+ *               routed experts, dequantization
  *   int8.c      int8 linears and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
@@ -120,6 +121,11 @@ int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, 
 int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start, int64_t end, int64_t cols, void *dst, int bf16, int threads);
+void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, uint8_t *pw, uint16_t *ps, uint16_t *po, int threads);
+void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, uint8_t *w, uint16_t *scales, uint16_t *offsets, int threads);
+void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
+int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
+int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);

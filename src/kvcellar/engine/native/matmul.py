@@ -88,17 +88,58 @@ def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, more: t
         raise ValueError(f"scales {tuple(shape)} do not fit a weight of {out} rows and {cols} inputs")
 
 
+def stores_panels(out: int) -> bool:
+    """Whether an int4 weight of ``out`` rows is kept in the panel layout here (``pack_int4``):
+    on CPUs whose prefill kernel is the 8-row panels (no AVX-512 VNNI), where the row kernel's
+    horizontal sums bound a decode step (docs/performance.md)."""
+    return out % PANEL == 0 and not wide_panels()
+
+
+def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+              threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 weight (``matmul_int4``'s layout, ``out`` a multiple of 8) in the panel layout:
+    new tensors of the same shapes, each 8 rows' nibbles, scales and offsets as one panel
+    (``kvc_pack_q4``). ``matmul_int4(..., panels=True)`` multiplies them, to the same bits."""
+    out, cols = nibbles.shape[0], nibbles.shape[1] * 2
+    _check_weight(nibbles, scales, cols, offsets)
+    if out % PANEL or cols % BLOCK:
+        raise ValueError(f"a {out}x{cols} int4 weight has no panel layout (rows in 8s, inputs in {BLOCK}s)")
+    pw, ps, po = torch.empty_like(nibbles), torch.empty_like(scales), torch.empty_like(offsets)
+    lib.call("kvc_pack_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(), out=out,
+             cols=cols, pw=pw.data_ptr(), ps=ps.data_ptr(), po=po.data_ptr(), threads=threads)
+    return pw, ps, po
+
+
+def unpack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4`` undone: the row layout of a weight kept as panels."""
+    out, cols = nibbles.shape[0], nibbles.shape[1] * 2
+    _check_weight(nibbles, scales, cols, offsets)
+    w, sc, of = torch.empty_like(nibbles), torch.empty_like(scales), torch.empty_like(offsets)
+    lib.call("kvc_unpack_q4", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=offsets.data_ptr(), out=out, cols=cols,
+             w=w.data_ptr(), scales=sc.data_ptr(), offsets=of.data_ptr(), threads=threads)
+    return w, sc, of
+
+
 def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                threads: int, kernel: str | None = None) -> torch.Tensor:
+                threads: int, kernel: str | None = None, panels: bool = False) -> torch.Tensor:
     """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
-    ``scales``/``offsets`` ``[out, in / 32]``), ``x`` float32 ``[rows, in]``; ``kernel``:
-    another than ``int4_kernel``'s choice (a test comparing them)."""
+    ``scales``/``offsets`` ``[out, in / 32]``; in the panel layout where ``panels``), ``x``
+    float32 ``[rows, in]``; ``kernel``: another than ``int4_kernel``'s choice (a test comparing
+    them)."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     _check_activations(x, cols)
     rows = x.shape[0]
     xq, xd, xs = _quantize(x, threads)
     y = torch.empty(rows, out)
+    if panels:
+        if out % PANEL:
+            raise ValueError(f"a weight of {out} rows has no panel layout")
+        lib.call("kvc_gemm_q4p", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=offsets.data_ptr(), out=out,
+                 cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(), rows=rows, y=y.data_ptr(),
+                 threads=threads)
+        return y
     lib.call(kernel or int4_kernel(rows, out), w=nibbles.data_ptr(), scales=scales.data_ptr(),
              offsets=offsets.data_ptr(), out=out, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
              rows=rows, y=y.data_ptr(), threads=threads)
@@ -111,13 +152,18 @@ def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 class Int4Group:
     """int4 weights that take the same activations (``(nibbles, scales, offsets)`` each, as
-    ``matmul_int4`` takes them), checked and their addresses taken once."""
+    ``matmul_int4`` takes them; all in the panel layout where ``panels``), checked and their
+    addresses taken once."""
 
-    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 panels: bool = False) -> None:
         self.cols = cols = weights[0][0].shape[1] * 2
+        self.kernel = "kvc_gemm_q4p_many" if panels else "kvc_gemm_q4_many"
         for nibbles, scales, offsets in weights:
             if nibbles.shape[1] * 2 != cols:
                 raise ValueError(f"weights of {nibbles.shape[1] * 2} and of {cols} inputs in one group")
+            if panels and nibbles.shape[0] % PANEL:
+                raise ValueError(f"a weight of {nibbles.shape[0]} rows has no panel layout")
             _check_weight(nibbles, scales, cols, offsets)
         self.weights = list(weights)  # keeps the tensors the addresses point into
         self.outs = [n.shape[0] for n, _, _ in weights]
@@ -126,13 +172,13 @@ class Int4Group:
 
     def __call__(self, x: torch.Tensor, threads: int) -> list[torch.Tensor]:
         """Each weight times ``x`` float32 ``[rows, cols]`` in one call over ``x`` quantized once:
-        each result the same bits as the row kernel (``kvc_gemm_q4``) gives it alone."""
+        each result the same bits as ``matmul_int4`` gives it alone."""
         _check_activations(x, self.cols)
         rows = x.shape[0]
         xq, xd, xs = _quantize(x, threads)
         ys = [torch.empty(rows, out) for out in self.outs]
         y = _addresses(ys)
-        done = lib.call("kvc_gemm_q4_many", w=self._w.data_ptr(), scales=self._s.data_ptr(),
+        done = lib.call(self.kernel, w=self._w.data_ptr(), scales=self._s.data_ptr(),
                         offsets=self._o.data_ptr(), outs=self._outs.data_ptr(), ys=y.data_ptr(),
                         count=len(self.outs), cols=self.cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
                         rows=rows, threads=threads)
@@ -142,9 +188,9 @@ class Int4Group:
 
 
 def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                     threads: int) -> list[torch.Tensor]:
+                     threads: int, panels: bool = False) -> list[torch.Tensor]:
     """``matmul_int4`` of ``x`` by each of ``weights`` in one call (``Int4Group``)."""
-    return Int4Group(weights)(x, threads)
+    return Int4Group(weights, panels)(x, threads)
 
 
 def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
@@ -193,13 +239,15 @@ def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, start: int,
 
 
 def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, start: int, end: int,
-                    out: torch.Tensor, threads: int) -> torch.Tensor:
-    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``) into ``out``
-    ``[end - start, in]``, float32 or bfloat16 (rounded as ``Tensor.to`` rounds):
-    ``q * scale + offset``."""
+                    out: torch.Tensor, threads: int, panels: bool = False) -> torch.Tensor:
+    """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``, the panel layout where
+    ``panels``) into ``out`` ``[end - start, in]``, float32 or bfloat16 (rounded as
+    ``Tensor.to`` rounds): ``q * scale + offset``."""
     cols = nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     _check_rows(out, (torch.float32, torch.bfloat16), start, end, nibbles.shape[0], cols)
+    if panels:
+        nibbles, scales, offsets = unpack_int4(nibbles, scales, offsets, threads)
     lib.call("kvc_dequantize_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(),
              start=start, end=end, cols=cols, dst=out.data_ptr(), bf16=out.dtype == torch.bfloat16, threads=threads)
     return out
@@ -219,13 +267,16 @@ class ExpertWeights:
     scales: torch.Tensor
     offsets: torch.Tensor | None
     keep: tuple[torch.Tensor, ...]
+    panels: bool = False  # int4 in the panel layout (``pack_int4``)
 
 
 def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                   offsets: Sequence[torch.Tensor] | None = None) -> ExpertWeights:
+                   offsets: Sequence[torch.Tensor] | None = None, panels: bool = False) -> ExpertWeights:
     """``ExpertWeights`` over per-expert tensors (all of one shape and layout)."""
     if kind not in ("int4", "int8", "mxfp4") or (kind == "int4") != (offsets is not None):
         raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
+    if panels and (kind != "int4" or weights[0].shape[0] % PANEL):
+        raise ValueError("only int4 experts of rows in 8s have a panel layout")
     out, packed = weights[0].shape
     cols = packed if kind == "int8" else packed * 2
     tensors = [*weights, *scales, *(offsets or ())]
@@ -238,7 +289,7 @@ def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[
         return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
 
     return ExpertWeights(kind, out, cols, addresses(weights), addresses(scales),
-                         None if offsets is None else addresses(offsets), tuple(tensors))
+                         None if offsets is None else addresses(offsets), tuple(tensors), panels)
 
 
 _MOE_KERNELS = {"int4": "kvc_moe_q4", "int8": "kvc_moe_q8", "mxfp4": "kvc_moe_mxfp4"}
@@ -269,6 +320,7 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
     if experts.kind == "int4":
         assert experts.offsets is not None  # expert_weights requires them
         args.update(offsets=experts.offsets.data_ptr(), xs=xs.data_ptr())
-    if lib.call(_MOE_KERNELS[experts.kind], **args) != 0:
+    kernel = "kvc_moe_q4p" if experts.panels else _MOE_KERNELS[experts.kind]
+    if lib.call(kernel, **args) != 0:
         raise MemoryError("no memory for the experts' work list")
     return y
