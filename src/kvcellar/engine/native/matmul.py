@@ -3,7 +3,9 @@ activations quantized to 8 bits per block of 32 inputs and multiplied in 8-bit d
 
 Decode-sized steps of int4 weights read each weight row as it lies; prefill-sized ones
 multiply panels of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit
-dot product where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Every int4 kernel sums each
+dot product where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Where the 8-row panels are
+the prefill kernel, linears keep their weights packed as those panels (``stores_panels``,
+``pack_int4``) and every step multiplies them as they lie. Every int4 kernel sums each
 output in the same order, so a row's outputs are the same bits whatever the step's row count;
 int8 and MXFP4 have one kernel for every row count. ``moe_matmul`` runs all routed experts of
 a MoE layer's projection in one call, each expert's rows by the same arithmetic.
