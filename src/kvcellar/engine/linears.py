@@ -173,33 +173,42 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
 
 
 _MADV_DONTNEED = 4
+_file_maps: list[tuple[int, int]] = []  # address ranges of this process's file mappings, as last read
+
+
+def _file_mapped(lo: int, hi: int) -> bool:
+    """Whether bytes ``lo..hi`` lie in one file mapping (``/proc/self/maps`` read again only
+    when the ranges last read do not hold them: a model's weights come from a few files)."""
+    for fresh in (False, True):
+        if fresh:
+            try:
+                with open("/proc/self/maps") as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                return False
+            _file_maps[:] = [tuple(int(v, 16) for v in fields[0].split("-"))  # type: ignore[misc]
+                             for fields in map(str.split, lines) if len(fields) >= 6 and fields[4] != "0"]
+        if any(start <= lo and hi <= end for start, end in _file_maps):
+            return True
+    return False
 
 
 def _drop_mapped_pages(tensors: Sequence[torch.Tensor]) -> None:
     """Gives back the pages of ``tensors`` that a file mapping holds (the artifact cache's
     weights, read once to pack them): loading a model would otherwise hold the file's pages
     and the packed copy at once. The file is not changed; a later read maps the pages again."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read().splitlines()
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return
-    spans = []
-    for line in maps:
-        fields = line.split()
-        if len(fields) >= 6 and fields[4] != "0":  # an inode: a file's mapping
-            start, end = (int(v, 16) for v in fields[0].split("-"))
-            spans.append((start, end))
     page = mmap.PAGESIZE
     for t in tensors:
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
-        if not any(start <= lo and hi <= end for start, end in spans):
-            continue
         first, last = -(-lo // page) * page, hi // page * page  # whole pages inside the tensor only
-        if last > first:
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        if last > first and _file_mapped(lo, hi):
+            _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 class FastLinear(nn.Module):

@@ -148,33 +148,15 @@ void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
     }
 }
 
-/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
- * over activations quantized once: weight i (w[i], scales[i], offsets[i], laid out as
- * kvc_gemm_q4's) of outs[i] rows into ys[i] [rows, outs[i]], each output by kvc_gemm_q4's
- * arithmetic. A decode step then wakes the threads once for them, not once a linear. */
-int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
-                     const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
-                     const float *xs, int64_t rows, int threads) {
-    const int64_t blocks = cols / BLOCK;
-    int64_t n = 0;
-    for (int64_t i = 0; i < count; i++) {
-        if (outs[i] <= 0) return -2;
-        n += (outs[i] + 7) / 8;
-    }
-    moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
-    if (!units) return -1;
-    for (int64_t i = 0, u = 0; i < count; i++)
-        for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
-    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
-    for (int64_t u = 0; u < n; u++) {
-        const int64_t i = units[u].e, out = outs[i];
-        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-            q4_rows8((const uint8_t *)w[i], (const uint16_t *)scales[i], (const uint16_t *)offsets[i], units[u].g * 8,
-                     out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks,
-                     rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)ys[i] + a0 * out);
-    }
-    free(units);
-    return 0;
+/* The work list of linears 0..count-1 of outs[i] rows: (i, g) for each group g of 8 rows. */
+static moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
+    *n = 0;
+    for (int64_t i = 0; i < count; i++) *n += (outs[i] + 7) / 8;
+    moe_unit *units = malloc((size_t)(*n > 0 ? *n : 1) * sizeof(moe_unit));
+    if (units)
+        for (int64_t i = 0, u = 0; i < count; i++)
+            for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
+    return units;
 }
 
 /* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
@@ -588,28 +570,48 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
     }
 }
 
-/* kvc_gemm_q4_many for weights in the panel layout (each outs[i] a multiple of 8). */
-int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
-                      const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
-                      const float *xs, int64_t rows, int threads) {
+/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
+ * over activations quantized once: weight i (w[i], scales[i], offsets[i], laid out as
+ * kvc_gemm_q4's, or kept as panels) of outs[i] rows into ys[i] [rows, outs[i]], each output by
+ * kvc_gemm_q4's arithmetic. A decode step then wakes the threads once for them, not once a
+ * linear. */
+static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
+                        const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
+                        const float *xs, int64_t rows, int threads, int panels) {
     const int64_t blocks = cols / BLOCK;
     int64_t n = 0;
-    for (int64_t i = 0; i < count; i++) {
-        if (outs[i] <= 0 || outs[i] % PANEL) return -2;
-        n += outs[i] / PANEL;
-    }
-    moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
+    for (int64_t i = 0; i < count; i++)
+        if (outs[i] <= 0 || (panels && outs[i] % PANEL)) return -2;
+    moe_unit *units = linear_units(outs, count, &n);
     if (!units) return -1;
-    for (int64_t i = 0, u = 0; i < count; i++)
-        for (int64_t g = 0; g < outs[i] / PANEL; g++) units[u++] = (moe_unit){i, g};
     #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
     for (int64_t u = 0; u < n; u++) {
-        const int64_t i = units[u].e;
-        packed_panel_rows((const uint8_t *)w[i], (const uint16_t *)scales[i], (const uint16_t *)offsets[i], units[u].g,
-                          blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], outs[i]);
+        const int64_t i = units[u].e, out = outs[i];
+        const uint8_t *wi = (const uint8_t *)w[i];
+        const uint16_t *si = (const uint16_t *)scales[i], *oi = (const uint16_t *)offsets[i];
+        if (panels) {
+            packed_panel_rows(wi, si, oi, units[u].g, blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], out);
+            continue;
+        }
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
+            q4_rows8(wi, si, oi, units[u].g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks,
+                     rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)ys[i] + a0 * out);
     }
     free(units);
     return 0;
+}
+
+int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
+                     const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
+                     const float *xs, int64_t rows, int threads) {
+    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 0);
+}
+
+/* kvc_gemm_q4_many for weights kept as panels (each outs[i] a multiple of 8). */
+int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
+                      const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
+                      const float *xs, int64_t rows, int threads) {
+    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 1);
 }
 
 /* kvc_moe_q4 for experts in the panel layout (out a multiple of 8). */
