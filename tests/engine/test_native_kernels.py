@@ -127,6 +127,7 @@ def test_every_int4_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, co
         assert torch.equal(native.matmul_int4(x[start:end], nibbles, scales, offsets, 1), whole[start:end])
     if out % native.PANEL == 0:  # the weight kept as panels: the same bits at every row count
         panels = native.pack_int4(nibbles, scales, offsets, THREADS)
+        assert panels[2] is not None  # this quantizer's offsets are its own
         rows_layout = (nibbles, scales, offsets)
         assert all(p.shape == t.shape and not torch.equal(p, t) for p, t in zip(panels, rows_layout, strict=True))
         assert all(torch.equal(u, t) for u, t in zip(native.unpack_int4(*panels, THREADS), rows_layout, strict=True))
@@ -260,6 +261,31 @@ def test_int8_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
     for rows in ROWS:
         x = activations(rows, cols)
         assert_close(native.matmul_int8(x, q.qweight, q.scales, THREADS), rounded(x) @ weight.T)
+
+
+@needs_native
+def test_q4_0s_offsets_are_not_kept_as_panels_and_derived_to_the_same_bits():
+    """A Q4_0 source's offsets are -8 x its scales: kept as panels, the weight holds none (a
+    tenth of its bytes), and every kernel that reads the panels derives them, to the bits of the
+    row layout with its offsets: a linear alone, linears together, routed experts, unpacking."""
+    nibbles, scales, _, _ = int4_weight(96, 1056)
+    offsets = (scales.float() * -8).half()
+    pw, ps, po = native.pack_int4(nibbles, scales, offsets, THREADS)
+    assert po is None
+    x = activations(21, 1056)
+    whole = native.matmul_int4(x, nibbles, scales, offsets, THREADS)
+    for start, end in ((0, 1), (1, 5), (5, 21)):
+        assert torch.equal(native.matmul_int4(x[start:end], pw, ps, None, 1, panels=True), whole[start:end])
+    ys = native.matmul_int4_many(x[:3], [(pw, ps, None), native.pack_int4(nibbles, scales, offsets + 1, THREADS)],
+                                 THREADS, panels=True)
+    assert torch.equal(ys[0], whole[:3])
+    assert torch.equal(ys[1], native.matmul_int4(x[:3], nibbles, scales, offsets + 1, 1))
+    experts = native.expert_weights("int4", [pw, pw], [ps, ps], [None, None], panels=True)
+    assert torch.equal(native.moe_matmul(x[:5], experts, torch.tensor([0, 2, 5]), THREADS), whole[:5])
+    assert all(torch.equal(u, t) for u, t in zip(native.unpack_int4(pw, ps, None, THREADS),
+                                                 (nibbles, scales, offsets), strict=True))
+    with pytest.raises(ValueError, match="offsets"):
+        native.matmul_int4(x, nibbles, scales, None, 1)
 
 
 @needs_native

@@ -203,9 +203,8 @@ class _Fused:
             panels = {m.panels for m in fast}
             if len(panels) != 1:
                 return None
-            offsets = [f[3] for f in weights if f[3] is not None]
             experts = native.expert_weights(kind, [f[1] for f in weights], [f[2] for f in weights],
-                                            offsets if kind == "int4" else None, panels=panels.pop())
+                                            [f[3] for f in weights] if kind == "int4" else None, panels=panels.pop())
             biases = [m.bias for m in fast if m.bias is not None]
             if biases and len(biases) != len(fast):
                 return None

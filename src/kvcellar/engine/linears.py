@@ -153,7 +153,8 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
     if len({m.panels for m in linears}) != 1:
         return apart
     weights = [(m._q, m._scale, m._zero) for m in linears]
-    assert all(q is not None and s is not None and z is not None for q, s, z in weights)
+    assert all(q is not None and s is not None and (z is not None or m.panels)
+               for (q, s, z), m in zip(weights, linears, strict=True))
     group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
     outs = group.outs
     cols, dtype = linears[0].in_features, linears[0].dtype
@@ -236,7 +237,7 @@ class FastLinear(nn.Module):
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
         self.group_size = 0
-        self.panels = False  # int4 kept in the panel layout (``native.pack_int4``)
+        self.panels = False  # int4 kept in the panel layout (``native.pack_int4``; offsets None: Q4_0's)
         if self.quant_kind is not None:
             assert quant is not None
             try:
@@ -345,7 +346,7 @@ class FastLinear(nn.Module):
         dtype = torch.float32 if self.native else self.dtype
         out = _scratch_buffer(rows * cols, dtype, self.device).view(rows, cols)
         if self.native and self.quant_kind == "int4":
-            assert self._scale is not None and self._zero is not None
+            assert self._scale is not None
             return native.dequantize_int4(self._q, self._scale, self._zero, 0, rows, out, torch.get_num_threads(),
                                           self.panels)
         if self.quant_kind == "mxfp4":
@@ -385,7 +386,6 @@ class FastLinear(nn.Module):
             elif self.quant_kind == "mxfp4":
                 out = native.matmul_mxfp4(x32, self._q, self._scale, threads)
             else:
-                assert self._zero is not None
                 out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads, panels=self.panels)
             out = out.to(self.dtype)
             return out if self.bias is None else out + self.bias

@@ -173,7 +173,8 @@ static moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
 #define ACT_BYTES (8 * 1024 * 1024)
 
 /* Panel p's blocks: for block b, chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7,
- * 32 bytes; scales and offsets (float16), 8 a block. The panel layout some CPUs keep their
+ * 32 bytes; scales and offsets (float16), 8 a block (no offsets where po is NULL: the
+ * multiplying kernels then take -8 x the scale, Q4_0's). The panel layout some CPUs keep their
  * weights in (kvc_pack_q4) is these panels one after the other. */
 static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
                        int64_t blocks, uint8_t *packed, uint16_t *ps, uint16_t *po) {
@@ -194,7 +195,7 @@ static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t 
         }
         for (int j = 0; j < PANEL; j++) {
             ps[b * PANEL + j] = scales[(r0 + j) * blocks + b];
-            po[b * PANEL + j] = offsets[(r0 + j) * blocks + b];
+            if (po) po[b * PANEL + j] = offsets[(r0 + j) * blocks + b];
         }
     }
 }
@@ -226,7 +227,8 @@ static inline __attribute__((always_inline)) void panel_tile(
             }
         }
         const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ps + b * PANEL)));
-        const __m256 wo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + b * PANEL)));
+        const __m256 wo = po ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + b * PANEL)))
+                             : _mm256_mul_ps(ws, _mm256_set1_ps(-8.0f));  /* Q4_0's: exactly -8 x the scale */
         for (int a = 0; a < N; a++) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
             acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
@@ -514,8 +516,10 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
 /* ---- Weights kept in the panel layout ------------------------------------------------------
  * Where the 8-row panels are a CPU's prefill kernel, its int4 weights are packed once, at
  * load (kvc_pack_q4): each 8 output rows' nibbles, scales and offsets become the panel
- * pack_panel makes, in the place of the same rows (so the tensors keep their shapes). Every
- * step then multiplies panels as they lie: a decode step's row needs no horizontal sums per
+ * pack_panel makes, in the place of the same rows (so the tensors keep their shapes; where every
+ * offset is -8 x its scale, as a Q4_0 source's are, none is kept: po NULL, or an expert's or a
+ * linear's offsets address 0, and the kernels derive them to the same bits). Every step then
+ * multiplies panels as they lie: a decode step's row needs no horizontal sums per
  * block (the row kernel's cost on CPUs without AVX-512), and a prefill packs nothing. A
  * panel's products are the row kernel's to the bit (panel_tile's order is q4_rows8's). */
 
@@ -525,7 +529,7 @@ void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < out / PANEL; p++)
         pack_panel(w, scales, offsets, p * PANEL, blocks, pw + p * blocks * (PANEL * BLOCK / 2),
-                   ps + p * blocks * PANEL, po + p * blocks * PANEL);
+                   ps + p * blocks * PANEL, po ? po + p * blocks * PANEL : NULL);
 }
 
 /* The row layout back from the panel layout (a dense fallback's dequantization reads rows). */
@@ -541,8 +545,10 @@ void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, in
                     memcpy(w + (p * PANEL + j) * stride + b * (BLOCK / 2) + 4 * c, pp + b * 128 + c * 32 + j * 4, 4);
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < PANEL; j++) {
-                scales[(p * PANEL + j) * blocks + b] = ps[(p * blocks + b) * PANEL + j];
-                offsets[(p * PANEL + j) * blocks + b] = po[(p * blocks + b) * PANEL + j];
+                const uint16_t sc = ps[(p * blocks + b) * PANEL + j];
+                scales[(p * PANEL + j) * blocks + b] = sc;
+                offsets[(p * PANEL + j) * blocks + b] = po ? po[(p * blocks + b) * PANEL + j]
+                                                           : _cvtss_sh(-8.0f * _cvtsh_ss(sc), 0);
             }
     }
 }
@@ -551,8 +557,8 @@ void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, in
 static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                      int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                                      int64_t a0, int64_t a1, float *y, int64_t out) {
-    panel_tiles(pw + p * blocks * (PANEL * BLOCK / 2), ps + p * blocks * PANEL, po + p * blocks * PANEL, blocks, cols,
-                xq, xd, xs, a0, a1, y + p * PANEL, out);
+    panel_tiles(pw + p * blocks * (PANEL * BLOCK / 2), ps + p * blocks * PANEL, po ? po + p * blocks * PANEL : NULL,
+                blocks, cols, xq, xd, xs, a0, a1, y + p * PANEL, out);
 }
 
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the

@@ -98,58 +98,70 @@ def stores_panels(out: int) -> bool:
 
 
 def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-              threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """An int4 weight (``matmul_int4``'s layout, ``out`` a multiple of 8) in the panel layout:
     new tensors of the same shapes, each 8 rows' nibbles, scales and offsets as one panel
-    (``kvc_pack_q4``). ``matmul_int4(..., panels=True)`` multiplies them, to the same bits."""
+    (``kvc_pack_q4``); no offsets (None) where each is exactly -8 x its scale, as a Q4_0
+    source's are: the kernels derive them. ``matmul_int4(..., panels=True)`` multiplies them, to
+    the same bits."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     if out % PANEL or cols % BLOCK:
         raise ValueError(f"a {out}x{cols} int4 weight has no panel layout (rows in 8s, inputs in {BLOCK}s)")
-    pw, ps, po = torch.empty_like(nibbles), torch.empty_like(scales), torch.empty_like(offsets)
+    derived = torch.equal(offsets.float(), scales.float() * -8)
+    pw, ps = torch.empty_like(nibbles), torch.empty_like(scales)
+    po = None if derived else torch.empty_like(offsets)
     lib.call("kvc_pack_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(), out=out,
-             cols=cols, pw=pw.data_ptr(), ps=ps.data_ptr(), po=po.data_ptr(), threads=threads)
+             cols=cols, pw=pw.data_ptr(), ps=ps.data_ptr(), po=_address(po), threads=threads)
     return pw, ps, po
 
 
-def unpack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def unpack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                 threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pack_int4`` undone: the row layout of a weight kept as panels."""
+    """``pack_int4`` undone: the row layout of a weight kept as panels (its offsets derived
+    where none were kept)."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
-    w, sc, of = torch.empty_like(nibbles), torch.empty_like(scales), torch.empty_like(offsets)
-    lib.call("kvc_unpack_q4", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=offsets.data_ptr(), out=out, cols=cols,
+    w, sc, of = torch.empty_like(nibbles), torch.empty_like(scales), torch.empty_like(scales)
+    lib.call("kvc_unpack_q4", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=_address(offsets), out=out, cols=cols,
              w=w.data_ptr(), scales=sc.data_ptr(), offsets=of.data_ptr(), threads=threads)
     return w, sc, of
 
 
-def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                 threads: int, kernel: str | None = None, panels: bool = False) -> torch.Tensor:
     """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
-    ``scales``/``offsets`` ``[out, in / 32]``; in the panel layout where ``panels``), ``x``
-    float32 ``[rows, in]``; ``kernel``: another than ``int4_kernel``'s choice (a test comparing
-    them)."""
+    ``scales``/``offsets`` ``[out, in / 32]``; in the panel layout where ``panels``, whose
+    offsets may be None: ``pack_int4``), ``x`` float32 ``[rows, in]``; ``kernel``: another than
+    ``int4_kernel``'s choice (a test comparing them)."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     _check_activations(x, cols)
+    if offsets is None and not panels:
+        raise ValueError("an int4 weight in the row layout needs its offsets")
     rows = x.shape[0]
     xq, xd, xs = _quantize(x, threads)
     y = torch.empty(rows, out)
     if panels:
         if out % PANEL:
             raise ValueError(f"a weight of {out} rows has no panel layout")
-        lib.call("kvc_gemm_q4p", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=offsets.data_ptr(), out=out,
+        lib.call("kvc_gemm_q4p", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=_address(offsets), out=out,
                  cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(), rows=rows, y=y.data_ptr(),
                  threads=threads)
         return y
+    assert offsets is not None  # refused above
     lib.call(kernel or int4_kernel(rows, out), w=nibbles.data_ptr(), scales=scales.data_ptr(),
              offsets=offsets.data_ptr(), out=out, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
              rows=rows, y=y.data_ptr(), threads=threads)
     return y
 
 
-def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+def _addresses(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    return torch.tensor([_address(t) for t in tensors], dtype=torch.int64)
 
 
 class Int4Group:
@@ -157,7 +169,7 @@ class Int4Group:
     ``matmul_int4`` takes them; all in the panel layout where ``panels``), checked and their
     addresses taken once."""
 
-    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                  panels: bool = False) -> None:
         self.cols = cols = weights[0][0].shape[1] * 2
         self.kernel = "kvc_gemm_q4p_many" if panels else "kvc_gemm_q4_many"
@@ -166,6 +178,8 @@ class Int4Group:
                 raise ValueError(f"weights of {nibbles.shape[1] * 2} and of {cols} inputs in one group")
             if panels and nibbles.shape[0] % PANEL:
                 raise ValueError(f"a weight of {nibbles.shape[0]} rows has no panel layout")
+            if offsets is None and not panels:
+                raise ValueError("an int4 weight in the row layout needs its offsets")
             _check_weight(nibbles, scales, cols, offsets)
         self.weights = list(weights)  # keeps the tensors the addresses point into
         self.outs = [n.shape[0] for n, _, _ in weights]
@@ -189,7 +203,7 @@ class Int4Group:
         return ys
 
 
-def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                      threads: int, panels: bool = False) -> list[torch.Tensor]:
     """``matmul_int4`` of ``x`` by each of ``weights`` in one call (``Int4Group``)."""
     return Int4Group(weights, panels)(x, threads)
@@ -240,7 +254,7 @@ def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, start: int,
     return out
 
 
-def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, start: int, end: int,
+def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, start: int, end: int,
                     out: torch.Tensor, threads: int, panels: bool = False) -> torch.Tensor:
     """Rows ``start:end`` of an int4 weight (layout as ``matmul_int4``, the panel layout where
     ``panels``) into ``out`` ``[end - start, in]``, float32 or bfloat16 (rounded as
@@ -250,6 +264,8 @@ def dequantize_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.
     _check_rows(out, (torch.float32, torch.bfloat16), start, end, nibbles.shape[0], cols)
     if panels:
         nibbles, scales, offsets = unpack_int4(nibbles, scales, offsets, threads)
+    elif offsets is None:
+        raise ValueError("an int4 weight in the row layout needs its offsets")
     lib.call("kvc_dequantize_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(),
              start=start, end=end, cols=cols, dst=out.data_ptr(), bf16=out.dtype == torch.bfloat16, threads=threads)
     return out
@@ -273,25 +289,24 @@ class ExpertWeights:
 
 
 def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                   offsets: Sequence[torch.Tensor] | None = None, panels: bool = False) -> ExpertWeights:
-    """``ExpertWeights`` over per-expert tensors (all of one shape and layout)."""
+                   offsets: Sequence[torch.Tensor | None] | None = None, panels: bool = False) -> ExpertWeights:
+    """``ExpertWeights`` over per-expert tensors (all of one shape and layout; an int4 expert
+    kept as panels may have no offsets: ``pack_int4``)."""
     if kind not in ("int4", "int8", "mxfp4") or (kind == "int4") != (offsets is not None):
         raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
     if panels and (kind != "int4" or weights[0].shape[0] % PANEL):
         raise ValueError("only int4 experts of rows in 8s have a panel layout")
+    if not panels and offsets is not None and any(o is None for o in offsets):
+        raise ValueError("int4 experts in the row layout need their offsets")
     out, packed = weights[0].shape
     cols = packed if kind == "int8" else packed * 2
-    tensors = [*weights, *scales, *(offsets or ())]
+    tensors = [*weights, *scales, *(o for o in offsets or () if o is not None)]
     if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         raise ValueError("experts' weights must be contiguous CPU tensors")
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError("experts of one projection must share a shape")
-
-    def addresses(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)
-
-    return ExpertWeights(kind, out, cols, addresses(weights), addresses(scales),
-                         None if offsets is None else addresses(offsets), tuple(tensors), panels)
+    return ExpertWeights(kind, out, cols, _addresses(weights), _addresses(scales),
+                         None if offsets is None else _addresses(offsets), tuple(tensors), panels)
 
 
 _MOE_KERNELS = {"int4": "kvc_moe_q4", "int8": "kvc_moe_q8", "mxfp4": "kvc_moe_mxfp4"}
