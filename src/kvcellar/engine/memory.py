@@ -33,6 +33,8 @@ OVERHEAD_BYTES = 1 * GIB
 BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 # A GGUF's MXFP4 experts, kept as stored under both quantized modes: 17 bytes per 32 weights.
 MXFP4_BYTES_PER_WEIGHT = 17 / 32
+# What an int4 weight kept as panels without offsets saves (a Q4_0 source's: ``native.pack_int4``)
+OFFSET_BYTES_PER_WEIGHT = 2 / 32
 _GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                  "ffn_gate_up", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,6 +90,8 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
         mxfp4 = _mxfp4_expert_params(source)
         weights = int((linear - mxfp4) * BYTES_PER_WEIGHT[weights_mode] + mxfp4 * MXFP4_BYTES_PER_WEIGHT
                       + embedding * BYTES_PER_WEIGHT["int4"])
+        if weights_mode == "int4":
+            weights -= int(_q4_0_panel_params(source) * OFFSET_BYTES_PER_WEIGHT)
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
                       embedding_int4_params=embedding, mxfp4_params=mxfp4,
@@ -115,6 +119,22 @@ def _state_bytes_per_slot(source: ModelSource) -> int:
               "linear_num_key_heads": 16, "linear_conv_kernel_dim": 4, **text}
     layout = StateLayout.from_model_config(SimpleNamespace(**fields))
     return layout.bytes_per_slot if layout is not None else 0
+
+
+def _q4_0_panel_params(source: ModelSource) -> int:
+    """The parameters of a GGUF's Q4_0 decoder linears that this CPU keeps as panels without
+    offsets (``native.stores_panels``: rows in 8s, no AVX-512 VNNI), else 0."""
+    from kvcellar.engine import native
+
+    if source.kind != "gguf" or not native.available() or native.wide_panels():
+        return 0
+    return sum(t.params for t in read_gguf_info(source.path).tensors
+               if t.type == "Q4_0" and _is_gguf_linear(t.name) and len(t.dims) >= 2 and t.dims[1] % native.PANEL == 0)
+
+
+def _is_gguf_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight"
 
 
 def _mxfp4_expert_params(source: ModelSource) -> int:
@@ -182,8 +202,7 @@ def _param_counts(source: ModelSource) -> tuple[int, int, int, bool]:
         linear = head = other = 0
         names = {t.name for t in info.tensors}
         for t in info.tensors:
-            parts = t.name.split(".")
-            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEARS and parts[3] == "weight":
+            if _is_gguf_linear(t.name):
                 linear += t.params
             elif t.name == "output.weight":
                 head += t.params
