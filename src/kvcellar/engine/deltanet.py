@@ -49,6 +49,22 @@ class RecurrentStep:
     # ``dst``, holding the state before the verification, into the state after its ``row``
     # (``ModelRunner.rewind``); filled by the layers as the step runs
     verifies: dict[int, list[Callable[[int, int], None]]] = field(default_factory=dict)
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def row_slots(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per packed row, the slot it continues and the slot its state is captured into (-1:
+        none), as kvcellar's kernels take them: built once a step, for every layer."""
+        if self._rows is None:
+            slots = torch.empty(rows, dtype=torch.int64)
+            if self.decode_slots is not None:
+                slots[: self.decode_slots.shape[0]] = self.decode_slots
+            for first, length, slot in self.spans:
+                slots[first : first + length] = slot
+            captures = torch.full((rows,), -1, dtype=torch.int64)
+            for row, target in self.captures.items():
+                captures[row] = target
+            self._rows = slots, captures
+        return self._rows
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,15 +158,7 @@ class GatedDeltaNet:
     def _native(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         """The layer's work between its projections on kvcellar's kernels: a call each for the
         convolution, the rule's inputs and the rule, over every row of the step."""
-        rows = mixed.shape[0]
-        slots = torch.empty(rows, dtype=torch.int64)
-        if step.decode_slots is not None:
-            slots[: step.decode_slots.shape[0]] = step.decode_slots
-        for first, length, slot in step.spans:
-            slots[first : first + length] = slot
-        captures = torch.full((rows,), -1, dtype=torch.int64)
-        for row, target in step.captures.items():
-            captures[row] = target
+        slots, captures = step.row_slots(mixed.shape[0])
         conv = step.pool.conv[self.index]
         recurrent = step.pool.recurrent[self.index]
         inputs = mixed.to(STATE_DTYPE).contiguous()
