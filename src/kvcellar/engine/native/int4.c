@@ -455,6 +455,7 @@ int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, 
     int64_t count;
     moe_unit *units = moe_units(starts, experts, groups, &count);
     if (!units) return -1;
+    const int chunk = moe_chunk(starts, experts);
     #pragma omp parallel num_threads(threads)
     {
         /* A panel of one expert's 8 rows pays where the expert has a panel's worth of slots
@@ -462,7 +463,7 @@ int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, 
         const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
         uint8_t *packed = out % PANEL ? NULL : aligned_alloc(64, (size_t)blocks * PANEL * BLOCK / 2);
         float *ps = aligned_alloc(64, fbytes), *po = aligned_alloc(64, fbytes);
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(dynamic, chunk)
         for (int64_t u = 0; u < count; u++) {
             const int64_t e = units[u].e, r0 = units[u].g * 8, a0 = starts[e], a1 = starts[e + 1];
             const uint8_t *we = (const uint8_t *)w[e];
@@ -629,7 +630,8 @@ int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets,
     int64_t count;
     moe_unit *units = moe_units(starts, experts, out / PANEL, &count);
     if (!units) return -1;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    const int chunk = moe_chunk(starts, experts);
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e;
         packed_panel_rows((const uint8_t *)w[e], (const uint16_t *)scales[e], (const uint16_t *)offsets[e], units[u].g,

@@ -128,6 +128,16 @@ static inline moe_unit *moe_units(const int64_t *starts, int64_t experts, int64_
     return units;
 }
 
+/* Units handed out at a time: where the step gives its experts few rows each (decode), a unit
+ * is a few microseconds of reading, and one at a time the threads take turns on alternate
+ * units (no streaming read for the prefetchers, a shared counter each microsecond): 2 threads
+ * were slower than 1 (docs/performance.md); with many rows, one at a time keeps them even. */
+static inline int moe_chunk(const int64_t *starts, int64_t experts) {
+    int64_t active = 0;
+    for (int64_t e = 0; e < experts; e++) active += starts[e + 1] > starts[e];
+    return starts[experts] < 8 * active ? ROW_GROUPS : 1;
+}
+
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
 void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);

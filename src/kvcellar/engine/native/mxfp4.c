@@ -114,7 +114,8 @@ int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, 
     int64_t count;
     moe_unit *units = moe_units(starts, experts, groups, &count);
     if (!units) return -1;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    const int chunk = moe_chunk(starts, experts);
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
         const uint8_t *we = (const uint8_t *)w[e], *ee = (const uint8_t *)exps[e];
