@@ -193,6 +193,51 @@ def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out
 
 
 @needs_native
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_its_own(act):
+    """``moe_glu``: a MoE block's routed experts from input to output in one call. Each token's
+    output is its experts' int4 linears, gated, weighted and summed (within the rounding of its
+    gating, which is the kernel's own, and of the 8-bit activations after it); the same bits
+    alone as in any step, and with the experts kept as panels as in the row layout."""
+    cols, inner, n_experts, k, tokens = 64, 96, 6, 3, 13
+    gen = torch.Generator().manual_seed(7)
+    parts = {}
+    for name, (out, width) in {"gate_up": (2 * inner, cols), "down": (cols, inner)}.items():
+        quants = [quantize_int4(torch.randn(out, width, generator=gen) * 0.1) for _ in range(n_experts)]
+        parts[name] = [(q.qweight, q.scales.half(), q.offsets.half()) for q in quants]
+
+    def experts(name: str, panels: bool) -> native.ExpertWeights:
+        kept = [native.pack_int4(*p, THREADS) for p in parts[name]] if panels else parts[name]
+        return native.expert_weights("int4", [p[0] for p in kept], [p[1] for p in kept], [p[2] for p in kept],
+                                     panels=panels)
+
+    x = activations(tokens, cols)
+    index = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)])
+    index[:4] = torch.tensor([0, 1, 2])  # an expert chosen by many tokens: a panel's worth of its rows
+    weights = torch.rand(tokens, k, generator=gen)
+    gelu = torch.nn.functional.gelu
+    torch_act = torch.nn.functional.silu if act == "silu" else (lambda g: gelu(g, approximate="tanh"))
+    want = torch.zeros(tokens, cols)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(index[t, j])
+            gate, up = native.matmul_int4(x[t:t + 1], *parts["gate_up"][e], 1).chunk(2, dim=-1)
+            want[t] += weights[t, j] * native.matmul_int4(torch_act(gate) * up, *parts["down"][e], 1)[0]
+    results = []
+    for panels in (False, True):
+        gate_up, down = experts("gate_up", panels), experts("down", panels)
+        got = native.moe_glu(x, index, weights, gate_up, down, act, THREADS)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
+        for t in (0, 5, 12):
+            assert torch.equal(native.moe_glu(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down, act, 1),
+                               got[t:t + 1])
+        results.append(got)
+    assert torch.equal(results[0], results[1])
+    with pytest.raises(ValueError):
+        native.moe_glu(x, index + n_experts, weights, gate_up, down, act, THREADS)  # no such expert
+
+
+@needs_native
 @pytest.mark.parametrize(("out", "cols"), SHAPES)
 def test_mxfp4_matmul_is_the_8_bit_activations_times_the_weight_at_any_row_count(out, cols):
     """The E2M1 codes, their blocks' powers of two (subnormal too) and the 8-bit activations:

@@ -19,7 +19,7 @@ import torch
 
 from kvcellar.artifacts import prepare
 from kvcellar.engine import SamplingParams, native
-from kvcellar.engine.experts import RoutedExperts, Router, split_experts
+from kvcellar.engine.experts import RoutedExperts, Router, runs_moe_glu, split_experts
 from kvcellar.engine.linears import prepare_model
 from kvcellar.quantization import quantize_model
 from tests._models import (
@@ -118,6 +118,7 @@ def test_an_experts_rows_do_not_depend_on_who_else_chose_it(mode):
     split_experts(block)
     prepare_model(block, quantize_model(block, mode, materialize=False), kernel_dtype=torch.int8)
     assert all(m.native and m.quantized for m in block.experts.gate_up) and block.experts.down[0].lean
+    assert runs_moe_glu(block) == (mode == "int4")  # int4: the whole block in one kernel call
     h = torch.randn(1, 40, 128)
     with torch.no_grad():
         together = block(h)
@@ -206,6 +207,8 @@ def test_every_step_shape_and_hit_gives_the_uncached_bits(weights):
     assert all(len(p) > 300 for p in prompts)
     for chunk in (13, 64):
         engine = make_engine(loaded, max_step_tokens=chunk)
+        # int4 experts run as one call a block (native.moe_glu), whose gating the namespace names
+        assert engine.descriptor.get("experts") == (native.EXPERTS_GLU if loaded.weights == "int4" else None)
         assert_identical_output(engine.generate([prompts[0]], PARAMS)[0], uncached(prompts[0]))
         full = engine.generate([prompts[0]], PARAMS)[0]
         assert full.num_cached_tokens == expected_cached(len(prompts[0]), len(prompts[0]))

@@ -4,8 +4,9 @@ Two engines share blocks only if their fingerprints are equal: same weights, tok
 chat template, compute dtype, KV dtype, block size and KV quantization (bits and group
 size; 16-bit KV adds neither, so its fingerprints are those of before quantized KV), and the
 revision of kvcellar's own kernels' arithmetic where they compute the KV (``arithmetic``:
-another revision computes other bits, and a hit must give the bits recomputing gives), and
-the engine computing it (``--engine mlx``: MLX's arithmetic, not torch's). The
+another revision computes other bits, and a hit must give the bits recomputing gives; a
+hybrid's recurrence and routed experts' gating on those kernels likewise), and the engine
+computing it (``--engine mlx``: MLX's arithmetic, not torch's). The
 RAM tier folds it into the root of every digest chain; the SSD tier uses it as its directory
 name (adding its own format version), so a mismatch is a miss, never an error.
 """
@@ -26,12 +27,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 def kv_descriptor(
     *, weights_id: str, tokenizer_id: str, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
     model_name: str = "", kv_bits: int = 16, kv_group_size: int = 0, arithmetic: str = "", recurrence: str = "",
-    engine: str = "torch",
+    experts: str = "", engine: str = "torch",
 ) -> dict[str, Any]:
     quantized = {"kv_bits": kv_bits, "kv_group_size": kv_group_size} if kv_bits != 16 else {}
     own = {"arithmetic": arithmetic} if arithmetic else {}
     if recurrence:  # a hybrid model's linear attention on kvcellar's kernel: its numbers move the KV
         own["recurrence"] = recurrence
+    if experts:  # routed experts gated on kvcellar's kernel (native.moe_glu): its gating rounds its own way
+        own["experts"] = experts
     if engine != "torch":  # another framework's arithmetic (the torch engine's fingerprints name none)
         own["engine"] = engine
     return {

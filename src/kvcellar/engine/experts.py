@@ -136,12 +136,16 @@ class RoutedExperts(nn.Module):
         self._fused_plan: _Fused | None = None
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        fused = self._fused()
+        if fused is not None and fused.act is not None:  # the whole block in one call
+            out = native.moe_glu(hidden.float(), index, weights, fused.gate_up, fused.down, fused.act,
+                                 torch.get_num_threads())
+            return out.to(hidden.dtype)
         tokens, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, k) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = hidden[order // k]
-        fused = self._fused()
         if fused is not None:
             out = self._run_fused(fused, rows, flat[order], counts)
         else:
@@ -187,6 +191,7 @@ class _Fused:
     down: native.ExpertWeights
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    act: str | None = None  # where ``native.moe_glu`` runs the whole block: its gating
 
     @classmethod
     def of(cls, block: RoutedExperts) -> _Fused | None:
@@ -210,24 +215,33 @@ class _Fused:
                 return None
             parts.append((experts, torch.stack(biases) if biases else None))
         (gate_up, gate_up_bias), (down, down_bias) = parts
-        return cls(gate_up, down, gate_up_bias, down_bias)
+        act = getattr(block.glu, "kernel_act", None)
+        whole = gate_up.kind == "int4" and gate_up_bias is None and down_bias is None
+        return cls(gate_up, down, gate_up_bias, down_bias, act if whole else None)
 
 
-def _halves_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Qwen MoE's and Gemma 4's gating: the gate is the first half, ``act(gate) * up``."""
+# transformers' activation modules whose gating ``native.moe_glu`` computes (its ``act``).
+_KERNEL_ACTS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
 
-    def glu(gate_up: torch.Tensor) -> torch.Tensor:
+
+class _HalvesGlu:
+    """Qwen MoE's and Gemma 4's gating: the gate is the first half, ``act(gate) * up``;
+    ``kernel_act``: the same gating as ``native.moe_glu`` names it, where it computes it."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.act = act
+        self.kernel_act = _KERNEL_ACTS.get(type(act).__name__)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return act(gate) * up
-
-    return glu
+        return self.act(gate) * up
 
 
 def _stacked_halves(experts: Any) -> RoutedExperts:
     """Qwen MoE's experts: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, no biases."""
     gate_up = [_linear(experts.gate_up_proj[e], None) for e in range(experts.num_experts)]
     down = [_linear(experts.down_proj[e], None) for e in range(experts.num_experts)]
-    return RoutedExperts(gate_up, down, _halves_glu(experts.act_fn))
+    return RoutedExperts(gate_up, down, _HalvesGlu(experts.act_fn))
 
 
 def _clamped_glu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -317,3 +331,13 @@ def split_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+
+def runs_moe_glu(model: nn.Module) -> bool:
+    """Whether any MoE block of ``model`` (its linears prepared) runs as one ``native.moe_glu``
+    call: then its gating's rounding is kvcellar's, and the KV namespace says so."""
+    for block in moe_blocks(model):
+        fused = block._fused()
+        if fused is not None and fused.act is not None:
+            return True
+    return False

@@ -16,6 +16,7 @@ from kvcellar.engine.native.kv import attend_kv, attends_kv, gather_kv, gathers_
 from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
 from kvcellar.engine.native.matmul import (
     BLOCK,
+    EXPERTS_GLU,
     PANEL,
     PANEL_MIN_ROWS,
     WIDE_FLAGS,
@@ -31,6 +32,7 @@ from kvcellar.engine.native.matmul import (
     matmul_int4_many,
     matmul_int8,
     matmul_mxfp4,
+    moe_glu,
     moe_matmul,
     pack_int4,
     panel_min_rows,
@@ -55,11 +57,12 @@ from kvcellar.engine.native.recurrent import (
 ARITHMETIC = "kvc-3"
 
 __all__ = [
-    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "WIDE_FLAGS", "WIDE_PANEL",
-    "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "attend_kv", "attends_kv", "available", "cpu_flags", "crc32",
+    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "EXPERTS_GLU", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "WIDE_FLAGS",
+    "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "attend_kv", "attends_kv", "available",
+    "cpu_flags", "crc32",
     "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
-    "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_matmul",
+    "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_glu", "moe_matmul",
     "pack_int4", "panel_min_rows", "quantize_activations", "runs_gated_delta", "stores_panels", "unpack_int4",
     "wide_panels", "write_kv",
 ]

@@ -53,6 +53,28 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* One block of 32 activations to 8 bits (kvc_quantize_q8's arithmetic): q (the even inputs
+ * first), its scale d = max|v| / 127 and d x the sum of q (what an offset multiplies). */
+static inline void quantize_block(const float *v, int8_t *q, float *d_out, float *s_out) {
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int k = 0; k < BLOCK; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int k = 0; k < BLOCK / 2; k++) {
+        const int even = (int)nearbyintf(v[2 * k] * id), odd = (int)nearbyintf(v[2 * k + 1] * id);
+        q[k] = (int8_t)even;
+        q[BLOCK / 2 + k] = (int8_t)odd;
+        sum += even + odd;
+    }
+    *d_out = d;
+    *s_out = d * (float)sum;
+}
+
 /* exp of 8 floats: Cephes' polynomial on x - n ln 2, scaled by 2^n (relative error ~2e-7).
  * Arguments below -87 give 0, as exp's float does near there. */
 static inline __m256 exp8(__m256 x) {
@@ -157,6 +179,7 @@ void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, in
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
 int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
+int kvc_moe_glu_q4(const float *x, int64_t tokens, int64_t cols, const int64_t *index, const float *weights, int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go, const int64_t *dw, const int64_t *ds, const int64_t *dof, int64_t inner, int act, int panels, float *y, int threads);
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);

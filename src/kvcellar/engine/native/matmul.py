@@ -341,3 +341,42 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
     if lib.call(kernel, **args) != 0:
         raise MemoryError("no memory for the experts' work list")
     return y
+
+
+# The gatings ``moe_glu`` computes (``kvc_moe_glu_q4``'s ``act``), and the revision of its
+# numbers (the KV namespace names it where a model's experts run it: its gating rounds as
+# exp8 does, not as torch's).
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
+EXPERTS_GLU = "kvc-glu-1"
+
+
+def moe_glu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights,
+            down: ExpertWeights, act: str, threads: int) -> torch.Tensor:
+    """A MoE block's routed experts from its input to its output in one call, for int4 experts
+    without biases whose gate-up rows are the gate half then the up half: ``x`` float32
+    ``[tokens, cols]``, the routed experts ``index [tokens, k]`` and their ``weights``; each
+    token's ``sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))``, every product by
+    ``matmul_int4``'s arithmetic, the gating (``GLU_ACTS``) and the sum by the kernel's own."""
+    tokens, cols = x.shape
+    if (gate_up.kind, down.kind) != ("int4", "int4") or gate_up.panels != down.panels:
+        raise ValueError("moe_glu runs int4 experts of one layout")
+    n_experts = gate_up.weights.shape[0]
+    if (gate_up.cols != cols or down.out != cols or gate_up.out != 2 * down.cols
+            or down.weights.shape[0] != n_experts or index.shape != weights.shape or index.shape[0] != tokens):
+        raise ValueError("activations, routes and the experts' weights do not match")
+    _check_activations(x, cols)
+    index = index.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    x = x.contiguous()
+    y = torch.empty(tokens, cols)
+    assert gate_up.offsets is not None and down.offsets is not None  # expert_weights requires them for int4
+    rc = lib.call("kvc_moe_glu_q4", x=x.data_ptr(), tokens=tokens, cols=cols, index=index.data_ptr(),
+                  weights=weights.data_ptr(), k=index.shape[1], experts=n_experts, gw=gate_up.weights.data_ptr(),
+                  gs=gate_up.scales.data_ptr(), go=gate_up.offsets.data_ptr(), dw=down.weights.data_ptr(),
+                  ds=down.scales.data_ptr(), dof=down.offsets.data_ptr(), inner=down.cols, act=GLU_ACTS[act],
+                  panels=int(gate_up.panels), y=y.data_ptr(), threads=threads)
+    if rc == -2:
+        raise ValueError("an expert index outside the layer's experts, or shapes the kernel does not take")
+    if rc != 0:
+        raise MemoryError("no memory for the experts' scratch")
+    return y
