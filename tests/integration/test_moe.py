@@ -19,7 +19,7 @@ import torch
 
 from kvcellar.artifacts import prepare
 from kvcellar.engine import SamplingParams, native
-from kvcellar.engine.experts import RoutedExperts, Router, runs_moe_glu, split_experts
+from kvcellar.engine.experts import RoutedExperts, Router, runs_moe_kernels, split_experts
 from kvcellar.engine.linears import prepare_model
 from kvcellar.quantization import quantize_model
 from tests._models import (
@@ -100,6 +100,17 @@ def test_the_router_picks_the_same_experts_for_a_row_whatever_the_step():
     together = split.logits(rows)
     for i in range(0, 64, 7):
         assert torch.equal(split.logits(rows[i:i + 1]), together[i:i + 1])
+    # The whole choice (on kvcellar's kernel where it is built: native.route): the same logits,
+    # the same experts as torch's softmax and top k, their weights within float32 rounding, and
+    # every row's numbers alone the bits it gets among 64.
+    logits, weights, index = split(rows)
+    assert torch.equal(logits, together)
+    top, want = torch.topk(torch.softmax(together, dim=-1), router.top_k, dim=-1)
+    assert torch.equal(index, want)
+    torch.testing.assert_close(weights, top / top.sum(dim=-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    for i in range(0, 64, 9):
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(split(rows[i:i + 1]), (logits, weights, index),
+                                                                strict=True))
     # A tie to within float32 rounding: both experts' logits equal, and the pick stays put.
     tie = rows[:1].clone()
     with torch.no_grad():  # an in-place write the router sees (its float64 copy is remade)
@@ -118,7 +129,8 @@ def test_an_experts_rows_do_not_depend_on_who_else_chose_it(mode):
     split_experts(block)
     prepare_model(block, quantize_model(block, mode, materialize=False), kernel_dtype=torch.int8)
     assert all(m.native and m.quantized for m in block.experts.gate_up) and block.experts.down[0].lean
-    assert runs_moe_glu(block) == (mode == "int4")  # int4: the whole block in one kernel call
+    assert (block.experts._fused().act == "silu") == (mode == "int4")  # int4: the whole block in one kernel call
+    assert runs_moe_kernels(block) and block.gate.routes_natively(torch.zeros(1, 128))
     h = torch.randn(1, 40, 128)
     with torch.no_grad():
         together = block(h)
@@ -207,8 +219,8 @@ def test_every_step_shape_and_hit_gives_the_uncached_bits(weights):
     assert all(len(p) > 300 for p in prompts)
     for chunk in (13, 64):
         engine = make_engine(loaded, max_step_tokens=chunk)
-        # int4 experts run as one call a block (native.moe_glu), whose gating the namespace names
-        assert engine.descriptor.get("experts") == (native.EXPERTS_GLU if loaded.weights == "int4" else None)
+        # the router and int4 experts on kvcellar's kernels, whose rounding the namespace names
+        assert engine.descriptor.get("experts") == native.MOE_ARITHMETIC
         assert_identical_output(engine.generate([prompts[0]], PARAMS)[0], uncached(prompts[0]))
         full = engine.generate([prompts[0]], PARAMS)[0]
         assert full.num_cached_tokens == expected_cached(len(prompts[0]), len(prompts[0]))

@@ -33,7 +33,7 @@ def kv_descriptor(
     own = {"arithmetic": arithmetic} if arithmetic else {}
     if recurrence:  # a hybrid model's linear attention on kvcellar's kernel: its numbers move the KV
         own["recurrence"] = recurrence
-    if experts:  # routed experts gated on kvcellar's kernel (native.moe_glu): its gating rounds its own way
+    if experts:  # MoE blocks routed and gated by kvcellar's kernels: their rounding is their own
         own["experts"] = experts
     if engine != "torch":  # another framework's arithmetic (the torch engine's fingerprints name none)
         own["engine"] = engine

@@ -22,7 +22,7 @@ from kvcellar.cache.tiering import LowerTierLink
 from kvcellar.engine import native
 from kvcellar.engine.config import EngineConfig
 from kvcellar.engine.engine import Engine, EngineParts
-from kvcellar.engine.experts import runs_moe_glu
+from kvcellar.engine.experts import runs_moe_kernels
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner, StepRunner
 from kvcellar.engine.scheduler import Scheduler
@@ -95,7 +95,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 else "",
         recurrence=native.RECURRENCE if state_layout is not None and native.runs_gated_delta(
             loaded.device, state_layout.value_dim) else "",
-        experts=native.EXPERTS_GLU if runs_moe_glu(loaded.model) else "",
+        experts=native.MOE_ARITHMETIC if runs_moe_kernels(loaded.model) else "",
         engine="mlx" if mlx else "torch",
     )
     return EngineParts(layout, pool, blocks, lower, scheduler, runner, descriptor, kv_fingerprint(descriptor),

@@ -19,7 +19,8 @@ hit computes a prompt's tail in a small step, a cold prompt in a large one):
   expert), with the numbers each expert's linear gives alone;
 * a router's logits are a float32 rounding of a float64 product, so the summation order a
   BLAS picks for the step's row count (one row: a matrix-vector product) does not reach
-  them, and a near-tie between two experts cannot flip with the step.
+  them, and a near-tie between two experts cannot flip with the step (``native.route``
+  sums each row in a fixed order, the whole choice in one call).
 
 A step reads each routed expert's weights once, however many of its tokens chose it.
 """
@@ -49,7 +50,9 @@ class Router(nn.Module):
 
     ``prepare``: what the family does to the hidden states first (Gemma 4: an RMS norm and a
     learned scale), a row at a time; ``expert_scale``: a factor per expert on its weight
-    (Gemma 4). ``forward`` returns what transformers' routers return: (logits, weights, indices)."""
+    (Gemma 4). ``forward`` returns what transformers' routers return: (logits, weights, indices);
+    on a CPU with kvcellar's kernels, the families without those two run as one
+    ``native.route`` call (the same float64 logits; its softmax rounds as libm's ``expf``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, order: str,
                  normalize: bool = False, prepare: nn.Module | None = None,
@@ -65,6 +68,7 @@ class Router(nn.Module):
         self.num_experts, self.hidden_dim = weight.shape
         # (the weight it was made from, its version, weight and bias in float64)
         self._wide: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
+        self._narrow: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None  # float32
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.prepare is not None:
@@ -76,7 +80,20 @@ class Router(nn.Module):
             self._wide = (w, w._version, w.to(torch.float64), bias)
         return F.linear(h, self._wide[2], self._wide[3]).to(torch.float32)
 
+    def routes_natively(self, hidden: torch.Tensor) -> bool:
+        """Whether rows like ``hidden`` are routed by ``native.route`` (on a CPU with the kernels,
+        the families without an input transform or per-expert scales)."""
+        return (self.prepare is None and self.expert_scale is None and hidden.device.type == "cpu"
+                and native.available())
+
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.routes_natively(hidden):
+            w = self.weight  # as float32 once, not every step (again where it was changed)
+            if self._narrow is None or self._narrow[0] is not w or self._narrow[1] != w._version:
+                bias = None if self.bias is None else self.bias.float()
+                self._narrow = (w, w._version, w.float(), bias)
+            return native.route(hidden.reshape(-1, self.hidden_dim).float(), self._narrow[2], self._narrow[3],
+                                self.top_k, self.order, self.normalize, torch.get_num_threads())
         logits = self.logits(hidden)
         if self.order == "topk_softmax":
             top, index = torch.topk(logits, self.top_k, dim=-1)
@@ -333,11 +350,10 @@ def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 
-def runs_moe_glu(model: nn.Module) -> bool:
-    """Whether any MoE block of ``model`` (its linears prepared) runs as one ``native.moe_glu``
-    call: then its gating's rounding is kvcellar's, and the KV namespace says so."""
-    for block in moe_blocks(model):
-        fused = block._fused()
-        if fused is not None and fused.act is not None:
-            return True
-    return False
+def runs_moe_kernels(model: nn.Module) -> bool:
+    """Whether a MoE block of ``model`` (its linears prepared) is routed by ``native.route`` or
+    runs its experts as one ``native.moe_glu`` call: then their rounding is kvcellar's, and the
+    KV namespace says so."""
+    if any(r.routes_natively(r.weight) for r in model.modules() if isinstance(r, Router)):
+        return True
+    return any((f := block._fused()) is not None and f.act is not None for block in moe_blocks(model))

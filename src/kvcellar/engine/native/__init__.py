@@ -16,7 +16,6 @@ from kvcellar.engine.native.kv import attend_kv, attends_kv, gather_kv, gathers_
 from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
 from kvcellar.engine.native.matmul import (
     BLOCK,
-    EXPERTS_GLU,
     PANEL,
     PANEL_MIN_ROWS,
     WIDE_FLAGS,
@@ -49,20 +48,26 @@ from kvcellar.engine.native.recurrent import (
     gated_norm,
     runs_gated_delta,
 )
+from kvcellar.engine.native.router import ROUTER_ORDERS, route
 
 # The revision of the numbers these kernels compute (part of the KV namespace where they
 # compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
 # sums as the panels do, and attention gives every position the decode step's arithmetic.
 # 3: sliding-window layers attend by the kernel too (they ran SDPA).
 ARITHMETIC = "kvc-3"
+# The revision of a MoE block's numbers where these kernels route it (``route``) or run its
+# int4 experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do,
+# not as torch's, so the KV namespace names them.
+MOE_ARITHMETIC = "kvc-moe-1"
 
 __all__ = [
-    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "EXPERTS_GLU", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "WIDE_FLAGS",
+    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "ROUTER_ORDERS",
+    "WIDE_FLAGS",
     "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "attend_kv", "attends_kv", "available",
     "cpu_flags", "crc32",
     "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_glu", "moe_matmul",
-    "pack_int4", "panel_min_rows", "quantize_activations", "runs_gated_delta", "stores_panels", "unpack_int4",
+    "pack_int4", "panel_min_rows", "quantize_activations", "route", "runs_gated_delta", "stores_panels", "unpack_int4",
     "wide_panels", "write_kv",
 ]

@@ -9,6 +9,7 @@
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
  *   recurrent.c hybrid models' linear attention: the gated delta rule and the elementwise work
  *               around it
+ *   router.c    mixture-of-experts routers: logits, the experts taken and their weights
  *   crc32.c     the block files' checksum
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
@@ -183,6 +184,7 @@ int kvc_moe_glu_q4(const float *x, int64_t tokens, int64_t cols, const int64_t *
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
+int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
 uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
 int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows, int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads);
 int kvc_delta_inputs(const float *conv, const float *a, const float *b, const float *neg_a, const float *dt_bias, int64_t rows, int64_t key_heads, int64_t key_dim, int64_t value_heads, int64_t value_dim, float scale, float eps, float *q, float *k, float *v, float *decay, float *beta, int threads);

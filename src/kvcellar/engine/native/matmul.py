@@ -343,11 +343,8 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
     return y
 
 
-# The gatings ``moe_glu`` computes (``kvc_moe_glu_q4``'s ``act``), and the revision of its
-# numbers (the KV namespace names it where a model's experts run it: its gating rounds as
-# exp8 does, not as torch's).
+# The gatings ``moe_glu`` computes (``kvc_moe_glu_q4``'s ``act``).
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
-EXPERTS_GLU = "kvc-glu-1"
 
 
 def moe_glu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights,
