@@ -20,7 +20,7 @@ import torch
 from kvcellar.artifacts import prepare
 from kvcellar.engine import SamplingParams, native
 from kvcellar.engine.experts import RoutedExperts, Router, runs_moe_kernels, split_experts
-from kvcellar.engine.linears import prepare_model
+from kvcellar.engine.linears import FastLinear, prepare_model
 from kvcellar.quantization import quantize_model
 from tests._models import (
     TEST_DEVICE,
@@ -136,6 +136,29 @@ def test_an_experts_rows_do_not_depend_on_who_else_chose_it(mode):
         together = block(h)
         for i in (0, 17, 39):
             assert torch.equal(block(h[:, i:i + 1]), together[:, i:i + 1])
+
+
+@needs_native
+def test_a_model_too_big_for_panels_keeps_its_int4_weights_mapped_with_the_same_bits(monkeypatch):
+    """Where a model's int4 weights would take more than ``PANEL_RAM_SHARE`` of the machine's
+    memory as panels, every linear stays in the row layout (the artifact cache's mapped pages):
+    the same outputs, to the bit, experts and all."""
+    block = moe_block()
+    split_experts(block)
+    quants = quantize_model(block, "int4", materialize=False)
+    roomy = copy.deepcopy(block)
+    prepare_model(roomy, quants, kernel_dtype=torch.int8)
+    monkeypatch.setattr(native.matmul, "PANEL_RAM_SHARE", 0.0)
+    tight = copy.deepcopy(block)
+    prepare_model(tight, quants, kernel_dtype=torch.int8)
+    linears = [m for m in tight.modules() if isinstance(m, FastLinear)]
+    assert linears and not any(m.panels for m in linears)
+    assert [m.panels for m in roomy.modules() if isinstance(m, FastLinear)] == [
+        native.stores_panels(m.out_features) for m in linears]
+    assert tight.experts._fused().act == "silu"  # the whole block in one call, in the row layout too
+    h = torch.randn(1, 21, 128)
+    with torch.no_grad():
+        assert torch.equal(tight(h), roomy(h))
 
 
 @pytest.mark.parametrize(("extra", "what"), [

@@ -68,6 +68,9 @@ class KernelTable:
     # float32 model where the CPU has no native bf16 (``loader.resolve_serving``). int8:
     # kvcellar's own kernels (``engine/native``), which quantize the activations to 8 bits.
     kernel_dtype: torch.dtype | None = None
+    # Whether int4 weights may be kept as panels (``native.stores_panels``): the model's int4
+    # weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
+    panels: bool = True
 
 
 # Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
@@ -273,7 +276,7 @@ class FastLinear(nn.Module):
                 assert quant.offsets is not None
                 self._scale = quant.scales.to(torch.float16).contiguous()  # float16 already: as mapped
                 self._zero = quant.offsets.to(torch.float16).contiguous()
-                if native.stores_panels(self.out_features):
+                if self.table.panels and native.stores_panels(self.out_features):
                     mapped = (self._q, self._scale, self._zero)
                     self._q, self._scale, self._zero = native.pack_int4(*mapped, torch.get_num_threads())
                     self.panels = True
@@ -451,7 +454,9 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     quantized = quantized or {}
     param = next(model.parameters())
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
-    table = KernelTable(kernel_dtype=kernel_dtype)
+    int4_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
+                     for q in quantized.values() if q.kind == "int4")
+    table = KernelTable(kernel_dtype=kernel_dtype, panels=native.panels_fit(int4_bytes))
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8

@@ -91,7 +91,8 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
         weights = int((linear - mxfp4) * BYTES_PER_WEIGHT[weights_mode] + mxfp4 * MXFP4_BYTES_PER_WEIGHT
                       + embedding * BYTES_PER_WEIGHT["int4"])
         if weights_mode == "int4":
-            weights -= int(_q4_0_panel_params(source) * OFFSET_BYTES_PER_WEIGHT)
+            int4_bytes = int((linear - mxfp4) * BYTES_PER_WEIGHT["int4"])
+            weights -= int(_q4_0_panel_params(source, int4_bytes) * OFFSET_BYTES_PER_WEIGHT)
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
                       embedding_int4_params=embedding, mxfp4_params=mxfp4,
@@ -121,12 +122,13 @@ def _state_bytes_per_slot(source: ModelSource) -> int:
     return layout.bytes_per_slot if layout is not None else 0
 
 
-def _q4_0_panel_params(source: ModelSource) -> int:
+def _q4_0_panel_params(source: ModelSource, int4_bytes: int) -> int:
     """The parameters of a GGUF's Q4_0 decoder linears that this CPU keeps as panels without
-    offsets (``native.stores_panels``: rows in 8s, no AVX-512 VNNI), else 0."""
+    offsets (``native.stores_panels``: rows in 8s, no AVX-512 VNNI; ``native.panels_fit``: the
+    model's ``int4_bytes`` within the share of memory panels may take), else 0."""
     from kvcellar.engine import native
 
-    if source.kind != "gguf" or not native.available() or native.wide_panels():
+    if source.kind != "gguf" or not native.available() or native.wide_panels() or not native.panels_fit(int4_bytes):
         return 0
     return sum(t.params for t in read_gguf_info(source.path).tensors
                if t.type == "Q4_0" and _is_gguf_linear(t.name) and len(t.dims) >= 2 and t.dims[1] % native.PANEL == 0)

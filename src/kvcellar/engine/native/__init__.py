@@ -35,6 +35,7 @@ from kvcellar.engine.native.matmul import (
     moe_matmul,
     pack_int4,
     panel_min_rows,
+    panels_fit,
     quantize_activations,
     stores_panels,
     unpack_int4,
@@ -68,6 +69,7 @@ __all__ = [
     "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_mxfp4", "moe_glu", "moe_matmul",
-    "pack_int4", "panel_min_rows", "quantize_activations", "route", "runs_gated_delta", "stores_panels", "unpack_int4",
+    "pack_int4", "panel_min_rows", "panels_fit", "quantize_activations", "route", "runs_gated_delta", "stores_panels",
+    "unpack_int4",
     "wide_panels", "write_kv",
 ]

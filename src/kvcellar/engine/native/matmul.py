@@ -14,6 +14,7 @@ a MoE layer's projection in one call, each expert's rows by the same arithmetic.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,6 +89,23 @@ def _check_weight(weight: torch.Tensor, scales: torch.Tensor, cols: int, more: t
     shape = scales.shape
     if shape[0] != out or (len(shape) == 2 and shape[1] != cols // BLOCK) or (more is not None and more.shape != shape):
         raise ValueError(f"scales {tuple(shape)} do not fit a weight of {out} rows and {cols} inputs")
+
+
+# The share of the machine's memory a model's int4 weights may take as panels: panels are
+# anonymous memory (packed at every start, held whatever the page cache needs), where weights in
+# the row layout stay the artifact cache's mapped pages. A Qwen3-30B-A3B's 17.5 GB of experts on a
+# 24 GB machine left no room (23.6 GB at start, 134 s of packing a start; docs/performance.md).
+PANEL_RAM_SHARE = 0.5
+
+
+def panels_fit(int4_bytes: int) -> bool:
+    """Whether a model of ``int4_bytes`` of int4 weights keeps them as panels where this CPU
+    would (``stores_panels``): at most ``PANEL_RAM_SHARE`` of the machine's memory."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return True
+    return int4_bytes <= PANEL_RAM_SHARE * total
 
 
 def stores_panels(out: int) -> bool:
