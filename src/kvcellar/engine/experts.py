@@ -354,6 +354,8 @@ def runs_moe_kernels(model: nn.Module) -> bool:
     """Whether a MoE block of ``model`` (its linears prepared) is routed by ``native.route`` or
     runs its experts as one ``native.moe_glu`` call: then their rounding is kvcellar's, and the
     KV namespace says so."""
+    if not isinstance(model, nn.Module):  # another framework's model (``--engine mlx``)
+        return False
     if any(r.routes_natively(r.weight) for r in model.modules() if isinstance(r, Router)):
         return True
     return any((f := block._fused()) is not None and f.act is not None for block in moe_blocks(model))
