@@ -449,7 +449,6 @@ void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16
     gemm_q4_panels(w, scales, offsets, out, cols, xq, xd, xs, rows, y, threads, PANEL16, MR16, panel16_rows);
 }
 
-/* Returns -1 where it has no memory for its work list (nothing written). */
 /* Rows start..end of an int4 weight into dst [end - start, cols]: float32, or bfloat16
  * (uint16) where bf16 is set, for a bf16 model on a CPU whose bf16 matmul is the fast one. */
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start,
@@ -720,7 +719,7 @@ int kvc_moe_glu_q4(const float *x, int64_t tokens, int64_t cols, const int64_t *
                    const int64_t *dw, const int64_t *ds, const int64_t *dof, int64_t inner, int act, int panels,
                    float *y, int threads) {
     const int64_t slots = tokens * k, wide = 2 * inner, cb = cols / BLOCK, ib = inner / BLOCK;
-    if (tokens < 0 || k <= 0 || cols % BLOCK || inner % BLOCK || cols % 8 || (act != GLU_SILU && act != GLU_GELU_TANH))
+    if (tokens < 0 || k <= 0 || cols % BLOCK || inner % BLOCK || (act != GLU_SILU && act != GLU_GELU_TANH))
         return -2;
     for (int64_t s = 0; s < slots; s++)
         if (index[s] < 0 || index[s] >= experts) return -2;
