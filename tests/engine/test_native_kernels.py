@@ -192,47 +192,83 @@ def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out
         native.moe_matmul(x, experts, starts[:-1], THREADS)
 
 
+def clamped_glu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's gating (transformers' ``GptOssExperts._apply_gate``)."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def halves_glu(act):
+    def glu(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+    return glu
+
+
+GATINGS = {"silu": halves_glu(torch.nn.functional.silu),
+           "gelu_tanh": halves_glu(lambda g: torch.nn.functional.gelu(g, approximate="tanh")),
+           "clamped": clamped_glu}
+
+
 @needs_native
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_its_own(act):
+@pytest.mark.parametrize(("kind", "act"), [("int4", "silu"), ("int4", "gelu_tanh"), ("int8", "silu"),
+                                           ("mxfp4", "clamped")])
+def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_its_own(kind, act):
     """``moe_glu``: a MoE block's routed experts from input to output in one call. Each token's
-    output is its experts' int4 linears, gated, weighted and summed (within the rounding of its
-    gating, which is the kernel's own, and of the 8-bit activations after it); the same bits
-    alone as in any step, and with the experts kept as panels as in the row layout."""
+    output is its experts' linears (plus their biases, gpt-oss's), gated, weighted and summed
+    (within the rounding of its gating, which is the kernel's own, and of the 8-bit activations
+    after it); the same bits alone as in any step, and with int4 experts kept as panels as in the
+    row layout."""
     cols, inner, n_experts, k, tokens = 64, 96, 6, 3, 13
     gen = torch.Generator().manual_seed(7)
-    parts = {}
+    parts, biases = {}, {}
     for name, (out, width) in {"gate_up": (2 * inner, cols), "down": (cols, inner)}.items():
-        quants = [quantize_int4(torch.randn(out, width, generator=gen) * 0.1) for _ in range(n_experts)]
-        parts[name] = [(q.qweight, q.scales.half(), q.offsets.half()) for q in quants]
+        if kind == "mxfp4":  # codes of every value, block scales 1/16 .. 1/2
+            parts[name] = [(torch.randint(0, 256, (out, width // 2), dtype=torch.uint8, generator=gen),
+                            torch.randint(123, 127, (out, width // 32), dtype=torch.uint8, generator=gen))
+                           for _ in range(n_experts)]
+            biases[name] = torch.randn(n_experts, out, generator=gen) * (1 if name == "gate_up" else 20)
+        else:
+            quantize = quantize_int4 if kind == "int4" else quantize_int8
+            quants = [quantize(torch.randn(out, width, generator=gen) * 0.1) for _ in range(n_experts)]
+            parts[name] = [(q.qweight, q.scales.half(), q.offsets.half()) if kind == "int4" else (q.qweight, q.scales)
+                           for q in quants]
+            biases[name] = None
+    linear = {"int4": native.matmul_int4, "int8": native.matmul_int8, "mxfp4": native.matmul_mxfp4}[kind]
 
     def experts(name: str, panels: bool) -> native.ExpertWeights:
         kept = [native.pack_int4(*p, THREADS) for p in parts[name]] if panels else parts[name]
-        return native.expert_weights("int4", [p[0] for p in kept], [p[1] for p in kept], [p[2] for p in kept],
-                                     panels=panels)
+        return native.expert_weights(kind, [p[0] for p in kept], [p[1] for p in kept],
+                                     [p[2] for p in kept] if kind == "int4" else None, panels=panels)
+
+    def biased(y: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        return y if biases[name] is None else y + biases[name][e]
 
     x = activations(tokens, cols)
     index = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)])
     index[:4] = torch.tensor([0, 1, 2])  # an expert chosen by many tokens: a panel's worth of its rows
     weights = torch.rand(tokens, k, generator=gen)
-    gelu = torch.nn.functional.gelu
-    torch_act = torch.nn.functional.silu if act == "silu" else (lambda g: gelu(g, approximate="tanh"))
     want = torch.zeros(tokens, cols)
     for t in range(tokens):
         for j in range(k):
             e = int(index[t, j])
-            gate, up = native.matmul_int4(x[t:t + 1], *parts["gate_up"][e], 1).chunk(2, dim=-1)
-            want[t] += weights[t, j] * native.matmul_int4(torch_act(gate) * up, *parts["down"][e], 1)[0]
+            gated = GATINGS[act](biased(linear(x[t:t + 1], *parts["gate_up"][e], 1), "gate_up", e))
+            want[t] += weights[t, j] * biased(linear(gated, *parts["down"][e], 1), "down", e)[0]
+    extra = {"alpha": 1.702, "limit": 7.0} if act == "clamped" else {}
+
+    def block(gate_up: native.ExpertWeights, down: native.ExpertWeights, rows: slice, threads: int) -> torch.Tensor:
+        return native.moe_glu(x[rows], index[rows], weights[rows], gate_up, down, act, threads, **extra,
+                              gate_up_bias=biases["gate_up"], down_bias=biases["down"])
+
     results = []
-    for panels in (False, True):
+    for panels in (False, True) if kind == "int4" else (False,):
         gate_up, down = experts("gate_up", panels), experts("down", panels)
-        got = native.moe_glu(x, index, weights, gate_up, down, act, THREADS)
+        got = block(gate_up, down, slice(None), THREADS)
         torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
         for t in (0, 5, 12):
-            assert torch.equal(native.moe_glu(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down, act, 1),
-                               got[t:t + 1])
+            assert torch.equal(block(gate_up, down, slice(t, t + 1), 1), got[t:t + 1])
         results.append(got)
-    assert torch.equal(results[0], results[1])
+    assert all(torch.equal(r, results[0]) for r in results)
     with pytest.raises(ValueError):
         native.moe_glu(x, index + n_experts, weights, gate_up, down, act, THREADS)  # no such expert
 

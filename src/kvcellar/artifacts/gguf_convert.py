@@ -493,7 +493,7 @@ class GgufFile:
                     held[(module, e)] = (role, q)
                     continue
                 gate, up = (q, other[1]) if role == "gate" else (other[1], q)
-                # gpt-oss's gating takes gate and up outputs interleaved (``experts._clamped_glu``)
+                # gpt-oss's gating takes gate and up outputs interleaved (``experts._ClampedGlu``)
                 fused = _interleaved(gate, up) if self.gpt_oss else QuantizedWeight.concat([gate, up])
                 yield f"{module}.gate_up.{e}", fused
         if held:

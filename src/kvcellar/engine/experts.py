@@ -156,7 +156,8 @@ class RoutedExperts(nn.Module):
         fused = self._fused()
         if fused is not None and fused.act is not None:  # the whole block in one call
             out = native.moe_glu(hidden.float(), index, weights, fused.gate_up, fused.down, fused.act,
-                                 torch.get_num_threads())
+                                 torch.get_num_threads(), alpha=fused.alpha, limit=fused.limit,
+                                 gate_up_bias=fused.gate_up_bias, down_bias=fused.down_bias)
             return out.to(hidden.dtype)
         tokens, k = index.shape
         flat = index.reshape(-1)
@@ -194,9 +195,9 @@ class RoutedExperts(nn.Module):
         dtype = rows.dtype
         gate_up = native.moe_matmul(rows.float(), fused.gate_up, starts, threads).to(dtype)
         if fused.gate_up_bias is not None:
-            gate_up = gate_up + fused.gate_up_bias[experts]
+            gate_up = gate_up + fused.gate_up_bias[experts].to(dtype)
         out = native.moe_matmul(self.glu(gate_up).float(), fused.down, starts, threads).to(dtype)
-        return out if fused.down_bias is None else out + fused.down_bias[experts]
+        return out if fused.down_bias is None else out + fused.down_bias[experts].to(dtype)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ class _Fused:
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     act: str | None = None  # where ``native.moe_glu`` runs the whole block: its gating
+    alpha: float = 1.0  # the clamped gating's
+    limit: float = float("inf")
 
     @classmethod
     def of(cls, block: RoutedExperts) -> _Fused | None:
@@ -230,11 +233,10 @@ class _Fused:
             biases = [m.bias for m in fast if m.bias is not None]
             if biases and len(biases) != len(fast):
                 return None
-            parts.append((experts, torch.stack(biases) if biases else None))
+            parts.append((experts, torch.stack(biases).float().contiguous() if biases else None))
         (gate_up, gate_up_bias), (down, down_bias) = parts
-        act = getattr(block.glu, "kernel_act", None)
-        whole = gate_up.kind == "int4" and gate_up_bias is None and down_bias is None
-        return cls(gate_up, down, gate_up_bias, down_bias, act if whole else None)
+        return cls(gate_up, down, gate_up_bias, down_bias, getattr(block.glu, "kernel_act", None),
+                   getattr(block.glu, "alpha", 1.0), getattr(block.glu, "limit", float("inf")))
 
 
 # transformers' activation modules whose gating ``native.moe_glu`` computes (its ``act``).
@@ -261,17 +263,21 @@ def _stacked_halves(experts: Any) -> RoutedExperts:
     return RoutedExperts(gate_up, down, _HalvesGlu(experts.act_fn))
 
 
-def _clamped_glu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+class _ClampedGlu:
     """gpt-oss's gating, as transformers' ``GptOssExperts._apply_gate``: gate and up interleaved
-    (even and odd outputs), both clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    (even and odd outputs), both clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``;
+    ``native.moe_glu`` computes it as ``clamped``."""
 
-    def glu(gate_up: torch.Tensor) -> torch.Tensor:
+    kernel_act = "clamped"
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    return glu
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def _stacked_inputs_first(experts: Any) -> RoutedExperts:
@@ -279,7 +285,7 @@ def _stacked_inputs_first(experts: Any) -> RoutedExperts:
     first (each expert's linear is the transpose: a view), with biases."""
     gate_up = [_linear(experts.gate_up_proj[e].t(), experts.gate_up_proj_bias[e]) for e in range(experts.num_experts)]
     down = [_linear(experts.down_proj[e].t(), experts.down_proj_bias[e]) for e in range(experts.num_experts)]
-    return RoutedExperts(gate_up, down, _clamped_glu(float(experts.alpha), float(experts.limit)))
+    return RoutedExperts(gate_up, down, _ClampedGlu(float(experts.alpha), float(experts.limit)))
 
 
 # transformers' experts class -> how its weights become linears.

@@ -57,9 +57,11 @@ from kvcellar.engine.native.router import ROUTER_ORDERS, route
 # 3: sliding-window layers attend by the kernel too (they ran SDPA).
 ARITHMETIC = "kvc-3"
 # The revision of a MoE block's numbers where these kernels route it (``route``) or run its
-# int4 experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do,
-# not as torch's, so the KV namespace names them.
-MOE_ARITHMETIC = "kvc-moe-1"
+# experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do, not
+# as torch's, so the KV namespace names them (MXFP4 experts, which only MoE blocks have, too).
+# 2: gpt-oss's blocks run whole, and MXFP4 rows sum as int4's do (a block's whole dot product,
+# then its scale).
+MOE_ARITHMETIC = "kvc-moe-2"
 
 __all__ = [
     "ARITHMETIC", "BLOCK", "ENV_SWITCH", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "ROUTER_ORDERS",

@@ -3,8 +3,6 @@
  * 8-bit dot product, kvc_gemm_q4_panels16); every one sums each output in the same order, so a
  * row's outputs are the same bits whatever the step's row count. Also a MoE layer's routed
  * experts in one call, and the weights dequantized for a dense fallback. */
-#include <omp.h>
-
 #include "kvc.h"
 
 /* Lane j of the result: the sum of the 16 int16 lanes of m[j] (maddubs of a block: each lane
@@ -628,173 +626,33 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                  a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
 }
 
-/* Inside a parallel region: every unit of one projection (units of out / 8 groups, handed out
- * `chunk` at a time). */
-static inline void moe_q4_units(const moe_unit *units, int64_t count, int chunk, const int64_t *w,
-                                const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t out,
-                                int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int panels,
-                                panel_scratch scratch) {
+/* moe_project for int4 experts (p->panels: kept as panels), each thread with its scratch for
+ * packing a panel. */
+void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
     const int64_t blocks = cols / BLOCK;
+    const panel_scratch scratch = panel_scratch_new(blocks, out, p->panels);
     #pragma omp for schedule(dynamic, chunk)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e;
-        moe_q4_unit((const uint8_t *)w[e], (const uint16_t *)scales[e], (const uint16_t *)offsets[e], units[u].g, out,
-                    blocks, cols, xq, xd, xs, starts[e], starts[e + 1], y, panels, scratch);
+        moe_q4_unit((const uint8_t *)p->w[e], (const uint16_t *)p->s[e], (const uint16_t *)p->o[e], units[u].g, out,
+                    blocks, cols, xq, xd, xs, starts[e], starts[e + 1], y, p->panels, scratch);
     }
-}
-
-static int moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,
-                  int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                  float *y, int threads, int panels) {
-    if (panels && out % PANEL) return -2;
-    int64_t count;
-    moe_unit *units = moe_units(starts, experts, (out + 7) / 8, &count);
-    if (!units) return -1;
-    const int chunk = moe_chunk(starts, experts);
-    #pragma omp parallel num_threads(threads)
-    {
-        const panel_scratch scratch = panel_scratch_new(cols / BLOCK, out, panels);
-        moe_q4_units(units, count, chunk, w, scales, offsets, starts, out, cols, xq, xd, xs, y, panels, scratch);
-        panel_scratch_free(scratch);
-    }
-    free(units);
-    return 0;
+    panel_scratch_free(scratch);
 }
 
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,
                int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                float *y, int threads) {
-    return moe_q4(w, scales, offsets, starts, experts, out, cols, xq, xd, xs, y, threads, 0);
+    const moe_proj p = {w, scales, offsets, 0};
+    return moe_matmul(moe_q4_project, &p, starts, experts, out, cols, xq, xd, xs, y, threads);
 }
 
 /* kvc_moe_q4 for experts in the panel layout (out a multiple of 8). */
 int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,
                 int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                 float *y, int threads) {
-    return moe_q4(w, scales, offsets, starts, experts, out, cols, xq, xd, xs, y, threads, 1);
-}
-
-/* The gating between an expert's projections, on gate g and up u: SiLU (Qwen MoE), or GELU's
- * tanh form (Gemma 4), act(g) * u. exp8's rounding, not torch's: the KV namespace names it. */
-#define GLU_SILU 0
-#define GLU_GELU_TANH 1
-
-static inline void glu_row(const float *gate, const float *up, int64_t n, int act, float *h) {
-    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
-        __m256 a;
-        if (act == GLU_SILU) {  /* g / (1 + exp(-g)) */
-            a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        } else {  /* 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), tanh(z) = 1 - 2 / (exp(2z) + 1) */
-            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-            const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                           _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
-            const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
-                                                              _mm256_add_ps(exp8(_mm256_add_ps(z, z)), one)));
-            a = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t));
-        }
-        _mm256_storeu_ps(h + i, _mm256_mul_ps(a, u));
-    }
-}
-
-/* A slot's gate-up output [2 x inner] gated into h, then quantized (xq, xd, xs: its row). */
-static inline void gate_slot(const float *gu, int64_t inner, int act, float *h, int8_t *xq, float *xd, float *xs) {
-    glu_row(gu, gu + inner, inner, act, h);
-    for (int64_t b = 0; b < inner / BLOCK; b++) quantize_block(h + b * BLOCK, xq + b * BLOCK, xd + b, xs + b);
-}
-
-/* A MoE block's routed experts for int4 experts, from the block's input to its output in one
- * call (a decode step woke the threads and ran ~20 torch operations a layer for this, as long
- * as the experts' own reading): x float32 [tokens, cols], each token's k experts index [tokens,
- * k] (int64) with their weights [tokens, k]; expert e's gate-up weight (gw/gs/go[e], 2 x inner
- * rows: the gate half, then the up half; offsets 0 where kept panels derive them) and down
- * weight (dw/ds/dof[e], cols rows of inner inputs), kept as panels or not (`panels`). Each
- * (token, expert) slot is quantized, multiplied by its expert's gate-up, gated (`act`: GLU_*),
- * quantized and multiplied by its expert's down projection, every product by its linear's
- * arithmetic; y [tokens, cols] = the sum over the token's experts in its own order of weight x
- * output. A slot's numbers are its own whatever else shares the step. */
-int kvc_moe_glu_q4(const float *x, int64_t tokens, int64_t cols, const int64_t *index, const float *weights,
-                   int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go,
-                   const int64_t *dw, const int64_t *ds, const int64_t *dof, int64_t inner, int act, int panels,
-                   float *y, int threads) {
-    const int64_t slots = tokens * k, wide = 2 * inner, cb = cols / BLOCK, ib = inner / BLOCK;
-    if (tokens < 0 || k <= 0 || cols % BLOCK || inner % BLOCK || (act != GLU_SILU && act != GLU_GELU_TANH))
-        return -2;
-    for (int64_t s = 0; s < slots; s++)
-        if (index[s] < 0 || index[s] >= experts) return -2;
-    int64_t *starts = calloc((size_t)experts + 1, sizeof(int64_t)), *next = malloc(((size_t)experts + 1) * sizeof(int64_t));
-    int64_t *pos = malloc((size_t)(slots + 1) * sizeof(int64_t)), *token = malloc((size_t)(slots + 1) * sizeof(int64_t));
-    int8_t *xq1 = malloc((size_t)(slots * cols + 1)), *xq2 = malloc((size_t)(slots * inner + 1));
-    float *xd1 = malloc((size_t)(slots * cb + 1) * sizeof(float)), *xs1 = malloc((size_t)(slots * cb + 1) * sizeof(float));
-    float *xd2 = malloc((size_t)(slots * ib + 1) * sizeof(float)), *xs2 = malloc((size_t)(slots * ib + 1) * sizeof(float));
-    float *y1 = malloc((size_t)(slots * wide + 1) * sizeof(float)), *y2 = malloc((size_t)(slots * cols + 1) * sizeof(float));
-    moe_unit *units1 = NULL, *units2 = NULL;
-    int8_t *own_q = NULL;
-    float *own_f = NULL;
-    int64_t n1 = 0, n2 = 0;
-    int rc = -1;
-    if (!starts || !next || !pos || !token || !xq1 || !xq2 || !xd1 || !xs1 || !xd2 || !xs2 || !y1 || !y2) goto done;
-    /* the slots grouped by expert, in their order within each expert */
-    for (int64_t s = 0; s < slots; s++) starts[index[s] + 1]++;
-    for (int64_t e = 0; e < experts; e++) starts[e + 1] += starts[e];
-    memcpy(next, starts, ((size_t)experts + 1) * sizeof(int64_t));
-    for (int64_t s = 0; s < slots; s++) {
-        pos[s] = next[index[s]]++;
-        token[pos[s]] = s / k;
-    }
-    units1 = moe_units(starts, experts, (wide + 7) / 8, &n1);
-    units2 = moe_units(starts, experts, (cols + 7) / 8, &n2);
-    if (!units1 || !units2) goto done;
-    const int chunk = moe_chunk(starts, experts);
-    /* A decode step's slots are few: their quantization, gating and sum take microseconds, less
-     * than the threads' meeting at a barrier (a futex wake-up under the passive wait policy), so
-     * they run on one thread outside the region, and each thread gates every slot for itself
-     * (into its own copy), which leaves one barrier: between the two projections. Each slot's
-     * numbers are the same whoever computes them. */
-    const int few = slots * (cols + inner) <= 65536;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (!few)
-    for (int64_t p = 0; p < slots; p++)
-        for (int64_t b = 0; b < cb; b++)
-            quantize_block(x + token[p] * cols + b * BLOCK, xq1 + p * cols + b * BLOCK, xd1 + p * cb + b, xs1 + p * cb + b);
-    /* per thread: a gating buffer of inner floats, and where few, its own gated slots */
-    const int64_t per_q = few ? slots * inner : 0, per_f = inner + (few ? 2 * slots * ib : 0);
-    own_q = malloc((size_t)(threads * per_q + 1));
-    own_f = malloc((size_t)(threads * per_f + 1) * sizeof(float));
-    if (!own_q || !own_f) goto done;
-    #pragma omp parallel num_threads(threads)
-    {
-        const int me = omp_get_thread_num();
-        float *h = own_f + me * per_f;
-        int8_t *q2 = few ? own_q + me * per_q : xq2;
-        float *d2 = few ? h + inner : xd2, *e2 = few ? h + inner + slots * ib : xs2;
-        const panel_scratch s1 = panel_scratch_new(cb, wide, panels), s2 = panel_scratch_new(ib, cols, panels);
-        moe_q4_units(units1, n1, chunk, gw, gs, go, starts, wide, cols, xq1, xd1, xs1, y1, panels, s1);
-        if (few) {
-            for (int64_t p = 0; p < slots; p++)
-                gate_slot(y1 + p * wide, inner, act, h, q2 + p * inner, d2 + p * ib, e2 + p * ib);
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < slots; p++)
-                gate_slot(y1 + p * wide, inner, act, h, xq2 + p * inner, xd2 + p * ib, xs2 + p * ib);
-        }
-        moe_q4_units(units2, n2, chunk, dw, ds, dof, starts, cols, inner, q2, d2, e2, y2, panels, s2);
-        panel_scratch_free(s1);
-        panel_scratch_free(s2);
-    }
-    #pragma omp parallel for schedule(static) num_threads(threads) if (!few)
-    for (int64_t t = 0; t < tokens; t++)
-        for (int64_t c = 0; c < cols; c += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < k; j++)
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(weights[t * k + j]),
-                                                       _mm256_loadu_ps(y2 + pos[t * k + j] * cols + c)));
-            _mm256_storeu_ps(y + t * cols + c, acc);
-        }
-    rc = 0;
-done:
-    free(starts); free(next); free(pos); free(token); free(xq1); free(xq2);
-    free(xd1); free(xs1); free(xd2); free(xs2); free(y1); free(y2); free(units1); free(units2);
-    free(own_q); free(own_f);
-    return rc;
+    if (out % PANEL) return -2;
+    const moe_proj p = {w, scales, offsets, 1};
+    return moe_matmul(moe_q4_project, &p, starts, experts, out, cols, xq, xd, xs, y, threads);
 }

@@ -39,24 +39,26 @@ void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols
                    rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
 }
 
-int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out,
-               int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    int64_t count;
-    moe_unit *units = moe_units(starts, experts, groups, &count);
-    if (!units) return -1;
-    const int chunk = moe_chunk(starts, experts);
-    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
+/* moe_project for int8 experts (p->s: each expert's float32 scales). */
+void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
+    (void)xs;
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp for schedule(dynamic, chunk)
     for (int64_t u = 0; u < count; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
-        const int8_t *we = (const int8_t *)w[e];
-        const float *se = (const float *)scales[e];
+        const int8_t *we = (const int8_t *)p->w[e];
+        const float *se = (const float *)p->s[e];
         const int64_t r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
         for (int64_t r = units[u].g * 8; r < r1; r++)
             for (int64_t a = a0; a < a1; a += TILE)
                 q8_row(we + r * cols, se[r], r, out, blocks, xq + a * cols, xd + a * blocks,
                        a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
     }
-    free(units);
-    return 0;
+}
+
+int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out,
+               int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
+    const moe_proj p = {w, scales, NULL, 0};
+    return moe_matmul(moe_q8_project, &p, starts, experts, out, cols, xq, xd, NULL, y, threads);
 }

@@ -6,6 +6,7 @@
  *               routed experts, dequantization
  *   int8.c      int8 linears and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
+ *   moe.c       a MoE block's routed experts, input to output (any of the three kinds above)
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
  *   recurrent.c hybrid models' linear attention: the gated delta rule and the elementwise work
  *               around it
@@ -161,6 +162,25 @@ static inline int moe_chunk(const int64_t *starts, int64_t experts) {
     return starts[experts] < 8 * active ? ROW_GROUPS : 1;
 }
 
+/* One projection of a layer's experts: per expert the addresses of its weight, its scales
+ * (MXFP4: exponents) and (int4) offsets; int4 kept as panels or not. */
+typedef struct { const int64_t *w, *s, *o; int panels; } moe_proj;
+
+/* A family's routed-experts work, called by every thread of a parallel region: units 0..count-1
+ * (handed out `chunk` at a time) of projection p, slots grouped by starts, into y [slots, out]. */
+typedef void (*moe_project)(const moe_proj *p, const moe_unit *units, int64_t count, int chunk,
+                            const int64_t *starts, int64_t out, int64_t cols, const int8_t *xq, const float *xd,
+                            const float *xs, float *y);
+void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
+void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
+void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
+/* One projection of the routed experts in one parallel region (moe.c): 0, or -1 (no memory). */
+int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
+               int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
+
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
 void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
@@ -180,7 +200,7 @@ void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, in
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
 int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
-int kvc_moe_glu_q4(const float *x, int64_t tokens, int64_t cols, const int64_t *index, const float *weights, int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go, const int64_t *dw, const int64_t *ds, const int64_t *dof, int64_t inner, int act, int panels, float *y, int threads);
+int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const int64_t *index, const float *weights, int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go, const float *gb, const int64_t *dw, const int64_t *ds, const int64_t *dof, const float *db, int64_t inner, int act, float alpha, float limit, float *y, int threads);
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);

@@ -361,35 +361,46 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
     return y
 
 
-# The gatings ``moe_glu`` computes (``kvc_moe_glu_q4``'s ``act``).
-GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
+# The gatings ``moe_glu`` computes (``kvc_moe_glu``'s ``act``): the gate half then the up half,
+# act(gate) * up; or gpt-oss's, gate and up interleaved and clamped (``alpha``, ``limit``).
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1, "clamped": 2}
+# ``kvc_moe_glu``'s kinds of experts.
+_GLU_KINDS = {("int4", False): 0, ("int4", True): 1, ("int8", False): 2, ("mxfp4", False): 3}
 
 
 def moe_glu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights,
-            down: ExpertWeights, act: str, threads: int) -> torch.Tensor:
-    """A MoE block's routed experts from its input to its output in one call, for int4 experts
-    without biases whose gate-up rows are the gate half then the up half: ``x`` float32
-    ``[tokens, cols]``, the routed experts ``index [tokens, k]`` and their ``weights``; each
-    token's ``sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))``, every product by
-    ``matmul_int4``'s arithmetic, the gating (``GLU_ACTS``) and the sum by the kernel's own."""
+            down: ExpertWeights, act: str, threads: int, *, alpha: float = 1.0, limit: float = float("inf"),
+            gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE block's routed experts from its input to its output in one call, for experts of one
+    kind and layout: ``x`` float32 ``[tokens, cols]``, the routed experts ``index [tokens, k]``
+    and their ``weights``, the biases (``[experts, out]`` float32, or None); each token's
+    ``sum_j weights[t, j] * (down_e(glu(gate_up_e(x_t) + b_e)) + b'_e)``, every product by
+    ``moe_matmul``'s arithmetic, the gating (``GLU_ACTS``) and the sum by the kernel's own."""
     tokens, cols = x.shape
-    if (gate_up.kind, down.kind) != ("int4", "int4") or gate_up.panels != down.panels:
-        raise ValueError("moe_glu runs int4 experts of one layout")
+    kind = _GLU_KINDS.get((gate_up.kind, gate_up.panels))
+    if kind is None or (down.kind, down.panels) != (gate_up.kind, gate_up.panels):
+        raise ValueError("moe_glu runs experts of one kind and layout")
     n_experts = gate_up.weights.shape[0]
     if (gate_up.cols != cols or down.out != cols or gate_up.out != 2 * down.cols
             or down.weights.shape[0] != n_experts or index.shape != weights.shape or index.shape[0] != tokens):
         raise ValueError("activations, routes and the experts' weights do not match")
+    biases = []
+    for bias, out in ((gate_up_bias, gate_up.out), (down_bias, down.out)):
+        if bias is not None and (bias.shape != (n_experts, out) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"an experts' bias must be contiguous float32 [{n_experts}, {out}]")
+        biases.append(0 if bias is None else bias.data_ptr())
     _check_activations(x, cols)
     index = index.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     x = x.contiguous()
     y = torch.empty(tokens, cols)
-    assert gate_up.offsets is not None and down.offsets is not None  # expert_weights requires them for int4
-    rc = lib.call("kvc_moe_glu_q4", x=x.data_ptr(), tokens=tokens, cols=cols, index=index.data_ptr(),
+    offsets = [0 if e.offsets is None else e.offsets.data_ptr() for e in (gate_up, down)]
+    rc = lib.call("kvc_moe_glu", kind=kind, x=x.data_ptr(), tokens=tokens, cols=cols, index=index.data_ptr(),
                   weights=weights.data_ptr(), k=index.shape[1], experts=n_experts, gw=gate_up.weights.data_ptr(),
-                  gs=gate_up.scales.data_ptr(), go=gate_up.offsets.data_ptr(), dw=down.weights.data_ptr(),
-                  ds=down.scales.data_ptr(), dof=down.offsets.data_ptr(), inner=down.cols, act=GLU_ACTS[act],
-                  panels=int(gate_up.panels), y=y.data_ptr(), threads=threads)
+                  gs=gate_up.scales.data_ptr(), go=offsets[0], gb=biases[0], dw=down.weights.data_ptr(),
+                  ds=down.scales.data_ptr(), dof=offsets[1], db=biases[1], inner=down.cols, act=GLU_ACTS[act],
+                  alpha=alpha, limit=limit, y=y.data_ptr(), threads=threads)
     if rc == -2:
         raise ValueError("an expert index outside the layer's experts, or shapes the kernel does not take")
     if rc != 0:

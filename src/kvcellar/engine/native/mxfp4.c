@@ -7,7 +7,8 @@
  * product with the 8-bit activations is exact in integers, and the block scale (halved) a
  * power of two. One kernel for every row count: each activation row's sums are its own. */
 
-/* 2^(e - 128), the block scale of the doubled values (e < 2: a subnormal float). */
+/* 2^(e - 128), the block scale of the doubled values (e < 2: a subnormal float): one exponent
+ * byte, and 8 at once. */
 static inline float e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
@@ -15,78 +16,118 @@ static inline float e8m0_half(uint8_t e) {
     return f;
 }
 
-/* Output r of MXFP4 weights (row wr, its exponents er) against n <= TILE activation rows:
- * codes to signed values by a table lookup, signs moved onto the activations as q8_row does;
- * each lane sums 4 inputs' products of every block, scaled per block, summed across lanes
- * at the end. */
-static inline void mx_row(const uint8_t *wr, const uint8_t *er, int64_t r, int64_t out, int64_t blocks,
-                          const int8_t *xq, const float *xd, int n, float *y) {
-    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE];
-    for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        _mm_prefetch((const char *)(wr + b * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
-        const __m256i wq = _mm256_shuffle_epi8(values, _mm256_castps_si256(q4_block(wr + b * (BLOCK / 2))));
-        const __m256i wabs = _mm256_sign_epi8(wq, wq);
-        const float d = e8m0_half(er[b]);
-        for (int a = 0; a < n; a++) {
-            const int64_t i = a * blocks + b;
-            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
-            acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[i]), acc[a]);
-        }
-    }
-    for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]);
+static inline __m256 e8m0_half8(const uint8_t *e8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
-/* Bytes ahead a decode pass over MXFP4 rows asks the cache for: with 4 rows' streams at once
- * (mx_rows), 2048 left a thread's reads short of the memory's speed (docs/performance.md). */
-#define MX_PREFETCH 4096
-#define MX_ROWS 4
+/* Blocks of a row per pass of mx_rows8: its activations in pairs (TILE x 8 KB) and its dot
+ * products (TILE x 8 KB) stay in L1. Even, so that pairs of blocks do not straddle passes. */
+#define MX_CHUNK 256
 
-/* Outputs r..r+R-1 (R <= MX_ROWS) of MXFP4 weights (w, exps: the whole matrix) against one
- * activation row, side by side: its loads shared, R streams of weights in flight. Each
- * output gets mx_row's operations in mx_row's order: the same bits. */
-static inline void mx_rows(const uint8_t *w, const uint8_t *exps, int64_t r, int R, int64_t blocks,
-                           const int8_t *xq, const float *xd, float *y) {
+/* Output rows r0..r0+7 of MXFP4 weights (w, exps: the whole matrix) against n <= TILE activation
+ * rows, read as they lie. A 32-byte load holds two blocks of a row: its low nibbles the even
+ * inputs of both, its high nibbles the odd ones, so the activations are first put in pairs to
+ * match (each pair of blocks: both blocks' even inputs, then both blocks' odd ones). Codes
+ * become their doubled values by a table lookup; signs move onto the activations, as the 8-bit
+ * dot product takes one unsigned operand. The exact integer dot products of 8 blocks land in
+ * one vector (lanes: blocks 0 2 4 6 1 3 5 7), are scaled by their blocks' scales and summed
+ * in 8 lanes per output, then across the lanes at the end: each activation row's sums are its
+ * own, at any row count. Rows past `out` repeat the last one and are not stored. */
+static inline void mx_rows8(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t out, int64_t blocks,
+                            const int8_t *xq, const float *xd, int n, float *y) {
     const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int64_t stride = blocks * (BLOCK / 2);
-    __m256 acc[MX_ROWS];
-    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * BLOCK));
-        for (int j = 0; j < R; j++) {
-            const uint8_t *wb = w + (r + j) * stride + b * (BLOCK / 2);
-            _mm_prefetch((const char *)(wb + MX_PREFETCH), _MM_HINT_T0);
-            const __m256i wq = _mm256_shuffle_epi8(values, _mm256_castps_si256(q4_block(wb)));
-            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
-            const float d = e8m0_half(exps[(r + j) * blocks + b]);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones)), _mm256_set1_ps(d * xd[b]),
-                                     acc[j]);
-        }
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const uint8_t *wr[8], *er[8];
+    for (int j = 0; j < 8; j++) {
+        const int64_t r = r0 + j < out ? r0 + j : out - 1;
+        wr[j] = w + r * blocks * (BLOCK / 2);
+        er[j] = exps + r * blocks;
     }
-    for (int j = 0; j < R; j++) y[r + j] = hsum(acc[j]);
+    __m256 acc[TILE][8];
+    for (int a = 0; a < n; a++)
+        for (int j = 0; j < 8; j++) acc[a][j] = _mm256_setzero_ps();
+    __attribute__((aligned(32))) int8_t pairs[TILE][MX_CHUNK * BLOCK];
+    __attribute__((aligned(32))) int32_t dots[TILE][8][MX_CHUNK];  /* [activation row][weight row][block] */
+    for (int64_t c0 = 0; c0 < blocks; c0 += MX_CHUNK) {
+        const int64_t nc = blocks - c0 < MX_CHUNK ? blocks - c0 : MX_CHUNK;
+        for (int a = 0; a < n; a++)
+            for (int64_t b = 0; b < nc; b += 2) {
+                const int8_t *x0 = xq + (a * blocks + c0 + b) * BLOCK;
+                const __m256i first = _mm256_loadu_si256((const __m256i *)x0);
+                const __m256i second = b + 1 < nc ? _mm256_loadu_si256((const __m256i *)(x0 + BLOCK)) : _mm256_setzero_si256();
+                _mm256_store_si256((__m256i *)(pairs[a] + b * BLOCK), _mm256_permute2x128_si256(first, second, 0x20));
+                _mm256_store_si256((__m256i *)(pairs[a] + b * BLOCK + 32), _mm256_permute2x128_si256(first, second, 0x31));
+            }
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *wb = wr[j] + c0 * (BLOCK / 2);
+            for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + k0 * (BLOCK / 2) + PREFETCH + 64), _MM_HINT_T0);
+                if ((k0 & 63) == 0) _mm_prefetch((const char *)(er[j] + c0 + k0), _MM_HINT_T0);
+                __m256i p[TILE][4];
+                for (int h = 0; h < 4; h++) {
+                    const int64_t b = k0 + 2 * h;
+                    __m256i both = _mm256_setzero_si256();  /* blocks past the row's end: code 0, value 0 */
+                    if (b + 1 < nc)
+                        both = _mm256_loadu_si256((const __m256i *)(wb + b * (BLOCK / 2)));
+                    else if (b < nc)
+                        both = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(wb + b * (BLOCK / 2))));
+                    const __m256i even = _mm256_shuffle_epi8(values, _mm256_and_si256(both, low));
+                    const __m256i odd = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(both, 4), low));
+                    const __m256i even_abs = _mm256_sign_epi8(even, even), odd_abs = _mm256_sign_epi8(odd, odd);
+                    for (int a = 0; a < n; a++) {
+                        const int8_t *xp = pairs[a] + b * BLOCK;
+                        const __m256i xe = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xp), even);
+                        const __m256i xo = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)(xp + 32)), odd);
+                        /* 16-bit lanes: at most 2 x 2 x 12 x 127 */
+                        p[a][h] = _mm256_add_epi16(_mm256_maddubs_epi16(even_abs, xe), _mm256_maddubs_epi16(odd_abs, xo));
+                    }
+                }
+                for (int a = 0; a < n; a++) {  /* 4 then 8 lanes summed in 16 bits (<= 16 x 12 x 127), then 32 */
+                    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[a][0], p[a][1]), _mm256_hadd_epi16(p[a][2], p[a][3]));
+                    _mm256_store_si256((__m256i *)(dots[a][j] + k0), _mm256_madd_epi16(h, ones));
+                }
+            }
+        }
+        for (int a = 0; a < n; a++)
+            for (int j = 0; j < 8; j++) {
+                __m256 sum = acc[a][j];
+                for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+                    const int64_t b0 = c0 + k0;
+                    __m256 scale;
+                    if (nc - k0 >= 8) {
+                        scale = _mm256_mul_ps(e8m0_half8(er[j] + b0), _mm256_loadu_ps(xd + a * blocks + b0));
+                    } else {  /* the row's last blocks: the lanes past its end zero (their dots are) */
+                        float s8[8] = {0};
+                        for (int k = 0; k < nc - k0; k++) s8[k] = e8m0_half(er[j][b0 + k]) * xd[a * blocks + b0 + k];
+                        scale = _mm256_loadu_ps(s8);
+                    }
+                    const __m256 d = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(dots[a][j] + k0)));
+                    sum = _mm256_fmadd_ps(d, _mm256_permutevar8x32_ps(scale, lanes), sum);
+                }
+                acc[a][j] = sum;
+            }
+    }
+    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
+    for (int a = 0; a < n; a++)
+        for (int j = 0; j < m; j++) y[a * out + r0 + j] = hsum(acc[a][j]);
 }
 
-/* y [rows, out] float32 = x @ w.T for MXFP4 weights; a single row (decode) MX_ROWS outputs at a time. */
+/* y [rows, out] float32 = x @ w.T for MXFP4 weights: 8 output rows at a time, TILE activation
+ * rows at a time against them. */
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq,
                     const float *xd, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK;
-    if (rows == 1) {
-        #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS / MX_ROWS) num_threads(threads)
-        for (int64_t r = 0; r < out; r += MX_ROWS)
-            mx_rows(w, exps, r, out - r < MX_ROWS ? (int)(out - r) : MX_ROWS, blocks, xq, xd, y);
-        return;
-    }
-    #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS) num_threads(threads)
-    for (int64_t r = 0; r < out; r++)
+    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
+    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++)
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-            mx_row(w + r * (cols / 2), exps + r * blocks, r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
-                   rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
+            mx_rows8(w, exps, g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks,
+                     rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
 }
 
 /* Rows start..end-1 of an MXFP4 weight as float32 [end - start, cols]. */
@@ -108,29 +149,22 @@ void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, 
     }
 }
 
+/* moe_project for MXFP4 experts (p->s: each expert's exponents). */
+void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
+    (void)xs;
+    const int64_t blocks = cols / BLOCK;
+    #pragma omp for schedule(dynamic, chunk)
+    for (int64_t u = 0; u < count; u++) {
+        const int64_t e = units[u].e, a1 = starts[e + 1];
+        for (int64_t a = starts[e]; a < a1; a += TILE)
+            mx_rows8((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g * 8, out, blocks, xq + a * cols,
+                     xd + a * blocks, a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+    }
+}
+
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out,
                   int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    int64_t count;
-    moe_unit *units = moe_units(starts, experts, groups, &count);
-    if (!units) return -1;
-    const int chunk = moe_chunk(starts, experts);
-    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
-    for (int64_t u = 0; u < count; u++) {
-        const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
-        const uint8_t *we = (const uint8_t *)w[e], *ee = (const uint8_t *)exps[e];
-        const int64_t r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
-        if (a1 - a0 == 1) {  /* an expert one token of the step chose: its rows side by side */
-            for (int64_t r = units[u].g * 8; r < r1; r += MX_ROWS)
-                mx_rows(we, ee, r, r1 - r < MX_ROWS ? (int)(r1 - r) : MX_ROWS, blocks, xq + a0 * cols, xd + a0 * blocks,
-                        y + a0 * out);
-            continue;
-        }
-        for (int64_t r = units[u].g * 8; r < r1; r++)
-            for (int64_t a = a0; a < a1; a += TILE)
-                mx_row(we + r * (cols / 2), ee + r * blocks, r, out, blocks, xq + a * cols, xd + a * blocks,
-                       a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
-    }
-    free(units);
-    return 0;
+    const moe_proj p = {w, exps, NULL, 0};
+    return moe_matmul(moe_mx_project, &p, starts, experts, out, cols, xq, xd, NULL, y, threads);
 }
