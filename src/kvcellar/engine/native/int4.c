@@ -17,26 +17,6 @@ static inline __m256i block_dots8(const __m256i *m) {
                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1)));
 }
 
-/* 8 rows of 8 floats transposed in place: r[k] lane j <- r[j] lane k. */
-static inline void transpose8(__m256 *r) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
 /* Blocks of a row whose dot products a pass of q4_rows8 keeps (for TILE activation rows and 8
  * output rows: 32 KB, an L1's worth). */
 #define ROW_CHUNK 640
@@ -165,7 +145,6 @@ static moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
  * are summed in 16 bits (8 x 2 x 15 x 127 < 2^15: exact) and scaled once a block, so a block
  * costs 8 multiply-adds of 32 pairs where kvc_gemm_q4 spends a float conversion and a lane
  * permute per 8 inputs. */
-#define PANEL 8
 #define MR 4
 /* Bytes of activations multiplied per pass over the panels: an L3's worth, so that each
  * panel is packed once for them (a pass per L2's worth repacked the weights dozens of times
@@ -178,21 +157,8 @@ static moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
  * weights in (kvc_pack_q4) is these panels one after the other. */
 static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
                        int64_t blocks, uint8_t *packed, uint16_t *ps, uint16_t *po) {
-    const int64_t stride = blocks * (BLOCK / 2);
     for (int64_t b = 0; b < blocks; b++) {
-        __m128i row[PANEL];
-        for (int j = 0; j < PANEL; j++) row[j] = _mm_loadu_si128((const __m128i *)(w + (r0 + j) * stride + b * (BLOCK / 2)));
-        /* a 4x4 transpose of dwords for rows 0-3 and for rows 4-7 */
-        for (int half = 0; half < 2; half++) {
-            const __m128i *r = row + 4 * half;
-            const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpacklo_epi32(r[2], r[3]);
-            const __m128i t2 = _mm_unpackhi_epi32(r[0], r[1]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
-            uint8_t *dst = packed + b * (PANEL * BLOCK / 2) + half * 16;
-            _mm_storeu_si128((__m128i *)(dst + 0), _mm_unpacklo_epi64(t0, t1));
-            _mm_storeu_si128((__m128i *)(dst + 32), _mm_unpackhi_epi64(t0, t1));
-            _mm_storeu_si128((__m128i *)(dst + 64), _mm_unpacklo_epi64(t2, t3));
-            _mm_storeu_si128((__m128i *)(dst + 96), _mm_unpackhi_epi64(t2, t3));
-        }
+        panel_nibbles(w, blocks, r0, b, packed + b * (PANEL * BLOCK / 2));
         for (int j = 0; j < PANEL; j++) {
             ps[b * PANEL + j] = scales[(r0 + j) * blocks + b];
             if (po) po[b * PANEL + j] = offsets[(r0 + j) * blocks + b];

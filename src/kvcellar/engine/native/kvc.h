@@ -127,6 +127,50 @@ static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void
     }
 }
 
+/* 8 rows of 8 floats transposed in place: r[k] lane j <- r[j] lane k. */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Output rows of 4-bit weights taken 8 at a time by the prefill kernels (a "panel"). */
+#define PANEL 8
+
+/* Block b of rows r0..r0+7 of 4-bit weights (nibbles [out, blocks x 16 bytes]) as a panel's
+ * 128 bytes: chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7, 32 bytes, so that one load
+ * holds 4 inputs (low nibbles) and 4 more (high nibbles) of every row; in each 32 bytes rows
+ * 0-3 fill the lower 16, rows 4-7 the upper. */
+static inline void panel_nibbles(const uint8_t *w, int64_t blocks, int64_t r0, int64_t b, uint8_t *dst) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    __m128i row[PANEL];
+    for (int j = 0; j < PANEL; j++) row[j] = _mm_loadu_si128((const __m128i *)(w + (r0 + j) * stride + b * (BLOCK / 2)));
+    /* a 4x4 transpose of dwords for rows 0-3 and for rows 4-7 */
+    for (int half = 0; half < 2; half++) {
+        const __m128i *r = row + 4 * half;
+        const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpacklo_epi32(r[2], r[3]);
+        const __m128i t2 = _mm_unpackhi_epi32(r[0], r[1]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+        uint8_t *d = dst + half * 16;
+        _mm_storeu_si128((__m128i *)(d + 0), _mm_unpacklo_epi64(t0, t1));
+        _mm_storeu_si128((__m128i *)(d + 32), _mm_unpackhi_epi64(t0, t1));
+        _mm_storeu_si128((__m128i *)(d + 64), _mm_unpacklo_epi64(t2, t3));
+        _mm_storeu_si128((__m128i *)(d + 96), _mm_unpackhi_epi64(t2, t3));
+    }
+}
+
 /* ---- Routed experts: all of a MoE layer's experts in one call ----------------------------
  * A step's (token, expert) slots arrive grouped by expert: activation rows starts[e] ..
  * starts[e + 1] - 1 go through expert e's weights (w[e], scales[e], offsets[e]: addresses of

@@ -23,6 +23,16 @@ static inline __m256 e8m0_half8(const uint8_t *e8) {
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
+/* Outputs r0..r0+7 (those below out) of n activation rows from their accumulators. */
+static inline void store8(const __m256 *acc, int n, int64_t r0, int64_t out, float *y) {
+    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
+    for (int a = 0; a < n; a++) {
+        float part[8];
+        _mm256_storeu_ps(part, acc[a]);
+        memcpy(y + a * out + r0, part, m * sizeof(float));
+    }
+}
+
 /* Blocks of a row per pass of mx_rows8: its activations in pairs (TILE x 8 KB) and its dot
  * products (TILE x 8 KB) stay in L1. Even, so that pairs of blocks do not straddle passes. */
 #define MX_CHUNK 256
@@ -33,24 +43,23 @@ static inline __m256 e8m0_half8(const uint8_t *e8) {
  * match (each pair of blocks: both blocks' even inputs, then both blocks' odd ones). Codes
  * become their doubled values by a table lookup; signs move onto the activations, as the 8-bit
  * dot product takes one unsigned operand. The exact integer dot products of 8 blocks land in
- * one vector (lanes: blocks 0 2 4 6 1 3 5 7), are scaled by their blocks' scales and summed
- * in 8 lanes per output, then across the lanes at the end: each activation row's sums are its
- * own, at any row count. Rows past `out` repeat the last one and are not stored. */
+ * one vector (lanes: blocks 0 2 4 6 1 3 5 7); then lane j accumulates output r0 + j with the
+ * panel's float operations in its order (mx_panel_tile): per block acc = fma(dot, ws * xd,
+ * acc). So an output is the same bits whichever kernel and however many rows a step has. Rows
+ * past `out` repeat the last one and are not stored. */
 static inline void mx_rows8(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t out, int64_t blocks,
                             const int8_t *xq, const float *xd, int n, float *y) {
     const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const uint8_t *wr[8], *er[8];
     for (int j = 0; j < 8; j++) {
         const int64_t r = r0 + j < out ? r0 + j : out - 1;
         wr[j] = w + r * blocks * (BLOCK / 2);
         er[j] = exps + r * blocks;
     }
-    __m256 acc[TILE][8];
-    for (int a = 0; a < n; a++)
-        for (int j = 0; j < 8; j++) acc[a][j] = _mm256_setzero_ps();
+    __m256 acc[TILE];
+    for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
     __attribute__((aligned(32))) int8_t pairs[TILE][MX_CHUNK * BLOCK];
     __attribute__((aligned(32))) int32_t dots[TILE][8][MX_CHUNK];  /* [activation row][weight row][block] */
     for (int64_t c0 = 0; c0 < blocks; c0 += MX_CHUNK) {
@@ -94,40 +103,145 @@ static inline void mx_rows8(const uint8_t *w, const uint8_t *exps, int64_t r0, i
                 }
             }
         }
-        for (int a = 0; a < n; a++)
-            for (int j = 0; j < 8; j++) {
-                __m256 sum = acc[a][j];
-                for (int64_t k0 = 0; k0 < nc; k0 += 8) {
-                    const int64_t b0 = c0 + k0;
-                    __m256 scale;
-                    if (nc - k0 >= 8) {
-                        scale = _mm256_mul_ps(e8m0_half8(er[j] + b0), _mm256_loadu_ps(xd + a * blocks + b0));
-                    } else {  /* the row's last blocks: the lanes past its end zero (their dots are) */
-                        float s8[8] = {0};
-                        for (int k = 0; k < nc - k0; k++) s8[k] = e8m0_half(er[j][b0 + k]) * xd[a * blocks + b0 + k];
-                        scale = _mm256_loadu_ps(s8);
-                    }
-                    const __m256 d = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(dots[a][j] + k0)));
-                    sum = _mm256_fmadd_ps(d, _mm256_permutevar8x32_ps(scale, lanes), sum);
+        for (int64_t k0 = 0; k0 < nc; k0 += 8) {
+            const int64_t b0 = c0 + k0;
+            const int nb = nc - k0 < 8 ? (int)(nc - k0) : 8;
+            __m256 ws[8];
+            if (nb == 8) {  /* each row's 8 scales, transposed to 8 rows per block */
+                for (int j = 0; j < 8; j++) ws[j] = e8m0_half8(er[j] + b0);
+                transpose8(ws);
+            } else {
+                for (int k = 0; k < nb; k++) {
+                    float s8[8];
+                    for (int j = 0; j < 8; j++) s8[j] = e8m0_half(er[j][b0 + k]);
+                    ws[k] = _mm256_loadu_ps(s8);
                 }
-                acc[a][j] = sum;
             }
+            for (int a = 0; a < n; a++) {
+                __m256 d[8];
+                for (int j = 0; j < 8; j++) d[j] = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(dots[a][j] + k0)));
+                transpose8(d);  /* d[i] lane j: row j's dot product of block b0 + 2i (i < 4) or b0 + 2(i - 4) + 1 */
+                for (int k = 0; k < nb; k++)
+                    acc[a] = _mm256_fmadd_ps(d[(k & 1) * 4 + k / 2], _mm256_mul_ps(ws[k], _mm256_set1_ps(xd[a * blocks + b0 + k])),
+                                             acc[a]);
+            }
+        }
     }
-    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
-    for (int a = 0; a < n; a++)
-        for (int j = 0; j < m; j++) y[a * out + r0 + j] = hsum(acc[a][j]);
+    store8(acc, n, r0, out, y);
 }
 
-/* y [rows, out] float32 = x @ w.T for MXFP4 weights: 8 output rows at a time, TILE activation
- * rows at a time against them. */
+/* Prefill-sized steps: 8 output rows at a time as a panel (panel_nibbles: one 32-byte load
+ * holds 4 + 4 inputs of each row) against MX_MR activation rows, each lane one output. A
+ * block's products are summed in 16 bits (16 x 12 x 127 < 2^15: exact) and scaled once, where
+ * mx_rows8 reduces every block across lanes. */
+#define MX_MR 4
+
+/* A thread's panel: nibbles (blocks x 128 bytes) and its rows' exponents (8 a block). */
+typedef struct { uint8_t *nibbles, *exps; } mx_panel;
+
+static mx_panel mx_panel_new(int64_t blocks) {
+    mx_panel p = {aligned_alloc(64, ((size_t)blocks * PANEL * BLOCK / 2 + 63) / 64 * 64), malloc((size_t)blocks * PANEL)};
+    return p;
+}
+
+static void mx_panel_free(mx_panel p) {
+    free(p.nibbles);
+    free(p.exps);
+}
+
+static void mx_pack(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t blocks, mx_panel p) {
+    for (int64_t b = 0; b < blocks; b++) {
+        panel_nibbles(w, blocks, r0, b, p.nibbles + b * (PANEL * BLOCK / 2));
+        for (int j = 0; j < PANEL; j++) p.exps[b * PANEL + j] = exps[(r0 + j) * blocks + b];
+    }
+}
+
+/* N activation rows (N <= MX_MR, a constant at each call site) against a packed panel: y[a *
+ * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations' reordered block,
+ * its high nibbles inputs 16 + 4c.. */
+static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int64_t blocks, const int8_t *xq,
+                                                                const float *xd, int64_t cols, float *y, int64_t out,
+                                                                const int N) {
+    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MX_MR];
+    for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i sum[MX_MR];
+        for (int a = 0; a < N; a++) sum[a] = _mm256_setzero_si256();
+        const uint8_t *pb = p.nibbles + b * (PANEL * BLOCK / 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_load_si256((const __m256i *)(pb + 32 * c));
+            const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(raw, low));
+            const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+            const __m256i lo_abs = _mm256_sign_epi8(lo, lo), hi_abs = _mm256_sign_epi8(hi, hi);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                int32_t four_lo, four_hi;  /* memcpy: an unaligned 4-byte load, without aliasing */
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(four_lo), lo);
+                const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(four_hi), hi);
+                sum[a] = _mm256_add_epi16(sum[a], _mm256_add_epi16(_mm256_maddubs_epi16(lo_abs, xl),
+                                                                   _mm256_maddubs_epi16(hi_abs, xh)));
+            }
+        }
+        const __m256 ws = e8m0_half8(p.exps + b * PANEL);
+        for (int a = 0; a < N; a++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
+            acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
+        }
+    }
+    for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
+}
+
+/* Activation rows a0..a1-1 against a packed panel into y (the panel's first output column). */
+static void mx_panel_tiles(mx_panel p, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, int64_t a0,
+                           int64_t a1, float *y, int64_t out) {
+    int64_t a = a0;
+    for (; a + MX_MR <= a1; a += MX_MR)
+        mx_panel_tile(p, blocks, xq + a * cols, xd + a * blocks, cols, y + a * out, out, MX_MR);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks;
+    float *ya = y + a * out;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 3: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 3); break;
+        case 2: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 2); break;
+        case 1: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 1); break;
+        default: break;
+    }
+}
+
+/* Output rows g * 8 .. g * 8 + 7 of MXFP4 weights against activation rows a0..a1-1: as a panel
+ * where there are a panel's worth of rows (and memory for it, and out is a multiple of 8), else
+ * by the row kernel. The same bits either way. */
+static inline void mx_unit(const uint8_t *w, const uint8_t *exps, int64_t g, int64_t out, int64_t blocks,
+                           int64_t cols, const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y,
+                           mx_panel p) {
+    if (a1 - a0 >= PANEL && out % PANEL == 0 && p.nibbles && p.exps) {
+        mx_pack(w, exps, g * PANEL, blocks, p);
+        mx_panel_tiles(p, blocks, cols, xq, xd, a0, a1, y + g * PANEL, out);
+        return;
+    }
+    for (int64_t a = a0; a < a1; a += TILE)
+        mx_rows8(w, exps, g * 8, out, blocks, xq + a * cols, xd + a * blocks, a1 - a < TILE ? (int)(a1 - a) : TILE,
+                 y + a * out);
+}
+
+/* y [rows, out] float32 = x @ w.T for MXFP4 weights: 8 output rows at a time, as panels where
+ * there are a panel's worth of activation rows. */
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq,
                     const float *xd, int64_t rows, float *y, int threads) {
     const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-            mx_rows8(w, exps, g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks,
-                     rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
+    #pragma omp parallel num_threads(threads)
+    {
+        const mx_panel p = rows >= PANEL ? mx_panel_new(blocks) : (mx_panel){NULL, NULL};
+        #pragma omp for schedule(dynamic, rows >= PANEL ? 1 : ROW_GROUPS)
+        for (int64_t g = 0; g < groups; g++)
+            mx_unit(w, exps, g, out, blocks, cols, xq, xd, 0, rows, y, p);
+        mx_panel_free(p);
+    }
 }
 
 /* Rows start..end-1 of an MXFP4 weight as float32 [end - start, cols]. */
@@ -149,18 +263,19 @@ void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, 
     }
 }
 
-/* moe_project for MXFP4 experts (p->s: each expert's exponents). */
+/* moe_project for MXFP4 experts (p->s: each expert's exponents), each thread with its panel. */
 void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
                     int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
     (void)xs;
     const int64_t blocks = cols / BLOCK;
+    const mx_panel panel = mx_panel_new(blocks);
     #pragma omp for schedule(dynamic, chunk)
     for (int64_t u = 0; u < count; u++) {
-        const int64_t e = units[u].e, a1 = starts[e + 1];
-        for (int64_t a = starts[e]; a < a1; a += TILE)
-            mx_rows8((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g * 8, out, blocks, xq + a * cols,
-                     xd + a * blocks, a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+        const int64_t e = units[u].e;
+        mx_unit((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g, out, blocks, cols, xq, xd, starts[e],
+                starts[e + 1], y, panel);
     }
+    mx_panel_free(panel);
 }
 
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out,
