@@ -438,6 +438,28 @@ def test_linears_of_one_input_called_together_give_each_its_own_calls_bits(dtype
     assert [y.shape[-1] for y in mixed(x[:, :2])] == [40, 8]
 
 
+@needs_native
+def test_int8_linears_of_one_input_called_together_give_each_its_own_calls_bits():
+    """q/k/v-like int8 linears (a Q8_0 file's) in one call over the input quantized once, at every
+    row count: each output the same bits as the linear called alone."""
+    from kvcellar.engine.linears import call_together
+
+    linears = []
+    for i, out in enumerate((40, 13, 1)):
+        q = quantize_int8(torch.randn(out, 320, generator=torch.Generator().manual_seed(i)) * 0.05)
+        linears.append(FastLinear(q.dequantize(torch.float32), torch.randn(out) if i == 1 else None, q,
+                                  KernelTable(kernel_dtype=torch.int8)))
+    together = call_together(linears)
+    assert together.__name__ == "together"  # one call, not each its own
+    x = activations(37, 320).view(1, 37, 320)
+    for rows in (1, 5, 37):
+        for layer, y in zip(linears, together(x[:, :rows]), strict=True):
+            assert torch.equal(y, layer(x[:, :rows])), (rows, layer.out_features)
+    ys = native.matmul_int8_many(x[0, :9], [(m._q, m._scale) for m in linears], THREADS)
+    for layer, y in zip(linears, ys, strict=True):
+        assert torch.equal(y, native.matmul_int8(x[0, :9], layer._q, layer._scale, 1))
+
+
 def test_without_the_kernels_int8_activations_run_nothing(monkeypatch):
     without_native_kernels(monkeypatch)
     assert not native.available() and not quant_kernels_run(torch.int8, torch.device("cpu"))

@@ -142,29 +142,37 @@ def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """The outputs of linears that take the same input (a layer's q/k/v, gate/up), as their own
-    calls give them. Where each runs kvcellar's int4 row kernel for the step (decode-sized steps),
-    one call computes them all over the input quantized once (``native.matmul_int4_many``): the
-    threads wake once for them, not once a linear."""
+    calls give them. Where each runs kvcellar's int8 kernel, or its int4 row kernel for the step
+    (decode-sized steps), one call computes them all over the input quantized once
+    (``native.Int8Group``, ``native.Int4Group``): the threads wake once for them, not once a
+    linear."""
     calls = [call_of(m) for m in modules]
 
     def apart(x: torch.Tensor) -> list[torch.Tensor]:
         return [call(x) for call in calls]
 
-    linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind == "int4"]
-    if len(linears) < 2 or len(linears) != len(modules) or len({(m.in_features, m.dtype) for m in linears}) != 1:
+    linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind in ("int4", "int8")]
+    if len(linears) < 2 or len(linears) != len(modules):
         return apart
-    if len({m.panels for m in linears}) != 1:
+    if len({(m.in_features, m.dtype, m.quant_kind, m.panels) for m in linears}) != 1:
         return apart
-    weights = [(m._q, m._scale, m._zero) for m in linears]
-    assert all(q is not None and s is not None and (z is not None or m.panels)
-               for (q, s, z), m in zip(weights, linears, strict=True))
-    group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
+    group: native.Int4Group | native.Int8Group
+    if linears[0].quant_kind == "int8":
+        pairs = [(m._q, m._scale) for m in linears if m._q is not None and m._scale is not None]
+        if len(pairs) != len(linears):
+            return apart
+        group = native.Int8Group(pairs)
+    else:
+        weights = [(m._q, m._scale, m._zero) for m in linears]
+        assert all(q is not None and s is not None and (z is not None or m.panels)
+                   for (q, s, z), m in zip(weights, linears, strict=True))
+        group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
     outs = group.outs
-    cols, dtype = linears[0].in_features, linears[0].dtype
+    cols, dtype, int4 = linears[0].in_features, linears[0].dtype, linears[0].quant_kind == "int4"
 
     def together(x: torch.Tensor) -> list[torch.Tensor]:
         x2d = x.reshape(-1, cols)
-        if any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
+        if int4 and any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
             return apart(x)
         ys = group(x2d.float(), torch.get_num_threads())
         results = []

@@ -128,17 +128,6 @@ void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
     }
 }
 
-/* The work list of linears 0..count-1 of outs[i] rows: (i, g) for each group g of 8 rows. */
-static moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
-    *n = 0;
-    for (int64_t i = 0; i < count; i++) *n += (outs[i] + 7) / 8;
-    moe_unit *units = malloc((size_t)(*n > 0 ? *n : 1) * sizeof(moe_unit));
-    if (units)
-        for (int64_t i = 0, u = 0; i < count; i++)
-            for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
-    return units;
-}
-
 /* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
  * the 8 rows' nibbles first interleaved (a "panel") so that one 32-byte load holds 4 inputs
  * of each row, and each vector lane accumulates one output. The 8-bit products of a block

@@ -39,6 +39,33 @@ void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols
                    rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
 }
 
+/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
+ * over activations quantized once: weight i (w[i], scales[i]) of outs[i] rows into ys[i] [rows,
+ * outs[i]], each output by kvc_gemm_q8's arithmetic. A step then wakes the threads once for
+ * them, not once a linear. */
+int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count,
+                     int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads) {
+    const int64_t blocks = cols / BLOCK;
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++)
+        if (outs[i] <= 0) return -2;
+    moe_unit *units = linear_units(outs, count, &n);
+    if (!units) return -1;
+    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
+    for (int64_t u = 0; u < n; u++) {
+        const int64_t i = units[u].e, out = outs[i], r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
+        const int8_t *wi = (const int8_t *)w[i];
+        const float *si = (const float *)scales[i];
+        float *y = (float *)ys[i];
+        for (int64_t r = units[u].g * 8; r < r1; r++)
+            for (int64_t a0 = 0; a0 < rows; a0 += TILE)
+                q8_row(wi + r * cols, si[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
+                       rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
+    }
+    free(units);
+    return 0;
+}
+
 /* moe_project for int8 experts (p->s: each expert's float32 scales). */
 void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
                     int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {

@@ -196,6 +196,17 @@ static inline moe_unit *moe_units(const int64_t *starts, int64_t experts, int64_
     return units;
 }
 
+/* The work list of linears 0..count-1 of outs[i] rows: (i, g) for each group g of 8 rows. */
+static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
+    *n = 0;
+    for (int64_t i = 0; i < count; i++) *n += (outs[i] + 7) / 8;
+    moe_unit *units = malloc((size_t)(*n > 0 ? *n : 1) * sizeof(moe_unit));
+    if (units)
+        for (int64_t i = 0, u = 0; i < count; i++)
+            for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
+    return units;
+}
+
 /* Units handed out at a time: where the step gives its experts few rows each (decode), a unit
  * is a few microseconds of reading, and one at a time the threads take turns on alternate
  * units (no streaming read for the prefetchers, a shared counter each microsecond): 2 threads
@@ -236,6 +247,7 @@ void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t 
 void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, int64_t end, int64_t cols, float *out, int threads);
 int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
+int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads);
 int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start, int64_t end, int64_t cols, void *dst, int bf16, int threads);

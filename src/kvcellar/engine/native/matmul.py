@@ -17,6 +17,7 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -182,10 +183,46 @@ def _addresses(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     return torch.tensor([_address(t) for t in tensors], dtype=torch.int64)
 
 
-class Int4Group:
+class _Group:
+    """Quantized weights that take the same activations, checked and their addresses taken once:
+    ``kernel`` multiplies them all in one call over the activations quantized once."""
+
+    kernel: str
+    cols: int
+    outs: list[int]
+    _w: torch.Tensor
+    _s: torch.Tensor
+    _o: torch.Tensor | None = None  # int4's offsets
+
+    def _take(self, weights: Sequence[tuple[Any, ...]]) -> None:
+        self.weights = list(weights)  # keeps the tensors the addresses point into
+        self.outs = [w[0].shape[0] for w in weights]
+        self._w, self._s = _addresses([w[0] for w in weights]), _addresses([w[1] for w in weights])
+        self._outs = torch.tensor(self.outs, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor, threads: int) -> list[torch.Tensor]:
+        """Each weight times ``x`` float32 ``[rows, cols]`` in one call over ``x`` quantized once:
+        each result the same bits as its own ``matmul_int4`` / ``matmul_int8`` gives it."""
+        _check_activations(x, self.cols)
+        rows = x.shape[0]
+        xq, xd, xs = _quantize(x, threads)
+        ys = [torch.empty(rows, out) for out in self.outs]
+        y = _addresses(ys)
+        args: dict[str, object] = {"w": self._w.data_ptr(), "scales": self._s.data_ptr(),
+                                   "outs": self._outs.data_ptr(), "ys": y.data_ptr(), "count": len(self.outs),
+                                   "cols": self.cols, "xq": xq.data_ptr(), "xd": xd.data_ptr(), "rows": rows,
+                                   "threads": threads}
+        if self._o is not None:
+            args.update(offsets=self._o.data_ptr(), xs=xs.data_ptr())
+        done = lib.call(self.kernel, **args)
+        if done != 0:
+            raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
+        return ys
+
+
+class Int4Group(_Group):
     """int4 weights that take the same activations (``(nibbles, scales, offsets)`` each, as
-    ``matmul_int4`` takes them; all in the panel layout where ``panels``), checked and their
-    addresses taken once."""
+    ``matmul_int4`` takes them; all in the panel layout where ``panels``)."""
 
     def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                  panels: bool = False) -> None:
@@ -199,26 +236,29 @@ class Int4Group:
             if offsets is None and not panels:
                 raise ValueError("an int4 weight in the row layout needs its offsets")
             _check_weight(nibbles, scales, cols, offsets)
-        self.weights = list(weights)  # keeps the tensors the addresses point into
-        self.outs = [n.shape[0] for n, _, _ in weights]
-        self._w, self._s, self._o = (_addresses(ts) for ts in zip(*weights, strict=True))
-        self._outs = torch.tensor(self.outs, dtype=torch.int64)
+        self._take(weights)
+        self._o = _addresses([o for _, _, o in weights])
 
-    def __call__(self, x: torch.Tensor, threads: int) -> list[torch.Tensor]:
-        """Each weight times ``x`` float32 ``[rows, cols]`` in one call over ``x`` quantized once:
-        each result the same bits as ``matmul_int4`` gives it alone."""
-        _check_activations(x, self.cols)
-        rows = x.shape[0]
-        xq, xd, xs = _quantize(x, threads)
-        ys = [torch.empty(rows, out) for out in self.outs]
-        y = _addresses(ys)
-        done = lib.call(self.kernel, w=self._w.data_ptr(), scales=self._s.data_ptr(),
-                        offsets=self._o.data_ptr(), outs=self._outs.data_ptr(), ys=y.data_ptr(),
-                        count=len(self.outs), cols=self.cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
-                        rows=rows, threads=threads)
-        if done != 0:
-            raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
-        return ys
+
+class Int8Group(_Group):
+    """int8 weights that take the same activations (``(qweight, scales)`` each, as
+    ``matmul_int8`` takes them)."""
+
+    kernel = "kvc_gemm_q8_many"
+
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cols = cols = weights[0][0].shape[1]
+        for qweight, scales in weights:
+            if qweight.shape[1] != cols:
+                raise ValueError(f"weights of {qweight.shape[1]} and of {cols} inputs in one group")
+            _check_weight(qweight, scales, cols)
+        self._take(weights)
+
+
+def matmul_int8_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     threads: int) -> list[torch.Tensor]:
+    """``matmul_int8`` of ``x`` by each of ``weights`` in one call (``Int8Group``)."""
+    return Int8Group(weights)(x, threads)
 
 
 def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
