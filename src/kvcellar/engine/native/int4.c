@@ -101,16 +101,7 @@ static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint
             }
         }
     }
-    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
-    for (int a = 0; a < n; a++) {
-        if (m == 8) {
-            _mm256_storeu_ps(y + a * out + r0, acc[a]);
-        } else {
-            float part[8];
-            _mm256_storeu_ps(part, acc[a]);
-            memcpy(y + a * out + r0, part, m * sizeof(float));
-        }
-    }
+    store8(acc, n, r0, out, y);
 }
 
 /* y [rows, out] float32 = x @ w.T for int4 weights: 8 output rows at a time, TILE activation

@@ -147,6 +147,21 @@ static inline void transpose8(__m256 *r) {
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
+/* Outputs r0..r0+7 (those below out) of n activation rows from their accumulators (lane j:
+ * output r0 + j), into y [n, out]. */
+static inline void store8(const __m256 *acc, int n, int64_t r0, int64_t out, float *y) {
+    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
+    for (int a = 0; a < n; a++) {
+        if (m == 8) {
+            _mm256_storeu_ps(y + a * out + r0, acc[a]);
+        } else {
+            float part[8];
+            _mm256_storeu_ps(part, acc[a]);
+            memcpy(y + a * out + r0, part, m * sizeof(float));
+        }
+    }
+}
+
 /* Output rows of 4-bit weights taken 8 at a time by the prefill kernels (a "panel"). */
 #define PANEL 8
 

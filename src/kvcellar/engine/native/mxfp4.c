@@ -5,7 +5,8 @@
  * and per block of 32 inputs one E8M0 exponent byte e: w = value(code) * 2^(e - 127). The
  * values doubled are integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), so a block's dot
  * product with the 8-bit activations is exact in integers, and the block scale (halved) a
- * power of two. One kernel for every row count: each activation row's sums are its own. */
+ * power of two. A row kernel for decode-sized steps and panels for prefill-sized ones, each
+ * output summed in the same order by both: each activation row's numbers are its own. */
 
 /* 2^(e - 128), the block scale of the doubled values (e < 2: a subnormal float): one exponent
  * byte, and 8 at once. */
@@ -16,21 +17,17 @@ static inline float e8m0_half(uint8_t e) {
     return f;
 }
 
+/* E2M1 codes (the table's index) as their values doubled: integers. */
+static inline __m256i mx_values(void) {
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
 static inline __m256 e8m0_half8(const uint8_t *e8) {
     const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
     const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
     const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
-}
-
-/* Outputs r0..r0+7 (those below out) of n activation rows from their accumulators. */
-static inline void store8(const __m256 *acc, int n, int64_t r0, int64_t out, float *y) {
-    const int m = out - r0 < 8 ? (int)(out - r0) : 8;
-    for (int a = 0; a < n; a++) {
-        float part[8];
-        _mm256_storeu_ps(part, acc[a]);
-        memcpy(y + a * out + r0, part, m * sizeof(float));
-    }
 }
 
 /* Blocks of a row per pass of mx_rows8: its activations in pairs (TILE x 8 KB) and its dot
@@ -49,8 +46,7 @@ static inline void store8(const __m256 *acc, int n, int64_t r0, int64_t out, flo
  * past `out` repeat the last one and are not stored. */
 static inline void mx_rows8(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t out, int64_t blocks,
                             const int8_t *xq, const float *xd, int n, float *y) {
-    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i values = mx_values();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const uint8_t *wr[8], *er[8];
     for (int j = 0; j < 8; j++) {
@@ -162,8 +158,7 @@ static void mx_pack(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t b
 static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int64_t blocks, const int8_t *xq,
                                                                 const float *xd, int64_t cols, float *y, int64_t out,
                                                                 const int N) {
-    const __m256i values = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i values = mx_values();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MX_MR];
     for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
