@@ -124,11 +124,11 @@ def _state_bytes_per_slot(source: ModelSource) -> int:
 
 def _q4_0_panel_params(source: ModelSource, int4_bytes: int) -> int:
     """The parameters of a GGUF's Q4_0 decoder linears that this CPU keeps as panels without
-    offsets (``native.stores_panels``: rows in 8s, no AVX-512 VNNI; ``native.panels_fit``: the
+    offsets (``native.stores_panels``: rows in 8s; ``native.panels_fit``: the
     model's ``int4_bytes`` within the share of memory panels may take), else 0."""
     from kvcellar.engine import native
 
-    if source.kind != "gguf" or not native.available() or native.wide_panels() or not native.panels_fit(int4_bytes):
+    if source.kind != "gguf" or not native.available() or not native.panels_fit(int4_bytes):
         return 0
     return sum(t.params for t in read_gguf_info(source.path).tensors
                if t.type == "Q4_0" and _is_gguf_linear(t.name) and len(t.dims) >= 2 and t.dims[1] % native.PANEL == 0)

@@ -471,18 +471,114 @@ static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, cons
                 blocks, cols, xq, xd, xs, a0, a1, y + p * PANEL, out);
 }
 
+/* Two adjacent panels at once on CPUs with AVX-512's 8-bit dot product: chunk c of both in one
+ * 64-byte vector (lanes 0-7: the first panel's rows, 8-15: the next one's, which lies right after
+ * it), so one instruction multiplies and sums 4 pairs for 16 rows where panel_tile takes two per
+ * 2 pairs for 8. A block's products are panel_tile's exact integers and each output's float
+ * operations its own, in its order: its bits, at every row count. */
+#define MR2 8
+
+static inline AVX512 __attribute__((always_inline)) void pair_tile(
+        const uint8_t *pa, const uint16_t *sa, const uint16_t *oa, int64_t blocks, const int8_t *xq,
+        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+    const uint8_t *pb = pa + blocks * (PANEL * BLOCK / 2);
+    const uint16_t *sb = sa + blocks * PANEL, *ob = oa ? oa + blocks * PANEL : NULL;
+    __m512 acc[MR2];
+    for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i sum[MR2];
+        for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
+        const uint8_t *wa = pa + b * (PANEL * BLOCK / 2), *wb = pb + b * (PANEL * BLOCK / 2);
+        _mm_prefetch((const char *)(wa + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wa + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PREFETCH + 64), _MM_HINT_T0);
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wa + 32 * c))),
+                                                   _mm256_loadu_si256((const __m256i *)(wb + 32 * c)), 1);
+            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                int32_t four_lo, four_hi;
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_set1_epi32(four_lo));
+                sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_set1_epi32(four_hi));
+            }
+        }
+        const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sa + b * PANEL))),
+            _mm_loadu_si128((const __m128i *)(sb + b * PANEL)), 1));
+        const __m512 wo = oa ? _mm512_cvtph_ps(_mm256_inserti128_si256(
+                                   _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(oa + b * PANEL))),
+                                   _mm_loadu_si128((const __m128i *)(ob + b * PANEL)), 1))
+                             : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
+        for (int a = 0; a < N; a++) {
+            const __m512 dot = _mm512_cvtepi32_ps(sum[a]);
+            acc[a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(xd[a * blocks + b])), acc[a]);
+            acc[a] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xs[a * blocks + b]), acc[a]);
+        }
+    }
+    for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, acc[a]);
+}
+
+/* Panels p and p + 1 of a weight in the panel layout against activation rows a0..a1-1. */
+static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t blocks,
+                             int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
+                             float *y, int64_t out) {
+    const uint8_t *pa = pw + p * blocks * (PANEL * BLOCK / 2);
+    const uint16_t *sa = ps + p * blocks * PANEL, *oa = po ? po + p * blocks * PANEL : NULL;
+    int64_t a = a0;
+    for (; a + MR2 <= a1; a += MR2)
+        pair_tile(pa, sa, oa, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL,
+                  out, MR2);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks, *xsa = xs + a * blocks;
+    float *ya = y + a * out + p * PANEL;
+    switch (a1 - a) {  /* the last rows, each count its own constant */
+        case 7: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 7); break;
+        case 6: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 6); break;
+        case 5: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 5); break;
+        case 4: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 4); break;
+        case 3: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 3); break;
+        case 2: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 2); break;
+        case 1: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 1); break;
+        default: break;
+    }
+}
+
+int q4_panel_step(void) {
+    static int step;
+    if (!step)
+        step = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 2 : 1;
+    return step;
+}
+
+/* The unit of a weight kept as panels that starts at panel p (of `panels`): q4_panel_step()
+ * panels, fewer at the end. */
+static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
+                                    int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
+                                    const float *xs, int64_t a0, int64_t a1, float *y, int64_t out) {
+    if (q4_panel_step() == 2 && p + 1 < panels)
+        pair_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+    else
+        packed_panel_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+}
+
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
  * activations in passes of ACT_BYTES, as the packing panel kernel takes them. */
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
                   const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL, unit = q4_panel_step();
     int64_t step = ACT_BYTES / cols / MR * MR;
     if (step < MR) step = MR;
     for (int64_t a0 = 0; a0 < rows; a0 += step) {
         const int64_t a1 = a0 + step < rows ? a0 + step : rows;
-        #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS : 1) num_threads(threads)
-        for (int64_t p = 0; p < panels; p++)
-            packed_panel_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS / unit : 1) num_threads(threads)
+        for (int64_t u = 0; u < (panels + unit - 1) / unit; u++)
+            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
     }
 }
 
@@ -498,7 +594,7 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
         if (outs[i] <= 0 || (panels && outs[i] % PANEL)) return -2;
-    moe_unit *units = linear_units(outs, count, &n);
+    moe_unit *units = linear_units(outs, count, panels ? q4_panel_step() : 1, &n);
     if (!units) return -1;
     #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
     for (int64_t u = 0; u < n; u++) {
@@ -506,7 +602,7 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
         const uint8_t *wi = (const uint8_t *)w[i];
         const uint16_t *si = (const uint16_t *)scales[i], *oi = (const uint16_t *)offsets[i];
         if (panels) {
-            packed_panel_rows(wi, si, oi, units[u].g, blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], out);
+            packed_unit_rows(wi, si, oi, units[u].g, out / PANEL, blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], out);
             continue;
         }
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
@@ -560,7 +656,7 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                                int64_t a0, int64_t a1, float *y, int panels, panel_scratch scratch) {
     if (panels) {
-        packed_panel_rows(we, se, oe, g, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, y, out);
         return;
     }
     if (a1 - a0 >= PANEL && scratch.packed && scratch.ps && scratch.po) {

@@ -49,7 +49,7 @@ int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *out
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
         if (outs[i] <= 0) return -2;
-    moe_unit *units = linear_units(outs, count, &n);
+    moe_unit *units = linear_units(outs, count, 1, &n);
     if (!units) return -1;
     #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
     for (int64_t u = 0; u < n; u++) {

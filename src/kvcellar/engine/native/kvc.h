@@ -198,29 +198,37 @@ static inline void panel_nibbles(const uint8_t *w, int64_t blocks, int64_t r0, i
 /* A unit of work: expert e's output rows g * 8 .. g * 8 + 7 for all its slots. */
 typedef struct { int64_t e, g; } moe_unit;
 
-static inline moe_unit *moe_units(const int64_t *starts, int64_t experts, int64_t groups, int64_t *count) {
+/* Units of `step` groups of 8 rows (g the first; the last may hold fewer), groups per expert. */
+static inline moe_unit *moe_units(const int64_t *starts, int64_t experts, int64_t groups, int64_t step,
+                                  int64_t *count) {
+    const int64_t per = (groups + step - 1) / step;
     int64_t n = 0;
-    for (int64_t e = 0; e < experts; e++) n += starts[e + 1] > starts[e] ? groups : 0;
+    for (int64_t e = 0; e < experts; e++) n += starts[e + 1] > starts[e] ? per : 0;
     moe_unit *units = malloc((size_t)(n > 0 ? n : 1) * sizeof(moe_unit));
     if (!units) return NULL;
     int64_t i = 0;
     for (int64_t e = 0; e < experts; e++)
         if (starts[e + 1] > starts[e])
-            for (int64_t g = 0; g < groups; g++) units[i++] = (moe_unit){e, g};
+            for (int64_t g = 0; g < groups; g += step) units[i++] = (moe_unit){e, g};
     *count = n;
     return units;
 }
 
-/* The work list of linears 0..count-1 of outs[i] rows: (i, g) for each group g of 8 rows. */
-static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t *n) {
+/* The work list of linears 0..count-1 of outs[i] rows: (i, g) for each `step` groups of 8 rows
+ * from group g on. */
+static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t step, int64_t *n) {
     *n = 0;
-    for (int64_t i = 0; i < count; i++) *n += (outs[i] + 7) / 8;
+    for (int64_t i = 0; i < count; i++) *n += ((outs[i] + 7) / 8 + step - 1) / step;
     moe_unit *units = malloc((size_t)(*n > 0 ? *n : 1) * sizeof(moe_unit));
     if (units)
         for (int64_t i = 0, u = 0; i < count; i++)
-            for (int64_t g = 0; g < (outs[i] + 7) / 8; g++) units[u++] = (moe_unit){i, g};
+            for (int64_t g = 0; g < (outs[i] + 7) / 8; g += step) units[u++] = (moe_unit){i, g};
     return units;
 }
+
+/* Groups of 8 rows (panels) a unit of int4 weights kept as panels takes: 2 where the CPU
+ * multiplies two panels at once (AVX-512's 8-bit dot product), else 1 (int4.c). */
+int q4_panel_step(void);
 
 /* Units handed out at a time: where the step gives its experts few rows each (decode), a unit
  * is a few microseconds of reading, and one at a time the threads take turns on alternate

@@ -111,9 +111,10 @@ def panels_fit(int4_bytes: int) -> bool:
 
 def stores_panels(out: int) -> bool:
     """Whether an int4 weight of ``out`` rows is kept in the panel layout here (``pack_int4``):
-    on CPUs whose prefill kernel is the 8-row panels (no AVX-512 VNNI), where the row kernel's
-    horizontal sums bound a decode step (docs/performance.md)."""
-    return out % PANEL == 0 and not wide_panels()
+    rows in 8s. A decode step then needs no horizontal sums per block (the row kernel's bound),
+    and a prefill packs nothing; with AVX-512's 8-bit dot product two panels run at once
+    (docs/performance.md)."""
+    return out % PANEL == 0
 
 
 def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

@@ -9,7 +9,7 @@
 int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
                int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads) {
     int64_t count;
-    moe_unit *units = moe_units(starts, experts, (out + 7) / 8, &count);
+    moe_unit *units = moe_units(starts, experts, (out + 7) / 8, p->panels ? q4_panel_step() : 1, &count);
     if (!units) return -1;
     const int chunk = moe_chunk(starts, experts);
     #pragma omp parallel num_threads(threads)
@@ -128,8 +128,9 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
         token[pos[s]] = s / k;
         expert[pos[s]] = index[s];
     }
-    units1 = moe_units(starts, experts, (wide + 7) / 8, &n1);
-    units2 = moe_units(starts, experts, (cols + 7) / 8, &n2);
+    const int64_t step = kind == MOE_Q4_PANELS ? q4_panel_step() : 1;
+    units1 = moe_units(starts, experts, (wide + 7) / 8, step, &n1);
+    units2 = moe_units(starts, experts, (cols + 7) / 8, step, &n2);
     if (!units1 || !units2) goto done;
     const int chunk = moe_chunk(starts, experts);
     /* A decode step's slots are few: their quantization, gating and sum take microseconds, less
