@@ -333,6 +333,70 @@ def test_wide_int4_panels_give_the_avx2_panels_numbers_to_the_bit(out, cols):
         assert_close(wide, rounded(x) @ weight.T)
 
 
+# The AVX-512 forms' results, computed again by the AVX2 forms in a process told to run those.
+_AVX2_RUN = """
+import sys, torch
+from tests.engine.test_native_kernels import avx512_cases
+torch.save(avx512_cases(), sys.argv[1])
+"""
+
+
+def avx512_cases() -> dict[str, torch.Tensor]:
+    """Results of every kernel with an AVX-512 form: int4 weights kept as panels (an even and an
+    odd count of panels, derived and own offsets, grouped linears and routed experts) at rows
+    around its tiles, and attention over bf16, float32 and 8-bit blocks as prefill chunks and
+    decode steps."""
+    from kvcellar.cache.kv_pool import KVLayout, KVPool
+
+    found: dict[str, torch.Tensor] = {}
+    for out, cols in ((96, 1056), (40, 256)):
+        nibbles, scales, offsets, _ = int4_weight(out, cols)
+        own = native.pack_int4(nibbles, scales, offsets, THREADS)
+        derived = native.pack_int4(nibbles, scales, (scales.float() * -8).half(), THREADS)
+        for rows in (1, 5, 8, 13, 45):
+            x = activations(rows, cols)
+            found[f"int4 {out} {rows}"] = native.matmul_int4(x, *own, THREADS, panels=True)
+            found[f"q4_0 {out} {rows}"] = native.matmul_int4(x, *derived, THREADS, panels=True)
+            found[f"group {out} {rows}"] = torch.cat(native.matmul_int4_many(x, [own, derived], THREADS, True), 1)
+    experts = native.expert_weights("int4", *map(list, zip(own, derived, strict=True)), panels=True)
+    found["experts"] = native.moe_matmul(activations(19, 256), experts, torch.tensor([0, 10, 19]), THREADS)
+    for dtype, bits in ((torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 8)):
+        layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_bits=bits,
+                          kv_group_size=32 if bits < 16 else 64)
+        pool = KVPool(layout, 40, torch.device("cpu"), gather_quantized=native.gather_kv,
+                      attend_direct=native.attend_kv, write_quantized=native.write_kv)
+        gen = torch.Generator().manual_seed(bits)
+        slots = torch.arange(40 * 16)
+        pool.write(0, slots // 16, slots % 16, (torch.randn(40 * 16, 2, 64, generator=gen) * 3).to(dtype),
+                   torch.randn(40 * 16, 2, 64, generator=gen).to(dtype))
+        tables = torch.stack([torch.randperm(40, generator=gen)[:36] for _ in range(2)])
+        contexts, rows = torch.tensor([570, 301]), torch.tensor([45, 1])
+        for gq in (3, 8, 10):  # query heads of a KV head: odd, a whole 8, past it
+            q = (torch.randn(int(rows.sum()), 2, gq, 64, generator=gen) * 2).to(dtype)
+            found[f"attend {dtype} {bits} {gq}"] = pool.attend(0, tables, contexts, q, 0.125, THREADS, rows)
+    return found
+
+
+@needs_native
+@pytest.mark.skipif(not native.wide_panels(), reason="this CPU has no AVX-512 8-bit dot product")
+def test_the_avx512_kernels_give_the_avx2_kernels_numbers_to_the_bit(tmp_path):
+    """KV one replica computes is served by another, whichever CPU each has: the AVX-512 forms
+    (two panels a 512-bit dot product, paired keys in attention) change no bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "avx2.pt"
+    env = {**os.environ, "KVCELLAR_AVX512": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", _AVX2_RUN, str(target)], check=True, env=env, timeout=300,
+                   cwd=Path(__file__).parents[2])
+    narrow, wide = torch.load(target), avx512_cases()
+    assert narrow.keys() == wide.keys()
+    for name, got in wide.items():
+        assert torch.equal(got, narrow[name]), name
+
+
 @needs_native
 @pytest.mark.parametrize(("out", "cols"), SHAPES)
 def test_int8_matmul_is_the_8_bit_activations_times_the_weight(out, cols):

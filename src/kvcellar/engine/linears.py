@@ -142,10 +142,10 @@ def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """The outputs of linears that take the same input (a layer's q/k/v, gate/up), as their own
-    calls give them. Where each runs kvcellar's int8 kernel, or its int4 row kernel for the step
-    (decode-sized steps), one call computes them all over the input quantized once
-    (``native.Int8Group``, ``native.Int4Group``): the threads wake once for them, not once a
-    linear."""
+    calls give them. Where each runs kvcellar's int8 kernel, its int4 row kernel for the step
+    (decode-sized steps) or int4 weights kept as panels (any step), one call computes them all
+    over the input quantized once (``native.Int8Group``, ``native.Int4Group``): the threads
+    wake once for them, not once a linear."""
     calls = [call_of(m) for m in modules]
 
     def apart(x: torch.Tensor) -> list[torch.Tensor]:
@@ -168,11 +168,12 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
                    for (q, s, z), m in zip(weights, linears, strict=True))
         group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
     outs = group.outs
-    cols, dtype, int4 = linears[0].in_features, linears[0].dtype, linears[0].quant_kind == "int4"
+    cols, dtype = linears[0].in_features, linears[0].dtype
+    rows_layout = linears[0].quant_kind == "int4" and not linears[0].panels  # grouped for the row kernel only
 
     def together(x: torch.Tensor) -> list[torch.Tensor]:
         x2d = x.reshape(-1, cols)
-        if int4 and any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
+        if rows_layout and any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
             return apart(x)
         ys = group(x2d.float(), torch.get_num_threads())
         results = []

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST
+from kvcellar.engine.attention import FOLD_GQA_MAX_QUERIES, SPLIT_MIN_PAST, attention_paths
 from kvcellar.engine.linears import release_scratch
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.engine.tokenization import encode_chat, shared_prefix_len
@@ -56,14 +56,17 @@ class WarmupRequest:
     params: SamplingParams
 
 
-def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int) -> list[list[WarmupRequest]]:
+def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int,
+                 split: bool = True) -> list[list[WarmupRequest]]:
     """Waves of requests, each wave submitted together (so a wave batches its decodes).
 
     ``filler``: real token ids to build prompts from (any text); ``max_tokens_total``: the
     most tokens one request may hold (context and pool limits). Prompts shrink to fit; the
-    split path is skipped when they can't reach ``LONG_PREFIX``."""
+    split path is skipped when they can't reach ``LONG_PREFIX``, and where the engine has no
+    split path (``split`` False: kvcellar's attention kernel takes every prefill) the cached
+    prefix is two blocks, not ``LONG_PREFIX`` tokens (a 7B on two cores: 5 s less)."""
     budget = max(block_size + 4, max_tokens_total - 8)
-    long = min(LONG_PREFIX, budget - UNFOLDED_CHUNK) // block_size * block_size
+    long = min(LONG_PREFIX if split else 2 * block_size, budget - UNFOLDED_CHUNK) // block_size * block_size
     text = (filler * (1 + (long + UNFOLDED_CHUNK + block_size) // max(1, len(filler))))
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, seed=0, presence_penalty=0.1,
@@ -135,7 +138,9 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(engine.max_model_len, engine.pool_tokens // 4)
             budget = _Budget(budget_s, engine.block_size)
-            for i, wave in enumerate(warmup_waves(filler, engine.block_size, limit)):
+            pool = engine.runner.pool
+            split = "prefill_split" in attention_paths(pool.device, pool.attends)
+            for i, wave in enumerate(warmup_waves(filler, engine.block_size, limit, split)):
                 tokens = budget.tokens_of(wave)
                 if not budget.allows(tokens):
                     skipped += 1

@@ -267,7 +267,6 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
  * product is the same exact integer, and the float operations per output are kvc_gemm_q4_panels'
  * in the same order: its results to the bit. Built for these CPUs only by target attributes;
  * called where the CPU lists the flags (native/__init__.py). */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define PANEL16 16
 #define MR16 8
 
@@ -549,11 +548,7 @@ static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16
 }
 
 int q4_panel_step(void) {
-    static int step;
-    if (!step)
-        step = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") ? 2 : 1;
-    return step;
+    return avx512_cpu() ? 2 : 1;
 }
 
 /* The unit of a weight kept as panels that starts at panel p (of `panels`): q4_panel_step()
@@ -586,7 +581,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
  * over activations quantized once: weight i (w[i], scales[i], offsets[i], laid out as
  * kvc_gemm_q4's, or kept as panels) of outs[i] rows into ys[i] [rows, outs[i]], each output by
  * kvc_gemm_q4's arithmetic. A decode step then wakes the threads once for them, not once a
- * linear. */
+ * linear; weights kept as panels take any step this way. */
 static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
                         const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
                         const float *xs, int64_t rows, int threads, int panels) {
@@ -594,9 +589,12 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
         if (outs[i] <= 0 || (panels && outs[i] % PANEL)) return -2;
-    moe_unit *units = linear_units(outs, count, panels ? q4_panel_step() : 1, &n);
+    const int64_t step = panels ? q4_panel_step() : 1;
+    moe_unit *units = linear_units(outs, count, step, &n);
     if (!units) return -1;
-    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
+    /* a prefill's units (panels x every row) are long: one at a time keeps the threads even */
+    const int chunk = panels && rows >= PANEL ? 1 : (int)(ROW_GROUPS / step);
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t u = 0; u < n; u++) {
         const int64_t i = units[u].e, out = outs[i];
         const uint8_t *wi = (const uint8_t *)w[i];

@@ -171,6 +171,69 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
+/* ---- The same operations where the CPU has AVX-512: two of them an instruction ----------- */
+
+/* Keys i and i + 4 of a tile side by side, 8 inputs at a time: kt[(i * head_dim / 8 + c) * 16]
+ * holds inputs 8c..8c+7 of key i, then those of key i + 4 (i < 4). */
+static inline void pair_keys(const float *const *rows, int64_t head_dim, float *kt) {
+    const int64_t n = head_dim / 8;
+    for (int i = 0; i < 4; i++)
+        for (int64_t c = 0; c < n; c++) {
+            _mm256_storeu_ps(kt + (i * n + c) * 16, _mm256_loadu_ps(rows[i] + 8 * c));
+            _mm256_storeu_ps(kt + (i * n + c) * 16 + 8, _mm256_loadu_ps(rows[i + 4] + 8 * c));
+        }
+}
+
+/* The unscaled scores of NQ query heads (q, head_dim apart) against a tile paired by pair_keys:
+ * out[h] lane i, key i's. Each lane is the AVX2 loop's chain of multiply-adds for its key (lanes
+ * 8-15 of a pair: key i + 4's), summed by the same hsum8x8: the same bits. */
+static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *q, const float *kt, int64_t head_dim,
+                                                                  __m256 *out, const int NQ) {
+    const int64_t n = head_dim / 8;
+    __m512 a[2][4];
+    for (int h = 0; h < NQ; h++)
+        for (int i = 0; i < 4; i++) a[h][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c++) {
+        __m512 qc[2];
+        for (int h = 0; h < NQ; h++)  /* inputs 8c..8c+7 of head h in both halves */
+            qc[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(q + h * head_dim + 8 * c))));
+        for (int i = 0; i < 4; i++) {
+            const __m512 k = _mm512_loadu_ps(kt + (i * n + c) * 16);
+            for (int h = 0; h < NQ; h++) a[h][i] = _mm512_fmadd_ps(qc[h], k, a[h][i]);
+        }
+    }
+    for (int h = 0; h < NQ; h++) {
+        __m256 lanes[8];
+        for (int i = 0; i < 4; i++) {
+            lanes[i] = _mm512_castps512_ps256(a[h][i]);
+            lanes[i + 4] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[h][i]), 1));
+        }
+        out[h] = hsum8x8(lanes);
+    }
+}
+
+static AVX512 void qk_wide(const float *q, int64_t nq, const float *kt, int64_t head_dim, __m256 *out) {
+    int64_t h = 0;
+    for (; h + 2 <= nq; h += 2) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 2);
+    if (h < nq) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 1);
+}
+
+/* acc[h * head_dim ..] += the probabilities p[h * ATTEND_CHUNK + i] x value row i (i < mr) for nq
+ * query heads, 16 outputs a vector: each output's chain of multiply-adds in the AVX2 loop's order. */
+static AVX512 void pv_wide(float *acc, const float *p, int64_t nq, int mr, const float *const *rows,
+                           int64_t head_dim) {
+    for (int64_t h = 0; h < nq; h++) {
+        float *a = acc + h * head_dim;
+        __m512 w[ATTEND_TILE];
+        for (int i = 0; i < mr; i++) w[i] = _mm512_set1_ps(p[h * ATTEND_CHUNK + i]);
+        for (int64_t k = 0; k < head_dim; k += 16) {
+            __m512 x = _mm512_loadu_ps(a + k);
+            for (int i = 0; i < mr; i++) x = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(rows[i] + k), x);
+            _mm512_storeu_ps(a + k, x);
+        }
+    }
+}
+
 /* One task: tokens t0..t1-1 of one sequence's blocks, every KV head (a token's heads lie side
  * by side, so the task reads its blocks front to back), for R query rows of that sequence:
  * row r sees the tokens before ends[r] (a row whose end is at or before t0 has nothing here and
@@ -184,9 +247,10 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group,
         const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
         int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
-        const int BITS) {
+        float *kt, const int BITS, const int WIDE) {
     /* BITS 32 / 16: float32 / bf16 rows, no parameters (group and values_bytes unused). window:
-     * a row sees its last `window` keys only (0: all); keys before them score -inf here. */
+     * a row sees its last `window` keys only (0: all); keys before them score -inf here. WIDE:
+     * the products by AVX-512 (qk_wide, pv_wide; kt: a tile of paired keys), the same bits. */
     const int64_t heads = kv_heads * gq;
     const float *rows[ATTEND_TILE];
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -195,19 +259,32 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
                       t, m, t1, tile, zeros, rows, BITS);
+            if (WIDE) pair_keys(rows, head_dim, kt);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
                 if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                __m256 wide[8];  /* WIDE: the unscaled scores of 8 query heads at a time */
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
-                    __m256 a[ATTEND_TILE];
-                    for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
-                    for (int64_t k = 0; k < head_dim; k += 8) {
-                        const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
-                        for (int i = 0; i < ATTEND_TILE; i++)
-                            a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
+                    const int64_t jj = (j - r * heads - head * gq) % 8;
+                    if (WIDE && jj == 0) {
+                        const int64_t left = r * heads + (head + 1) * gq - j;
+                        qk_wide(q + j * head_dim, left < 8 ? left : 8, kt, head_dim, wide);
                     }
-                    const __m256 sv = _mm256_mul_ps(hsum8x8(a), vscale);
+                    __m256 sum;
+                    if (WIDE) {
+                        sum = wide[jj];
+                    } else {
+                        __m256 a[ATTEND_TILE];
+                        for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
+                        for (int64_t k = 0; k < head_dim; k += 8) {
+                            const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
+                            for (int i = 0; i < ATTEND_TILE; i++)
+                                a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
+                        }
+                        sum = hsum8x8(a);
+                    }
+                    const __m256 sv = _mm256_mul_ps(sum, vscale);
                     if (mr == ATTEND_TILE) {
                         _mm256_storeu_ps(scores + j * ATTEND_CHUNK + (t - t0), sv);
                     } else {
@@ -269,6 +346,11 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
                 if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                if (WIDE) {
+                    const int64_t j = r * heads + head * gq;
+                    pv_wide(acc + j * head_dim, scores + j * ATTEND_CHUNK + (t - t0), gq, (int)mr, rows, head_dim);
+                    continue;
+                }
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
                     __m256 p[ATTEND_TILE];
                     for (int i = 0; i < ATTEND_TILE; i++)
@@ -290,19 +372,17 @@ static void attend_chunk_bits(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
         const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
-        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros) {
-    if (bits == 8)
-        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 8);
-    else if (bits == 4)
-        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 4);
-    else if (bits == 16)
-        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 16);
-    else
-        attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
-                     group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros, 32);
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
+        float *kt) {
+#define ATTEND(B, W) attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, \
+                                  head_dim, group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, \
+                                  tile, zeros, kt, B, W)
+    const int wide = avx512_cpu();
+    if (bits == 8) { if (wide) ATTEND(8, 1); else ATTEND(8, 0); }
+    else if (bits == 4) { if (wide) ATTEND(4, 1); else ATTEND(4, 0); }
+    else if (bits == 16) { if (wide) ATTEND(16, 1); else ATTEND(16, 0); }
+    else { if (wide) ATTEND(32, 1); else ATTEND(32, 0); }
+#undef ATTEND
 }
 
 /* One query head's output from its chunks' partial softmaxes (chunk c: maximum m[c * stride],
@@ -378,8 +458,9 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
-        /* scores of a chunk for up to ATTEND_ROWS rows, a tile of dequantized rows, a row of zeros */
-        float *scores = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (ATTEND_TILE + 1) * head_dim, sizeof(float));
+        /* scores of a chunk for up to ATTEND_ROWS rows, a tile of dequantized rows, a row of zeros,
+         * a tile of paired keys */
+        float *scores = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim, sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -391,6 +472,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             while (first[s + 1] <= task) s++;
             float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
             const float *zeros = tile + ATTEND_TILE * head_dim;
+            float *kt = tile + (ATTEND_TILE + 1) * head_dim;
             const int64_t *table = tables + s * table_width;
             if (rows[s] == 1) {
                 const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
@@ -399,7 +481,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
                 attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
                                   head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
                                   window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
-                                  zeros);
+                                  zeros, kt);
                 continue;
             }
             /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
@@ -422,7 +504,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
                 float *cp = own + c * per, *m = cp + R * heads * head_dim;
                 attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
                                   head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
-                                  window, t0, t1, m, m + R * heads, cp, scores, tile, zeros);
+                                  window, t0, t1, m, m + R * heads, cp, scores, tile, zeros, kt);
             }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;

@@ -48,6 +48,22 @@
  * whichever thread takes it. */
 #define ROW_GROUPS 16
 
+/* Kernels for CPUs with AVX-512 (F, BW, VL and the 8-bit dot product, VNNI) are built by target
+ * attributes and called where avx512_cpu() holds; each gives the same bits as its AVX2 form.
+ * KVCELLAR_AVX512=0 runs the AVX2 forms (a comparison, or a CPU that misreports). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static inline int avx512_cpu(void) {
+    static int has = -1;
+    if (has < 0) {
+        const char *off = getenv("KVCELLAR_AVX512");
+        has = !(off && strcmp(off, "0") == 0) && __builtin_cpu_supports("avx512f")
+              && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+              && __builtin_cpu_supports("avx512vnni");
+    }
+    return has;
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

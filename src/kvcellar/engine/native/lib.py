@@ -45,6 +45,8 @@ SOURCES = tuple(HERE / f"{name}.c"
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
+# "0": the kernels' AVX2 forms on a CPU with AVX-512 (kvc.h's avx512_cpu), which give the same bits.
+AVX512_SWITCH = "KVCELLAR_AVX512"
 
 _CTYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "uint32_t": ctypes.c_uint32}
 _PROTOTYPE = re.compile(r"^(void|int|uint32_t) (kvc_\w+)\(([^)]*)\);", re.MULTILINE)

@@ -65,8 +65,9 @@ def _quantize(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor
 
 @functools.cache
 def wide_panels() -> bool:
-    """Whether this CPU runs ``kvc_gemm_q4_panels16``."""
-    return lib.cpu_flags() >= WIDE_FLAGS
+    """Whether this CPU runs ``kvc_gemm_q4_panels16`` (and the kernels' other AVX-512 forms;
+    ``KVCELLAR_AVX512=0``: their AVX2 forms, the same bits)."""
+    return lib.cpu_flags() >= WIDE_FLAGS and os.environ.get(lib.AVX512_SWITCH, "1") != "0"
 
 
 def panel_min_rows(out: int) -> int:
