@@ -473,8 +473,9 @@ def test_a_linear_on_native_kernels_is_lean_and_runs_its_kernel_at_every_row_cou
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linears_of_one_input_called_together_give_each_its_own_calls_bits(dtype):
     """q/k/v-like linears (outputs not multiples of 8 or 16, one with a bias) in one call over the
-    input quantized once at decode-sized steps, and apart at prefill-sized ones: each output the
-    same bits as the linear called alone; a group the kernel cannot take runs apart."""
+    input quantized once at decode-sized steps, and apart at prefill-sized ones; those kept as
+    panels together at every step: each output the same bits as the linear called alone; a
+    group the kernel cannot take runs apart."""
     from kvcellar.engine.linears import call_together
 
     shapes = [(40, 320), (13, 320), (96, 320), (1, 320)]
@@ -498,6 +499,9 @@ def test_linears_of_one_input_called_together_give_each_its_own_calls_bits(dtype
             assert torch.equal(y, native.matmul_int4(x[0, :3].float(), layer._q, layer._scale, layer._zero, 1,
                                                      panels=panels))
     assert [m.panels for m in linears] == [native.stores_panels(m.out_features) for m in linears]
+    kept = call_together([linears[0], linears[2]])  # 40 and 96 outputs: both kept as panels
+    for rows in (1, 8, 37):
+        assert all(torch.equal(y, m(x[:, :rows])) for y, m in zip(kept(x[:, :rows]), linears[::2], strict=True))
     mixed = call_together([linears[0], torch.nn.Linear(320, 8).to(dtype)])  # not all int4: each its own call
     assert [y.shape[-1] for y in mixed(x[:, :2])] == [40, 8]
 
