@@ -151,7 +151,8 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
                 budget.charge(time.perf_counter() - start, tokens, [r.prompt for r in wave])
                 steps += int(engine.stats.steps - before)
             if engine.config.decode_threads == 0 and engine.runner.threads > 1:  # else no choice to make
-                prompt = filler[: max(1, min(len(filler), engine.pool_tokens // 8))]
+                # two blocks the waves cached: the measurement's decode steps, not a prefill
+                prompt = filler[: max(1, min(len(filler), 2 * engine.block_size, engine.pool_tokens // 8))]
                 if budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
                     steps += _calibrate_decode_threads(engine, prompt)
                 else:
