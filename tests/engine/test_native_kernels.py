@@ -137,6 +137,37 @@ def test_every_int4_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, co
 
 
 @needs_native
+def test_a_bf16_models_activations_go_in_and_out_of_the_kernels_without_a_float32_copy():
+    """bf16 activations are quantized as their float32 copy is, and weights kept as panels write
+    bf16 results as ``.to`` rounds the float32 ones: a bf16 model's linears give the bits they
+    gave through float32 copies, at every row count, grouped or alone."""
+    nibbles, scales, offsets, _ = int4_weight(96, 1056)
+    panels = native.pack_int4(nibbles, scales, offsets, THREADS)
+    for rows in (1, 5, 8, 13, 45):
+        x = activations(rows, 1056).bfloat16()
+        assert all(torch.equal(a, b) for a, b in zip(native.quantize_activations(x, THREADS),
+                                                      native.quantize_activations(x.float(), THREADS), strict=True))
+        want = native.matmul_int4(x.float(), *panels, THREADS, panels=True).to(torch.bfloat16)
+        assert torch.equal(native.matmul_int4(x, *panels, THREADS, panels=True, out_dtype=torch.bfloat16), want)
+        assert torch.equal(native.matmul_int4(x, nibbles, scales, offsets, THREADS, out_dtype=torch.bfloat16), want)
+        for y in native.Int4Group([panels, panels], panels=True)(x, THREADS, torch.bfloat16):
+            assert torch.equal(y, want)
+    # outputs that are exact integers (scale 1, offset 0; one block whose largest input is 127):
+    # 127 q0 + q1 = 257 and 259 lie halfway between bf16 neighbours (to even: 256, 260); a NaN scale
+    targets = [(2, 3), (2, 5), (2, 4), (15, 15)]
+    nib = torch.zeros(16, 16, dtype=torch.uint8)
+    for j, (q0, q1) in enumerate(targets):
+        nib[j, 0] = q0 | q1 << 4  # input 0 in the low nibble, input 1 in the high one
+    ones = torch.ones(16, 1, dtype=torch.float16)
+    ones[15] = float("nan")
+    x = torch.zeros(1, 32)
+    x[0, :2] = torch.tensor([127.0, 1.0])
+    got = native.matmul_int4(x, *native.pack_int4(nib, ones, torch.zeros_like(ones), 1), 1, panels=True,
+                             out_dtype=torch.bfloat16)
+    assert got[0, :4].tolist() == [256.0, 260.0, 258.0, 1920.0] and got[0, 15].isnan()
+
+
+@needs_native
 @pytest.mark.parametrize(("out", "cols"), SHAPES)
 def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols):
     q = quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
@@ -358,6 +389,8 @@ def avx512_cases() -> dict[str, torch.Tensor]:
             found[f"int4 {out} {rows}"] = native.matmul_int4(x, *own, THREADS, panels=True)
             found[f"q4_0 {out} {rows}"] = native.matmul_int4(x, *derived, THREADS, panels=True)
             found[f"group {out} {rows}"] = torch.cat(native.matmul_int4_many(x, [own, derived], THREADS, True), 1)
+            found[f"bf16 {out} {rows}"] = native.matmul_int4(x.bfloat16(), *own, THREADS, panels=True,
+                                                             out_dtype=torch.bfloat16)
     experts = native.expert_weights("int4", *map(list, zip(own, derived, strict=True)), panels=True)
     found["experts"] = native.moe_matmul(activations(19, 256), experts, torch.tensor([0, 10, 19]), THREADS)
     for dtype, bits in ((torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 8)):

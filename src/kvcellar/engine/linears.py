@@ -140,6 +140,17 @@ def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """Activations as kvcellar's kernels take them: a bf16 model's as they are (no float32 copy)."""
+    return x if x.dtype in native.ACTIVATION_DTYPES else x.float()
+
+
+def _kernel_output(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel returns for a model of ``dtype``: bf16 where its kernel writes it, the
+    same bits as the float32 result's conversion."""
+    return dtype if dtype in native.ACTIVATION_DTYPES else torch.float32
+
+
 def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """The outputs of linears that take the same input (a layer's q/k/v, gate/up), as their own
     calls give them. Where each runs kvcellar's int8 kernel, its int4 row kernel for the step
@@ -175,7 +186,7 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
         x2d = x.reshape(-1, cols)
         if rows_layout and any(native.int4_kernel(x2d.shape[0], out) != "kvc_gemm_q4" for out in outs):
             return apart(x)
-        ys = group(x2d.float(), torch.get_num_threads())
+        ys = group(_kernel_input(x2d), torch.get_num_threads(), _kernel_output(dtype))
         results = []
         for m, y in zip(linears, ys, strict=True):
             y = y.to(dtype)
@@ -392,13 +403,14 @@ class FastLinear(nn.Module):
         out: torch.Tensor
         if self.native:
             assert self._q is not None and self._scale is not None
-            x32, threads = x2d.float(), torch.get_num_threads()
+            xn, threads = _kernel_input(x2d), torch.get_num_threads()
             if self.quant_kind == "int8":
-                out = native.matmul_int8(x32, self._q, self._scale, threads)
+                out = native.matmul_int8(xn, self._q, self._scale, threads)
             elif self.quant_kind == "mxfp4":
-                out = native.matmul_mxfp4(x32, self._q, self._scale, threads)
+                out = native.matmul_mxfp4(xn, self._q, self._scale, threads)
             else:
-                out = native.matmul_int4(x32, self._q, self._scale, self._zero, threads, panels=self.panels)
+                out = native.matmul_int4(xn, self._q, self._scale, self._zero, threads, panels=self.panels,
+                                         out_dtype=_kernel_output(self.dtype))
             out = out.to(self.dtype)
             return out if self.bias is None else out + self.bias
         x = x2d.to(self.kernel_dtype)

@@ -15,6 +15,7 @@ from kvcellar.engine.native.checksum import crc32, folds_crc32
 from kvcellar.engine.native.kv import attend_kv, attends_kv, gather_kv, gathers_kv, write_kv
 from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
 from kvcellar.engine.native.matmul import (
+    ACTIVATION_DTYPES,
     BLOCK,
     PANEL,
     PANEL_MIN_ROWS,
@@ -66,6 +67,7 @@ ARITHMETIC = "kvc-3"
 MOE_ARITHMETIC = "kvc-moe-2"
 
 __all__ = [
+    "ACTIVATION_DTYPES",
     "ARITHMETIC", "BLOCK", "ENV_SWITCH", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "ROUTER_ORDERS",
     "WIDE_FLAGS",
     "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "Int8Group", "attend_kv", "attends_kv",

@@ -151,7 +151,7 @@ static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t 
  * reordered block, its high nibbles inputs 16 + 4c.. */
 static inline __attribute__((always_inline)) void panel_tile(
         const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, const int8_t *xq,
-        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+        const float *xd, const float *xs, int64_t cols, dest y, int64_t out, const int N) {
     __m256 acc[MR];
     for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void panel_tile(
             acc[a] = _mm256_fmadd_ps(wo, _mm256_set1_ps(xs[a * blocks + b]), acc[a]);
         }
     }
-    for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
+    for (int a = 0; a < N; a++) put8(y, a * out, acc[a]);
 }
 
 /* One panel's part of a panel kernel: pack panel p (its width of output rows from w) into
@@ -229,14 +229,15 @@ static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint1
 /* Activation rows a0..a1-1 against one packed panel (ps, po: its float16 scales and offsets)
  * into y (the panel's first output column), MR rows a tile. */
 static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, int64_t cols,
-                        const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1, float *y,
+                        const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1, dest y,
                         int64_t out) {
     int64_t a = a0;
     for (; a + MR <= a1; a += MR)
-        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out, out, MR);
+        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, dest_at(y, a * out),
+                   out, MR);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *sa = xs + a * blocks;
-    float *ya = y + a * out;
+    const dest ya = dest_at(y, a * out);
     switch (a1 - a) {  /* the last rows, each count its own constant */
         case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
         case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
@@ -249,7 +250,7 @@ static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t 
                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
                        float *y, int64_t out, uint8_t *packed, void *ps, void *po) {
     pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
-    panel_tiles(packed, ps, po, blocks, cols, xq, xd, xs, a0, a1, y + p * PANEL, out);
+    panel_tiles(packed, ps, po, blocks, cols, xq, xd, xs, a0, a1, (dest){y + p * PANEL, 0}, out);
 }
 
 /* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
@@ -465,9 +466,9 @@ void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, in
 /* Panel p of a weight in the panel layout against activation rows a0..a1-1. */
 static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                      int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                                     int64_t a0, int64_t a1, float *y, int64_t out) {
+                                     int64_t a0, int64_t a1, dest y, int64_t out) {
     panel_tiles(pw + p * blocks * (PANEL * BLOCK / 2), ps + p * blocks * PANEL, po ? po + p * blocks * PANEL : NULL,
-                blocks, cols, xq, xd, xs, a0, a1, y + p * PANEL, out);
+                blocks, cols, xq, xd, xs, a0, a1, dest_at(y, p * PANEL), out);
 }
 
 /* Two adjacent panels at once on CPUs with AVX-512's 8-bit dot product: chunk c of both in one
@@ -479,7 +480,7 @@ static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, cons
 
 static inline AVX512 __attribute__((always_inline)) void pair_tile(
         const uint8_t *pa, const uint16_t *sa, const uint16_t *oa, int64_t blocks, const int8_t *xq,
-        const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
+        const float *xd, const float *xs, int64_t cols, dest y, int64_t out, const int N) {
     const uint8_t *pb = pa + blocks * (PANEL * BLOCK / 2);
     const uint16_t *sb = sa + blocks * PANEL, *ob = oa ? oa + blocks * PANEL : NULL;
     __m512 acc[MR2];
@@ -519,22 +520,29 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
             acc[a] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xs[a * blocks + b]), acc[a]);
         }
     }
-    for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, acc[a]);
+    for (int a = 0; a < N; a++) {
+        if (y.bf16) {
+            put8(y, a * out, _mm512_castps512_ps256(acc[a]));
+            put8(y, a * out + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a]), 1)));
+        } else {
+            _mm512_storeu_ps((float *)y.base + a * out, acc[a]);
+        }
+    }
 }
 
 /* Panels p and p + 1 of a weight in the panel layout against activation rows a0..a1-1. */
 static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t blocks,
                              int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
-                             float *y, int64_t out) {
+                             dest y, int64_t out) {
     const uint8_t *pa = pw + p * blocks * (PANEL * BLOCK / 2);
     const uint16_t *sa = ps + p * blocks * PANEL, *oa = po ? po + p * blocks * PANEL : NULL;
     int64_t a = a0;
     for (; a + MR2 <= a1; a += MR2)
-        pair_tile(pa, sa, oa, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, y + a * out + p * PANEL,
-                  out, MR2);
+        pair_tile(pa, sa, oa, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                  dest_at(y, a * out + p * PANEL), out, MR2);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *xsa = xs + a * blocks;
-    float *ya = y + a * out + p * PANEL;
+    const dest ya = dest_at(y, a * out + p * PANEL);
     switch (a1 - a) {  /* the last rows, each count its own constant */
         case 7: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 7); break;
         case 6: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 6); break;
@@ -555,7 +563,7 @@ int q4_panel_step(void) {
  * panels, fewer at the end. */
 static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                     int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
-                                    const float *xs, int64_t a0, int64_t a1, float *y, int64_t out) {
+                                    const float *xs, int64_t a0, int64_t a1, dest y, int64_t out) {
     if (q4_panel_step() == 2 && p + 1 < panels)
         pair_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
     else
@@ -563,9 +571,11 @@ static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const
 }
 
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
- * activations in passes of ACT_BYTES, as the packing panel kernel takes them. */
+ * activations in passes of ACT_BYTES, as the packing panel kernel takes them. y: float32, or
+ * bfloat16 where y_bf16 (each output rounded as torch rounds the float32 one). */
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
-                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
+                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, void *y, int y_bf16,
+                  int threads) {
     const int64_t blocks = cols / BLOCK, panels = out / PANEL, unit = q4_panel_step();
     int64_t step = ACT_BYTES / cols / MR * MR;
     if (step < MR) step = MR;
@@ -573,7 +583,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
         const int64_t a1 = a0 + step < rows ? a0 + step : rows;
         #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS / unit : 1) num_threads(threads)
         for (int64_t u = 0; u < (panels + unit - 1) / unit; u++)
-            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
+            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, (dest){y, y_bf16}, out);
     }
 }
 
@@ -584,7 +594,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
  * linear; weights kept as panels take any step this way. */
 static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
                         const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
-                        const float *xs, int64_t rows, int threads, int panels) {
+                        const float *xs, int64_t rows, int threads, int panels, int y_bf16) {
     const int64_t blocks = cols / BLOCK;
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
@@ -600,7 +610,8 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
         const uint8_t *wi = (const uint8_t *)w[i];
         const uint16_t *si = (const uint16_t *)scales[i], *oi = (const uint16_t *)offsets[i];
         if (panels) {
-            packed_unit_rows(wi, si, oi, units[u].g, out / PANEL, blocks, cols, xq, xd, xs, 0, rows, (float *)ys[i], out);
+            packed_unit_rows(wi, si, oi, units[u].g, out / PANEL, blocks, cols, xq, xd, xs, 0, rows,
+                             (dest){(void *)ys[i], y_bf16}, out);
             continue;
         }
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
@@ -614,14 +625,15 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
 int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
                      const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
                      const float *xs, int64_t rows, int threads) {
-    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 0);
+    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 0, 0);
 }
 
-/* kvc_gemm_q4_many for weights kept as panels (each outs[i] a multiple of 8). */
+/* kvc_gemm_q4_many for weights kept as panels (each outs[i] a multiple of 8); ys bfloat16 where
+ * y_bf16, as kvc_gemm_q4p's. */
 int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
                       const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
-                      const float *xs, int64_t rows, int threads) {
-    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 1);
+                      const float *xs, int64_t rows, int y_bf16, int threads) {
+    return gemm_q4_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, threads, 1, y_bf16);
 }
 
 /* ---- Routed experts of int4 weights ---------------------------------------------------- */
@@ -654,7 +666,7 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                                int64_t a0, int64_t a1, float *y, int panels, panel_scratch scratch) {
     if (panels) {
-        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, (dest){y, 0}, out);
         return;
     }
     if (a1 - a0 >= PANEL && scratch.packed && scratch.ps && scratch.po) {

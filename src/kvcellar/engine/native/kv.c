@@ -218,18 +218,46 @@ static AVX512 void qk_wide(const float *q, int64_t nq, const float *kt, int64_t 
     if (h < nq) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 1);
 }
 
+/* Outputs k0..k0+16N-1 of NH query heads (acc, p: theirs, head_dim and ATTEND_CHUNK apart) +=
+ * the probabilities x value rows 0..mr-1: 16 N independent chains a head (one for the 16
+ * outputs of a vector chained the multiply-adds one after another, waiting on each), each
+ * output's chain in the AVX2 loop's order; each value vector read once for the NH heads. */
+static inline AVX512 __attribute__((always_inline)) void pv_block(float *acc, const float *p, int mr,
+                                                                 const float *const *rows, int64_t head_dim,
+                                                                 int64_t k0, const int NH, const int N) {
+    __m512 x[2][8];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < N; c++) x[h][c] = _mm512_loadu_ps(acc + h * head_dim + k0 + 16 * c);
+    for (int i = 0; i < mr; i++) {
+        __m512 w[2];
+        for (int h = 0; h < NH; h++) w[h] = _mm512_set1_ps(p[h * ATTEND_CHUNK + i]);
+        for (int c = 0; c < N; c++) {
+            const __m512 v = _mm512_loadu_ps(rows[i] + k0 + 16 * c);
+            for (int h = 0; h < NH; h++) x[h][c] = _mm512_fmadd_ps(w[h], v, x[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < N; c++) _mm512_storeu_ps(acc + h * head_dim + k0 + 16 * c, x[h][c]);
+}
+
 /* acc[h * head_dim ..] += the probabilities p[h * ATTEND_CHUNK + i] x value row i (i < mr) for nq
  * query heads, 16 outputs a vector: each output's chain of multiply-adds in the AVX2 loop's order. */
 static AVX512 void pv_wide(float *acc, const float *p, int64_t nq, int mr, const float *const *rows,
                            int64_t head_dim) {
-    for (int64_t h = 0; h < nq; h++) {
-        float *a = acc + h * head_dim;
-        __m512 w[ATTEND_TILE];
-        for (int i = 0; i < mr; i++) w[i] = _mm512_set1_ps(p[h * ATTEND_CHUNK + i]);
-        for (int64_t k = 0; k < head_dim; k += 16) {
-            __m512 x = _mm512_loadu_ps(a + k);
-            for (int i = 0; i < mr; i++) x = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(rows[i] + k), x);
-            _mm512_storeu_ps(a + k, x);
+    for (int64_t h = 0; h < nq; h += 2) {
+        const int two = nq - h >= 2;
+        for (int64_t k0 = 0; k0 < head_dim; k0 += 128) {
+            const int64_t n = head_dim - k0 < 128 ? (head_dim - k0) / 16 : 8;
+#define PV(NH, N) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0, NH, N)
+            switch (n) {  /* each count its own constant: the chains stay in registers */
+                case 8: if (two) PV(2, 8); else PV(1, 8); break;
+                case 4: if (two) PV(2, 4); else PV(1, 4); break;
+                default:
+                    for (int64_t c = 0; c < n; c++)
+                        if (two) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0 + 16 * c, 2, 1);
+                        else pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0 + 16 * c, 1, 1);
+            }
+#undef PV
         }
     }
 }

@@ -130,6 +130,31 @@ static inline __m256 round_bf16(__m256 v) {
     return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* 8 floats as bfloat16 bits, rounded to nearest even as torch rounds them (NaN: 0x7FC0). */
+static inline __m128i bf16_bits8(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* packus works per 128-bit lane (r0-3 r0-3 | r4-7 r4-7): quadwords 0 and 2 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+/* Where a kernel writes its outputs: float32, or bfloat16 (bf16_bits8) for a bf16 model, which
+ * then runs no conversion pass over them. */
+typedef struct { void *base; int bf16; } dest;
+
+static inline dest dest_at(dest d, int64_t at) {
+    d.base = d.bf16 ? (void *)((uint16_t *)d.base + at) : (void *)((float *)d.base + at);
+    return d;
+}
+
+/* Outputs at..at+7 of d. */
+static inline void put8(dest d, int64_t at, __m256 v) {
+    if (d.bf16) _mm_storeu_si128((__m128i *)((uint16_t *)d.base + at), bf16_bits8(v));
+    else _mm256_storeu_ps((float *)d.base + at, v);
+}
+
 /* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
 static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
     if (BF16) {
@@ -277,7 +302,7 @@ int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, in
 
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
-void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
+void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
 void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
 void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
 void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
@@ -292,8 +317,8 @@ int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, 
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start, int64_t end, int64_t cols, void *dst, int bf16, int threads);
 void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, uint8_t *pw, uint16_t *ps, uint16_t *po, int threads);
 void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, uint8_t *w, uint16_t *scales, uint16_t *offsets, int threads);
-void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
-int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
+void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, void *y, int y_bf16, int threads);
+int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int y_bf16, int threads);
 int kvc_moe_q4p(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const int64_t *index, const float *weights, int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go, const float *gb, const int64_t *dw, const int64_t *ds, const int64_t *dof, const float *db, int64_t inner, int act, float alpha, float limit, float *y, int threads);
 void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, int64_t n_blocks, int64_t rows, int64_t head_dim, int64_t group, int bits, void *out, int bf16, int threads);

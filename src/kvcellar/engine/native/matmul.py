@@ -38,15 +38,19 @@ WIDE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 WIDE_PANEL_MIN_ROWS = 5
 
 
+# The activations' dtypes the kernels take: a bf16 model's are quantized without a float32 copy.
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _check_activations(x: torch.Tensor, cols: int) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols or x.is_cuda or cols % BLOCK:
-        raise ValueError(f"activations must be float32 CPU [rows, {cols}] (blocks of {BLOCK} inputs), not "
-                         f"{x.dtype} {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES or x.dim() != 2 or x.shape[1] != cols or x.is_cuda or cols % BLOCK:
+        raise ValueError(f"activations must be float32 or bfloat16 CPU [rows, {cols}] (blocks of {BLOCK} inputs), "
+                         f"not {x.dtype} {tuple(x.shape)}")
 
 
 def quantize_activations(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` float32 ``[rows, cols]`` as 8-bit blocks: values (even inputs of a block first),
-    scales, and scale x sum of the block's values."""
+    """``x`` float32 or bfloat16 ``[rows, cols]`` as 8-bit blocks: values (even inputs of a block
+    first), scales, and scale x sum of the block's values (a bf16 ``x``: its float32 copy's)."""
     _check_activations(x, x.shape[1])
     return _quantize(x, threads)
 
@@ -58,8 +62,8 @@ def _quantize(x: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor
     xq = torch.empty(rows, cols, dtype=torch.int8)
     xd = torch.empty(rows, cols // BLOCK)
     xs = torch.empty(rows, cols // BLOCK)
-    lib.call("kvc_quantize_q8", x=x.data_ptr(), rows=rows, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(),
-             xs=xs.data_ptr(), threads=threads)
+    lib.call("kvc_quantize_q8", x=x.data_ptr(), x_bf16=int(x.dtype == torch.bfloat16), rows=rows, cols=cols,
+             xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(), threads=threads)
     return xq, xd, xs
 
 
@@ -154,31 +158,41 @@ def unpack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
 
 
 def matmul_int4(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                threads: int, kernel: str | None = None, panels: bool = False) -> torch.Tensor:
-    """``x @ w.T`` in float32 for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
+                threads: int, kernel: str | None = None, panels: bool = False,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x @ w.T`` for int4 ``w`` (``nibbles`` uint8 ``[out, in / 2]``, float16
     ``scales``/``offsets`` ``[out, in / 32]``; in the panel layout where ``panels``, whose
-    offsets may be None: ``pack_int4``), ``x`` float32 ``[rows, in]``; ``kernel``: another than
-    ``int4_kernel``'s choice (a test comparing them)."""
+    offsets may be None: ``pack_int4``), ``x`` float32 or bfloat16 ``[rows, in]``, computed in
+    float32 and returned in ``out_dtype`` (bfloat16: as ``.to`` rounds the float32 result; the
+    panel kernels write it so); ``kernel``: another than ``int4_kernel``'s choice (a test
+    comparing them)."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     _check_activations(x, cols)
     if offsets is None and not panels:
         raise ValueError("an int4 weight in the row layout needs its offsets")
+    _check_out_dtype(out_dtype)
     rows = x.shape[0]
     xq, xd, xs = _quantize(x, threads)
-    y = torch.empty(rows, out)
     if panels:
         if out % PANEL:
             raise ValueError(f"a weight of {out} rows has no panel layout")
+        y = torch.empty(rows, out, dtype=out_dtype)
         lib.call("kvc_gemm_q4p", pw=nibbles.data_ptr(), ps=scales.data_ptr(), po=_address(offsets), out=out,
                  cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(), rows=rows, y=y.data_ptr(),
-                 threads=threads)
+                 y_bf16=int(out_dtype == torch.bfloat16), threads=threads)
         return y
     assert offsets is not None  # refused above
+    y = torch.empty(rows, out)
     lib.call(kernel or int4_kernel(rows, out), w=nibbles.data_ptr(), scales=scales.data_ptr(),
              offsets=offsets.data_ptr(), out=out, cols=cols, xq=xq.data_ptr(), xd=xd.data_ptr(), xs=xs.data_ptr(),
              rows=rows, y=y.data_ptr(), threads=threads)
-    return y
+    return y.to(out_dtype)
+
+
+def _check_out_dtype(dtype: torch.dtype) -> None:
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"the kernels' results are float32 or bfloat16, not {dtype}")
 
 
 def _addresses(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -202,13 +216,16 @@ class _Group:
         self._w, self._s = _addresses([w[0] for w in weights]), _addresses([w[1] for w in weights])
         self._outs = torch.tensor(self.outs, dtype=torch.int64)
 
-    def __call__(self, x: torch.Tensor, threads: int) -> list[torch.Tensor]:
-        """Each weight times ``x`` float32 ``[rows, cols]`` in one call over ``x`` quantized once:
-        each result the same bits as its own ``matmul_int4`` / ``matmul_int8`` gives it."""
+    def __call__(self, x: torch.Tensor, threads: int, out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """Each weight times ``x`` float32 or bfloat16 ``[rows, cols]`` in one call over ``x``
+        quantized once: each result in ``out_dtype``, the same bits as its own ``matmul_int4`` /
+        ``matmul_int8`` gives it."""
         _check_activations(x, self.cols)
+        _check_out_dtype(out_dtype)
         rows = x.shape[0]
         xq, xd, xs = _quantize(x, threads)
-        ys = [torch.empty(rows, out) for out in self.outs]
+        direct = self.kernel == "kvc_gemm_q4p_many"  # writes bf16 itself
+        ys = [torch.empty(rows, out, dtype=out_dtype if direct else torch.float32) for out in self.outs]
         y = _addresses(ys)
         args: dict[str, object] = {"w": self._w.data_ptr(), "scales": self._s.data_ptr(),
                                    "outs": self._outs.data_ptr(), "ys": y.data_ptr(), "count": len(self.outs),
@@ -216,10 +233,12 @@ class _Group:
                                    "threads": threads}
         if self._o is not None:
             args.update(offsets=self._o.data_ptr(), xs=xs.data_ptr())
+        if direct:
+            args.update(y_bf16=int(out_dtype == torch.bfloat16))
         done = lib.call(self.kernel, **args)
         if done != 0:
             raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
-        return ys
+        return ys if direct else [y.to(out_dtype) for y in ys]
 
 
 class Int4Group(_Group):

@@ -2,10 +2,22 @@
 #include "kvc.h"
 
 /* xq int8 [rows, cols] (blocks reordered as above), xd / xs float [rows, cols / 32]: each
- * block's scale and scale * sum(q) (what an offset multiplies). */
-void kvc_quantize_q8(const float *x, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs,
+ * block's scale and scale * sum(q) (what an offset multiplies). x: float32, or bfloat16 where
+ * x_bf16 (each block widened to float32 first: the numbers of its float32 copy). */
+void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs,
                      int threads) {
     const int64_t blocks = cols / BLOCK;
     #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
-    for (int64_t i = 0; i < rows * blocks; i++) quantize_block(x + i * BLOCK, xq + i * BLOCK, xd + i, xs + i);
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        if (!x_bf16) {
+            quantize_block((const float *)x + i * BLOCK, xq + i * BLOCK, xd + i, xs + i);
+            continue;
+        }
+        float wide[BLOCK];
+        const uint16_t *src = (const uint16_t *)x + i * BLOCK;
+        for (int k = 0; k < BLOCK; k += 8)  /* bf16: the upper half of a float32 */
+            _mm256_storeu_ps(wide + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k))), 16)));
+        quantize_block(wide, xq + i * BLOCK, xd + i, xs + i);
+    }
 }
