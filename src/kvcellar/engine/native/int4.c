@@ -1,8 +1,10 @@
-/* int4 linears: decode-sized steps read each weight row as it lies (kvc_gemm_q4), prefill-
- * sized ones multiply panels of 8 weight rows (kvc_gemm_q4_panels; of 16 rows with AVX-512's
- * 8-bit dot product, kvc_gemm_q4_panels16); every one sums each output in the same order, so a
- * row's outputs are the same bits whatever the step's row count. Also a MoE layer's routed
- * experts in one call, and the weights dequantized for a dense fallback. */
+/* int4 linears: weights kept as panels of 8 rows (kvc_pack_q4) are multiplied as they lie at
+ * every row count (kvc_gemm_q4p; two panels at once with AVX-512's 8-bit dot product); weights in
+ * the row layout are read row by row for decode-sized steps (kvc_gemm_q4) and packed into panels
+ * for prefill-sized ones (kvc_gemm_q4_panels; 16 rows with AVX-512, kvc_gemm_q4_panels16). Every
+ * one sums each output in the same order, so a row's outputs are the same bits whatever the
+ * step's row count and the CPU. Also a MoE layer's routed experts in one call, and the weights
+ * dequantized for a dense fallback. */
 #include "kvc.h"
 
 /* Lane j of the result: the sum of the 16 int16 lanes of m[j] (maddubs of a block: each lane
@@ -495,7 +497,8 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
         _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(wb + PREFETCH + 64), _MM_HINT_T0);
         for (int c = 0; c < 4; c++) {
-            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wa + 32 * c))),
+            const __m256i first = _mm256_loadu_si256((const __m256i *)(wa + 32 * c));
+            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first),
                                                    _mm256_loadu_si256((const __m256i *)(wb + 32 * c)), 1);
             const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             for (int a = 0; a < N; a++) {
@@ -583,7 +586,8 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
         const int64_t a1 = a0 + step < rows ? a0 + step : rows;
         #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS / unit : 1) num_threads(threads)
         for (int64_t u = 0; u < (panels + unit - 1) / unit; u++)
-            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, (dest){y, y_bf16}, out);
+            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, (dest){y, y_bf16},
+                             out);
     }
 }
 

@@ -1,13 +1,13 @@
 """Quantized linears on kvcellar's kernels (``quantize.c``, ``int4.c``, ``int8.c``, ``mxfp4.c``):
 activations quantized to 8 bits per block of 32 inputs and multiplied in 8-bit dot products.
 
-Decode-sized steps of int4 weights read each weight row as it lies; prefill-sized ones
-multiply panels of 8 weight rows (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512's 8-bit
-dot product where the CPU has it, ``WIDE_PANEL_MIN_ROWS`` rows on). Where the 8-row panels are
-the prefill kernel, linears keep their weights packed as those panels (``stores_panels``,
-``pack_int4``) and every step multiplies them as they lie. Every int4 kernel sums each
-output in the same order, so a row's outputs are the same bits whatever the step's row count;
-int8 and MXFP4 have one kernel for every row count. ``moe_matmul`` runs all routed experts of
+int4 linears keep their weights packed as panels of 8 rows (``stores_panels``, ``pack_int4``)
+and every step multiplies them as they lie (two panels at once with AVX-512's 8-bit dot
+product). Weights left in the row layout (rows not in 8s, a model whose panels would not fit
+in memory) are read row by row for decode-sized steps and packed into panels for prefill-sized
+ones (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512, ``WIDE_PANEL_MIN_ROWS`` rows on). Every
+int4 kernel sums each output in the same order, so a row's outputs are the same bits whatever
+the step's row count and the CPU; int8 and MXFP4 have one kernel for every row count. ``moe_matmul`` runs all routed experts of
 a MoE layer's projection in one call, each expert's rows by the same arithmetic.
 """
 
