@@ -273,6 +273,21 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
 #define PANEL16 16
 #define MR16 8
 
+/* The last 1-7 activation rows of a kernel that takes 8 at a time: ROWS(n) with each count n a
+ * constant, so that its accumulators stay in registers. */
+#define LAST_ROWS_OF_8(left, ROWS) do {                                                              \
+        switch (left) {                                                                              \
+            case 7: ROWS(7); break;                                                                  \
+            case 6: ROWS(6); break;                                                                  \
+            case 5: ROWS(5); break;                                                                  \
+            case 4: ROWS(4); break;                                                                  \
+            case 3: ROWS(3); break;                                                                  \
+            case 2: ROWS(2); break;                                                                  \
+            case 1: ROWS(1); break;                                                                  \
+            default: break;                                                                          \
+        }                                                                                            \
+    } while (0)
+
 /* 16 rows of 16 float16 values (row j at src + j * stride) as floats, transposed: dst[c * 16 + j].
  * Pairs of rows interleaved by 32 bits, then fours by 64 bits, then 128-bit lanes by shuffles. */
 static inline AVX512 void transpose16(const uint16_t *src, int64_t stride, float *dst) {
@@ -332,28 +347,33 @@ static AVX512 void pack_panel16(const uint8_t *w, const uint16_t *scales, const 
         }
 }
 
+/* sum[a] += the 8-bit products of chunk c of block b (raw: 4 inputs of each of 16 rows, low
+ * nibbles inputs 4c..4c+3 of the activations' reordered block, high nibbles 16 + 4c..) with
+ * activation rows a < N, 4 pairs a lane in one instruction. */
+static inline AVX512 __attribute__((always_inline)) void dot16_chunk(__m512i raw, const int8_t *xq, int64_t cols,
+                                                                    int64_t b, int c, __m512i *sum, const int N) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    for (int a = 0; a < N; a++) {
+        const int8_t *xb = xq + a * cols + b * BLOCK;
+        int32_t four_lo, four_hi;
+        memcpy(&four_lo, xb + 4 * c, 4);
+        memcpy(&four_hi, xb + 16 + 4 * c, 4);
+        sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_set1_epi32(four_lo));
+        sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_set1_epi32(four_hi));
+    }
+}
+
 static inline AVX512 __attribute__((always_inline)) void panel16_tile(
         const uint8_t *packed, const float *ps, const float *po, int64_t blocks, const int8_t *xq,
         const float *xd, const float *xs, int64_t cols, float *y, int64_t out, const int N) {
     __m512 acc[MR16];
     for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
         __m512i sum[MR16];
         for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
         const uint8_t *pb = packed + b * (PANEL16 * BLOCK / 2);
-        for (int c = 0; c < 4; c++) {
-            const __m512i raw = _mm512_load_si512((const void *)(pb + 64 * c));
-            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            for (int a = 0; a < N; a++) {
-                const int8_t *xb = xq + a * cols + b * BLOCK;
-                int32_t four_lo, four_hi;
-                memcpy(&four_lo, xb + 4 * c, 4);
-                memcpy(&four_hi, xb + 16 + 4 * c, 4);
-                sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_set1_epi32(four_lo));
-                sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_set1_epi32(four_hi));
-            }
-        }
+        for (int c = 0; c < 4; c++) dot16_chunk(_mm512_load_si512((const void *)(pb + 64 * c)), xq, cols, b, c, sum, N);
         const __m512 ws = _mm512_load_ps(ps + b * PANEL16), wo = _mm512_load_ps(po + b * PANEL16);
         for (int a = 0; a < N; a++) {
             const __m512 dot = _mm512_cvtepi32_ps(sum[a]);
@@ -376,16 +396,9 @@ static AVX512 void panel16_rows(const uint8_t *w, const uint16_t *scales, const 
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *sa = xs + a * blocks;
     float *ya = y + a * out + p * PANEL16;
-    switch (a1 - a) {  /* the last rows, each count its own constant */
-        case 7: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 7); break;
-        case 6: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 6); break;
-        case 5: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 5); break;
-        case 4: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 4); break;
-        case 3: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
-        case 2: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
-        case 1: panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
-        default: break;
-    }
+#define ROWS(n) panel16_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, n)
+    LAST_ROWS_OF_8(a1 - a, ROWS);
+#undef ROWS
 }
 
 /* As kvc_gemm_q4_panels, out a multiple of 16, on a CPU with AVX-512 VNNI. */
@@ -487,7 +500,6 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
     const uint16_t *sb = sa + blocks * PANEL, *ob = oa ? oa + blocks * PANEL : NULL;
     __m512 acc[MR2];
     for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; b++) {
         __m512i sum[MR2];
         for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
@@ -496,19 +508,11 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
         _mm_prefetch((const char *)(wa + PREFETCH + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(wb + PREFETCH + 64), _MM_HINT_T0);
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 4; c++) {  /* chunk c of both panels */
             const __m256i first = _mm256_loadu_si256((const __m256i *)(wa + 32 * c));
-            const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(first),
-                                                   _mm256_loadu_si256((const __m256i *)(wb + 32 * c)), 1);
-            const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            for (int a = 0; a < N; a++) {
-                const int8_t *xb = xq + a * cols + b * BLOCK;
-                int32_t four_lo, four_hi;
-                memcpy(&four_lo, xb + 4 * c, 4);
-                memcpy(&four_hi, xb + 16 + 4 * c, 4);
-                sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_set1_epi32(four_lo));
-                sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_set1_epi32(four_hi));
-            }
+            dot16_chunk(_mm512_inserti64x4(_mm512_castsi256_si512(first),
+                                           _mm256_loadu_si256((const __m256i *)(wb + 32 * c)), 1),
+                        xq, cols, b, c, sum, N);
         }
         const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sa + b * PANEL))),
@@ -546,16 +550,9 @@ static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *xsa = xs + a * blocks;
     const dest ya = dest_at(y, a * out + p * PANEL);
-    switch (a1 - a) {  /* the last rows, each count its own constant */
-        case 7: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 7); break;
-        case 6: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 6); break;
-        case 5: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 5); break;
-        case 4: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 4); break;
-        case 3: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 3); break;
-        case 2: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 2); break;
-        case 1: pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, 1); break;
-        default: break;
-    }
+#define ROWS(n) pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, n)
+    LAST_ROWS_OF_8(a1 - a, ROWS);
+#undef ROWS
 }
 
 int q4_panel_step(void) {
