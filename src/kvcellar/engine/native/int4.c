@@ -492,6 +492,10 @@ static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, cons
  * 2 pairs for 8. A block's products are panel_tile's exact integers and each output's float
  * operations its own, in its order: its bits, at every row count. */
 #define MR2 8
+/* Bytes ahead in each of the two panels' streams that a pass asks for, and their scales' and
+ * offsets' lines (a line per 4 blocks): 5-7 % faster from RAM than PREFETCH and the nibbles only
+ * (docs/performance.md). */
+#define PAIR_PREFETCH 4096
 
 static inline AVX512 __attribute__((always_inline)) void pair_tile(
         const uint8_t *pa, const uint16_t *sa, const uint16_t *oa, int64_t blocks, const int8_t *xq,
@@ -504,10 +508,18 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
         __m512i sum[MR2];
         for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
         const uint8_t *wa = pa + b * (PANEL * BLOCK / 2), *wb = pb + b * (PANEL * BLOCK / 2);
-        _mm_prefetch((const char *)(wa + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wa + PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wa + PAIR_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wa + PAIR_PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PAIR_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + PAIR_PREFETCH + 64), _MM_HINT_T0);
+        if ((b & 3) == 0) {  /* scales and offsets ahead too: 16 bytes a block, a line per 4 */
+            _mm_prefetch((const char *)(sa + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
+            _mm_prefetch((const char *)(sb + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
+            if (oa) {
+                _mm_prefetch((const char *)(oa + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ob + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
+            }
+        }
         for (int c = 0; c < 4; c++) {  /* chunk c of both panels */
             const __m256i first = _mm256_loadu_si256((const __m256i *)(wa + 32 * c));
             dot16_chunk(_mm512_inserti64x4(_mm512_castsi256_si512(first),
