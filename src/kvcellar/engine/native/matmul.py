@@ -7,8 +7,9 @@ product). Weights left in the row layout (rows not in 8s, a model whose panels w
 in memory) are read row by row for decode-sized steps and packed into panels for prefill-sized
 ones (``PANEL_MIN_ROWS`` rows on; 16 rows with AVX-512, ``WIDE_PANEL_MIN_ROWS`` rows on). Every
 int4 kernel sums each output in the same order, so a row's outputs are the same bits whatever
-the step's row count and the CPU; int8 and MXFP4 have one kernel for every row count. ``moe_matmul`` runs all routed experts of
-a MoE layer's projection in one call, each expert's rows by the same arithmetic.
+the step's row count and the CPU; int8 and MXFP4 have one kernel for every row count.
+``moe_matmul`` runs all routed experts of a MoE layer's projection in one call, each expert's
+rows by the same arithmetic.
 """
 
 from __future__ import annotations
