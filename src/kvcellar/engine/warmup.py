@@ -138,7 +138,7 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
                                  [{"role": "user", "content": "kvcellar warms up every path. " * 8}])
             limit = min(engine.max_model_len, engine.pool_tokens // 4)
             budget = _Budget(budget_s, engine.block_size)
-            pool = engine.runner.pool
+            pool = engine.pool
             split = "prefill_split" in attention_paths(pool.device, pool.attends)
             for i, wave in enumerate(warmup_waves(filler, engine.block_size, limit, split)):
                 tokens = budget.tokens_of(wave)
