@@ -393,20 +393,22 @@ def avx512_cases() -> dict[str, torch.Tensor]:
                                                              out_dtype=torch.bfloat16)
     experts = native.expert_weights("int4", *map(list, zip(own, derived, strict=True)), panels=True)
     found["experts"] = native.moe_matmul(activations(19, 256), experts, torch.tensor([0, 10, 19]), THREADS)
-    for dtype, bits in ((torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 8)):
-        layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_bits=bits,
+    # head sizes of 4 and 8 vectors of 16 and of one that takes them one at a time
+    for dtype, bits, dim in ((torch.bfloat16, 16, 64), (torch.float32, 16, 64), (torch.bfloat16, 8, 64),
+                             (torch.bfloat16, 16, 128), (torch.float32, 16, 80)):
+        layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=dim, block_size=16, dtype=dtype, kv_bits=bits,
                           kv_group_size=32 if bits < 16 else 64)
         pool = KVPool(layout, 40, torch.device("cpu"), gather_quantized=native.gather_kv,
                       attend_direct=native.attend_kv, write_quantized=native.write_kv)
         gen = torch.Generator().manual_seed(bits)
         slots = torch.arange(40 * 16)
-        pool.write(0, slots // 16, slots % 16, (torch.randn(40 * 16, 2, 64, generator=gen) * 3).to(dtype),
-                   torch.randn(40 * 16, 2, 64, generator=gen).to(dtype))
+        pool.write(0, slots // 16, slots % 16, (torch.randn(40 * 16, 2, dim, generator=gen) * 3).to(dtype),
+                   torch.randn(40 * 16, 2, dim, generator=gen).to(dtype))
         tables = torch.stack([torch.randperm(40, generator=gen)[:36] for _ in range(2)])
         contexts, rows = torch.tensor([570, 301]), torch.tensor([45, 1])
         for gq in (3, 8, 10):  # query heads of a KV head: odd, a whole 8, past it
-            q = (torch.randn(int(rows.sum()), 2, gq, 64, generator=gen) * 2).to(dtype)
-            found[f"attend {dtype} {bits} {gq}"] = pool.attend(0, tables, contexts, q, 0.125, THREADS, rows)
+            q = (torch.randn(int(rows.sum()), 2, gq, dim, generator=gen) * 2).to(dtype)
+            found[f"attend {dtype} {bits} {dim} {gq}"] = pool.attend(0, tables, contexts, q, 0.125, THREADS, rows)
     return found
 
 

@@ -195,8 +195,10 @@ static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *
         for (int i = 0; i < 4; i++) a[h][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c++) {
         __m512 qc[2];
-        for (int h = 0; h < NQ; h++)  /* inputs 8c..8c+7 of head h in both halves */
-            qc[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(q + h * head_dim + 8 * c))));
+        for (int h = 0; h < NQ; h++) {  /* inputs 8c..8c+7 of head h in both halves */
+            const __m256d half = _mm256_loadu_pd((const double *)(q + h * head_dim + 8 * c));
+            qc[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(half));
+        }
         for (int i = 0; i < 4; i++) {
             const __m512 k = _mm512_loadu_ps(kt + (i * n + c) * 16);
             for (int h = 0; h < NQ; h++) a[h][i] = _mm512_fmadd_ps(qc[h], k, a[h][i]);
@@ -219,9 +221,9 @@ static AVX512 void qk_wide(const float *q, int64_t nq, const float *kt, int64_t 
 }
 
 /* Outputs k0..k0+16N-1 of NH query heads (acc, p: theirs, head_dim and ATTEND_CHUNK apart) +=
- * the probabilities x value rows 0..mr-1: 16 N independent chains a head (one for the 16
- * outputs of a vector chained the multiply-adds one after another, waiting on each), each
- * output's chain in the AVX2 loop's order; each value vector read once for the NH heads. */
+ * the probabilities x value rows 0..mr-1, in N vectors a head that chain their multiply-adds
+ * side by side (one vector alone waited on each of its own); each output's chain is the AVX2
+ * loop's, in its order, and each value vector is read once for the NH heads. */
 static inline AVX512 __attribute__((always_inline)) void pv_block(float *acc, const float *p, int mr,
                                                                  const float *const *rows, int64_t head_dim,
                                                                  int64_t k0, const int NH, const int N) {
@@ -248,14 +250,13 @@ static AVX512 void pv_wide(float *acc, const float *p, int64_t nq, int mr, const
         const int two = nq - h >= 2;
         for (int64_t k0 = 0; k0 < head_dim; k0 += 128) {
             const int64_t n = head_dim - k0 < 128 ? (head_dim - k0) / 16 : 8;
-#define PV(NH, N) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0, NH, N)
+#define PV(K, NH, N) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, K, NH, N)
             switch (n) {  /* each count its own constant: the chains stay in registers */
-                case 8: if (two) PV(2, 8); else PV(1, 8); break;
-                case 4: if (two) PV(2, 4); else PV(1, 4); break;
-                default:
-                    for (int64_t c = 0; c < n; c++)
-                        if (two) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0 + 16 * c, 2, 1);
-                        else pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, k0 + 16 * c, 1, 1);
+                case 8: if (two) PV(k0, 2, 8); else PV(k0, 1, 8); break;
+                case 4: if (two) PV(k0, 2, 4); else PV(k0, 1, 4); break;
+                default:  /* other head sizes: a vector at a time */
+                    for (int64_t k = k0; k < k0 + 16 * n; k += 16)
+                        if (two) PV(k, 2, 1); else PV(k, 1, 1);
             }
 #undef PV
         }
