@@ -582,6 +582,13 @@ static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const
         packed_panel_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
 }
 
+/* Units of `step` kept panels a thread takes at a time for `rows` activation rows: a decode
+ * step's ROW_GROUPS groups of 8 rows; a prefill's units (panels x every row) are long, and one
+ * at a time keeps the threads even. */
+static inline int packed_units_at_a_time(int64_t rows, int64_t step) {
+    return rows < PANEL ? (int)(ROW_GROUPS / step) : 1;
+}
+
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
  * activations in passes of ACT_BYTES, as the packing panel kernel takes them. y: float32, or
  * bfloat16 where y_bf16 (each output rounded as torch rounds the float32 one). */
@@ -593,7 +600,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
     if (step < MR) step = MR;
     for (int64_t a0 = 0; a0 < rows; a0 += step) {
         const int64_t a1 = a0 + step < rows ? a0 + step : rows;
-        #pragma omp parallel for schedule(dynamic, a1 - a0 < PANEL ? ROW_GROUPS / unit : 1) num_threads(threads)
+        #pragma omp parallel for schedule(dynamic, packed_units_at_a_time(a1 - a0, unit)) num_threads(threads)
         for (int64_t u = 0; u < (panels + unit - 1) / unit; u++)
             packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, (dest){y, y_bf16},
                              out);
@@ -615,8 +622,7 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
     const int64_t step = panels ? q4_panel_step() : 1;
     moe_unit *units = linear_units(outs, count, step, &n);
     if (!units) return -1;
-    /* a prefill's units (panels x every row) are long: one at a time keeps the threads even */
-    const int chunk = panels && rows >= PANEL ? 1 : (int)(ROW_GROUPS / step);
+    const int chunk = panels ? packed_units_at_a_time(rows, step) : ROW_GROUPS;
     #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t u = 0; u < n; u++) {
         const int64_t i = units[u].e, out = outs[i];

@@ -132,9 +132,7 @@ static inline __m256 round_bf16(__m256 v) {
 
 /* 8 floats as bfloat16 bits, rounded to nearest even as torch rounds them (NaN: 0x7FC0). */
 static inline __m128i bf16_bits8(__m256 v) {
-    const __m256i b = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     /* packus works per 128-bit lane (r0-3 r0-3 | r4-7 r4-7): quadwords 0 and 2 */
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
