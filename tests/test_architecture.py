@@ -25,6 +25,7 @@ SRC = Path(kvcellar.__file__).parent
 FLOORS = {
     # leaves
     "kvcellar": 1, "kvcellar.paths": 1, "kvcellar.units": 1, "kvcellar.errors": 1, "kvcellar.stats": 1,
+    "kvcellar.pages": 1,
     # the storage tiers; model files and their identities
     "kvcellar.storage": 2, "kvcellar.gguf_info": 2, "kvcellar.model_source": 2, "kvcellar.identity": 2,
     "kvcellar.quantization": 2,

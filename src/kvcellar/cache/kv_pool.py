@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvcellar import pages
 from kvcellar.errors import ModelLoadError
 
 KV_BITS = (16, 8, 4)
@@ -232,7 +233,10 @@ class KVPool:
         self._gather_quantized = gather_quantized if layout.quantized else None
         self._attend_direct = attend_direct
         self._write_quantized = write_quantized if layout.quantized else None
-        self.data = torch.zeros((num_blocks, *layout.storage_shape), dtype=layout.storage_dtype, device=device)
+        shape = (num_blocks, *layout.storage_shape)
+        # A decode step reads a sequence's blocks wherever they lie: 2 MB pages spare it most TLB misses.
+        self.data = (pages.empty(shape, layout.storage_dtype) if device.type == "cpu"
+                     else torch.zeros(shape, dtype=layout.storage_dtype, device=device))
         lay = layout
         if layout.quantized:
             # Views, per layer: values [num_blocks, block_size, kv_heads, packed_dim] and

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvcellar import pages
 from kvcellar.engine.native import lib
 
 # Inputs per block of quantized activations (and per int4 group the kernels take).
@@ -127,16 +128,16 @@ def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
               threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """An int4 weight (``matmul_int4``'s layout, ``out`` a multiple of 8) in the panel layout:
     new tensors of the same shapes, each 8 rows' nibbles, scales and offsets as one panel
-    (``kvc_pack_q4``); no offsets (None) where each is exactly -8 x its scale, as a Q4_0
-    source's are: the kernels derive them. ``matmul_int4(..., panels=True)`` multiplies them, to
-    the same bits."""
+    (``kvc_pack_q4``), in 2 MB pages where the OS gives them (``pages``); no offsets (None)
+    where each is exactly -8 x its scale, as a Q4_0 source's are: the kernels derive them.
+    ``matmul_int4(..., panels=True)`` multiplies them, to the same bits."""
     out, cols = nibbles.shape[0], nibbles.shape[1] * 2
     _check_weight(nibbles, scales, cols, offsets)
     if out % PANEL or cols % BLOCK:
         raise ValueError(f"a {out}x{cols} int4 weight has no panel layout (rows in 8s, inputs in {BLOCK}s)")
     derived = torch.equal(offsets.float(), scales.float() * -8)
-    pw, ps = torch.empty_like(nibbles), torch.empty_like(scales)
-    po = None if derived else torch.empty_like(offsets)
+    pw, ps = pages.empty(nibbles.shape, nibbles.dtype), pages.empty(scales.shape, scales.dtype)
+    po = None if derived else pages.empty(offsets.shape, offsets.dtype)
     lib.call("kvc_pack_q4", w=nibbles.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(), out=out,
              cols=cols, pw=pw.data_ptr(), ps=ps.data_ptr(), po=_address(po), threads=threads)
     return pw, ps, po
