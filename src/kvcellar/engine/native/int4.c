@@ -135,15 +135,15 @@ void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
 
 /* Panel p's blocks: for block b, chunk c (bytes 4c..4c+3 of each row's 16) of rows 0..7,
  * 32 bytes; scales and offsets (float16), 8 a block (no offsets where po is NULL: the
- * multiplying kernels then take -8 x the scale, Q4_0's). The panel layout some CPUs keep their
- * weights in (kvc_pack_q4) is these panels one after the other. */
+ * multiplying kernels then take -8 x the scale, Q4_0's). Block b lies at b x `step` blocks'
+ * room: 1 for a panel alone, 2 for one of a pair kept interleaved (kept_panel_at). */
 static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t r0,
-                       int64_t blocks, uint8_t *packed, uint16_t *ps, uint16_t *po) {
+                       int64_t blocks, uint8_t *packed, uint16_t *ps, uint16_t *po, int step) {
     for (int64_t b = 0; b < blocks; b++) {
-        panel_nibbles(w, blocks, r0, b, packed + b * (PANEL * BLOCK / 2));
+        panel_nibbles(w, blocks, r0, b, packed + b * step * (PANEL * BLOCK / 2));
         for (int j = 0; j < PANEL; j++) {
-            ps[b * PANEL + j] = scales[(r0 + j) * blocks + b];
-            if (po) po[b * PANEL + j] = offsets[(r0 + j) * blocks + b];
+            ps[b * step * PANEL + j] = scales[(r0 + j) * blocks + b];
+            if (po) po[b * step * PANEL + j] = offsets[(r0 + j) * blocks + b];
         }
     }
 }
@@ -152,7 +152,7 @@ static void pack_panel(const uint8_t *w, const uint16_t *scales, const uint16_t 
  * y[a * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations'
  * reordered block, its high nibbles inputs 16 + 4c.. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, const int8_t *xq,
+        const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int step, int64_t blocks, const int8_t *xq,
         const float *xd, const float *xs, int64_t cols, dest y, int64_t out, const int N) {
     __m256 acc[MR];
     for (int a = 0; a < N; a++) acc[a] = _mm256_setzero_ps();
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int64_t b = 0; b < blocks; b++) {
         __m256i sum[MR];
         for (int a = 0; a < N; a++) sum[a] = _mm256_setzero_si256();
-        const uint8_t *pb = packed + b * (PANEL * BLOCK / 2);
+        const uint8_t *pb = packed + b * step * (PANEL * BLOCK / 2);
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_load_si256((const __m256i *)(pb + 32 * c));
             const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
@@ -174,8 +174,8 @@ static inline __attribute__((always_inline)) void panel_tile(
                 sum[a] = _mm256_add_epi16(sum[a], _mm256_maddubs_epi16(hi, xh));
             }
         }
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ps + b * PANEL)));
-        const __m256 wo = po ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + b * PANEL)))
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ps + b * step * PANEL)));
+        const __m256 wo = po ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + b * step * PANEL)))
                              : _mm256_mul_ps(ws, _mm256_set1_ps(-8.0f));  /* Q4_0's: exactly -8 x the scale */
         for (int a = 0; a < N; a++) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
@@ -228,22 +228,22 @@ static void gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint1
     }
 }
 
-/* Activation rows a0..a1-1 against one packed panel (ps, po: its float16 scales and offsets)
- * into y (the panel's first output column), MR rows a tile. */
-static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int64_t blocks, int64_t cols,
-                        const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1, dest y,
-                        int64_t out) {
+/* Activation rows a0..a1-1 against one packed panel (ps, po: its float16 scales and offsets;
+ * step: pack_panel's) into y (the panel's first output column), MR rows a tile. */
+static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_t *po, int step, int64_t blocks,
+                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
+                        dest y, int64_t out) {
     int64_t a = a0;
     for (; a + MR <= a1; a += MR)
-        panel_tile(packed, ps, po, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols, dest_at(y, a * out),
-                   out, MR);
+        panel_tile(packed, ps, po, step, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+                   dest_at(y, a * out), out, MR);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *sa = xs + a * blocks;
     const dest ya = dest_at(y, a * out);
     switch (a1 - a) {  /* the last rows, each count its own constant */
-        case 3: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 3); break;
-        case 2: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 2); break;
-        case 1: panel_tile(packed, ps, po, blocks, xa, da, sa, cols, ya, out, 1); break;
+        case 3: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 3); break;
+        case 2: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 2); break;
+        case 1: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 1); break;
         default: break;
     }
 }
@@ -251,8 +251,8 @@ static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_
 static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
                        int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
                        float *y, int64_t out, uint8_t *packed, void *ps, void *po) {
-    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po);
-    panel_tiles(packed, ps, po, blocks, cols, xq, xd, xs, a0, a1, (dest){y + p * PANEL, 0}, out);
+    pack_panel(w, scales, offsets, p * PANEL, blocks, packed, ps, po, 1);
+    panel_tiles(packed, ps, po, 1, blocks, cols, xq, xd, xs, a0, a1, (dest){y + p * PANEL, 0}, out);
 }
 
 /* y [rows, out] float32 = x @ w.T for int4 weights (layout as kvc_gemm_q4), out a multiple
@@ -446,93 +446,95 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
  * linear's offsets address 0, and the kernels derive them to the same bits). Every step then
  * multiplies panels as they lie: a decode step's row needs no horizontal sums per
  * block (the row kernel's cost on CPUs without AVX-512), and a prefill packs nothing. A
- * panel's products are the row kernel's to the bit (panel_tile's order is q4_rows8's). */
+ * panel's products are the row kernel's to the bit (panel_tile's order is q4_rows8's).
+ * Panels 2k and 2k + 1 lie interleaved, block by block (kept_panel_at): two panels multiplied
+ * at once (pair_tile) read one stream, not two, which keeps more of it in flight from RAM. */
+
+/* Where panel p (of `panels`) of a weight kept as panels lies, and its blocks' step. */
+typedef struct { uint8_t *w; uint16_t *s, *o; int step; } kept_panel;
+
+static inline kept_panel kept_panel_at(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
+                                       int64_t panels, int64_t blocks) {
+    const int paired = q4_panel_step() == 2 && (p | 1) < panels;  /* an odd last panel lies alone */
+    const int64_t at = paired ? (p & ~(int64_t)1) * blocks * PANEL + (p & 1) * PANEL : p * blocks * PANEL;
+    return (kept_panel){(uint8_t *)pw + at * (BLOCK / 2), (uint16_t *)ps + at, po ? (uint16_t *)po + at : NULL,
+                        paired ? 2 : 1};
+}
 
 void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
                  uint8_t *pw, uint16_t *ps, uint16_t *po, int threads) {
-    const int64_t blocks = cols / BLOCK;
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < out / PANEL; p++)
-        pack_panel(w, scales, offsets, p * PANEL, blocks, pw + p * blocks * (PANEL * BLOCK / 2),
-                   ps + p * blocks * PANEL, po ? po + p * blocks * PANEL : NULL);
+    for (int64_t p = 0; p < panels; p++) {
+        const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
+        pack_panel(w, scales, offsets, p * PANEL, blocks, k.w, k.s, k.o, k.step);
+    }
 }
 
 /* The row layout back from the panel layout (a dense fallback's dequantization reads rows). */
 void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, uint8_t *w,
                    uint16_t *scales, uint16_t *offsets, int threads) {
-    const int64_t blocks = cols / BLOCK, stride = cols / 2;
+    const int64_t blocks = cols / BLOCK, stride = cols / 2, panels = out / PANEL;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < out / PANEL; p++) {
-        const uint8_t *pp = pw + p * blocks * (PANEL * BLOCK / 2);
+    for (int64_t p = 0; p < panels; p++) {
+        const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
         for (int64_t b = 0; b < blocks; b++)
             for (int c = 0; c < 4; c++)
                 for (int j = 0; j < PANEL; j++)
-                    memcpy(w + (p * PANEL + j) * stride + b * (BLOCK / 2) + 4 * c, pp + b * 128 + c * 32 + j * 4, 4);
+                    memcpy(w + (p * PANEL + j) * stride + b * (BLOCK / 2) + 4 * c,
+                           k.w + b * k.step * (PANEL * BLOCK / 2) + c * 32 + j * 4, 4);
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < PANEL; j++) {
-                const uint16_t sc = ps[(p * blocks + b) * PANEL + j];
+                const uint16_t sc = k.s[b * k.step * PANEL + j];
                 scales[(p * PANEL + j) * blocks + b] = sc;
-                offsets[(p * PANEL + j) * blocks + b] = po ? po[(p * blocks + b) * PANEL + j]
-                                                           : _cvtss_sh(-8.0f * _cvtsh_ss(sc), 0);
+                offsets[(p * PANEL + j) * blocks + b] = k.o ? k.o[b * k.step * PANEL + j]
+                                                            : _cvtss_sh(-8.0f * _cvtsh_ss(sc), 0);
             }
     }
 }
 
-/* Panel p of a weight in the panel layout against activation rows a0..a1-1. */
+/* Panel p (of `panels`) of a weight in the panel layout against activation rows a0..a1-1. */
 static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
-                                     int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                                     int64_t a0, int64_t a1, dest y, int64_t out) {
-    panel_tiles(pw + p * blocks * (PANEL * BLOCK / 2), ps + p * blocks * PANEL, po ? po + p * blocks * PANEL : NULL,
-                blocks, cols, xq, xd, xs, a0, a1, dest_at(y, p * PANEL), out);
+                                     int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
+                                     const float *xs, int64_t a0, int64_t a1, dest y, int64_t out) {
+    const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
+    panel_tiles(k.w, k.s, k.o, k.step, blocks, cols, xq, xd, xs, a0, a1, dest_at(y, p * PANEL), out);
 }
 
-/* Two adjacent panels at once on CPUs with AVX-512's 8-bit dot product: chunk c of both in one
- * 64-byte vector (lanes 0-7: the first panel's rows, 8-15: the next one's, which lies right after
- * it), so one instruction multiplies and sums 4 pairs for 16 rows where panel_tile takes two per
- * 2 pairs for 8. A block's products are panel_tile's exact integers and each output's float
+/* The two panels of a pair at once on CPUs with AVX-512's 8-bit dot product: chunk c of both in
+ * one 64-byte vector (lanes 0-7: the first panel's rows, 8-15: the second's, which follows it in
+ * each block), so one instruction multiplies and sums 4 pairs for 16 rows where panel_tile takes
+ * two per 2 pairs for 8. A block's products are panel_tile's exact integers and each output's float
  * operations its own, in its order: its bits, at every row count. */
 #define MR2 8
-/* Bytes ahead in each of the two panels' streams that a pass asks for, and their scales' and
- * offsets' lines (a line per 4 blocks): 5-7 % faster from RAM than PREFETCH and the nibbles only
- * (docs/performance.md). */
+/* Bytes ahead in the pair's stream that a pass asks for, and in its scales' and offsets' (a
+ * line per 2 blocks) (docs/performance.md). */
 #define PAIR_PREFETCH 4096
 
 static inline AVX512 __attribute__((always_inline)) void pair_tile(
-        const uint8_t *pa, const uint16_t *sa, const uint16_t *oa, int64_t blocks, const int8_t *xq,
+        const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks, const int8_t *xq,
         const float *xd, const float *xs, int64_t cols, dest y, int64_t out, const int N) {
-    const uint8_t *pb = pa + blocks * (PANEL * BLOCK / 2);
-    const uint16_t *sb = sa + blocks * PANEL, *ob = oa ? oa + blocks * PANEL : NULL;
     __m512 acc[MR2];
     for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i sum[MR2];
         for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
-        const uint8_t *wa = pa + b * (PANEL * BLOCK / 2), *wb = pb + b * (PANEL * BLOCK / 2);
-        _mm_prefetch((const char *)(wa + PAIR_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wa + PAIR_PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PAIR_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wb + PAIR_PREFETCH + 64), _MM_HINT_T0);
-        if ((b & 3) == 0) {  /* scales and offsets ahead too: 16 bytes a block, a line per 4 */
-            _mm_prefetch((const char *)(sa + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
-            _mm_prefetch((const char *)(sb + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
-            if (oa) {
-                _mm_prefetch((const char *)(oa + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
-                _mm_prefetch((const char *)(ob + b * PANEL + PAIR_PREFETCH / 8), _MM_HINT_T0);
-            }
+        const uint8_t *w = pw + b * (2 * PANEL * BLOCK / 2);  /* the first panel's 128 bytes, then the second's */
+        const uint16_t *s = ps + b * 2 * PANEL, *o = po ? po + b * 2 * PANEL : NULL;
+        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(w + PAIR_PREFETCH + 64 * line), _MM_HINT_T0);
+        if ((b & 1) == 0) {  /* scales and offsets: 32 bytes a block, a line per 2 */
+            _mm_prefetch((const char *)(s + PAIR_PREFETCH / 8), _MM_HINT_T0);
+            if (o) _mm_prefetch((const char *)(o + PAIR_PREFETCH / 8), _MM_HINT_T0);
         }
         for (int c = 0; c < 4; c++) {  /* chunk c of both panels */
-            const __m256i first = _mm256_loadu_si256((const __m256i *)(wa + 32 * c));
+            const __m256i first = _mm256_load_si256((const __m256i *)(w + 32 * c));
             dot16_chunk(_mm512_inserti64x4(_mm512_castsi256_si512(first),
-                                           _mm256_loadu_si256((const __m256i *)(wb + 32 * c)), 1),
+                                           _mm256_load_si256((const __m256i *)(w + PANEL * BLOCK / 2 + 32 * c)), 1),
                         xq, cols, b, c, sum, N);
         }
-        const __m512 ws = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sa + b * PANEL))),
-            _mm_loadu_si128((const __m128i *)(sb + b * PANEL)), 1));
-        const __m512 wo = oa ? _mm512_cvtph_ps(_mm256_inserti128_si256(
-                                   _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(oa + b * PANEL))),
-                                   _mm_loadu_si128((const __m128i *)(ob + b * PANEL)), 1))
-                             : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
+        const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+        const __m512 wo = o ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o))
+                            : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f));
         for (int a = 0; a < N; a++) {
             const __m512 dot = _mm512_cvtepi32_ps(sum[a]);
             acc[a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(xd[a * blocks + b])), acc[a]);
@@ -549,20 +551,20 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
     }
 }
 
-/* Panels p and p + 1 of a weight in the panel layout against activation rows a0..a1-1. */
-static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t blocks,
-                             int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t a0, int64_t a1,
-                             dest y, int64_t out) {
-    const uint8_t *pa = pw + p * blocks * (PANEL * BLOCK / 2);
-    const uint16_t *sa = ps + p * blocks * PANEL, *oa = po ? po + p * blocks * PANEL : NULL;
+/* Panels p and p + 1 (a pair, kept interleaved) of a weight in the panel layout against
+ * activation rows a0..a1-1. */
+static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t panels,
+                             int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
+                             int64_t a0, int64_t a1, dest y, int64_t out) {
+    const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
     int64_t a = a0;
     for (; a + MR2 <= a1; a += MR2)
-        pair_tile(pa, sa, oa, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
+        pair_tile(k.w, k.s, k.o, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
                   dest_at(y, a * out + p * PANEL), out, MR2);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *xsa = xs + a * blocks;
     const dest ya = dest_at(y, a * out + p * PANEL);
-#define ROWS(n) pair_tile(pa, sa, oa, blocks, xa, da, xsa, cols, ya, out, n)
+#define ROWS(n) pair_tile(k.w, k.s, k.o, blocks, xa, da, xsa, cols, ya, out, n)
     LAST_ROWS_OF_8(a1 - a, ROWS);
 #undef ROWS
 }
@@ -577,9 +579,9 @@ static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const
                                     int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
                                     const float *xs, int64_t a0, int64_t a1, dest y, int64_t out) {
     if (q4_panel_step() == 2 && p + 1 < panels)
-        pair_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        pair_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
     else
-        packed_panel_rows(pw, ps, po, p, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        packed_panel_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
 }
 
 /* Units of `step` kept panels a thread takes at a time for `rows` activation rows: a decode
