@@ -4,6 +4,7 @@ behave as ``torch.empty``'s, in mappings the kernel is advised to back with huge
 from __future__ import annotations
 
 import gc
+import mmap
 from pathlib import Path
 
 import pytest
@@ -63,4 +64,5 @@ def test_int4_panels_and_the_kv_pool_are_advised_huge_pages():
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     pool = KVPool(layout, 64, torch.device("cpu"))
     assert advised(pool.data) and not pool.data.any()
-    assert not advised(torch.empty(1 << 22))  # torch's own allocations are not: the test can tell
+    plain = mmap.mmap(-1, 1 << 22, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert not advised(torch.frombuffer(plain, dtype=torch.uint8))  # a mapping not advised: the test can tell
