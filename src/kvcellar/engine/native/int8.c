@@ -1,10 +1,6 @@
 /* int8 linears (a float32 scale per output row) and a MoE layer's routed int8 experts. */
 #include "kvc.h"
 
-/* Bytes ahead in a row that a pass asks for: twice the other kernels' PREFETCH, 4 % faster from
- * RAM for a 545 MB head on a Zen 5 (docs/performance.md). */
-#define Q8_PREFETCH (2 * PREFETCH)
-
 /* Output r of int8 weights (row wr, its scale) against n <= TILE activation rows: signs moved
  * onto the activations, as the 8-bit dot product takes one unsigned operand. */
 static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out, int64_t blocks, const int8_t *xq,
@@ -14,7 +10,7 @@ static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out,
     for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         /* the weights in the activations' order: even inputs, then odd ones */
-        _mm_prefetch((const char *)(wr + b * BLOCK + Q8_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wr + b * BLOCK + PREFETCH), _MM_HINT_T0);
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK));
         const __m256i even_odd = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(
             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
