@@ -240,12 +240,9 @@ static void panel_tiles(const uint8_t *packed, const uint16_t *ps, const uint16_
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *sa = xs + a * blocks;
     const dest ya = dest_at(y, a * out);
-    switch (a1 - a) {  /* the last rows, each count its own constant */
-        case 3: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 3); break;
-        case 2: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 2); break;
-        case 1: panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, 1); break;
-        default: break;
-    }
+#define ROWS(n) panel_tile(packed, ps, po, step, blocks, xa, da, sa, cols, ya, out, n)
+    LAST_ROWS_OF_4(a1 - a, ROWS);
+#undef ROWS
 }
 
 static void panel_rows(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t p, int64_t blocks,
@@ -272,21 +269,6 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
  * called where the CPU lists the flags (native/__init__.py). */
 #define PANEL16 16
 #define MR16 8
-
-/* The last 1-7 activation rows of a kernel that takes 8 at a time: ROWS(n) with each count n a
- * constant, so that its accumulators stay in registers. */
-#define LAST_ROWS_OF_8(left, ROWS) do {                                                              \
-        switch (left) {                                                                              \
-            case 7: ROWS(7); break;                                                                  \
-            case 6: ROWS(6); break;                                                                  \
-            case 5: ROWS(5); break;                                                                  \
-            case 4: ROWS(4); break;                                                                  \
-            case 3: ROWS(3); break;                                                                  \
-            case 2: ROWS(2); break;                                                                  \
-            case 1: ROWS(1); break;                                                                  \
-            default: break;                                                                          \
-        }                                                                                            \
-    } while (0)
 
 /* 16 rows of 16 float16 values (row j at src + j * stride) as floats, transposed: dst[c * 16 + j].
  * Pairs of rows interleaved by 32 bits, then fours by 64 bits, then 128-bit lanes by shuffles. */

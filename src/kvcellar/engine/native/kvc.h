@@ -65,6 +65,30 @@ static inline int avx512_cpu(void) {
     return has;
 }
 
+/* The last 1-7 (1-3) activation rows of a kernel that takes 8 (4) at a time: ROWS(n) with each
+ * count n a constant, so that its accumulators stay in registers. */
+#define LAST_ROWS_OF_8(left, ROWS) do {                                                              \
+        switch (left) {                                                                              \
+            case 7: ROWS(7); break;                                                                  \
+            case 6: ROWS(6); break;                                                                  \
+            case 5: ROWS(5); break;                                                                  \
+            case 4: ROWS(4); break;                                                                  \
+            case 3: ROWS(3); break;                                                                  \
+            case 2: ROWS(2); break;                                                                  \
+            case 1: ROWS(1); break;                                                                  \
+            default: break;                                                                          \
+        }                                                                                            \
+    } while (0)
+
+#define LAST_ROWS_OF_4(left, ROWS) do {                                                              \
+        switch (left) {                                                                              \
+            case 3: ROWS(3); break;                                                                  \
+            case 2: ROWS(2); break;                                                                  \
+            case 1: ROWS(1); break;                                                                  \
+            default: break;                                                                          \
+        }                                                                                            \
+    } while (0)
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -200,12 +200,9 @@ static void mx_panel_tiles(mx_panel p, int64_t blocks, int64_t cols, const int8_
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks;
     float *ya = y + a * out;
-    switch (a1 - a) {  /* the last rows, each count its own constant */
-        case 3: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 3); break;
-        case 2: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 2); break;
-        case 1: mx_panel_tile(p, blocks, xa, da, cols, ya, out, 1); break;
-        default: break;
-    }
+#define ROWS(n) mx_panel_tile(p, blocks, xa, da, cols, ya, out, n)
+    LAST_ROWS_OF_4(a1 - a, ROWS);
+#undef ROWS
 }
 
 /* Output rows g * 8 .. g * 8 + 7 of MXFP4 weights against activation rows a0..a1-1: as a panel
