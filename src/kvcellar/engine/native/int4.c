@@ -429,8 +429,9 @@ void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t 
  * multiplies panels as they lie: a decode step's row needs no horizontal sums per
  * block (the row kernel's cost on CPUs without AVX-512), and a prefill packs nothing. A
  * panel's products are the row kernel's to the bit (panel_tile's order is q4_rows8's).
- * Panels 2k and 2k + 1 lie interleaved, block by block (kept_panel_at): two panels multiplied
- * at once (pair_tile) read one stream, not two, which keeps more of it in flight from RAM. */
+ * Where two panels are multiplied at once (q4_panel_step() 2: pair_tile), panels 2k and 2k + 1
+ * lie interleaved, block by block (kept_panel_at): one stream, not two, which keeps more of it in
+ * flight from RAM. Packing and multiplying run in one process, so they agree on the layout. */
 
 /* Where panel p (of `panels`) of a weight kept as panels lies, and its blocks' step. */
 typedef struct { uint8_t *w; uint16_t *s, *o; int step; } kept_panel;
