@@ -12,6 +12,7 @@ platform has no such advice, ``empty`` is ``torch.empty``.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 
@@ -67,10 +68,7 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     its memory reads as zeros until written (a fresh mapping's)."""
     if not supported():
         return torch.empty(shape, dtype=dtype)
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     return _arena.take(nbytes).view(dtype).view(shape)

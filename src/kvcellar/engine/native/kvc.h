@@ -65,14 +65,10 @@ static inline int avx512_cpu(void) {
     return has;
 }
 
-/* The last 1-7 (1-3) activation rows of a kernel that takes 8 (4) at a time: ROWS(n) with each
+/* The last 1-3 (1-7) activation rows of a kernel that takes 4 (8) at a time: ROWS(n) with each
  * count n a constant, so that its accumulators stay in registers. */
-#define LAST_ROWS_OF_8(left, ROWS) do {                                                              \
+#define LAST_ROWS_OF_4(left, ROWS) do {                                                              \
         switch (left) {                                                                              \
-            case 7: ROWS(7); break;                                                                  \
-            case 6: ROWS(6); break;                                                                  \
-            case 5: ROWS(5); break;                                                                  \
-            case 4: ROWS(4); break;                                                                  \
             case 3: ROWS(3); break;                                                                  \
             case 2: ROWS(2); break;                                                                  \
             case 1: ROWS(1); break;                                                                  \
@@ -80,12 +76,13 @@ static inline int avx512_cpu(void) {
         }                                                                                            \
     } while (0)
 
-#define LAST_ROWS_OF_4(left, ROWS) do {                                                              \
+#define LAST_ROWS_OF_8(left, ROWS) do {                                                              \
         switch (left) {                                                                              \
-            case 3: ROWS(3); break;                                                                  \
-            case 2: ROWS(2); break;                                                                  \
-            case 1: ROWS(1); break;                                                                  \
-            default: break;                                                                          \
+            case 7: ROWS(7); break;                                                                  \
+            case 6: ROWS(6); break;                                                                  \
+            case 5: ROWS(5); break;                                                                  \
+            case 4: ROWS(4); break;                                                                  \
+            default: LAST_ROWS_OF_4(left, ROWS); break;                                              \
         }                                                                                            \
     } while (0)
 
