@@ -12,7 +12,7 @@ from typing import Any
 import kvcellar  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from kvcellar.artifacts.cli import add_models_commands
 from kvcellar.bench.cli import add_bench_commands
-from kvcellar.engine.config import ENGINE_KINDS, SPECULATIVE_MODES, WEIGHT_MODES
+from kvcellar.engine.config import ENGINE_KINDS, SPECULATIVE_MODES, THREAD_SPINS, WEIGHT_MODES
 from kvcellar.errors import KvcellarError
 from kvcellar.server.cli import add_serve_args, server_cli_values
 from kvcellar.settings import Settings, load_settings
@@ -67,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto (default): ngram on CPUs (kvcellar's attention kernel), off on GPUs")
     p.add_argument("--speculative-max-tokens", type=int, default=None,
                    help="the longest draft, in tokens (default 8)")
+    p.add_argument("--thread-spin", default=None, choices=list(THREAD_SPINS),
+                   help="whether the CPU kernels' threads spin between a decode step's loops instead of sleeping: "
+                        "auto (default) spins while the machine has a CPU for every thread that wants one")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="serve without first running every code path once (faster start, slower first request)")
 
@@ -122,7 +125,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                    "max_step_tokens", "max_prefill_step_tokens", "max_model_len",
                                    "max_completion_tokens", "prefix_caching", "warmup",
                                    "weights", "unhealthy_after_failed_steps", "max_memory_gb", "speculative",
-                                   "speculative_max_tokens", "engine")},
+                                   "speculative_max_tokens", "engine", "thread_spin")},
         },
         "disk": {k: get(k) for k in ("ssd_policy", "ssd_durability", "ssd_persistent_retries", "ssd_async",
                                      "ssd_queue_blocks", "ssd_evict_wait_s", "ssd_flush_interval_s", "disk_cache_gb",

@@ -23,6 +23,9 @@ KVBits = Literal[16, 8, 4]
 # ``speculative`` values (engine/speculation.py drafts).
 SpeculativeMode = Literal["auto", "off", "ngram", "suffix"]
 SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = get_args(SpeculativeMode)
+# ``thread_spin`` values (engine/native/threads.py).
+ThreadSpin = Literal["auto", "on", "off"]
+THREAD_SPINS: tuple[ThreadSpin, ...] = get_args(ThreadSpin)
 # ``engine`` values: the framework computing the model (engine/mlx/ for mlx).
 EngineKind = Literal["torch", "mlx"]
 ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
@@ -98,6 +101,10 @@ class EngineConfig:
     # torch threads for steps of at most 8 tokens (decodes; engine/model_runner.py): 0 = the
     # faster of one and all, measured at warm-up (all without warm-up); N = N.
     decode_threads: int = 0
+    # Whether the CPU kernels' threads spin between a decode step's loops instead of sleeping
+    # (engine/native/threads.py): auto spins while the machine has a CPU for every thread that
+    # wants one; on / off always / never.
+    thread_spin: ThreadSpin = "auto"
     # full: weights in ``dtype``; int8 / int4: weight-only quantized linears
     # (kvcellar/quantization.py, engine/linears.py): a half / a quarter of the bytes a decode
     # step reads; prefill runs their dequantized weights. auto: int4 for a GGUF whose linears
@@ -145,6 +152,8 @@ class EngineConfig:
             raise ValueError(f"kv_group_size must be between 2 and 4095, not {self.kv_group_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {self.weights!r}")
+        if self.thread_spin not in THREAD_SPINS:
+            raise ValueError(f"thread_spin must be one of {', '.join(THREAD_SPINS)}, not {self.thread_spin!r}")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, not {self.engine!r}")
         if self.speculative not in SPECULATIVE_MODES:

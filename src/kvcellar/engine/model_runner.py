@@ -1,12 +1,11 @@
 """Turns a step plan into one packed forward pass of the transformers model.
 
 Threads: a step of at most ``SMALL_STEP_TOKENS`` tokens (decodes) runs with
-``decode_threads`` torch threads, larger ones (prefill chunks) with all of them. Under the
-passive OpenMP wait policy the package sets (``kvcellar/__init__.py``: spinning threads slow
-decode down whenever another process is busy), every parallel region pays for waking its
-threads, so a small step can be faster on one thread; prefill needs all of them. Which is
-faster depends on the machine, so warm-up (``engine/warmup.py``) measures it
-(``calibrate_decode_threads``; figures in docs/performance.md).
+``decode_threads`` threads, larger ones (prefill chunks) with all of them. Whether a small step
+is faster on one thread depends on the machine, so warm-up (``engine/warmup.py``) measures it
+(``calibrate_decode_threads``; figures in docs/performance.md). The kernels' own threads spin
+between a decode step's loops while the machine has room (``native/threads.py``: ``SpinGate``),
+so a decode step does not wait for a sleeping thread to wake ~100 times.
 """
 
 from __future__ import annotations
@@ -23,10 +22,12 @@ from kvcellar.cache.block_manager import NULL_BLOCK
 from kvcellar.cache.kv_pool import KVPool
 from kvcellar.cache.state_pool import StatePool, capture_point, history_point
 from kvcellar.engine.attention import DecodeBatch, PrefillSpan, StepMeta
+from kvcellar.engine.config import ThreadSpin
 from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
 from kvcellar.engine.lean_qwen35 import is_hybrid
 from kvcellar.engine.linears import prepare_model
+from kvcellar.engine.native.threads import SpinGate
 from kvcellar.engine.scheduler import Scheduled, StepPlan
 from kvcellar.quantization import QuantizedWeight
 from kvcellar.stats import Stats, counter, gauge
@@ -43,6 +44,7 @@ class RunnerStats(Stats):
     PREFIX: ClassVar[str] = "runner_"
     cold_paths: int = counter()  # attention paths first run by a request (see ``paths_seen``)
     decode_threads: int = gauge()
+    spinning: int = gauge()  # 1 while the kernels' threads spin between decode loops (native/threads.py)
 
 
 class StepRunner(Protocol):
@@ -73,13 +75,14 @@ def _slot(seq: Any) -> int:
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
                  quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, thread_spin: ThreadSpin = "auto") -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
         logits with less Python per step), others through transformers' modules. The model's
         linears are prepared once (``engine/linears.py``: prepacked, fused for the lean
         forward, ``quantized`` ones with their kernels, on ``kernel_dtype`` activations where
         given); other runners over the same model object share that. ``states``: a hybrid
-        model's recurrent-state pool (its walk is its only path, lean or not)."""
+        model's recurrent-state pool (its walk is its only path, lean or not). ``thread_spin``:
+        ``EngineConfig.thread_spin``."""
         self.model = model
         self.pool = pool
         self.states = states
@@ -102,6 +105,7 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads
         self.stats = RunnerStats(decode_threads=self.threads)
+        self.spin = SpinGate(thread_spin if self.device.type == "cpu" else "off")
 
     def set_decode_threads(self, n: int) -> None:
         self.decode_threads = max(1, min(n, self.threads))
@@ -251,7 +255,9 @@ class ModelRunner:
         a row per prefill that samples."""
         # torch's thread count is process-wide: set it for this step only (switching costs
         # nothing measurable), so other engines and callers see the count they set.
-        threads = self.decode_threads if plan.num_tokens <= SMALL_STEP_TOKENS else self.threads
+        decode = plan.num_tokens <= SMALL_STEP_TOKENS
+        threads = self.decode_threads if decode else self.threads
+        self.stats.spinning = int(self.spin.step(decode, threads))
         before = torch.get_num_threads()
         if before != threads:
             torch.set_num_threads(threads)

@@ -108,17 +108,27 @@ static inline void q4_rows8(const uint8_t *w, const uint16_t *scales, const uint
 
 /* y [rows, out] float32 = x @ w.T for int4 weights: 8 output rows at a time, TILE activation
  * rows at a time against them. */
+typedef struct {
+    const uint8_t *w; const uint16_t *scales, *offsets; int64_t out, cols; const int8_t *xq; const float *xd, *xs;
+    int64_t rows; float *y;
+} q4_call;
+
+static void gemm_q4_groups(void *ctx, int64_t g0, int64_t g1, int thread) {
+    (void)thread;
+    const q4_call *c = ctx;
+    const int64_t blocks = c->cols / BLOCK;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t a0 = 0; a0 < c->rows; a0 += TILE) {
+            const int n = c->rows - a0 < TILE ? (int)(c->rows - a0) : TILE;
+            q4_rows8(c->w, c->scales, c->offsets, g * 8, c->out, blocks, c->xq + a0 * c->cols, c->xd + a0 * blocks,
+                     c->xs + a0 * blocks, n, c->y + a0 * c->out);
+        }
+}
+
 void kvc_gemm_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t a0 = 0; a0 < rows; a0 += TILE) {
-            const int n = rows - a0 < TILE ? (int)(rows - a0) : TILE;
-            q4_rows8(w, scales, offsets, g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks, n,
-                     y + a0 * out);
-        }
-    }
+    q4_call c = {w, scales, offsets, out, cols, xq, xd, xs, rows, y};
+    pool_for(threads, (out + 7) / 8, ROW_GROUPS, gemm_q4_groups, &c);
 }
 
 /* Prefill-sized steps of int4 weights: 8 output rows at a time against MR activation rows,
@@ -577,18 +587,29 @@ static inline int packed_units_at_a_time(int64_t rows, int64_t step) {
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
  * activations in passes of ACT_BYTES, as the packing panel kernel takes them. y: float32, or
  * bfloat16 where y_bf16 (each output rounded as torch rounds the float32 one). */
+typedef struct {
+    const uint8_t *pw; const uint16_t *ps, *po; int64_t out, cols; const int8_t *xq; const float *xd, *xs;
+    int64_t a0, a1; dest y;
+} q4p_call;
+
+static void gemm_q4p_units(void *ctx, int64_t u0, int64_t u1, int thread) {
+    (void)thread;
+    const q4p_call *c = ctx;
+    const int64_t blocks = c->cols / BLOCK, panels = c->out / PANEL, unit = q4_panel_step();
+    for (int64_t u = u0; u < u1; u++)
+        packed_unit_rows(c->pw, c->ps, c->po, u * unit, panels, blocks, c->cols, c->xq, c->xd, c->xs, c->a0, c->a1,
+                         c->y, c->out);
+}
+
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
                   const int8_t *xq, const float *xd, const float *xs, int64_t rows, void *y, int y_bf16,
                   int threads) {
-    const int64_t blocks = cols / BLOCK, panels = out / PANEL, unit = q4_panel_step();
+    const int64_t panels = out / PANEL, unit = q4_panel_step();
     int64_t step = ACT_BYTES / cols / MR * MR;
     if (step < MR) step = MR;
     for (int64_t a0 = 0; a0 < rows; a0 += step) {
-        const int64_t a1 = a0 + step < rows ? a0 + step : rows;
-        #pragma omp parallel for schedule(dynamic, packed_units_at_a_time(a1 - a0, unit)) num_threads(threads)
-        for (int64_t u = 0; u < (panels + unit - 1) / unit; u++)
-            packed_unit_rows(pw, ps, po, u * unit, panels, blocks, cols, xq, xd, xs, a0, a1, (dest){y, y_bf16},
-                             out);
+        q4p_call c = {pw, ps, po, out, cols, xq, xd, xs, a0, a0 + step < rows ? a0 + step : rows, {y, y_bf16}};
+        pool_for(threads, (panels + unit - 1) / unit, packed_units_at_a_time(c.a1 - a0, unit), gemm_q4p_units, &c);
     }
 }
 
@@ -597,31 +618,41 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
  * kvc_gemm_q4's, or kept as panels) of outs[i] rows into ys[i] [rows, outs[i]], each output by
  * kvc_gemm_q4's arithmetic. A decode step then wakes the threads once for them, not once a
  * linear; weights kept as panels take any step this way. */
+typedef struct {
+    const int64_t *w, *scales, *offsets, *outs, *ys; const moe_unit *units; int64_t cols; const int8_t *xq;
+    const float *xd, *xs; int64_t rows; int panels, y_bf16;
+} q4_many_call;
+
+static void gemm_q4_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
+    (void)thread;
+    const q4_many_call *c = ctx;
+    const int64_t blocks = c->cols / BLOCK, cols = c->cols, rows = c->rows;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t i = c->units[u].e, out = c->outs[i];
+        const uint8_t *wi = (const uint8_t *)c->w[i];
+        const uint16_t *si = (const uint16_t *)c->scales[i], *oi = (const uint16_t *)c->offsets[i];
+        if (c->panels) {
+            packed_unit_rows(wi, si, oi, c->units[u].g, out / PANEL, blocks, cols, c->xq, c->xd, c->xs, 0, rows,
+                             (dest){(void *)c->ys[i], c->y_bf16}, out);
+            continue;
+        }
+        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
+            q4_rows8(wi, si, oi, c->units[u].g * 8, out, blocks, c->xq + a0 * cols, c->xd + a0 * blocks,
+                     c->xs + a0 * blocks, rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)c->ys[i] + a0 * out);
+    }
+}
+
 static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
                         const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd,
                         const float *xs, int64_t rows, int threads, int panels, int y_bf16) {
-    const int64_t blocks = cols / BLOCK;
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
         if (outs[i] <= 0 || (panels && outs[i] % PANEL)) return -2;
     const int64_t step = panels ? q4_panel_step() : 1;
     moe_unit *units = linear_units(outs, count, step, &n);
     if (!units) return -1;
-    const int chunk = panels ? packed_units_at_a_time(rows, step) : ROW_GROUPS;
-    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
-    for (int64_t u = 0; u < n; u++) {
-        const int64_t i = units[u].e, out = outs[i];
-        const uint8_t *wi = (const uint8_t *)w[i];
-        const uint16_t *si = (const uint16_t *)scales[i], *oi = (const uint16_t *)offsets[i];
-        if (panels) {
-            packed_unit_rows(wi, si, oi, units[u].g, out / PANEL, blocks, cols, xq, xd, xs, 0, rows,
-                             (dest){(void *)ys[i], y_bf16}, out);
-            continue;
-        }
-        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-            q4_rows8(wi, si, oi, units[u].g * 8, out, blocks, xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks,
-                     rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)ys[i] + a0 * out);
-    }
+    q4_many_call c = {w, scales, offsets, outs, ys, units, cols, xq, xd, xs, rows, panels, y_bf16};
+    pool_for(threads, n, panels ? packed_units_at_a_time(rows, step) : ROW_GROUPS, gemm_q4_many_units, &c);
     free(units);
     return 0;
 }

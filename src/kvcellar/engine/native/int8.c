@@ -29,14 +29,42 @@ static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out,
 }
 
 /* y [rows, out] float32 = x @ w.T for int8 weights. */
+typedef struct {
+    const int64_t *w, *scales, *outs, *ys; const moe_unit *units; int64_t cols; const int8_t *xq; const float *xd;
+    int64_t rows;
+} q8_call;
+
+/* Rows [r0, r1) of linear i (of c->w etc.) for every activation row. */
+static inline void q8_rows(const q8_call *c, int64_t i, int64_t r0, int64_t r1) {
+    const int64_t cols = c->cols, blocks = cols / BLOCK, out = c->outs[i];
+    const int8_t *w = (const int8_t *)c->w[i];
+    const float *scales = (const float *)c->scales[i];
+    float *y = (float *)c->ys[i];
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t a0 = 0; a0 < c->rows; a0 += TILE)
+            q8_row(w + r * cols, scales[r], r, out, blocks, c->xq + a0 * cols, c->xd + a0 * blocks,
+                   c->rows - a0 < TILE ? (int)(c->rows - a0) : TILE, y + a0 * out);
+}
+
+static void gemm_q8_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
+    (void)thread;
+    q8_rows(ctx, 0, r0, r1);
+}
+
 void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK;
-    #pragma omp parallel for schedule(dynamic, 8 * ROW_GROUPS) num_threads(threads)
-    for (int64_t r = 0; r < out; r++)
-        for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-            q8_row(w + r * cols, scales[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
-                   rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
+    const int64_t wa = (int64_t)w, sa = (int64_t)scales, ya = (int64_t)y;
+    q8_call c = {&wa, &sa, &out, &ya, NULL, cols, xq, xd, rows};
+    pool_for(threads, out, 8 * ROW_GROUPS, gemm_q8_rows, &c);
+}
+
+static void gemm_q8_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
+    (void)thread;
+    const q8_call *c = ctx;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t i = c->units[u].e, r0 = c->units[u].g * 8;
+        q8_rows(c, i, r0, r0 + 8 < c->outs[i] ? r0 + 8 : c->outs[i]);
+    }
 }
 
 /* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
@@ -45,23 +73,13 @@ void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols
  * them, not once a linear. */
 int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count,
                      int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads) {
-    const int64_t blocks = cols / BLOCK;
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++)
         if (outs[i] <= 0) return -2;
     moe_unit *units = linear_units(outs, count, 1, &n);
     if (!units) return -1;
-    #pragma omp parallel for schedule(dynamic, ROW_GROUPS) num_threads(threads)
-    for (int64_t u = 0; u < n; u++) {
-        const int64_t i = units[u].e, out = outs[i], r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
-        const int8_t *wi = (const int8_t *)w[i];
-        const float *si = (const float *)scales[i];
-        float *y = (float *)ys[i];
-        for (int64_t r = units[u].g * 8; r < r1; r++)
-            for (int64_t a0 = 0; a0 < rows; a0 += TILE)
-                q8_row(wi + r * cols, si[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks,
-                       rows - a0 < TILE ? (int)(rows - a0) : TILE, y + a0 * out);
-    }
+    q8_call c = {w, scales, outs, ys, units, cols, xq, xd, rows};
+    pool_for(threads, n, ROW_GROUPS, gemm_q8_many_units, &c);
     free(units);
     return 0;
 }

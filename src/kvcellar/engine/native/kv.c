@@ -3,6 +3,8 @@
  * of query positions over a sequence's blocks (kvc_attend_kv). */
 #include "kvc.h"
 
+#include <stdatomic.h>
+
 static inline float round_bf16_1(float x) {
     return _mm256_cvtss_f32(round_bf16(_mm256_set1_ps(x)));
 }
@@ -438,6 +440,101 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
  * tiles are read once for all of them. */
 #define ATTEND_ROWS 8
 
+typedef struct {
+    const uint8_t *pool; int64_t block_bytes, k_region, v_region, values_bytes; const int64_t *tables;
+    int64_t table_width; const int64_t *contexts, *rows; int64_t block_size, kv_heads, head_dim, group; int bits;
+    const float *q; int64_t gq; float scale; const float *sinks; int64_t window; float *out;
+    const int64_t *first, *row0, *slot; float *part, *ml;
+    float **scratch;  /* a thread's scores, tile, zeros and paired keys: allocated by its first task */
+    _Atomic int failed;
+} attend_call;
+
+/* Tasks t0..t1-1 of kvc_attend_kv. */
+static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
+    attend_call *c = ctx;
+    const uint8_t *pool = c->pool;
+    const int64_t block_bytes = c->block_bytes, k_region = c->k_region, v_region = c->v_region;
+    const int64_t values_bytes = c->values_bytes, table_width = c->table_width, block_size = c->block_size;
+    const int64_t kv_heads = c->kv_heads, head_dim = c->head_dim, group = c->group, gq = c->gq, window = c->window;
+    const int64_t heads = kv_heads * gq;
+    const int bits = c->bits;
+    const float scale = c->scale, *q = c->q, *sinks = c->sinks;
+    const int64_t *tables = c->tables, *contexts = c->contexts, *rows = c->rows, *first = c->first;
+    const int64_t *row0 = c->row0, *slot = c->slot;
+    float *out = c->out, *part = c->part, *ml = c->ml;
+    if (!c->scratch[thread])
+        c->scratch[thread] = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim,
+                                    sizeof(float));
+    float *scores = c->scratch[thread];
+    if (!scores) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    for (int64_t task = t0_; task < t1_; task++) {
+        int64_t s = 0;
+        while (first[s + 1] <= task) s++;
+        float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
+        const float *zeros = tile + ATTEND_TILE * head_dim;
+        float *kt = tile + (ATTEND_TILE + 1) * head_dim;
+        const int64_t *table = tables + s * table_width;
+        if (rows[s] == 1) {
+            const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
+            const int64_t t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
+            float *m = ml + slot[task] * heads * 2;
+            attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                              head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
+                              window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
+                              zeros, kt);
+            continue;
+        }
+        /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
+        const int64_t r0 = (task - first[s]) * ATTEND_ROWS;
+        const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
+        int64_t ends[ATTEND_ROWS];
+        for (int64_t r = 0; r < R; r++) ends[r] = contexts[s] - rows[s] + 1 + r0 + r;
+        const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+        /* per chunk: R x heads x head_dim values, then R x heads maxima and R x heads sums */
+        const int64_t per = R * heads * (head_dim + 2);
+        float *own = malloc(chunks * per * sizeof(float));
+        if (!own) {
+            atomic_store(&c->failed, 1);
+            continue;
+        }
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t t0 = ch * ATTEND_CHUNK;
+            const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
+            float *cp = own + ch * per, *m = cp + R * heads * head_dim;
+            attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                              head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
+                              window, t0, t1, m, m + R * heads, cp, scores, tile, zeros, kt);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+            for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
+                const float *m = own + R * heads * head_dim + j;
+                merge_chunks(m, m + R * heads, per, own + j * head_dim, per, mine, head_dim,
+                             sinks ? sinks[j - r * heads] : -INFINITY, out + ((row0[s] + r0) * heads + j) * head_dim);
+            }
+        }
+        free(own);
+    }
+}
+
+/* The one-row sequences' heads sj0..sj1-1 (sequence s's head j at s x heads + j): their chunks merged. */
+static void merge_heads(void *ctx, int64_t sj0, int64_t sj1, int thread) {
+    (void)thread;
+    const attend_call *c = ctx;
+    const int64_t heads = c->kv_heads * c->gq, head_dim = c->head_dim, *first = c->first;
+    for (int64_t sj = sj0; sj < sj1; sj++) {
+        const int64_t s = sj / heads, j = sj % heads;
+        if (c->rows[s] != 1) continue;
+        const float *m = c->ml + c->slot[first[s]] * heads * 2 + j;
+        merge_chunks(m, m + heads, heads * 2, c->part + (c->slot[first[s]] * heads + j) * head_dim, heads * head_dim,
+                     first[s + 1] - first[s], head_dim, c->sinks ? c->sinks[j] : -INFINITY,
+                     c->out + (c->row0[s] * heads + j) * head_dim);
+    }
+}
+
 /* Attention of query positions over their sequence's KV blocks, read where they lie (no
  * gathered or dequantized copy of the context); bits 8 or 4 (packed, kvc_gather_kv's layout),
  * 16 or 32 (bf16 or float32 blocks, [layers, 2, block_size, kv_heads, head_dim]). Sequence s
@@ -484,80 +581,17 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
     for (int64_t s = 0, next = 0; s < n_seq; s++)
         for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
     float *ml = part + chunk_tasks * heads * head_dim;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) if (tasks > 1)
-    {
-        /* scores of a chunk for up to ATTEND_ROWS rows, a tile of dequantized rows, a row of zeros,
-         * a tile of paired keys */
-        float *scores = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim, sizeof(float));
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            if (!scores) continue;
-            int64_t s = 0;
-            while (first[s + 1] <= task) s++;
-            float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
-            const float *zeros = tile + ATTEND_TILE * head_dim;
-            float *kt = tile + (ATTEND_TILE + 1) * head_dim;
-            const int64_t *table = tables + s * table_width;
-            if (rows[s] == 1) {
-                const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
-                const int64_t t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
-                float *m = ml + slot[task] * heads * 2;
-                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
-                                  head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
-                                  window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
-                                  zeros, kt);
-                continue;
-            }
-            /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
-            const int64_t r0 = (task - first[s]) * ATTEND_ROWS;
-            const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
-            int64_t ends[ATTEND_ROWS];
-            for (int64_t r = 0; r < R; r++) ends[r] = contexts[s] - rows[s] + 1 + r0 + r;
-            const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
-            /* per chunk: R x heads x head_dim values, then R x heads maxima and R x heads sums */
-            const int64_t per = R * heads * (head_dim + 2);
-            float *own = malloc(chunks * per * sizeof(float));
-            if (!own) {
-                #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t t0 = c * ATTEND_CHUNK;
-                const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
-                float *cp = own + c * per, *m = cp + R * heads * head_dim;
-                attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
-                                  head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
-                                  window, t0, t1, m, m + R * heads, cp, scores, tile, zeros, kt);
-            }
-            for (int64_t r = 0; r < R; r++) {
-                const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
-                for (int64_t j = r * heads; j < (r + 1) * heads; j++) {
-                    const float *m = own + R * heads * head_dim + j;
-                    merge_chunks(m, m + R * heads, per, own + j * head_dim, per, mine, head_dim,
-                                 sinks ? sinks[j - r * heads] : -INFINITY, out + ((row0[s] + r0) * heads + j) * head_dim);
-                }
-            }
-            free(own);
-        }
-        free(scores);
-    }
-    if (!failed) {
-        #pragma omp parallel for schedule(static) num_threads(threads) if (chunk_tasks * heads * head_dim > 65536)
-        for (int64_t sj = 0; sj < n_seq * heads; sj++) {
-            const int64_t s = sj / heads, j = sj % heads;
-            if (rows[s] != 1) continue;
-            const float *m = ml + slot[first[s]] * heads * 2 + j;
-            merge_chunks(m, m + heads, heads * 2, part + (slot[first[s]] * heads + j) * head_dim, heads * head_dim,
-                         first[s + 1] - first[s], head_dim, sinks ? sinks[j] : -INFINITY,
-                         out + (row0[s] * heads + j) * head_dim);
-        }
-    }
+    attend_call c = {pool, block_bytes, k_region, v_region, values_bytes, tables, table_width, contexts, rows,
+                     block_size, kv_heads, head_dim, group, bits, q, gq, scale, sinks, window, out, first, row0, slot,
+                     part, ml, NULL, 0};
+    c.scratch = calloc(threads > 0 ? threads : 1, sizeof(float *));
+    if (!c.scratch) { free(first); free(row0); free(part); free(slot); return -1; }
+    pool_for(threads, tasks, 1, attend_tasks, &c);
+    for (int t = 0; t < (threads > 0 ? threads : 1); t++) free(c.scratch[t]);
+    free(c.scratch);
+    const int failed = atomic_load(&c.failed);
+    if (!failed)
+        pool_for(chunk_tasks * heads * head_dim > 65536 ? threads : 1, n_seq * heads, heads, merge_heads, &c);
     free(part);
     free(slot);
     free(first);

@@ -12,6 +12,7 @@
  *               around it
  *   router.c    mixture-of-experts routers: logits, the experts taken and their weights
  *   crc32.c     the block files' checksum
+ *   pool.c      the threads the kernels' loops run on
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
  * and multiplied with the weights' integers in 8-bit dot products, the scheme of llama.cpp's
@@ -320,6 +321,12 @@ void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int
 int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
                int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 
+/* The kernels' threads (pool.c): items 0..n-1 of a loop, `chunk` at a time, to the calling
+ * thread (thread 0) and up to threads - 1 workers (1..threads-1: an index for per-thread
+ * scratch), each range [begin, end) given to body once; returns when all are done. */
+typedef void (*pool_body)(void *ctx, int64_t begin, int64_t end, int thread);
+void pool_for(int threads, int64_t n, int64_t chunk, pool_body body, void *ctx);
+
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
 void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
@@ -345,6 +352,8 @@ void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
 int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
+void kvc_pool_spin(int64_t microseconds);
+void kvc_pool_counts(int64_t *out);
 uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
 int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows, int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads);
 int kvc_delta_inputs(const float *conv, const float *a, const float *b, const float *neg_a, const float *dt_bias, int64_t rows, int64_t key_heads, int64_t key_dim, int64_t value_heads, int64_t value_dim, float scale, float eps, float *q, float *k, float *v, float *decay, float *beta, int threads);

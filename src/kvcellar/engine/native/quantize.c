@@ -4,20 +4,29 @@
 /* xq int8 [rows, cols] (blocks reordered as above), xd / xs float [rows, cols / 32]: each
  * block's scale and scale * sum(q) (what an offset multiplies). x: float32, or bfloat16 where
  * x_bf16 (each block widened to float32 first: the numbers of its float32 copy). */
-void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs,
-                     int threads) {
-    const int64_t blocks = cols / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
-    for (int64_t i = 0; i < rows * blocks; i++) {
-        if (!x_bf16) {
-            quantize_block((const float *)x + i * BLOCK, xq + i * BLOCK, xd + i, xs + i);
+typedef struct { const void *x; int x_bf16; int8_t *xq; float *xd, *xs; } q8_call;
+
+static void quantize_blocks(void *ctx, int64_t i0, int64_t i1, int thread) {
+    (void)thread;
+    const q8_call *c = ctx;
+    for (int64_t i = i0; i < i1; i++) {
+        if (!c->x_bf16) {
+            quantize_block((const float *)c->x + i * BLOCK, c->xq + i * BLOCK, c->xd + i, c->xs + i);
             continue;
         }
         float wide[BLOCK];
-        const uint16_t *src = (const uint16_t *)x + i * BLOCK;
+        const uint16_t *src = (const uint16_t *)c->x + i * BLOCK;
         for (int k = 0; k < BLOCK; k += 8)  /* bf16: the upper half of a float32 */
             _mm256_storeu_ps(wide + k, _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k))), 16)));
-        quantize_block(wide, xq + i * BLOCK, xd + i, xs + i);
+        quantize_block(wide, c->xq + i * BLOCK, c->xd + i, c->xs + i);
     }
+}
+
+void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs,
+                     int threads) {
+    const int64_t n = rows * (cols / BLOCK);
+    q8_call c = {x, x_bf16, xq, xd, xs};
+    /* below ~2k blocks a second thread costs more than it saves */
+    pool_for(rows * cols > 65536 ? threads : 1, n, n / (8 * (threads > 0 ? threads : 1)) + 1, quantize_blocks, &c);
 }

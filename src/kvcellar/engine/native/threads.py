@@ -1,0 +1,112 @@
+"""The kernels' threads (``pool.c``): whether their workers spin between a decode step's loops.
+
+A decode step runs ~100 kernel loops with a little Python between them. A worker that sleeps
+between loops must be woken for each (on a VM, an idle vCPU brought back), and the step's
+thread waits on it or does the loop alone; one that spins is there at once. Spinning pays only
+while there is a CPU for every thread that wants one: beside a busy process a spinning worker
+takes the CPU the step's own thread needs, 1.3-1.5x slower (docs/performance.md). So
+``SpinGate`` spins for decode steps only, and only while the machine has room: every
+``INTERVAL`` seconds of decoding it reads the CPU time the whole machine spent (``/proc/stat``)
+and this process spent (``/proc/self/stat``), and spins while the others took at most
+``SPARE`` of a CPU beyond what the kernels' threads leave free. (Counting runnable threads at a
+step's start does not work: the previous token is on its way to the client then.) Prefill
+steps never spin: their loops are long, and torch runs its operations between them on every CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvcellar.engine.native import lib
+
+# How long a worker spins for the next loop before it sleeps: longer than a decode step's
+# gaps between loops, short enough that a worker left spinning after a step costs little.
+SPIN_US = 1000
+# Seconds of decoding between two readings of the CPU time spent, and the CPUs' worth of it
+# other processes may take while the workers spin.
+INTERVAL = 0.5
+SPARE = 0.25
+PROC_STAT = Path("/proc/stat")
+SELF_STAT = Path("/proc/self/stat")
+
+
+def set_spin(microseconds: int) -> None:
+    """Workers spin this long for the next loop before sleeping (0: sleep at once)."""
+    if lib.available():
+        lib.call("kvc_pool_spin", microseconds=microseconds)
+
+
+def counts() -> tuple[int, int, int]:
+    """Loops shared with workers, loops a worker joined, times a worker went to sleep."""
+    out = (ctypes.c_int64 * 3)()
+    if lib.available():
+        lib.call("kvc_pool_counts", out=ctypes.addressof(out))
+    return out[0], out[1], out[2]
+
+
+def machine_ticks(path: Path = PROC_STAT) -> int | None:
+    """Clock ticks every CPU of the machine spent busy (idle and waiting for I/O not counted)."""
+    try:
+        fields = path.read_text().split("\n", 1)[0].split()
+        if fields[0] != "cpu":
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    except (OSError, ValueError, IndexError):
+        return None
+    return user + nice + system + irq + softirq + steal
+
+
+def own_ticks(path: Path = SELF_STAT) -> int | None:
+    """Clock ticks this process's threads spent (user and system)."""
+    try:
+        fields = path.read_text().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class SpinGate:
+    """Per step, whether the kernels' workers spin (``mode`` on / off, or auto: see the module;
+    ``EngineConfig.thread_spin``)."""
+
+    def __init__(self, mode: str, cpus: int | None = None, proc_stat: Path = PROC_STAT,
+                 self_stat: Path = SELF_STAT, clock: Callable[[], float] = time.monotonic) -> None:
+        self.mode = mode
+        self.cpus = cpus or os.cpu_count() or 1
+        self.proc_stat, self.self_stat, self.clock = proc_stat, self_stat, clock
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.spinning = False
+        self.room = False  # auto: whether the last interval left room to spin
+        self.last: tuple[float, int, int] | None = None  # (time, machine ticks, own ticks) of the last reading
+        self.usable = lib.available()
+
+    def step(self, decode: bool, threads: int) -> bool:
+        """Set the workers' spin for a step (``decode``: at most a few tokens a sequence) that runs
+        the kernels on ``threads`` threads; whether they spin."""
+        spin = decode and threads > 1 and self.usable and self.mode != "off"
+        if spin and self.mode == "auto":
+            spin = self._room(threads)
+        if spin != self.spinning:
+            set_spin(SPIN_US if spin else 0)
+            self.spinning = spin
+        return spin
+
+    def _room(self, threads: int) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last[0] < INTERVAL:
+            return self.room
+        machine, own = machine_ticks(self.proc_stat), own_ticks(self.self_stat)
+        if machine is None or own is None:
+            self.room = False
+            return False
+        if self.last is not None:
+            seconds = now - self.last[0]
+            others = max(0, (machine - self.last[1]) - (own - self.last[2])) / self.hz / seconds
+            # an interval long after the last (prefill or idle in between) still says who else ran
+            self.room = others <= self.cpus - threads + SPARE
+        self.last = (now, machine, own)
+        return self.room
