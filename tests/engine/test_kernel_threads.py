@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,14 @@ def test_the_numbers_are_the_same_on_any_threads_spinning_or_not(rows: int) -> N
             for n in (2, 3, 5):  # more threads than this machine's CPUs too
                 for got, want in zip(_run(weights, x, n), alone, strict=True):
                     assert torch.equal(got, want), (spin, n)
+        assert threads.counts()[0] > loops  # the loops were shared with workers
+        # and a worker takes part sooner or later (a loop this small may be over before one wakes)
+        deadline = time.monotonic() + 60
+        while threads.counts()[1] == joined and time.monotonic() < deadline:
+            _run(weights, x, 2)
+        assert threads.counts()[1] > joined
     finally:
         threads.set_spin(0)
-    after = threads.counts()
-    assert after[0] > loops  # the loops were shared with workers
-    assert after[1] > joined  # and workers took part in some
 
 
 @needs_native
@@ -138,40 +142,49 @@ class _Machine:
 
 
 @needs_native
-def test_the_gate_spins_for_decode_steps_while_the_machine_has_room(tmp_path: Path) -> None:
+def test_the_gate_runs_decode_steps_on_the_cpus_the_machine_leaves_and_spins_there(tmp_path: Path) -> None:
     machine = _Machine(tmp_path)
     gate = machine.gate()
     try:
-        assert not gate.step(True, 2)  # no interval measured yet
+        assert gate.step(True, 2) == 2 and gate.spinning  # nothing measured yet: every CPU
         machine.run(0.6, own_cpus=1.2, other_cpus=0.1)  # a client and an idle process beside it
-        assert gate.step(True, 2)
-        assert not gate.step(False, 2)  # a prefill step
-        assert gate.step(True, 2)
-        assert not gate.step(True, 1)  # no workers to spin
+        assert gate.step(True, 2) == 2 and gate.spinning
+        assert gate.step(False, 2) == 2 and not gate.spinning  # a prefill step: every thread, no spin
+        assert gate.step(True, 1) == 1 and not gate.spinning  # no workers to spin
         machine.run(threads.INTERVAL / 2, own_cpus=1.0, other_cpus=1.0)  # a busy process starts
-        assert gate.step(True, 2)  # read again only after INTERVAL seconds
+        assert gate.step(True, 2) == 2  # read again only after INTERVAL seconds
         machine.run(threads.INTERVAL, own_cpus=1.0, other_cpus=1.0)
-        assert not gate.step(True, 2)
-        machine.run(2.0, own_cpus=1.0, other_cpus=0.9)  # still busy: the workers still sleep
-        assert not gate.step(True, 2)
+        assert gate.step(True, 2) == 1 and not gate.spinning  # a second thread would wait for a CPU
+        assert gate.step(False, 2) == 2  # prefill keeps its threads
+        machine.run(2.0, own_cpus=1.0, other_cpus=0.9)  # still busy
+        assert gate.step(True, 2) == 1 and not gate.spinning
         machine.run(1.0, own_cpus=2.0, other_cpus=0.05)  # it stopped
-        assert gate.step(True, 2)
+        assert gate.step(True, 2) == 2 and gate.spinning
+        (tmp_path / "big").mkdir()
+        big = _Machine(tmp_path / "big")
+        wide = threads.SpinGate("auto", cpus=16, proc_stat=big.proc_stat, self_stat=big.self_stat,
+                                clock=lambda: big.now)
+        wide.hz = 100
+        wide.step(True, 16)
+        big.run(1.0, own_cpus=12.0, other_cpus=3.5)  # 12.5 CPUs left: 12 threads, spinning
+        assert wide.step(True, 16) == 12 and wide.spinning
     finally:
         threads.set_spin(0)
 
 
 @needs_native
-def test_the_gate_can_be_set_on_or_off_and_does_not_spin_where_it_cannot_read(tmp_path: Path) -> None:
+def test_the_gate_can_be_set_on_or_off_and_runs_one_thread_where_it_cannot_read(tmp_path: Path) -> None:
     machine = _Machine(tmp_path)
     try:
         on, off = machine.gate("on"), machine.gate("off")
-        assert on.step(True, 2) and not on.step(False, 2)
-        machine.run(1.0, own_cpus=2.0, other_cpus=0.0)
-        assert not off.step(True, 2)
+        assert on.step(True, 2) == 2 and on.spinning
+        assert on.step(False, 2) == 2 and not on.spinning
+        machine.run(1.0, own_cpus=1.0, other_cpus=1.0)
+        assert on.step(True, 2) == 2 and on.spinning  # on: whatever the others do
+        assert off.step(True, 2) == 2 and not off.spinning
         blind = threads.SpinGate("auto", cpus=2, proc_stat=tmp_path / "missing", self_stat=machine.self_stat)
-        assert not blind.step(True, 2)
-        machine.run(1.0, own_cpus=2.0, other_cpus=0.0)
-        assert not blind.step(True, 2)
+        assert blind.step(True, 2) == 1 and not blind.spinning
+        assert blind.step(False, 2) == 2
     finally:
         threads.set_spin(0)
 

@@ -256,8 +256,8 @@ class ModelRunner:
         # torch's thread count is process-wide: set it for this step only (switching costs
         # nothing measurable), so other engines and callers see the count they set.
         decode = plan.num_tokens <= SMALL_STEP_TOKENS
-        threads = self.decode_threads if decode else self.threads
-        self.stats.spinning = int(self.spin.step(decode, threads))
+        threads = self.spin.step(decode, self.decode_threads if decode else self.threads)
+        self.stats.spinning = int(self.spin.spinning)
         before = torch.get_num_threads()
         if before != threads:
             torch.set_num_threads(threads)

@@ -36,14 +36,17 @@ typedef struct {
 
 /* Rows [r0, r1) of linear i (of c->w etc.) for every activation row. */
 static inline void q8_rows(const q8_call *c, int64_t i, int64_t r0, int64_t r1) {
-    const int64_t cols = c->cols, blocks = cols / BLOCK, out = c->outs[i];
-    const int8_t *w = (const int8_t *)c->w[i];
-    const float *scales = (const float *)c->scales[i];
+    const int64_t cols = c->cols, blocks = cols / BLOCK, out = c->outs[i], rows = c->rows;
+    const int8_t *w = (const int8_t *)c->w[i], *xq = c->xq;
+    const float *scales = (const float *)c->scales[i], *xd = c->xd;
     float *y = (float *)c->ys[i];
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t a0 = 0; a0 < c->rows; a0 += TILE)
-            q8_row(w + r * cols, scales[r], r, out, blocks, c->xq + a0 * cols, c->xd + a0 * blocks,
-                   c->rows - a0 < TILE ? (int)(c->rows - a0) : TILE, y + a0 * out);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t a0 = 0;
+#define ROWS(n) q8_row(w + r * cols, scales[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks, n, y + a0 * out)
+        for (; a0 + TILE <= rows; a0 += TILE) ROWS(TILE);
+        LAST_ROWS_OF_4(rows - a0, ROWS);
+#undef ROWS
+    }
 }
 
 static void gemm_q8_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
@@ -95,10 +98,13 @@ void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int
         const int8_t *we = (const int8_t *)p->w[e];
         const float *se = (const float *)p->s[e];
         const int64_t r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
-        for (int64_t r = units[u].g * 8; r < r1; r++)
-            for (int64_t a = a0; a < a1; a += TILE)
-                q8_row(we + r * cols, se[r], r, out, blocks, xq + a * cols, xd + a * blocks,
-                       a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
+        for (int64_t r = units[u].g * 8; r < r1; r++) {
+            int64_t a = a0;
+#define ROWS(n) q8_row(we + r * cols, se[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
+            for (; a + TILE <= a1; a += TILE) ROWS(TILE);
+            LAST_ROWS_OF_4(a1 - a, ROWS);
+#undef ROWS
+        }
     }
 }
 

@@ -5,12 +5,15 @@ between loops must be woken for each (on a VM, an idle vCPU brought back), and t
 thread waits on it or does the loop alone; one that spins is there at once. Spinning pays only
 while there is a CPU for every thread that wants one: beside a busy process a spinning worker
 takes the CPU the step's own thread needs, 1.3-1.5x slower (docs/performance.md). So
-``SpinGate`` spins for decode steps only, and only while the machine has room: every
+``SpinGate`` spins for decode steps only, and only on the CPUs the machine leaves free: every
 ``INTERVAL`` seconds of decoding it reads the CPU time the whole machine spent (``/proc/stat``)
-and this process spent (``/proc/self/stat``), and spins while the others took at most
-``SPARE`` of a CPU beyond what the kernels' threads leave free. (Counting runnable threads at a
-step's start does not work: the previous token is on its way to the client then.) Prefill
-steps never spin: their loops are long, and torch runs its operations between them on every CPU.
+and this process spent (``/proc/self/stat``), and runs a decode step on no more threads than
+the CPUs the other processes left (their share rounded down, ``SPARE`` forgiven), spinning if
+that is more than one. Beside a busy process on two CPUs a step then runs on one thread, as
+fast as it can there: a second would wait for a CPU and hold the step at every loop's end.
+(Counting runnable threads at a step's start does not work: the previous token is on its way
+to the client then.) Prefill steps never spin: their loops are long, and torch runs its
+operations between them on every CPU.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from kvcellar.engine.native import lib
 # How long a worker spins for the next loop before it sleeps: longer than a decode step's
 # gaps between loops, short enough that a worker left spinning after a step costs little.
 SPIN_US = 1000
-# Seconds of decoding between two readings of the CPU time spent, and the CPUs' worth of it
-# other processes may take while the workers spin.
+# Seconds of decoding between two readings of the CPU time spent, and the share of a CPU the
+# other processes may take and still leave it free.
 INTERVAL = 0.5
 SPARE = 0.25
 PROC_STAT = Path("/proc/stat")
@@ -70,8 +73,8 @@ def own_ticks(path: Path = SELF_STAT) -> int | None:
 
 
 class SpinGate:
-    """Per step, whether the kernels' workers spin (``mode`` on / off, or auto: see the module;
-    ``EngineConfig.thread_spin``)."""
+    """Per step, the threads the kernels run on and whether they spin (``mode`` on / off, or
+    auto: see the module; ``EngineConfig.thread_spin``)."""
 
     def __init__(self, mode: str, cpus: int | None = None, proc_stat: Path = PROC_STAT,
                  self_stat: Path = SELF_STAT, clock: Callable[[], float] = time.monotonic) -> None:
@@ -80,33 +83,35 @@ class SpinGate:
         self.proc_stat, self.self_stat, self.clock = proc_stat, self_stat, clock
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.spinning = False
-        self.room = False  # auto: whether the last interval left room to spin
+        self.free = self.cpus  # auto: CPUs the other processes left over the last interval
         self.last: tuple[float, int, int] | None = None  # (time, machine ticks, own ticks) of the last reading
         self.usable = lib.available()
 
-    def step(self, decode: bool, threads: int) -> bool:
-        """Set the workers' spin for a step (``decode``: at most a few tokens a sequence) that runs
-        the kernels on ``threads`` threads; whether they spin."""
+    def step(self, decode: bool, threads: int) -> int:
+        """Set the workers' spin for a step (``decode``: at most a few tokens a sequence) that would
+        run the kernels on ``threads`` threads; the threads it runs them on (auto: a decode step on
+        no more than the CPUs other processes leave, so a step does not wait on a thread that has
+        no CPU)."""
+        if decode and self.mode == "auto" and self.usable:
+            threads = min(threads, self._free())
         spin = decode and threads > 1 and self.usable and self.mode != "off"
-        if spin and self.mode == "auto":
-            spin = self._room(threads)
         if spin != self.spinning:
             set_spin(SPIN_US if spin else 0)
             self.spinning = spin
-        return spin
+        return threads
 
-    def _room(self, threads: int) -> bool:
+    def _free(self) -> int:
         now = self.clock()
         if self.last is not None and now - self.last[0] < INTERVAL:
-            return self.room
+            return self.free
         machine, own = machine_ticks(self.proc_stat), own_ticks(self.self_stat)
         if machine is None or own is None:
-            self.room = False
-            return False
+            self.free = 1  # blind: no worker to wait on, none spinning
+            return self.free
         if self.last is not None:
             seconds = now - self.last[0]
-            others = max(0, (machine - self.last[1]) - (own - self.last[2])) / self.hz / seconds
             # an interval long after the last (prefill or idle in between) still says who else ran
-            self.room = others <= self.cpus - threads + SPARE
+            others = max(0, (machine - self.last[1]) - (own - self.last[2])) / self.hz / seconds
+            self.free = max(1, min(self.cpus, int(self.cpus - others + SPARE)))
         self.last = (now, machine, own)
-        return self.room
+        return self.free
