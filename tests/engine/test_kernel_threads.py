@@ -146,7 +146,7 @@ def test_the_gate_runs_decode_steps_on_the_cpus_the_machine_leaves_and_spins_the
     machine = _Machine(tmp_path)
     gate = machine.gate()
     try:
-        assert gate.step(True, 2) == 2 and gate.spinning  # nothing measured yet: every CPU
+        assert gate.step(True, 2) == 1 and not gate.spinning  # nothing measured yet: one thread
         machine.run(0.6, own_cpus=1.2, other_cpus=0.1)  # a client and an idle process beside it
         assert gate.step(True, 2) == 2 and gate.spinning
         assert gate.step(False, 2) == 2 and not gate.spinning  # a prefill step: every thread, no spin
@@ -185,6 +185,9 @@ def test_the_gate_can_be_set_on_or_off_and_runs_one_thread_where_it_cannot_read(
         blind = threads.SpinGate("auto", cpus=2, proc_stat=tmp_path / "missing", self_stat=machine.self_stat)
         assert blind.step(True, 2) == 1 and not blind.spinning
         assert blind.step(False, 2) == 2
+        with blind.forced("on"):  # warm-up measures decode threads as they run uncontended
+            assert blind.step(True, 2) == 2 and blind.spinning
+        assert blind.step(True, 2) == 1 and not blind.spinning
     finally:
         threads.set_spin(0)
 

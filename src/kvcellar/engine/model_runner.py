@@ -120,17 +120,18 @@ class ModelRunner:
         if self.threads == 1:
             return 1
         times: dict[int, list[float]] = {1: [], self.threads: []}
-        for i, n in enumerate((1, self.threads, 1, self.threads)):
-            if i == 2:
-                one, every = statistics.median(times[1]), statistics.median(times[self.threads])
-                if max(one, every) > CLEAR_LEAD * min(one, every):
-                    break
-            self.set_decode_threads(n)
-            decode_step()  # the first step after a switch pays for it
-            for _ in range(steps):
-                t0 = clock()
-                decode_step()
-                times[n].append(clock() - t0)
+        with self.spin.forced("on" if self.spin.mode == "auto" else self.spin.mode):  # threads as they run uncontended
+            for i, n in enumerate((1, self.threads, 1, self.threads)):
+                if i == 2:
+                    one, every = statistics.median(times[1]), statistics.median(times[self.threads])
+                    if max(one, every) > CLEAR_LEAD * min(one, every):
+                        break
+                self.set_decode_threads(n)
+                decode_step()  # the first step after a switch pays for it
+                for _ in range(steps):
+                    t0 = clock()
+                    decode_step()
+                    times[n].append(clock() - t0)
         best = min(times, key=lambda n: statistics.median(times[n]))
         self.set_decode_threads(best)
         return best

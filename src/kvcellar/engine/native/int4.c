@@ -674,23 +674,17 @@ int kvc_gemm_q4p_many(const int64_t *w, const int64_t *scales, const int64_t *of
 /* ---- Routed experts of int4 weights ---------------------------------------------------- */
 
 /* A thread's scratch for one packed panel (experts in the row layout with a panel's worth of
- * slots): NULLs where there was no memory, or where out is no multiple of 8 (the row kernel runs). */
+ * slots), in one allocation kept in *slot from its first use; NULLs where there was no memory
+ * (the row kernel runs). */
 typedef struct { uint8_t *packed; float *ps, *po; } panel_scratch;
 
-static panel_scratch panel_scratch_new(int64_t blocks, int64_t out, int panels) {
-    panel_scratch p = {NULL, NULL, NULL};
-    if (panels || out % PANEL) return p;
+static panel_scratch panel_scratch_of(void **slot, int64_t blocks) {
+    const size_t wbytes = (size_t)blocks * PANEL * BLOCK / 2;
     const size_t fbytes = ((size_t)blocks * PANEL * sizeof(float) + 63) / 64 * 64;
-    p.packed = aligned_alloc(64, (size_t)blocks * PANEL * BLOCK / 2);
-    p.ps = aligned_alloc(64, fbytes);
-    p.po = aligned_alloc(64, fbytes);
-    return p;
-}
-
-static void panel_scratch_free(panel_scratch p) {
-    free(p.packed);
-    free(p.ps);
-    free(p.po);
+    if (!*slot) *slot = aligned_alloc(64, wbytes + 2 * fbytes);  /* wbytes: a multiple of 64 */
+    uint8_t *base = *slot;
+    if (!base) return (panel_scratch){NULL, NULL, NULL};
+    return (panel_scratch){base, (float *)(base + wbytes), (float *)(base + wbytes + fbytes)};
 }
 
 /* One unit of routed-expert work: the expert's output rows g * 8 .. g * 8 + 7 for its slots
@@ -713,19 +707,19 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                  a1 - a < TILE ? (int)(a1 - a) : TILE, y + a * out);
 }
 
-/* moe_project for int4 experts (p->panels: kept as panels), each thread with its scratch for
- * packing a panel. */
-void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
+/* moe_project for int4 experts (p->panels: kept as panels); a panel packed in the thread's
+ * scratch where an expert in the row layout has a panel's worth of slots. */
+void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch) {
     const int64_t blocks = cols / BLOCK;
-    const panel_scratch scratch = panel_scratch_new(blocks, out, p->panels);
-    #pragma omp for schedule(dynamic, chunk)
-    for (int64_t u = 0; u < count; u++) {
-        const int64_t e = units[u].e;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
+        const int packs = !p->panels && out % PANEL == 0 && a1 - a0 >= PANEL;
         moe_q4_unit((const uint8_t *)p->w[e], (const uint16_t *)p->s[e], (const uint16_t *)p->o[e], units[u].g, out,
-                    blocks, cols, xq, xd, xs, starts[e], starts[e + 1], y, p->panels, scratch);
+                    blocks, cols, xq, xd, xs, a0, a1, y, p->panels,
+                    packs ? panel_scratch_of(scratch, blocks) : (panel_scratch){NULL, NULL, NULL});
     }
-    panel_scratch_free(scratch);
 }
 
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts,

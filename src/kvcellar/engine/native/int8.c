@@ -88,12 +88,13 @@ int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *out
 }
 
 /* moe_project for int8 experts (p->s: each expert's float32 scales). */
-void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
+void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch) {
     (void)xs;
+    (void)scratch;
     const int64_t blocks = cols / BLOCK;
-    #pragma omp for schedule(dynamic, chunk)
-    for (int64_t u = 0; u < count; u++) {
+    for (int64_t u = u0; u < u1; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
         const int8_t *we = (const int8_t *)p->w[e];
         const float *se = (const float *)p->s[e];

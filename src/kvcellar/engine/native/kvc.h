@@ -306,18 +306,22 @@ static inline int moe_chunk(const int64_t *starts, int64_t experts) {
  * (MXFP4: exponents) and (int4) offsets; int4 kept as panels or not. */
 typedef struct { const int64_t *w, *s, *o; int panels; } moe_proj;
 
-/* A family's routed-experts work, called by every thread of a parallel region: units 0..count-1
- * (handed out `chunk` at a time) of projection p, slots grouped by starts, into y [slots, out]. */
-typedef void (*moe_project)(const moe_proj *p, const moe_unit *units, int64_t count, int chunk,
+/* A family's routed-experts work: units u0..u1-1 of projection p, slots grouped by starts, into
+ * y [slots, out]; *scratch: the calling thread's scratch for this loop, allocated by the family
+ * where it needs one (NULL at first; freed by the loop's caller). */
+typedef void (*moe_project)(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1,
                             const int64_t *starts, int64_t out, int64_t cols, const int8_t *xq, const float *xd,
-                            const float *xs, float *y);
-void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
-void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
-void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y);
-/* One projection of the routed experts in one parallel region (moe.c): 0, or -1 (no memory). */
+                            const float *xs, float *y, void **scratch);
+void moe_q4_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch);
+void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch);
+void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch);
+/* One projection of the routed experts in one loop (moe.c): 0, or -1 (no memory). */
 int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
                int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 

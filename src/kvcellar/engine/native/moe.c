@@ -1,21 +1,41 @@
-/* A MoE layer's routed experts: one projection of every expert in one parallel region
- * (moe_matmul), and a block from its input to its output in one call (kvc_moe_glu), whatever
+/* A MoE layer's routed experts: one projection of every expert in one loop (moe_matmul), and a block from its input to its output in one call (kvc_moe_glu), whatever
  * kind the experts' weights are (int4 as rows or panels, int8, MXFP4: each family's
  * moe_project). */
-#include <omp.h>
-
 #include "kvc.h"
+
+/* One projection's units in one loop, each thread with its scratch (freed at the end). */
+typedef struct {
+    moe_project project; const moe_proj *p; const moe_unit *units; const int64_t *starts; int64_t out, cols;
+    const int8_t *xq; const float *xd, *xs; float *y; void **scratch;
+} moe_call;
+
+static void moe_units_body(void *ctx, int64_t u0, int64_t u1, int thread) {
+    const moe_call *c = ctx;
+    c->project(c->p, c->units, u0, u1, c->starts, c->out, c->cols, c->xq, c->xd, c->xs, c->y, &c->scratch[thread]);
+}
+
+static int moe_loop(moe_project project, const moe_proj *p, const moe_unit *units, int64_t count, int chunk,
+                    const int64_t *starts, int64_t out, int64_t cols, const int8_t *xq, const float *xd,
+                    const float *xs, float *y, int threads) {
+    const int n = threads > 0 ? threads : 1;
+    void **scratch = calloc(n, sizeof(void *));
+    if (!scratch) return -1;
+    moe_call c = {project, p, units, starts, out, cols, xq, xd, xs, y, scratch};
+    pool_for(threads, count, chunk, moe_units_body, &c);
+    for (int t = 0; t < n; t++) free(scratch[t]);
+    free(scratch);
+    return 0;
+}
 
 int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
                int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads) {
     int64_t count;
     moe_unit *units = moe_units(starts, experts, (out + 7) / 8, p->panels ? q4_panel_step() : 1, &count);
     if (!units) return -1;
-    const int chunk = moe_chunk(starts, experts);
-    #pragma omp parallel num_threads(threads)
-    project(p, units, count, chunk, starts, out, cols, xq, xd, xs, y);
+    const int rc = moe_loop(project, p, units, count, moe_chunk(starts, experts), starts, out, cols, xq, xd, xs, y,
+                            threads);
     free(units);
-    return 0;
+    return rc;
 }
 
 /* The gating between an expert's projections, from its gate-up output (plus its bias, if any):
@@ -80,6 +100,50 @@ static inline void gate_slot(const float *gu, const float *gb, int64_t inner, ga
 #define MOE_Q8 2
 #define MOE_MXFP4 3
 
+/* kvc_moe_glu's per-slot and per-token work: slots grouped by expert (pos: a slot's place, token
+ * and expert: a place's), their activations, outputs and the block's output. */
+typedef struct {
+    const float *x; const int64_t *token, *expert, *pos; const float *weights, *gb, *db; int64_t cols, inner, k;
+    gating gt; int8_t *xq1; float *xd1, *xs1, *y1; int8_t *xq2; float *xd2, *xs2, *y2, *y;
+    float *h;  /* a gating row of inner floats a thread */
+} slot_call;
+
+static void quantize_slots(void *ctx, int64_t p0, int64_t p1, int thread) {
+    (void)thread;
+    const slot_call *c = ctx;
+    const int64_t cols = c->cols, cb = cols / BLOCK;
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t b = 0; b < cb; b++)
+            quantize_block(c->x + c->token[p] * cols + b * BLOCK, c->xq1 + p * cols + b * BLOCK, c->xd1 + p * cb + b,
+                           c->xs1 + p * cb + b);
+}
+
+static void gate_slots(void *ctx, int64_t p0, int64_t p1, int thread) {
+    const slot_call *c = ctx;
+    const int64_t inner = c->inner, wide = 2 * inner, ib = inner / BLOCK;
+    for (int64_t p = p0; p < p1; p++)
+        gate_slot(c->y1 + p * wide, c->gb ? c->gb + c->expert[p] * wide : NULL, inner, c->gt, c->h + thread * inner,
+                  c->xq2 + p * inner, c->xd2 + p * ib, c->xs2 + p * ib);
+}
+
+/* y of tokens t0..t1-1: the sum over each token's experts, in its own order, of weight x output. */
+static void sum_tokens(void *ctx, int64_t t0, int64_t t1, int thread) {
+    (void)thread;
+    const slot_call *c = ctx;
+    const int64_t cols = c->cols, k = c->k;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t col = 0; col < cols; col += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t p = c->pos[t * k + j];
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(c->weights[t * k + j]),
+                                                       load_biased(c->y2 + p * cols,
+                                                                   c->db ? c->db + c->expert[p] * cols : NULL, col)));
+            }
+            _mm256_storeu_ps(c->y + t * cols + col, acc);
+        }
+}
+
 /* A MoE block's routed experts from the block's input to its output in one call (a decode step
  * woke the threads and ran ~20 torch operations a layer for this, as long as the experts' own
  * reading): x float32 [tokens, cols], each token's k experts index [tokens, k] (int64) with
@@ -113,7 +177,6 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
     float *xd2 = malloc((size_t)(slots * ib + 1) * sizeof(float)), *xs2 = malloc((size_t)(slots * ib + 1) * sizeof(float));
     float *y1 = malloc((size_t)(slots * wide + 1) * sizeof(float)), *y2 = malloc((size_t)(slots * cols + 1) * sizeof(float));
     moe_unit *units1 = NULL, *units2 = NULL;
-    int8_t *own_q = NULL;
     float *own_f = NULL;
     int64_t n1 = 0, n2 = 0;
     int rc = -1;
@@ -134,54 +197,23 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
     if (!units1 || !units2) goto done;
     const int chunk = moe_chunk(starts, experts);
     /* A decode step's slots are few: their quantization, gating and sum take microseconds, less
-     * than the threads' meeting at a barrier (a futex wake-up under the passive wait policy), so
-     * they run on one thread outside the region, and each thread gates every slot for itself
-     * (into its own copy), which leaves one barrier: between the two projections. Each slot's
-     * numbers are the same whoever computes them. */
+     * than handing them to other threads, so they run on the calling thread. Each slot's numbers
+     * are the same whoever computes them. */
     const int few = slots * (cols + inner) <= 65536;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (!few)
-    for (int64_t p = 0; p < slots; p++)
-        for (int64_t b = 0; b < cb; b++)
-            quantize_block(x + token[p] * cols + b * BLOCK, xq1 + p * cols + b * BLOCK, xd1 + p * cb + b, xs1 + p * cb + b);
-    /* per thread: a gating buffer of inner floats, and where few, its own gated slots */
-    const int64_t per_q = few ? slots * inner : 0, per_f = inner + (few ? 2 * slots * ib : 0);
-    own_q = malloc((size_t)(threads * per_q + 1));
-    own_f = malloc((size_t)(threads * per_f + 1) * sizeof(float));
-    if (!own_q || !own_f) goto done;
-    #pragma omp parallel num_threads(threads)
-    {
-        const int me = omp_get_thread_num();
-        float *h = own_f + me * per_f;
-        int8_t *q2 = few ? own_q + me * per_q : xq2;
-        float *d2 = few ? h + inner : xd2, *e2 = few ? h + inner + slots * ib : xs2;
-        project(&up_proj, units1, n1, chunk, starts, wide, cols, xq1, xd1, xs1, y1);
-        if (few) {
-            for (int64_t p = 0; p < slots; p++)
-                gate_slot(y1 + p * wide, gb ? gb + expert[p] * wide : NULL, inner, gt, h, q2 + p * inner,
-                          d2 + p * ib, e2 + p * ib);
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < slots; p++)
-                gate_slot(y1 + p * wide, gb ? gb + expert[p] * wide : NULL, inner, gt, h, xq2 + p * inner,
-                          xd2 + p * ib, xs2 + p * ib);
-        }
-        project(&down_proj, units2, n2, chunk, starts, cols, inner, q2, d2, e2, y2);
-    }
-    #pragma omp parallel for schedule(static) num_threads(threads) if (!few)
-    for (int64_t t = 0; t < tokens; t++)
-        for (int64_t c = 0; c < cols; c += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t p = pos[t * k + j];
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(weights[t * k + j]),
-                                                       load_biased(y2 + p * cols, db ? db + expert[p] * cols : NULL, c)));
-            }
-            _mm256_storeu_ps(y + t * cols + c, acc);
-        }
+    slot_call c = {x, token, expert, pos, weights, gb, db, cols, inner, k, gt, xq1, xd1, xs1, y1, xq2, xd2, xs2, y2, y,
+                   NULL};
+    pool_for(few ? 1 : threads, slots, 1, quantize_slots, &c);
+    if (moe_loop(project, &up_proj, units1, n1, chunk, starts, wide, cols, xq1, xd1, xs1, y1, threads)) goto done;
+    own_f = malloc((size_t)(threads > 0 ? threads : 1) * inner * sizeof(float) + 1);  /* a gating row a thread */
+    if (!own_f) goto done;
+    c.h = own_f;
+    pool_for(few ? 1 : threads, slots, 1, gate_slots, &c);
+    if (moe_loop(project, &down_proj, units2, n2, chunk, starts, cols, inner, xq2, xd2, xs2, y2, threads)) goto done;
+    pool_for(few ? 1 : threads, tokens, 1, sum_tokens, &c);
     rc = 0;
 done:
     free(starts); free(next); free(pos); free(token); free(expert); free(xq1); free(xq2);
     free(xd1); free(xs1); free(xd2); free(xs2); free(y1); free(y2); free(units1); free(units2);
-    free(own_q); free(own_f);
+    free(own_f);
     return rc;
 }

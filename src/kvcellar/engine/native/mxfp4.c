@@ -135,14 +135,13 @@ static inline void mx_rows8(const uint8_t *w, const uint8_t *exps, int64_t r0, i
 /* A thread's panel: nibbles (blocks x 128 bytes) and its rows' exponents (8 a block). */
 typedef struct { uint8_t *nibbles, *exps; } mx_panel;
 
-static mx_panel mx_panel_new(int64_t blocks) {
-    mx_panel p = {aligned_alloc(64, ((size_t)blocks * PANEL * BLOCK / 2 + 63) / 64 * 64), malloc((size_t)blocks * PANEL)};
-    return p;
-}
-
-static void mx_panel_free(mx_panel p) {
-    free(p.nibbles);
-    free(p.exps);
+/* A thread's panel, in one allocation kept in *slot from its first use ({NULL, NULL} where there
+ * was no memory: the row kernel runs). */
+static mx_panel mx_panel_of(void **slot, int64_t blocks) {
+    const size_t nbytes = ((size_t)blocks * PANEL * BLOCK / 2 + 63) / 64 * 64;
+    if (!*slot) *slot = aligned_alloc(64, nbytes + ((size_t)blocks * PANEL + 63) / 64 * 64);
+    uint8_t *base = *slot;
+    return base ? (mx_panel){base, base + nbytes} : (mx_panel){NULL, NULL};
 }
 
 static void mx_pack(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t blocks, mx_panel p) {
@@ -221,19 +220,33 @@ static inline void mx_unit(const uint8_t *w, const uint8_t *exps, int64_t g, int
                  y + a * out);
 }
 
+typedef struct {
+    const uint8_t *w, *exps; int64_t out, cols; const int8_t *xq; const float *xd; int64_t rows; float *y;
+    void **scratch;
+} mx_call;
+
+static void gemm_mx_groups(void *ctx, int64_t g0, int64_t g1, int thread) {
+    const mx_call *c = ctx;
+    const int64_t blocks = c->cols / BLOCK;
+    const mx_panel p = c->rows >= PANEL ? mx_panel_of(&c->scratch[thread], blocks) : (mx_panel){NULL, NULL};
+    for (int64_t g = g0; g < g1; g++) mx_unit(c->w, c->exps, g, c->out, blocks, c->cols, c->xq, c->xd, 0, c->rows, c->y, p);
+}
+
 /* y [rows, out] float32 = x @ w.T for MXFP4 weights: 8 output rows at a time, as panels where
  * there are a panel's worth of activation rows. */
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq,
                     const float *xd, int64_t rows, float *y, int threads) {
-    const int64_t blocks = cols / BLOCK, groups = (out + 7) / 8;
-    #pragma omp parallel num_threads(threads)
-    {
-        const mx_panel p = rows >= PANEL ? mx_panel_new(blocks) : (mx_panel){NULL, NULL};
-        #pragma omp for schedule(dynamic, rows >= PANEL ? 1 : ROW_GROUPS)
-        for (int64_t g = 0; g < groups; g++)
-            mx_unit(w, exps, g, out, blocks, cols, xq, xd, 0, rows, y, p);
-        mx_panel_free(p);
+    const int n = threads > 0 ? threads : 1;
+    void **scratch = calloc(n, sizeof(void *));
+    mx_call c = {w, exps, out, cols, xq, xd, rows, y, scratch};
+    if (!scratch) {  /* no memory for the pointers: the row kernel on this thread, its numbers */
+        for (int64_t g = 0; g < (out + 7) / 8; g++)
+            mx_unit(w, exps, g, out, cols / BLOCK, cols, xq, xd, 0, rows, y, (mx_panel){NULL, NULL});
+        return;
     }
+    pool_for(threads, (out + 7) / 8, rows >= PANEL ? 1 : ROW_GROUPS, gemm_mx_groups, &c);
+    for (int t = 0; t < n; t++) free(scratch[t]);
+    free(scratch);
 }
 
 /* Rows start..end-1 of an MXFP4 weight as float32 [end - start, cols]. */
@@ -255,19 +268,18 @@ void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, 
     }
 }
 
-/* moe_project for MXFP4 experts (p->s: each expert's exponents), each thread with its panel. */
-void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t count, int chunk, const int64_t *starts,
-                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y) {
+/* moe_project for MXFP4 experts (p->s: each expert's exponents); a panel packed in the thread's
+ * scratch where an expert has a panel's worth of slots. */
+void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_t u1, const int64_t *starts,
+                    int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y,
+                    void **scratch) {
     (void)xs;
     const int64_t blocks = cols / BLOCK;
-    const mx_panel panel = mx_panel_new(blocks);
-    #pragma omp for schedule(dynamic, chunk)
-    for (int64_t u = 0; u < count; u++) {
-        const int64_t e = units[u].e;
-        mx_unit((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g, out, blocks, cols, xq, xd, starts[e],
-                starts[e + 1], y, panel);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
+        mx_unit((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g, out, blocks, cols, xq, xd, a0, a1, y,
+                a1 - a0 >= PANEL ? mx_panel_of(scratch, blocks) : (mx_panel){NULL, NULL});
     }
-    mx_panel_free(panel);
 }
 
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out,

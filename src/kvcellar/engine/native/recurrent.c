@@ -48,6 +48,27 @@ static void delta_row(float *S, const float *q, const float *k, const float *v, 
     }
 }
 
+typedef struct {
+    const float *q, *k, *v, *decay, *beta; float *states; const int64_t *slots, *captures;
+    int64_t rows, heads, key_dim, value_dim; float *out;
+} delta_call;
+
+/* Heads h0..h1-1 of every row, rows in order (a head's state is carried from row to row). */
+static void delta_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
+    (void)thread;
+    const delta_call *c = ctx;
+    const int64_t heads = c->heads, key_dim = c->key_dim, value_dim = c->value_dim, size = key_dim * value_dim;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t r = 0; r < c->rows; r++) {
+            const int64_t at = r * heads + h;
+            float *S = c->states + (c->slots[r] * heads + h) * size;
+            delta_row(S, c->q + at * key_dim, c->k + at * key_dim, c->v + at * value_dim, c->decay[at], c->beta[at],
+                      key_dim, value_dim, c->out + at * value_dim);
+            if (c->captures[r] >= 0)
+                memcpy(c->states + (c->captures[r] * heads + h) * size, S, (size_t)size * sizeof(float));
+        }
+}
+
 int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta,
                     float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows,
                     int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads) {
@@ -56,18 +77,8 @@ int kvc_gated_delta(const float *q, const float *k, const float *v, const float 
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= n_slots || captures[r] < -1 || captures[r] >= n_slots)
             return -2;
-    const int64_t size = key_dim * value_dim;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t h = 0; h < heads; h++) {
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t at = r * heads + h;
-            float *S = states + (slots[r] * heads + h) * size;
-            delta_row(S, q + at * key_dim, k + at * key_dim, v + at * value_dim, decay[at], beta[at], key_dim,
-                      value_dim, out + at * value_dim);
-            if (captures[r] >= 0)
-                memcpy(states + (captures[r] * heads + h) * size, S, (size_t)size * sizeof(float));
-        }
-    }
+    delta_call c = {q, k, v, decay, beta, states, slots, captures, rows, heads, key_dim, value_dim, out};
+    pool_for(threads, heads, 1, delta_heads, &c);
     return 0;
 }
 

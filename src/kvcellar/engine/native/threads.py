@@ -18,10 +18,11 @@ operations between them on every CPU.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvcellar.engine.native import lib
@@ -37,10 +38,20 @@ PROC_STAT = Path("/proc/stat")
 SELF_STAT = Path("/proc/self/stat")
 
 
+# The spin last set (the pool's is one for the process, whichever gate set it).
+_spin_us = 0
+
+
 def set_spin(microseconds: int) -> None:
     """Workers spin this long for the next loop before sleeping (0: sleep at once)."""
+    global _spin_us
     if lib.available():
         lib.call("kvc_pool_spin", microseconds=microseconds)
+        _spin_us = microseconds
+
+
+def spinning() -> bool:
+    return _spin_us > 0
 
 
 def counts() -> tuple[int, int, int]:
@@ -82,10 +93,26 @@ class SpinGate:
         self.cpus = cpus or os.cpu_count() or 1
         self.proc_stat, self.self_stat, self.clock = proc_stat, self_stat, clock
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.spinning = False
-        self.free = self.cpus  # auto: CPUs the other processes left over the last interval
+        # auto: CPUs the other processes left over the last interval; one until a first interval
+        # is measured (the first reading is taken now)
+        self.free = 1
         self.last: tuple[float, int, int] | None = None  # (time, machine ticks, own ticks) of the last reading
         self.usable = lib.available()
+        if mode == "auto" and self.usable:
+            self._free()
+
+    @property
+    def spinning(self) -> bool:
+        return spinning()
+
+    @contextlib.contextmanager
+    def forced(self, mode: str) -> Iterator[None]:
+        """Run steps under ``mode`` for a while (warm-up measures threads as they run uncontended)."""
+        before, self.mode = self.mode, mode
+        try:
+            yield
+        finally:
+            self.mode = before
 
     def step(self, decode: bool, threads: int) -> int:
         """Set the workers' spin for a step (``decode``: at most a few tokens a sequence) that would
@@ -95,9 +122,8 @@ class SpinGate:
         if decode and self.mode == "auto" and self.usable:
             threads = min(threads, self._free())
         spin = decode and threads > 1 and self.usable and self.mode != "off"
-        if spin != self.spinning:
+        if spin != spinning():
             set_spin(SPIN_US if spin else 0)
-            self.spinning = spin
         return threads
 
     def _free(self) -> int:
