@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from kvcellar.engine import SamplingParams, observability
 from kvcellar.engine.model_runner import CLEAR_LEAD, SMALL_STEP_TOKENS
+from kvcellar.engine.native.threads import SpinGate
 from kvcellar.engine.warmup import warm_up
 from tests._models import LOGPROB_TOL, chat_ids, make_engine
 
@@ -70,8 +72,9 @@ def test_warm_up_measures_decode_threads_and_leaves_no_trace(model: Any, two_thr
 def test_a_clear_lead_settles_decode_threads_after_one_block_each(model: Any, two_threads: None, one_thread: float,
                                                                    blocks: int) -> None:
     """A clock that advances by the step's cost on the threads set: one thread's steps cost
-    ``one_thread``, two threads' 1. A lead beyond ``CLEAR_LEAD`` stops after a block each."""
-    runner = make_engine(model).runner
+    ``one_thread``, two threads' 1. A lead beyond ``CLEAR_LEAD`` stops after a block each
+    (``thread_spin`` on: the choice is the blocks' whatever else the machine runs)."""
+    runner = make_engine(model, thread_spin="on").runner
     now = [0.0]
     steps: list[int] = []
 
@@ -83,3 +86,33 @@ def test_a_clear_lead_settles_decode_threads_after_one_block_each(model: Any, tw
     assert chosen == runner.decode_threads == (1 if one_thread < 1.0 else 2)
     assert len(steps) == blocks * (1 + 3)
     assert steps[:4] == [1] * 4 and steps[4:8] == [2] * 4
+
+
+def test_threads_measured_while_other_processes_ran_are_all_kept(model: Any, two_threads: None,
+                                                                 tmp_path: Path) -> None:
+    """One thread's steps look faster while another process takes a CPU (a server starting
+    beside this one): under thread_spin auto the measurement is set aside and all threads kept;
+    the gate runs decode steps on the CPUs left while the machine stays busy."""
+    runner = make_engine(model).runner
+    stat, own = tmp_path / "stat", tmp_path / "self_stat"
+    ticks = {"machine": 0, "own": 0}
+
+    def write() -> None:
+        stat.write_text(f"cpu  {ticks['machine']} 0 0 99999 0 0 0 0 0 0\n")
+        own.write_text(f"42 (python) S {' '.join(['0'] * 10)} {ticks['own']} 0 0 0\n")
+
+    write()
+    now, busy = [0.0], [1.0]
+    runner.spin = SpinGate("auto", cpus=2, proc_stat=stat, self_stat=own, clock=lambda: now[0])
+    runner.spin.hz = 100
+
+    def step() -> None:
+        cost = 0.5 if runner.decode_threads == 1 else 1.0
+        now[0] += cost
+        ticks["own"] += round(100 * cost * runner.decode_threads)
+        ticks["machine"] += round(100 * cost * (runner.decode_threads + busy[0]))
+        write()
+
+    assert runner.calibrate_decode_threads(step, steps=3, clock=lambda: now[0]) == 2
+    busy[0] = 0.0
+    assert runner.calibrate_decode_threads(step, steps=3, clock=lambda: now[0]) == 1  # a quiet machine: measured

@@ -10,6 +10,7 @@ so a decode step does not wait for a sleeping thread to wake ~100 times.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -27,10 +28,12 @@ from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
 from kvcellar.engine.lean_qwen35 import is_hybrid
 from kvcellar.engine.linears import prepare_model
-from kvcellar.engine.native.threads import SpinGate
+from kvcellar.engine.native.threads import SPARE, SpinGate
 from kvcellar.engine.scheduler import Scheduled, StepPlan
 from kvcellar.quantization import QuantizedWeight
 from kvcellar.stats import Stats, counter, gauge
+
+log = logging.getLogger(__name__)
 
 # Steps of at most this many tokens (decodes of up to 8 sequences) use ``decode_threads``.
 SMALL_STEP_TOKENS = 8
@@ -116,10 +119,13 @@ class ModelRunner:
         """Time ``decode_step`` (one batch-1 decode step of the engine) with one thread and
         with all, in alternating blocks, and keep the faster for small steps. A lead of more
         than ``CLEAR_LEAD`` after one block each decides: a large model's steps are slow,
-        and a second block each added seconds to every start."""
+        and a second block each added seconds to every start. The kernels' workers spin
+        meanwhile; under ``thread_spin`` auto, if other processes took more than ``SPARE`` of a
+        CPU meanwhile, all threads are kept (the gate caps decode steps while they stay busy)."""
         if self.threads == 1:
             return 1
         times: dict[int, list[float]] = {1: [], self.threads: []}
+        start = self.spin.reading() if self.spin.mode == "auto" else None
         with self.spin.forced("on" if self.spin.mode == "auto" else self.spin.mode):  # threads as they run uncontended
             for i, n in enumerate((1, self.threads, 1, self.threads)):
                 if i == 2:
@@ -133,6 +139,14 @@ class ModelRunner:
                     decode_step()
                     times[n].append(clock() - t0)
         best = min(times, key=lambda n: statistics.median(times[n]))
+        end = self.spin.reading() if start is not None else None
+        if start is not None and end is not None and self.spin.others(start, end) > SPARE:
+            # another process ran meanwhile (a server starting beside this one): the blocks say
+            # little about a quiet machine, and while the machine stays busy the gate runs decode
+            # steps on the CPUs left anyway
+            log.info("decode threads: other processes took %.1f CPUs while they were measured; all %d kept",
+                     self.spin.others(start, end), self.threads)
+            best = self.threads
         self.set_decode_threads(best)
         return best
 

@@ -126,18 +126,25 @@ class SpinGate:
             set_spin(SPIN_US if spin else 0)
         return threads
 
-    def _free(self) -> int:
-        now = self.clock()
-        if self.last is not None and now - self.last[0] < INTERVAL:
-            return self.free
+    def reading(self) -> tuple[float, int, int] | None:
+        """(time, the machine's busy ticks, this process's), or None where they cannot be read."""
         machine, own = machine_ticks(self.proc_stat), own_ticks(self.self_stat)
-        if machine is None or own is None:
+        return None if machine is None or own is None else (self.clock(), machine, own)
+
+    def others(self, since: tuple[float, int, int], until: tuple[float, int, int]) -> float:
+        """CPUs' worth of time other processes took between two readings."""
+        seconds = max(until[0] - since[0], 1e-9)
+        return max(0, (until[1] - since[1]) - (until[2] - since[2])) / self.hz / seconds
+
+    def _free(self) -> int:
+        if self.last is not None and self.clock() - self.last[0] < INTERVAL:
+            return self.free
+        now = self.reading()
+        if now is None:
             self.free = 1  # blind: no worker to wait on, none spinning
             return self.free
         if self.last is not None:
-            seconds = now - self.last[0]
             # an interval long after the last (prefill or idle in between) still says who else ran
-            others = max(0, (machine - self.last[1]) - (own - self.last[2])) / self.hz / seconds
-            self.free = max(1, min(self.cpus, int(self.cpus - others + SPARE)))
-        self.last = (now, machine, own)
+            self.free = max(1, min(self.cpus, int(self.cpus - self.others(self.last, now) + SPARE)))
+        self.last = now
         return self.free
