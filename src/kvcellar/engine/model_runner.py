@@ -5,7 +5,7 @@ Threads: a step of at most ``SMALL_STEP_TOKENS`` tokens (decodes) runs with
 is faster on one thread depends on the machine, so warm-up (``engine/warmup.py``) measures it
 (``calibrate_decode_threads``; figures in docs/performance.md). The kernels' own threads spin
 between a decode step's loops while the machine has room (``native/threads.py``: ``SpinGate``),
-so a decode step does not wait for a sleeping thread to wake ~100 times.
+so a decode step does not wait for a sleeping thread to wake at every kernel call.
 """
 
 from __future__ import annotations

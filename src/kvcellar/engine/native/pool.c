@@ -2,12 +2,12 @@
  * workers that wait for work by spinning for a while (kvc_pool_spin), then sleeping on a futex.
  *
  * Why not OpenMP's: under the passive wait policy the package needs (spinning threads slow a
- * server down badly beside a busy process) every parallel region waits for a sleeping thread
- * to wake, ~100 times a decode token, and libgomp fixes its spin once, when it loads. Here the
- * spin is set per step (the engine spins for decode steps on an uncontended machine, not for
- * prefill), and the caller never waits for a worker to wake: it takes chunks itself from the
- * first, and a worker that wakes late finds what is left, or nothing. Each item is computed by
- * the same operations whichever thread takes it, so results do not depend on the threads.
+ * server down badly beside a busy process) every parallel region waits for a sleeping thread to
+ * wake, at every kernel call of a decode step, and libgomp fixes its spin once, when it loads.
+ * Here the spin is set per step (the engine spins for decode steps on an uncontended machine,
+ * not for prefill), and the caller never waits for a worker to wake: it takes chunks itself from
+ * the first, and a worker that wakes late finds what is left, or nothing. Each item is computed
+ * by the same operations whichever thread takes it, so results do not depend on the threads.
  *
  * One loop runs at a time; a call from another thread meanwhile (or from inside a loop) runs
  * its loop alone on its own thread. A forked child starts with no workers. */

@@ -1,10 +1,10 @@
 """The kernels' threads (``pool.c``): whether their workers spin between a decode step's loops.
 
-A decode step runs ~100 kernel loops with a little Python between them. A worker that sleeps
+A decode step runs a few kernel loops a layer with a little Python between them. A worker that sleeps
 between loops must be woken for each (on a VM, an idle vCPU brought back), and the step's
 thread waits on it or does the loop alone; one that spins is there at once. Spinning pays only
 while there is a CPU for every thread that wants one: beside a busy process a spinning worker
-takes the CPU the step's own thread needs, 1.3-1.5x slower (docs/performance.md). So
+takes the CPU the step's own thread needs (docs/performance.md has the figures). So
 ``SpinGate`` spins for decode steps only, and only on the CPUs the machine leaves free: every
 ``INTERVAL`` seconds of decoding it reads the CPU time the whole machine spent (``/proc/stat``)
 and this process spent (``/proc/self/stat``), and runs a decode step on no more threads than
