@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def test_threads_measured_while_other_processes_ran_are_all_kept(model: Any, two
 
     write()
     now, busy = [0.0], [1.0]
-    runner.spin = SpinGate("auto", cpus=2, proc_stat=stat, self_stat=own, clock=lambda: now[0])
+    runner.spin = SpinGate("auto", cpus=2, proc_stat=stat, self_stat=own, clock=lambda: now[0], quota=math.inf)
     runner.spin.hz = 100
 
     def step() -> None:

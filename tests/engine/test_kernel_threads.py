@@ -5,6 +5,7 @@ steps only while the machine has a CPU to spare."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -136,7 +137,7 @@ class _Machine:
 
     def gate(self, mode: str = "auto") -> threads.SpinGate:
         gate = threads.SpinGate(mode, cpus=2, proc_stat=self.proc_stat, self_stat=self.self_stat,
-                                clock=lambda: self.now)
+                                clock=lambda: self.now, quota=math.inf)
         gate.hz = 100
         return gate
 
@@ -163,11 +164,37 @@ def test_the_gate_runs_decode_steps_on_the_cpus_the_machine_leaves_and_spins_the
         (tmp_path / "big").mkdir()
         big = _Machine(tmp_path / "big")
         wide = threads.SpinGate("auto", cpus=16, proc_stat=big.proc_stat, self_stat=big.self_stat,
-                                clock=lambda: big.now)
+                                clock=lambda: big.now, quota=math.inf)
         wide.hz = 100
         wide.step(True, 16)
         big.run(1.0, own_cpus=12.0, other_cpus=3.5)  # 12.5 CPUs left: 12 threads, spinning
         assert wide.step(True, 16) == 12 and wide.spinning
+    finally:
+        threads.set_spin(0)
+
+
+@needs_native
+def test_under_a_cpu_quota_without_room_for_the_servers_other_threads_the_workers_do_not_spin(
+        tmp_path: Path) -> None:
+    """A process over its cgroup quota stops until the next period: spinning workers would take
+    the room the server's other threads need."""
+    machine = _Machine(tmp_path)
+    try:
+        for quota, spins in ((2.0, False), (2.5, True), (math.inf, True)):
+            gate = machine.gate()
+            gate.quota = quota
+            machine.run(1.0, own_cpus=1.0, other_cpus=0.0)
+            assert gate.step(True, 2) == 2 and gate.spinning == spins, quota
+        (tmp_path / "cpu.max").write_text("200000 100000\n")
+        assert threads.cpu_quota(tmp_path / "cpu.max", tmp_path / "none") == 2.0
+        (tmp_path / "cpu.max").write_text("max 100000\n")
+        assert threads.cpu_quota(tmp_path / "cpu.max", tmp_path / "none") is None
+        (tmp_path / "v1").mkdir()
+        (tmp_path / "v1" / "cpu.cfs_quota_us").write_text("150000\n")
+        (tmp_path / "v1" / "cpu.cfs_period_us").write_text("100000\n")
+        assert threads.cpu_quota(tmp_path / "none", tmp_path / "v1" / "cpu.cfs_quota_us") == 1.5
+        (tmp_path / "v1" / "cpu.cfs_quota_us").write_text("-1\n")
+        assert threads.cpu_quota(tmp_path / "none", tmp_path / "v1" / "cpu.cfs_quota_us") is None
     finally:
         threads.set_spin(0)
 

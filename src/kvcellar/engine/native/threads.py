@@ -1,15 +1,16 @@
 """The kernels' threads (``pool.c``): whether their workers spin between a decode step's loops.
 
-A decode step runs a few kernel loops a layer with a little Python between them. A worker that sleeps
-between loops must be woken for each (on a VM, an idle vCPU brought back), and the step's
-thread waits on it or does the loop alone; one that spins is there at once. Spinning pays only
-while there is a CPU for every thread that wants one: beside a busy process a spinning worker
-takes the CPU the step's own thread needs (docs/performance.md has the figures). So
-``SpinGate`` spins for decode steps only, and only on the CPUs the machine leaves free: every
-``INTERVAL`` seconds of decoding it reads the CPU time the whole machine spent (``/proc/stat``)
-and this process spent (``/proc/self/stat``), and runs a decode step on no more threads than
-the CPUs the other processes left (their share rounded down, ``SPARE`` forgiven), spinning if
-that is more than one. Beside a busy process on two CPUs a step then runs on one thread, as
+A decode step runs a few kernel loops a layer with a little Python between them. A worker that
+sleeps between loops must be woken for each (on a VM, an idle vCPU brought back), and the
+step's thread waits on it or does the loop alone; one that spins is there at once. Spinning
+pays only while there is a CPU for every thread that wants one: beside a busy process a
+spinning worker takes the CPU the step's own thread needs (docs/performance.md has the
+figures). So ``SpinGate`` spins for decode steps only, and only on the CPUs the machine leaves
+free: every ``INTERVAL`` seconds of decoding it reads the CPU time the whole machine spent
+(``/proc/stat``) and this process spent (``/proc/self/stat``), and runs a decode step on no
+more threads than the CPUs the other processes left (their share rounded down, ``SPARE``
+forgiven), spinning if that is more than one and a container's CPU quota leaves room for the
+server's other threads. Beside a busy process on two CPUs a step then runs on one thread, as
 fast as it can there: a second would wait for a CPU and hold the step at every loop's end.
 (Counting runnable threads at a step's start does not work: the previous token is on its way
 to the client then.) Prefill steps never spin: their loops are long, and torch runs its
@@ -36,6 +37,12 @@ INTERVAL = 0.5
 SPARE = 0.25
 PROC_STAT = Path("/proc/stat")
 SELF_STAT = Path("/proc/self/stat")
+# A container's CPU quota (cgroup v2, then v1), as its own namespace shows it.
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CFS_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+# CPUs' worth a quota must leave beyond the kernels' threads for workers to spin: the server's
+# other threads (HTTP, tiers) run too, and a process over its quota stops until the next period.
+QUOTA_ROOM = 0.5
 
 
 # The spin last set (the pool's is one for the process, whichever gate set it).
@@ -83,13 +90,31 @@ def own_ticks(path: Path = SELF_STAT) -> int | None:
         return None
 
 
+def cpu_quota(cpu_max: Path = CPU_MAX, cfs_quota: Path = CFS_QUOTA) -> float | None:
+    """The CPUs a cgroup quota allows this process (None: no quota, or none readable)."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int(cfs_quota.read_text())
+        period_us = int((cfs_quota.parent / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
 class SpinGate:
     """Per step, the threads the kernels run on and whether they spin (``mode`` on / off, or
     auto: see the module; ``EngineConfig.thread_spin``)."""
 
     def __init__(self, mode: str, cpus: int | None = None, proc_stat: Path = PROC_STAT,
-                 self_stat: Path = SELF_STAT, clock: Callable[[], float] = time.monotonic) -> None:
+                 self_stat: Path = SELF_STAT, clock: Callable[[], float] = time.monotonic,
+                 quota: float | None = None) -> None:
+        """``quota``: the CPUs a cgroup quota allows (None: read, ``cpu_quota``; inf: none)."""
         self.mode = mode
+        self.quota = cpu_quota() if quota is None else quota
         self.cpus = cpus or os.cpu_count() or 1
         self.proc_stat, self.self_stat, self.clock = proc_stat, self_stat, clock
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -119,9 +144,11 @@ class SpinGate:
         run the kernels on ``threads`` threads; the threads it runs them on (auto: a decode step on
         no more than the CPUs other processes leave, so a step does not wait on a thread that has
         no CPU)."""
+        quota_room = True
         if decode and self.mode == "auto" and self.usable:
             threads = min(threads, self._free())
-        spin = decode and threads > 1 and self.usable and self.mode != "off"
+            quota_room = self.quota is None or self.quota >= threads + QUOTA_ROOM
+        spin = decode and threads > 1 and self.usable and self.mode != "off" and quota_room
         if spin != spinning():
             set_spin(SPIN_US if spin else 0)
         return threads
