@@ -59,10 +59,11 @@ static void take_chunks(int thread) {
 static void *worker(void *arg) {
     const int me = (int)(intptr_t)arg;
     uint32_t seen = 0;
+    int wanted = 1;  /* whether the last open loop this worker saw took it: only then does it spin */
     for (;;) {
         uint32_t g = atomic_load(&loop.generation);
         if (g == seen) {
-            const int64_t budget = atomic_load_explicit(&loop.spin_ns, memory_order_relaxed);
+            const int64_t budget = wanted ? atomic_load_explicit(&loop.spin_ns, memory_order_relaxed) : 0;
             if (budget > 0) {
                 const int64_t until = now_ns() + budget;
                 for (int i = 1; (g = atomic_load_explicit(&loop.generation, memory_order_acquire)) == seen; i++) {
@@ -82,10 +83,13 @@ static void *worker(void *arg) {
         /* The loop is read only while open; the caller closes it and waits for `inside` to
          * empty before it returns or changes it (both sides sequentially consistent). */
         atomic_fetch_add(&loop.inside, 1);
-        if (atomic_load(&loop.open) && me < loop.threads) {
+        if (atomic_load(&loop.open)) {
             seen = atomic_load(&loop.generation);
-            atomic_fetch_add_explicit(&counts[1], 1, memory_order_relaxed);
-            take_chunks(me);
+            wanted = me < loop.threads;  /* a loop on fewer threads: this one sleeps, not spins */
+            if (wanted) {
+                atomic_fetch_add_explicit(&counts[1], 1, memory_order_relaxed);
+                take_chunks(me);
+            }
         }
         atomic_fetch_sub(&loop.inside, 1);
     }
