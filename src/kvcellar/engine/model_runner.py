@@ -140,12 +140,13 @@ class ModelRunner:
                     times[n].append(clock() - t0)
         best = min(times, key=lambda n: statistics.median(times[n]))
         end = self.spin.reading() if start is not None else None
-        if start is not None and end is not None and self.spin.others(start, end) > SPARE:
+        others = self.spin.others(start, end) if start is not None and end is not None else 0.0
+        if others > SPARE:
             # another process ran meanwhile (a server starting beside this one): the blocks say
             # little about a quiet machine, and while the machine stays busy the gate runs decode
             # steps on the CPUs left anyway
             log.info("decode threads: other processes took %.1f CPUs while they were measured; all %d kept",
-                     self.spin.others(start, end), self.threads)
+                     others, self.threads)
             best = self.threads
         self.set_decode_threads(best)
         return best

@@ -613,7 +613,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
     }
 }
 
-/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
+/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one loop
  * over activations quantized once: weight i (w[i], scales[i], offsets[i], laid out as
  * kvc_gemm_q4's, or kept as panels) of outs[i] rows into ys[i] [rows, outs[i]], each output by
  * kvc_gemm_q4's arithmetic. A decode step then wakes the threads once for them, not once a

@@ -28,25 +28,30 @@ static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out,
     for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]) * scale;
 }
 
-/* y [rows, out] float32 = x @ w.T for int8 weights. */
+/* Outputs r0..r1-1 of int8 weights w (scales) against activation rows a0..a1-1 into y [.., out]:
+ * whole tiles of TILE rows, then the last 1-3 as constants, so the accumulators stay in registers. */
+static inline void q8_block(const int8_t *w, const float *scales, int64_t r0, int64_t r1, int64_t out,
+                            int64_t cols, const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y) {
+    const int64_t blocks = cols / BLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t a = a0;
+#define ROWS(n) q8_row(w + r * cols, scales[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
+        for (; a + TILE <= a1; a += TILE) ROWS(TILE);
+        LAST_ROWS_OF_4(a1 - a, ROWS);
+#undef ROWS
+    }
+}
+
+/* Linears 0..count-1 (w[i], scales[i], outs[i] rows into ys[i]) over the same activations. */
 typedef struct {
     const int64_t *w, *scales, *outs, *ys; const moe_unit *units; int64_t cols; const int8_t *xq; const float *xd;
     int64_t rows;
 } q8_call;
 
-/* Rows [r0, r1) of linear i (of c->w etc.) for every activation row. */
+/* Rows [r0, r1) of linear i for every activation row. */
 static inline void q8_rows(const q8_call *c, int64_t i, int64_t r0, int64_t r1) {
-    const int64_t cols = c->cols, blocks = cols / BLOCK, out = c->outs[i], rows = c->rows;
-    const int8_t *w = (const int8_t *)c->w[i], *xq = c->xq;
-    const float *scales = (const float *)c->scales[i], *xd = c->xd;
-    float *y = (float *)c->ys[i];
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t a0 = 0;
-#define ROWS(n) q8_row(w + r * cols, scales[r], r, out, blocks, xq + a0 * cols, xd + a0 * blocks, n, y + a0 * out)
-        for (; a0 + TILE <= rows; a0 += TILE) ROWS(TILE);
-        LAST_ROWS_OF_4(rows - a0, ROWS);
-#undef ROWS
-    }
+    q8_block((const int8_t *)c->w[i], (const float *)c->scales[i], r0, r1, c->outs[i], c->cols, c->xq, c->xd, 0,
+             c->rows, (float *)c->ys[i]);
 }
 
 static void gemm_q8_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
@@ -54,6 +59,7 @@ static void gemm_q8_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     q8_rows(ctx, 0, r0, r1);
 }
 
+/* y [rows, out] float32 = x @ w.T for int8 weights. */
 void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols,
                  const int8_t *xq, const float *xd, int64_t rows, float *y, int threads) {
     const int64_t wa = (int64_t)w, sa = (int64_t)scales, ya = (int64_t)y;
@@ -70,7 +76,7 @@ static void gemm_q8_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
     }
 }
 
-/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one parallel region
+/* Linears that take the same activations (a layer's q/k/v, gate/up), all in one loop
  * over activations quantized once: weight i (w[i], scales[i]) of outs[i] rows into ys[i] [rows,
  * outs[i]], each output by kvc_gemm_q8's arithmetic. A step then wakes the threads once for
  * them, not once a linear. */
@@ -93,19 +99,10 @@ void moe_q8_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_
                     void **scratch) {
     (void)xs;
     (void)scratch;
-    const int64_t blocks = cols / BLOCK;
     for (int64_t u = u0; u < u1; u++) {
-        const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
-        const int8_t *we = (const int8_t *)p->w[e];
-        const float *se = (const float *)p->s[e];
-        const int64_t r1 = units[u].g * 8 + 8 < out ? units[u].g * 8 + 8 : out;
-        for (int64_t r = units[u].g * 8; r < r1; r++) {
-            int64_t a = a0;
-#define ROWS(n) q8_row(we + r * cols, se[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
-            for (; a + TILE <= a1; a += TILE) ROWS(TILE);
-            LAST_ROWS_OF_4(a1 - a, ROWS);
-#undef ROWS
-        }
+        const int64_t e = units[u].e, r0 = units[u].g * 8;
+        q8_block((const int8_t *)p->w[e], (const float *)p->s[e], r0, r0 + 8 < out ? r0 + 8 : out, out, cols, xq, xd,
+                 starts[e], starts[e + 1], y);
     }
 }
 
