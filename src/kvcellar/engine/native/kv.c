@@ -445,7 +445,7 @@ typedef struct {
     int64_t table_width; const int64_t *contexts, *rows; int64_t block_size, kv_heads, head_dim, group; int bits;
     const float *q; int64_t gq; float scale; const float *sinks; int64_t window; float *out;
     const int64_t *first, *row0, *slot; float *part, *ml;
-    float **scratch;  /* a thread's scores, tile, zeros and paired keys: allocated by its first task */
+    void **scratch;  /* a thread's scores, tile, zeros and paired keys: allocated by its first task */
     _Atomic int failed;
 } attend_call;
 
@@ -465,7 +465,7 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
     if (!c->scratch[thread])
         c->scratch[thread] = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim,
                                     sizeof(float));
-    float *scores = c->scratch[thread];
+    float *scores = (float *)c->scratch[thread];
     if (!scores) {
         atomic_store(&c->failed, 1);
         return;
@@ -581,14 +581,12 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
     for (int64_t s = 0, next = 0; s < n_seq; s++)
         for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
     float *ml = part + chunk_tasks * heads * head_dim;
+    void *scratch[POOL_THREADS] = {0};
     attend_call c = {pool, block_bytes, k_region, v_region, values_bytes, tables, table_width, contexts, rows,
                      block_size, kv_heads, head_dim, group, bits, q, gq, scale, sinks, window, out, first, row0, slot,
-                     part, ml, NULL, 0};
-    c.scratch = calloc(threads > 0 ? threads : 1, sizeof(float *));
-    if (!c.scratch) { free(first); free(row0); free(part); free(slot); return -1; }
+                     part, ml, scratch, 0};
     pool_for(threads, tasks, 1, attend_tasks, &c);
-    for (int t = 0; t < (threads > 0 ? threads : 1); t++) free(c.scratch[t]);
-    free(c.scratch);
+    free_scratch(scratch, threads > 0 ? threads : 1);
     const int failed = atomic_load(&c.failed);
     if (!failed)
         pool_for(chunk_tasks * heads * head_dim > 65536 ? threads : 1, n_seq * heads, heads, merge_heads, &c);

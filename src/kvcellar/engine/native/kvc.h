@@ -330,6 +330,14 @@ int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, in
  * scratch), each range [begin, end) given to body once; returns when all are done. */
 typedef void (*pool_body)(void *ctx, int64_t begin, int64_t end, int thread);
 void pool_for(int threads, int64_t n, int64_t chunk, pool_body body, void *ctx);
+/* Threads a loop runs on at most: a body's thread index is below this and below `threads`, so
+ * a loop's per-thread scratch fits an array of this many pointers (NULL until a thread's first
+ * need; free_scratch after the loop). */
+#define POOL_THREADS 256
+
+static inline void free_scratch(void **scratch, int threads) {
+    for (int t = 0; t < threads && t < POOL_THREADS; t++) free(scratch[t]);
+}
 
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */

@@ -1,6 +1,6 @@
-/* A MoE layer's routed experts: one projection of every expert in one loop (moe_matmul), and a block from its input to its output in one call (kvc_moe_glu), whatever
- * kind the experts' weights are (int4 as rows or panels, int8, MXFP4: each family's
- * moe_project). */
+/* A MoE layer's routed experts: one projection of every expert in one loop (moe_matmul), and a
+ * block from its input to its output in one call (kvc_moe_glu), whatever kind the experts'
+ * weights are (int4 as rows or panels, int8, MXFP4: each family's moe_project). */
 #include "kvc.h"
 
 /* One projection's units in one loop, each thread with its scratch (freed at the end). */
@@ -14,17 +14,13 @@ static void moe_units_body(void *ctx, int64_t u0, int64_t u1, int thread) {
     c->project(c->p, c->units, u0, u1, c->starts, c->out, c->cols, c->xq, c->xd, c->xs, c->y, &c->scratch[thread]);
 }
 
-static int moe_loop(moe_project project, const moe_proj *p, const moe_unit *units, int64_t count, int chunk,
-                    const int64_t *starts, int64_t out, int64_t cols, const int8_t *xq, const float *xd,
-                    const float *xs, float *y, int threads) {
-    const int n = threads > 0 ? threads : 1;
-    void **scratch = calloc(n, sizeof(void *));
-    if (!scratch) return -1;
+static void moe_loop(moe_project project, const moe_proj *p, const moe_unit *units, int64_t count, int chunk,
+                     const int64_t *starts, int64_t out, int64_t cols, const int8_t *xq, const float *xd,
+                     const float *xs, float *y, int threads) {
+    void *scratch[POOL_THREADS] = {0};
     moe_call c = {project, p, units, starts, out, cols, xq, xd, xs, y, scratch};
     pool_for(threads, count, chunk, moe_units_body, &c);
-    for (int t = 0; t < n; t++) free(scratch[t]);
-    free(scratch);
-    return 0;
+    free_scratch(scratch, threads > 0 ? threads : 1);
 }
 
 int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, int64_t experts, int64_t out,
@@ -32,10 +28,9 @@ int moe_matmul(moe_project project, const moe_proj *p, const int64_t *starts, in
     int64_t count;
     moe_unit *units = moe_units(starts, experts, (out + 7) / 8, p->panels ? q4_panel_step() : 1, &count);
     if (!units) return -1;
-    const int rc = moe_loop(project, p, units, count, moe_chunk(starts, experts), starts, out, cols, xq, xd, xs, y,
-                            threads);
+    moe_loop(project, p, units, count, moe_chunk(starts, experts), starts, out, cols, xq, xd, xs, y, threads);
     free(units);
-    return rc;
+    return 0;
 }
 
 /* The gating between an expert's projections, from its gate-up output (plus its bias, if any):
@@ -203,12 +198,12 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
     slot_call c = {x, token, expert, pos, weights, gb, db, cols, inner, k, gt, xq1, xd1, xs1, y1, xq2, xd2, xs2, y2, y,
                    NULL};
     pool_for(few ? 1 : threads, slots, 1, quantize_slots, &c);
-    if (moe_loop(project, &up_proj, units1, n1, chunk, starts, wide, cols, xq1, xd1, xs1, y1, threads)) goto done;
+    moe_loop(project, &up_proj, units1, n1, chunk, starts, wide, cols, xq1, xd1, xs1, y1, threads);
     own_f = malloc((size_t)(threads > 0 ? threads : 1) * inner * sizeof(float) + 1);  /* a gating row a thread */
     if (!own_f) goto done;
     c.h = own_f;
     pool_for(few ? 1 : threads, slots, 1, gate_slots, &c);
-    if (moe_loop(project, &down_proj, units2, n2, chunk, starts, cols, inner, xq2, xd2, xs2, y2, threads)) goto done;
+    moe_loop(project, &down_proj, units2, n2, chunk, starts, cols, inner, xq2, xd2, xs2, y2, threads);
     pool_for(few ? 1 : threads, tokens, 1, sum_tokens, &c);
     rc = 0;
 done:

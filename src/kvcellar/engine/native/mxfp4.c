@@ -236,17 +236,10 @@ static void gemm_mx_groups(void *ctx, int64_t g0, int64_t g1, int thread) {
  * there are a panel's worth of activation rows. */
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq,
                     const float *xd, int64_t rows, float *y, int threads) {
-    const int n = threads > 0 ? threads : 1;
-    void **scratch = calloc(n, sizeof(void *));
+    void *scratch[POOL_THREADS] = {0};
     mx_call c = {w, exps, out, cols, xq, xd, rows, y, scratch};
-    if (!scratch) {  /* no memory for the pointers: the row kernel on this thread, its numbers */
-        for (int64_t g = 0; g < (out + 7) / 8; g++)
-            mx_unit(w, exps, g, out, cols / BLOCK, cols, xq, xd, 0, rows, y, (mx_panel){NULL, NULL});
-        return;
-    }
     pool_for(threads, (out + 7) / 8, rows >= PANEL ? 1 : ROW_GROUPS, gemm_mx_groups, &c);
-    for (int t = 0; t < n; t++) free(scratch[t]);
-    free(scratch);
+    free_scratch(scratch, threads > 0 ? threads : 1);
 }
 
 /* Rows start..end-1 of an MXFP4 weight as float32 [end - start, cols]. */

@@ -22,8 +22,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_WORKERS 255
-
 /* Each group on its own cache line: the spinning workers read the first, every chunk taken
  * writes the second, and neither should move the other's line between cores. */
 static _Alignas(64) struct {
@@ -107,7 +105,7 @@ static void forked_child(void) {
 static void start_workers(int wanted) {
     static int registered;
     if (!registered) registered = !pthread_atfork(NULL, NULL, forked_child);
-    while (workers < wanted && workers < MAX_WORKERS) {
+    while (workers < wanted && workers < POOL_THREADS - 1) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
