@@ -66,7 +66,7 @@ import httpx
 
 from kvcellar.bench.launch import ServerLauncher, free_port, link_models, serve_command, wait_until
 from kvcellar.bench.pagecache import drop_page_cache
-from kvcellar.bench.report import format_table, machine_info, table
+from kvcellar.bench.report import format_table, machine_info, machine_line, table
 from kvcellar.bench.targets import default_models_dir, flat_counters
 from kvcellar.server.tools.render import FALLBACK_INSTRUCTIONS, format_tool_call, tool_signatures
 
@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"output: {out}", flush=True)
 
-    result: dict[str, Any] = {"machine": {**machine_info(), **cpu_flags()},
+    result: dict[str, Any] = {"machine": machine_info(),
                               "config": {"target_tokens": args.target_tokens, "turns": turns,
                                          "max_tokens": args.max_tokens, "dtype": args.dtype,
                                          "model_file": str(args.model) if args.model else None,
@@ -653,21 +653,6 @@ def tables(result: dict[str, Any], turns: int) -> list[dict[str, Any]]:
                      [[str(i + 1), *(cell(c, i, lambda t: "{ram_tokens} / {ssd_tokens} / {redis_tokens}".format(
                          **t["tiers"])) for c in kcols)] for i in range(turns)]))
     return out
-
-
-def cpu_flags() -> dict[str, Any]:
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return {}
-    return {"cpu_flags": {f: f in flags for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
-                                                  "amx_int8")}}
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m.get("cpu_flags", {}).items())
-    return (f"machine: {m.get('cpu')}, {m.get('cpus')} cores, {m.get('mem_gib')} GiB; {flags}; "
-            f"load at start {m.get('load_avg_at_start')}; kvcellar {m.get('git', m.get('kvcellar'))}")
 
 
 def peer_version(binary: Path) -> str:

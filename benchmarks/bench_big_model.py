@@ -80,7 +80,7 @@ import httpx
 import numpy as np
 
 from kvcellar.bench.launch import LaunchError, ServerLauncher, kvcellar_command
-from kvcellar.bench.report import format_table, machine_info, table
+from kvcellar.bench.report import format_table, machine_info, machine_line, table
 from kvcellar.bench.targets import flat_counters
 
 PEER_BIN = Path(os.environ.get("LLAMA_SERVER_BIN", "/work/llama-server/bin/llama-server"))
@@ -651,7 +651,7 @@ def run_kvcellar(gguf_path: Path, work: Path, args: argparse.Namespace, vocab: i
         print("kvcellar: 1st start (preparation)", flush=True)
         out["start_1"] = timed_start(launcher, sampler)
         h = health(launcher.url)
-        out["weights"], out["linears"] = h.get("weights"), h.get("linears")
+        out["weights"], out["linears"], out["cpu_kernels"] = h.get("weights"), h.get("linears"), h.get("cpu_kernels")
         model = httpx.get(launcher.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         print(f"  weights {out['weights']}, linears {json.dumps(out['linears'])}", flush=True)
         launcher.stop()
@@ -774,7 +774,8 @@ def result_table(result: dict[str, Any], args: argparse.Namespace) -> dict[str, 
               *both(lambda r: f"{fmt(get(r, 'serve', 'decode_batch', 'aggregate_tok_s'))} "
                               f"({fmt(get(r, 'serve', 'decode_batch', 'per_stream_tok_s'))})")]]
     notes = [f"{result['model']['name']}, {gb(result['model']['bytes'])} GB GGUF ({mix_label(args)}, output "
-             f"{args.output_type}), random weights; {args.threads} threads for llama-server"]
+             f"{args.output_type}), random weights; {args.threads} threads for llama-server",
+             machine_line(result["machine"])]
     if kvc.get("restart_hit"):
         tiers = get(kvc, "restart_hit", "tiers") or {}
         notes.append(f"kvcellar cached tokens: RAM hit {get(kvc, 'serve', 'ram_hit', 'cached_tokens')}, "

@@ -364,7 +364,7 @@ def test_wide_int4_panels_give_the_avx2_panels_numbers_to_the_bit(out, cols):
         assert_close(wide, rounded(x) @ weight.T)
 
 
-# The AVX-512 forms' results, computed again by the AVX2 forms in a process told to run those.
+# The AVX-512 (AMX) forms' results, computed again by a process told not to run them.
 _AVX2_RUN = """
 import sys, torch
 from tests.engine.test_native_kernels import avx512_cases
@@ -384,7 +384,7 @@ def avx512_cases() -> dict[str, torch.Tensor]:
         nibbles, scales, offsets, _ = int4_weight(out, cols)
         own = native.pack_int4(nibbles, scales, offsets, THREADS)
         derived = native.pack_int4(nibbles, scales, (scales.float() * -8).half(), THREADS)
-        for rows in (1, 5, 8, 13, 45):
+        for rows in (1, 5, 8, 13, 32, 45):  # 32, 45: whole AMX tiles, and rows past them
             x = activations(rows, cols)
             found[f"int4 {out} {rows}"] = native.matmul_int4(x, *own, THREADS, panels=True)
             found[f"q4_0 {out} {rows}"] = native.matmul_int4(x, *derived, THREADS, panels=True)
@@ -412,24 +412,41 @@ def avx512_cases() -> dict[str, torch.Tensor]:
     return found
 
 
-@needs_native
-@pytest.mark.skipif(not native.wide_panels(), reason="this CPU has no AVX-512 8-bit dot product")
-def test_the_avx512_kernels_give_the_avx2_kernels_numbers_to_the_bit(tmp_path):
-    """KV one replica computes is served by another, whichever CPU each has: the AVX-512 forms
-    (two panels a 512-bit dot product, paired keys in attention) change no bit."""
+def _cases_with(tmp_path, switch: str) -> dict[str, torch.Tensor]:
+    """``avx512_cases`` computed by a process whose environment turns ``switch`` off."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    target = tmp_path / "avx2.pt"
-    env = {**os.environ, "KVCELLAR_AVX512": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    target = tmp_path / "cases.pt"
+    env = {**os.environ, switch: "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", _AVX2_RUN, str(target)], check=True, env=env, timeout=300,
                    cwd=Path(__file__).parents[2])
-    narrow, wide = torch.load(target), avx512_cases()
+    found: dict[str, torch.Tensor] = torch.load(target)
+    return found
+
+
+@needs_native
+@pytest.mark.skipif(not native.wide_panels(), reason="this CPU has no AVX-512 8-bit dot product")
+def test_the_avx512_kernels_give_the_avx2_kernels_numbers_to_the_bit(tmp_path):
+    """KV one replica computes is served by another, whichever CPU each has: the AVX-512 forms
+    (two panels a 512-bit dot product, paired keys in attention) change no bit."""
+    narrow, wide = _cases_with(tmp_path, "KVCELLAR_AVX512"), avx512_cases()
     assert narrow.keys() == wide.keys()
     for name, got in wide.items():
         assert torch.equal(got, narrow[name]), name
+
+
+@needs_native
+@pytest.mark.skipif(not native.amx_tiles(), reason="this CPU (or its OS) gives no AMX tiles")
+def test_the_amx_tiles_give_the_avx512_kernels_numbers_to_the_bit(tmp_path):
+    """Prefill-sized steps of int4 panels on AMX tiles (16 rows a tile, the rows past the last
+    whole tile by the AVX-512 kernel) give every output the bits the AVX-512 kernel gives it."""
+    vectors, tiles = _cases_with(tmp_path, "KVCELLAR_AMX"), avx512_cases()
+    assert vectors.keys() == tiles.keys()
+    for name, got in tiles.items():
+        assert torch.equal(got, vectors[name]), name
 
 
 @needs_native

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from kvcellar.engine import native
 from kvcellar.server.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 from tests._models import expected_cached
 from tests.helpers import MODEL, ServerProcess
@@ -272,6 +273,7 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert 0 <= h["artifact_cache"]["hit_rate"] <= 1 and "last_eviction" in h["artifact_cache"]
     assert h["status"] == "ok" and h["engine_steps"]["healthy"] and h["engine_steps"]["step_failures"] == 0
     linears = h["linears"]
+    assert h["cpu_kernels"] == native.cpu_kernels() and set(h["cpu_kernels"]) >= {"native"}
     if h["weights"] == "full":  # every linear dense
         assert linears["dense"] > 0 and linears["int4"] == linears["int8"] == linears["lean"] == 0
         assert h["kernel_dtype"] is None

@@ -153,6 +153,42 @@ def pct(value: float | None, digits: int = 1) -> str:
 # ---- the machine a run was taken on ------------------------------------------------------------
 
 
+# The CPU flags that decide which of kvcellar's kernels and llama.cpp's run (and so the ratios
+# between them): recorded with every run.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_info() -> dict[str, Any]:
+    """Where a figure ran: the CPU's name, vendor, family and model numbers (a Zen 4 and a Zen 5
+    share a name's pattern), the kernel-deciding flags it lists, and the forms of kvcellar's
+    kernels it runs."""
+    info: dict[str, Any] = {}
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip() and fields:
+                    break  # the first CPU's fields
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    info["cpu"] = fields.get("model name")
+    info["cpu_vendor"] = fields.get("vendor_id")
+    info["cpu_family"] = int(fields["cpu family"]) if fields.get("cpu family", "").isdigit() else None
+    info["cpu_model"] = int(fields["model"]) if fields.get("model", "").isdigit() else None
+    info["cpu_flags"] = [f for f in KERNEL_FLAGS if f in flags]
+    try:
+        from kvcellar.engine import native
+
+        info["cpu_kernels"] = native.cpu_kernels()
+    except (ImportError, OSError, RuntimeError):
+        info["cpu_kernels"] = None
+    return info
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -162,9 +198,8 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+    info.update(cpu_info())
     try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
         with open("/proc/meminfo") as f:
             info["mem_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     except (OSError, StopIteration, ValueError, IndexError):
@@ -180,3 +215,15 @@ def machine_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """One line saying where a run took its figures (``machine_info``'s record)."""
+    kernels = m.get("cpu_kernels") or {}
+    forms = ("none (torch's)" if not kernels.get("native") else
+             f"{kernels.get('vectors')}, {kernels.get('int4_panels_at_once')} int4 panels at once, "
+             f"AMX tiles {'yes' if kernels.get('amx') else 'no'}")
+    return (f"machine: {m.get('cpu')} ({m.get('cpu_vendor')} family {m.get('cpu_family')} model "
+            f"{m.get('cpu_model')}), {m.get('cpus')} CPUs, {m.get('mem_gib')} GiB; flags "
+            f"{' '.join(m.get('cpu_flags') or []) or '-'}; kvcellar kernels: {forms}; load at start "
+            f"{m.get('load_avg_at_start')}; kvcellar {m.get('git', m.get('kvcellar'))}")

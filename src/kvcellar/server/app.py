@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.middleware.cors import CORSMiddleware
 
 import kvcellar
-from kvcellar.engine import Engine, observability
+from kvcellar.engine import Engine, native, observability
 from kvcellar.engine.loader import linear_kernels
 from kvcellar.server import errors, tenants
 from kvcellar.server.anthropic import adapter as anthropic
@@ -129,6 +129,9 @@ class ServerState:
             "backend": self.engine.loaded.engine,  # the framework computing the model (--engine): torch or mlx
             "weights": self.engine.loaded.weights,
             "linears": linear_kernels(self.engine.loaded.model),  # how many run which kernel
+            # the forms of kvcellar's CPU kernels this machine runs (AVX2 / AVX-512, AMX tiles)
+            "cpu_kernels": (native.cpu_kernels() if self.engine.loaded.engine == "torch"
+                            and self.engine.loaded.device.type == "cpu" else None),
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
             # The activations' dtype in the quantized kernels, where it is not ``dtype``.
             "kernel_dtype": (str(self.engine.loaded.kernel_dtype).removeprefix("torch.")

@@ -545,12 +545,13 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
 }
 
 /* Panels p and p + 1 (a pair, kept interleaved) of a weight in the panel layout against
- * activation rows a0..a1-1. */
+ * activation rows a0..a1-1: the first rows on AMX tiles where acts holds them packed (from row
+ * a0 on), the rest by pair_tile. */
 static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t panels,
                              int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                             int64_t a0, int64_t a1, dest y, int64_t out) {
+                             int64_t a0, int64_t a1, dest y, int64_t out, const amx_acts *acts) {
     const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
-    int64_t a = a0;
+    int64_t a = a0 + q4_pair_amx(k.w, k.s, k.o, blocks, acts, dest_at(y, a0 * out + p * PANEL), out);
     for (; a + MR2 <= a1; a += MR2)
         pair_tile(k.w, k.s, k.o, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
                   dest_at(y, a * out + p * PANEL), out, MR2);
@@ -567,12 +568,13 @@ int q4_panel_step(void) {
 }
 
 /* The unit of a weight kept as panels that starts at panel p (of `panels`): q4_panel_step()
- * panels, fewer at the end. */
+ * panels, fewer at the end; acts: rows a0.. packed for AMX tiles (amx_pack), or NULL. */
 static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                     int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
-                                    const float *xs, int64_t a0, int64_t a1, dest y, int64_t out) {
+                                    const float *xs, int64_t a0, int64_t a1, dest y, int64_t out,
+                                    const amx_acts *acts) {
     if (q4_panel_step() == 2 && p + 1 < panels)
-        pair_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
+        pair_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out, acts);
     else
         packed_panel_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
 }
@@ -589,7 +591,7 @@ static inline int packed_units_at_a_time(int64_t rows, int64_t step) {
  * bfloat16 where y_bf16 (each output rounded as torch rounds the float32 one). */
 typedef struct {
     const uint8_t *pw; const uint16_t *ps, *po; int64_t out, cols; const int8_t *xq; const float *xd, *xs;
-    int64_t a0, a1; dest y;
+    int64_t a0, a1; dest y; const amx_acts *acts;
 } q4p_call;
 
 static void gemm_q4p_units(void *ctx, int64_t u0, int64_t u1, int thread) {
@@ -598,7 +600,7 @@ static void gemm_q4p_units(void *ctx, int64_t u0, int64_t u1, int thread) {
     const int64_t blocks = c->cols / BLOCK, panels = c->out / PANEL, unit = q4_panel_step();
     for (int64_t u = u0; u < u1; u++)
         packed_unit_rows(c->pw, c->ps, c->po, u * unit, panels, blocks, c->cols, c->xq, c->xd, c->xs, c->a0, c->a1,
-                         c->y, c->out);
+                         c->y, c->out, c->acts);
 }
 
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
@@ -607,8 +609,12 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
     const int64_t panels = out / PANEL, unit = q4_panel_step();
     int64_t step = ACT_BYTES / cols / MR * MR;
     if (step < MR) step = MR;
+    const int64_t blocks = cols / BLOCK;
     for (int64_t a0 = 0; a0 < rows; a0 += step) {
-        q4p_call c = {pw, ps, po, out, cols, xq, xd, xs, a0, a0 + step < rows ? a0 + step : rows, {y, y_bf16}};
+        const int64_t a1 = a0 + step < rows ? a0 + step : rows;
+        amx_acts acts;
+        amx_pack(xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks, a1 - a0, cols, &acts, threads);
+        q4p_call c = {pw, ps, po, out, cols, xq, xd, xs, a0, a1, {y, y_bf16}, &acts};
         pool_for(threads, (panels + unit - 1) / unit, packed_units_at_a_time(c.a1 - a0, unit), gemm_q4p_units, &c);
     }
 }
@@ -620,7 +626,7 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
  * linear; weights kept as panels take any step this way. */
 typedef struct {
     const int64_t *w, *scales, *offsets, *outs, *ys; const moe_unit *units; int64_t cols; const int8_t *xq;
-    const float *xd, *xs; int64_t rows; int panels, y_bf16;
+    const float *xd, *xs; int64_t rows; int panels, y_bf16; const amx_acts *acts;
 } q4_many_call;
 
 static void gemm_q4_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
@@ -633,7 +639,7 @@ static void gemm_q4_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
         const uint16_t *si = (const uint16_t *)c->scales[i], *oi = (const uint16_t *)c->offsets[i];
         if (c->panels) {
             packed_unit_rows(wi, si, oi, c->units[u].g, out / PANEL, blocks, cols, c->xq, c->xd, c->xs, 0, rows,
-                             (dest){(void *)c->ys[i], c->y_bf16}, out);
+                             (dest){(void *)c->ys[i], c->y_bf16}, out, c->acts);
             continue;
         }
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
@@ -651,7 +657,9 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
     const int64_t step = panels ? q4_panel_step() : 1;
     moe_unit *units = linear_units(outs, count, step, &n);
     if (!units) return -1;
-    q4_many_call c = {w, scales, offsets, outs, ys, units, cols, xq, xd, xs, rows, panels, y_bf16};
+    amx_acts acts = {NULL, NULL, NULL, 0};
+    if (panels) amx_pack(xq, xd, xs, rows, cols, &acts, threads);
+    q4_many_call c = {w, scales, offsets, outs, ys, units, cols, xq, xd, xs, rows, panels, y_bf16, &acts};
     pool_for(threads, n, panels ? packed_units_at_a_time(rows, step) : ROW_GROUPS, gemm_q4_many_units, &c);
     free(units);
     return 0;
@@ -695,7 +703,7 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                                int64_t a0, int64_t a1, float *y, int panels, panel_scratch scratch) {
     if (panels) {
-        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, (dest){y, 0}, out);
+        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, (dest){y, 0}, out, NULL);
         return;
     }
     if (a1 - a0 >= PANEL && scratch.packed && scratch.ps && scratch.po) {

@@ -12,6 +12,7 @@
  *               around it
  *   router.c    mixture-of-experts routers: logits, the experts taken and their weights
  *   crc32.c     the block files' checksum
+ *   amx.c       int4 panels on AMX tiles (prefill-sized steps, where the CPU has them)
  *   pool.c      the threads the kernels' loops run on
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
@@ -288,6 +289,17 @@ static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t
     return units;
 }
 
+/* AMX tiles (amx.c). A call's activation rows packed for them (amx_pack: whole tiles of 16 rows
+ * from its first row; tiles 0 where they do not run: another CPU, fewer rows), and a pair of
+ * int4 panels kept interleaved (pw, ps, po: the pair's; y: its first output of the first row)
+ * multiplied on them: returns the rows done (the tiles' rows; 0 where acts is NULL or empty). */
+typedef struct { const int8_t *q; const float *d, *s; int64_t tiles; } amx_acts;
+int amx_cpu(void);
+int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, int64_t cols, amx_acts *acts,
+             int threads);
+int64_t q4_pair_amx(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks, const amx_acts *acts,
+                    dest y, int64_t out);
+
 /* Groups of 8 rows (panels) a unit of int4 weights kept as panels takes: 2 where the CPU
  * multiplies two panels at once (AVX-512's 8-bit dot product), else 1 (int4.c). */
 int q4_panel_step(void);
@@ -365,6 +377,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
 int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
 void kvc_pool_spin(int64_t microseconds);
+int kvc_amx(void);
 void kvc_pool_counts(int64_t *out);
 uint32_t kvc_crc32(const uint8_t *buf, int64_t len, uint32_t crc);
 int kvc_gated_delta(const float *q, const float *k, const float *v, const float *decay, const float *beta, float *states, int64_t n_slots, const int64_t *slots, const int64_t *captures, int64_t rows, int64_t heads, int64_t key_dim, int64_t value_dim, float *out, int threads);

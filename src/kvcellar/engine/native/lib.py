@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADER = HERE / "kvc.h"
-SOURCES = tuple(HERE / f"{name}.c"
-                for name in ("quantize", "int4", "int8", "mxfp4", "moe", "kv", "crc32", "recurrent", "router", "pool"))
+SOURCES = tuple(HERE / f"{name}.c" for name in ("quantize", "int4", "amx", "int8", "mxfp4", "moe", "kv", "crc32",
+                                                "recurrent", "router", "pool"))
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
@@ -68,7 +68,7 @@ def signatures() -> dict[str, Signature]:
     found = {}
     for result, name, params in _PROTOTYPE.findall(HEADER.read_text()):
         args = []
-        for param in " ".join(params.split()).split(", "):
+        for param in [] if params.strip() == "void" else " ".join(params.split()).split(", "):
             pointer = "*" in param
             ctype_name, _, arg = param.replace("const ", "").replace("*", " ").rpartition(" ")
             args.append((arg.strip(), ctypes.c_void_p if pointer else _CTYPES[ctype_name.strip()]))
@@ -173,7 +173,8 @@ _bound: dict[str, Callable[..., Any]] = {}
 def _keywords(name: str, lib: ctypes.CDLL) -> Callable[..., Any]:
     params = [arg for arg, _ in signatures()[name].params]
     namespace: dict[str, Any] = {"fn": getattr(lib, name)}
-    exec(f"def {name}(*, {', '.join(params)}):\n    return fn({', '.join(params)})\n", namespace)
+    keywords = f"*, {', '.join(params)}" if params else ""
+    exec(f"def {name}({keywords}):\n    return fn({', '.join(params)})\n", namespace)
     made: Callable[..., Any] = namespace[name]
     return made
 

@@ -76,6 +76,23 @@ def wide_panels() -> bool:
     return lib.cpu_flags() >= WIDE_FLAGS and os.environ.get(lib.AVX512_SWITCH, "1") != "0"
 
 
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether int4 weights kept as panels take prefill-sized steps on AMX tiles here (``amx.c``:
+    the CPU has AMX-INT8, Linux gives the process the tile state, ``KVCELLAR_AMX`` is not 0),
+    to the bits of the AVX-512 kernels."""
+    return lib.available() and bool(lib.call("kvc_amx"))
+
+
+def cpu_kernels() -> dict[str, object]:
+    """The kernels' forms this CPU runs, for ``/health`` and the benchmarks' records: the vector
+    width, the int4 panels multiplied at once, and AMX tiles."""
+    if not lib.available():
+        return {"native": False}
+    return {"native": True, "vectors": "avx512" if wide_panels() else "avx2",
+            "int4_panels_at_once": 2 if wide_panels() else 1, "amx": amx_tiles()}
+
+
 def panel_min_rows(out: int) -> int:
     """Rows from which on ``matmul_int4`` multiplies panels of ``out`` outputs, on this CPU."""
     return WIDE_PANEL_MIN_ROWS if out % WIDE_PANEL == 0 and wide_panels() else PANEL_MIN_ROWS
