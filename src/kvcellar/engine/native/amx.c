@@ -47,8 +47,8 @@ static const uint8_t tile_config[64] __attribute__((aligned(64))) = {
     [48] = 16, [49] = 16, [50] = 16, [51] = 16, [52] = 8, [53] = 8,
 };
 
-/* Per thread, memory kept for its next call (freed with the thread): a worker's B tiles for one
- * pair, a caller's packed activations. */
+/* Per thread, memory kept for its next call (freed with the thread): a worker's B tiles for its
+ * pairs, a caller's packed activations. */
 static pthread_key_t keys[2];
 static pthread_once_t keys_once = PTHREAD_ONCE_INIT;
 typedef struct { void *p; int64_t room; } kept;
@@ -186,18 +186,19 @@ static AMX void tile_rows(const uint8_t *bt, const uint16_t *ps, const uint16_t 
     }
 }
 
-static AMX int64_t pair_on_tiles(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks,
-                                 const amx_acts *acts, dest y, int64_t out, uint8_t *bt) {
-    unpack_pair(pw, blocks, bt);
+static AMX int64_t pairs_on_tiles(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts, uint8_t *bt) {
+    for (int i = 0; i < n; i++) unpack_pair(pairs[i].w, blocks, bt + i * blocks * B_BYTES);
     _tile_loadconfig(tile_config);
-    for (int64_t t = 0; t < acts->tiles; t++) tile_rows(bt, ps, po, blocks, acts, t, dest_at(y, t * AMX_ROWS * out), out);
+    for (int64_t t = 0; t < acts->tiles; t++)
+        for (int i = 0; i < n; i++)
+            tile_rows(bt + i * blocks * B_BYTES, pairs[i].s, pairs[i].o, blocks, acts, t,
+                      dest_at(pairs[i].y, t * AMX_ROWS * pairs[i].out), pairs[i].out);
     _tile_release();
     return acts->tiles * AMX_ROWS;
 }
 
-int64_t q4_pair_amx(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks, const amx_acts *acts,
-                    dest y, int64_t out) {
-    if (!acts || acts->tiles == 0) return 0;
-    uint8_t *bt = scratch(B_TILES, blocks * B_BYTES);
-    return bt ? pair_on_tiles(pw, ps, po, blocks, acts, y, out, bt) : 0;
+int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts) {
+    if (n == 0 || acts->tiles == 0) return 0;
+    uint8_t *bt = scratch(B_TILES, n * blocks * B_BYTES);
+    return bt ? pairs_on_tiles(pairs, n, blocks, acts, bt) : 0;
 }

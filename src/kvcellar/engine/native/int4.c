@@ -545,13 +545,12 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
 }
 
 /* Panels p and p + 1 (a pair, kept interleaved) of a weight in the panel layout against
- * activation rows a0..a1-1: the first rows on AMX tiles where acts holds them packed (from row
- * a0 on), the rest by pair_tile. */
+ * activation rows a0..a1-1. */
 static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p, int64_t panels,
                              int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
-                             int64_t a0, int64_t a1, dest y, int64_t out, const amx_acts *acts) {
+                             int64_t a0, int64_t a1, dest y, int64_t out) {
     const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
-    int64_t a = a0 + q4_pair_amx(k.w, k.s, k.o, blocks, acts, dest_at(y, a0 * out + p * PANEL), out);
+    int64_t a = a0;
     for (; a + MR2 <= a1; a += MR2)
         pair_tile(k.w, k.s, k.o, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
                   dest_at(y, a * out + p * PANEL), out, MR2);
@@ -567,23 +566,36 @@ int q4_panel_step(void) {
     return avx512_cpu() ? 2 : 1;
 }
 
+/* Whether the unit of a weight kept as panels that starts at panel p (of `panels`) is a pair. */
+static inline int unit_is_pair(int64_t p, int64_t panels) {
+    return q4_panel_step() == 2 && p + 1 < panels;
+}
+
 /* The unit of a weight kept as panels that starts at panel p (of `panels`): q4_panel_step()
- * panels, fewer at the end; acts: rows a0.. packed for AMX tiles (amx_pack), or NULL. */
+ * panels, fewer at the end. */
 static inline void packed_unit_rows(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                     int64_t panels, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
-                                    const float *xs, int64_t a0, int64_t a1, dest y, int64_t out,
-                                    const amx_acts *acts) {
-    if (q4_panel_step() == 2 && p + 1 < panels)
-        pair_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out, acts);
+                                    const float *xs, int64_t a0, int64_t a1, dest y, int64_t out) {
+    if (unit_is_pair(p, panels))
+        pair_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
     else
         packed_panel_rows(pw, ps, po, p, panels, blocks, cols, xq, xd, xs, a0, a1, y, out);
 }
 
+/* The pair of a weight kept as panels that starts at panel p, for the AMX tiles; y: the weight's
+ * output of the first activation row. */
+static inline amx_pair pair_for_tiles(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
+                                      int64_t panels, int64_t blocks, dest y, int64_t out) {
+    const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
+    return (amx_pair){k.w, k.s, k.o, dest_at(y, p * PANEL), out};
+}
+
 /* Units of `step` kept panels a thread takes at a time for `rows` activation rows: a decode
  * step's ROW_GROUPS groups of 8 rows; a prefill's units (panels x every row) are long, and one
- * at a time keeps the threads even. */
-static inline int packed_units_at_a_time(int64_t rows, int64_t step) {
-    return rows < PANEL ? (int)(ROW_GROUPS / step) : 1;
+ * at a time keeps the threads even, or AMX_GROUP pairs where they run on AMX tiles (each tile
+ * of activations then serves them all while it is in the cache). */
+static inline int packed_units_at_a_time(int64_t rows, int64_t step, const amx_acts *acts) {
+    return rows < PANEL ? (int)(ROW_GROUPS / step) : acts->tiles ? AMX_GROUP : 1;
 }
 
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
@@ -594,13 +606,28 @@ typedef struct {
     int64_t a0, a1; dest y; const amx_acts *acts;
 } q4p_call;
 
+/* Units u0..u1-1 (at most AMX_GROUP) of the call: their pairs' rows on AMX tiles where the
+ * activations were packed for them, then every unit's rows left by the panel kernels. */
+static void q4p_units(const q4p_call *c, int64_t u0, int64_t u1) {
+    const int64_t blocks = c->cols / BLOCK, panels = c->out / PANEL, unit = q4_panel_step();
+    int64_t tiled = 0;  /* rows of the pairs done on AMX tiles */
+    if (c->acts->tiles) {
+        amx_pair pairs[AMX_GROUP];
+        int n = 0;
+        for (int64_t u = u0; u < u1; u++)
+            if (unit_is_pair(u * unit, panels))
+                pairs[n++] = pair_for_tiles(c->pw, c->ps, c->po, u * unit, panels, blocks, dest_at(c->y, c->a0 * c->out),
+                                            c->out);
+        tiled = q4_pairs_amx(pairs, n, blocks, c->acts);
+    }
+    for (int64_t u = u0; u < u1; u++)
+        packed_unit_rows(c->pw, c->ps, c->po, u * unit, panels, blocks, c->cols, c->xq, c->xd, c->xs,
+                         c->a0 + (unit_is_pair(u * unit, panels) ? tiled : 0), c->a1, c->y, c->out);
+}
+
 static void gemm_q4p_units(void *ctx, int64_t u0, int64_t u1, int thread) {
     (void)thread;
-    const q4p_call *c = ctx;
-    const int64_t blocks = c->cols / BLOCK, panels = c->out / PANEL, unit = q4_panel_step();
-    for (int64_t u = u0; u < u1; u++)
-        packed_unit_rows(c->pw, c->ps, c->po, u * unit, panels, blocks, c->cols, c->xq, c->xd, c->xs, c->a0, c->a1,
-                         c->y, c->out, c->acts);
+    for (int64_t u = u0; u < u1; u += AMX_GROUP) q4p_units(ctx, u, u + AMX_GROUP < u1 ? u + AMX_GROUP : u1);
 }
 
 void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols,
@@ -615,7 +642,8 @@ void kvc_gemm_q4p(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int
         amx_acts acts;
         amx_pack(xq + a0 * cols, xd + a0 * blocks, xs + a0 * blocks, a1 - a0, cols, &acts, threads);
         q4p_call c = {pw, ps, po, out, cols, xq, xd, xs, a0, a1, {y, y_bf16}, &acts};
-        pool_for(threads, (panels + unit - 1) / unit, packed_units_at_a_time(c.a1 - a0, unit), gemm_q4p_units, &c);
+        pool_for(threads, (panels + unit - 1) / unit, packed_units_at_a_time(c.a1 - a0, unit, &acts), gemm_q4p_units,
+                 &c);
     }
 }
 
@@ -629,23 +657,41 @@ typedef struct {
     const float *xd, *xs; int64_t rows; int panels, y_bf16; const amx_acts *acts;
 } q4_many_call;
 
-static void gemm_q4_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
-    (void)thread;
-    const q4_many_call *c = ctx;
+/* Units u0..u1-1 (at most AMX_GROUP) of the call, as q4p_units. */
+static void q4_many_units(const q4_many_call *c, int64_t u0, int64_t u1) {
     const int64_t blocks = c->cols / BLOCK, cols = c->cols, rows = c->rows;
+    int64_t tiled = 0;  /* rows of the pairs done on AMX tiles */
+    if (c->acts->tiles) {
+        amx_pair pairs[AMX_GROUP];
+        int n = 0;
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t i = c->units[u].e, out = c->outs[i];
+            if (unit_is_pair(c->units[u].g, out / PANEL))
+                pairs[n++] = pair_for_tiles((const uint8_t *)c->w[i], (const uint16_t *)c->scales[i],
+                                            (const uint16_t *)c->offsets[i], c->units[u].g, out / PANEL, blocks,
+                                            (dest){(void *)c->ys[i], c->y_bf16}, out);
+        }
+        tiled = q4_pairs_amx(pairs, n, blocks, c->acts);
+    }
     for (int64_t u = u0; u < u1; u++) {
         const int64_t i = c->units[u].e, out = c->outs[i];
         const uint8_t *wi = (const uint8_t *)c->w[i];
         const uint16_t *si = (const uint16_t *)c->scales[i], *oi = (const uint16_t *)c->offsets[i];
         if (c->panels) {
-            packed_unit_rows(wi, si, oi, c->units[u].g, out / PANEL, blocks, cols, c->xq, c->xd, c->xs, 0, rows,
-                             (dest){(void *)c->ys[i], c->y_bf16}, out, c->acts);
+            packed_unit_rows(wi, si, oi, c->units[u].g, out / PANEL, blocks, cols, c->xq, c->xd, c->xs,
+                             unit_is_pair(c->units[u].g, out / PANEL) ? tiled : 0, rows,
+                             (dest){(void *)c->ys[i], c->y_bf16}, out);
             continue;
         }
         for (int64_t a0 = 0; a0 < rows; a0 += TILE)
             q4_rows8(wi, si, oi, c->units[u].g * 8, out, blocks, c->xq + a0 * cols, c->xd + a0 * blocks,
                      c->xs + a0 * blocks, rows - a0 < TILE ? (int)(rows - a0) : TILE, (float *)c->ys[i] + a0 * out);
     }
+}
+
+static void gemm_q4_many_units(void *ctx, int64_t u0, int64_t u1, int thread) {
+    (void)thread;
+    for (int64_t u = u0; u < u1; u += AMX_GROUP) q4_many_units(ctx, u, u + AMX_GROUP < u1 ? u + AMX_GROUP : u1);
 }
 
 static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs,
@@ -660,7 +706,7 @@ static int gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *
     amx_acts acts = {NULL, NULL, NULL, 0};
     if (panels) amx_pack(xq, xd, xs, rows, cols, &acts, threads);
     q4_many_call c = {w, scales, offsets, outs, ys, units, cols, xq, xd, xs, rows, panels, y_bf16, &acts};
-    pool_for(threads, n, panels ? packed_units_at_a_time(rows, step) : ROW_GROUPS, gemm_q4_many_units, &c);
+    pool_for(threads, n, panels ? packed_units_at_a_time(rows, step, &acts) : ROW_GROUPS, gemm_q4_many_units, &c);
     free(units);
     return 0;
 }
@@ -703,7 +749,7 @@ static inline void moe_q4_unit(const uint8_t *we, const uint16_t *se, const uint
                                int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, const float *xs,
                                int64_t a0, int64_t a1, float *y, int panels, panel_scratch scratch) {
     if (panels) {
-        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, (dest){y, 0}, out, NULL);
+        packed_unit_rows(we, se, oe, g, out / PANEL, blocks, cols, xq, xd, xs, a0, a1, (dest){y, 0}, out);
         return;
     }
     if (a1 - a0 >= PANEL && scratch.packed && scratch.ps && scratch.po) {

@@ -290,15 +290,18 @@ static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t
 }
 
 /* AMX tiles (amx.c). A call's activation rows packed for them (amx_pack: whole tiles of 16 rows
- * from its first row; tiles 0 where they do not run: another CPU, fewer rows), and a pair of
- * int4 panels kept interleaved (pw, ps, po: the pair's; y: its first output of the first row)
- * multiplied on them: returns the rows done (the tiles' rows; 0 where acts is NULL or empty). */
+ * from its first row; tiles 0 where they do not run: another CPU, fewer rows), and up to
+ * AMX_GROUP pairs of int4 panels kept interleaved (each: the pair's weights, scales and offsets,
+ * and y, its first output of the first activation row) multiplied on them, each tile of
+ * activations against every pair while it is in the cache: returns the rows done (the tiles'
+ * rows; 0 where none ran). */
+#define AMX_GROUP 4
 typedef struct { const int8_t *q; const float *d, *s; int64_t tiles; } amx_acts;
+typedef struct { const uint8_t *w; const uint16_t *s, *o; dest y; int64_t out; } amx_pair;
 int amx_cpu(void);
 int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, int64_t cols, amx_acts *acts,
              int threads);
-int64_t q4_pair_amx(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks, const amx_acts *acts,
-                    dest y, int64_t out);
+int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts);
 
 /* Groups of 8 rows (panels) a unit of int4 weights kept as panels takes: 2 where the CPU
  * multiplies two panels at once (AVX-512's 8-bit dot product), else 1 (int4.c). */
