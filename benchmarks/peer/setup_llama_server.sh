@@ -88,10 +88,10 @@ EOF
 }
 amx_flags=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
 if [[ "$AMX" == on ]] || { [[ "$AMX" == auto ]] && amx_runs; }; then
-    # GCC 12 drops the stores that fill ggml's tile configuration (a struct on the stack that only
-    # ldtilecfg reads), and the server dies with SIGILL at its first tile instruction;
-    # -fno-tree-dse keeps them.
-    amx_flags=("-DCMAKE_C_FLAGS=-fno-tree-dse" "-DCMAKE_CXX_FLAGS=-fno-tree-dse")
+    # GCC 12's dead-store pass drops the stores that fill ggml's tile configuration (a struct on
+    # the stack that only ldtilecfg reads), and the server dies with SIGILL at its first tile
+    # instruction (the SIGILL this script once blamed on the OS); -fno-dse keeps them.
+    amx_flags=("-DCMAKE_C_FLAGS=-fno-dse" "-DCMAKE_CXX_FLAGS=-fno-dse")
     echo "AMX runs here: built in" >&2
 fi
 echo "building llama-server from $WORK/$src/vendor/llama.cpp" >&2
