@@ -176,14 +176,7 @@ static AMX void tile_rows(const uint8_t *bt, const uint16_t *ps, const uint16_t 
         scale_block(dots[0], ps, po, b, d + b * AMX_ROWS, s + b * AMX_ROWS, acc);
     }
     #pragma GCC unroll 16
-    for (int a = 0; a < AMX_ROWS; a++) {
-        if (y.bf16) {
-            put8(y, a * out, _mm512_castps512_ps256(acc[a]));
-            put8(y, a * out + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a]), 1)));
-        } else {
-            _mm512_storeu_ps((float *)y.base + a * out, acc[a]);
-        }
-    }
+    for (int a = 0; a < AMX_ROWS; a++) put16_wide(y, a * out, acc[a]);
 }
 
 static AMX int64_t pairs_on_tiles(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts, uint8_t *bt) {

@@ -534,14 +534,7 @@ static inline AVX512 __attribute__((always_inline)) void pair_tile(
             acc[a] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xs[a * blocks + b]), acc[a]);
         }
     }
-    for (int a = 0; a < N; a++) {
-        if (y.bf16) {
-            put8(y, a * out, _mm512_castps512_ps256(acc[a]));
-            put8(y, a * out + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a]), 1)));
-        } else {
-            _mm512_storeu_ps((float *)y.base + a * out, acc[a]);
-        }
-    }
+    for (int a = 0; a < N; a++) put16_wide(y, a * out, acc[a]);
 }
 
 /* Panels p and p + 1 (a pair, kept interleaved) of a weight in the panel layout against

@@ -177,6 +177,16 @@ static inline void put8(dest d, int64_t at, __m256 v) {
     else _mm256_storeu_ps((float *)d.base + at, v);
 }
 
+/* Outputs at..at+15 of d from one 512-bit vector (AVX-512 kernels). */
+static inline AVX512 __attribute__((always_inline)) void put16_wide(dest d, int64_t at, __m512 v) {
+    if (d.bf16) {
+        put8(d, at, _mm512_castps512_ps256(v));
+        put8(d, at + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    } else {
+        _mm512_storeu_ps((float *)d.base + at, v);
+    }
+}
+
 /* 16 values stored: as float32, or (already bf16 values) as their upper halves. */
 static inline __attribute__((always_inline)) void put16(__m256 a, __m256 b, void *out, int64_t at, const int BF16) {
     if (BF16) {
