@@ -13,6 +13,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+/* Compilers before GCC 11 and clang 12 have no AMX intrinsics: the library then builds without the
+ * tiles (amx_cpu() 0), rather than not at all. */
+#ifndef KVC_AMX_BUILT
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define KVC_AMX_BUILT 1
+#else
+#define KVC_AMX_BUILT 0
+#endif
+#endif
+
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 /* Activation rows of a tile (its most), and bytes of a block's weights as a B tile (8 rows of
  * 16 outputs x 4 inputs). */
@@ -26,7 +36,7 @@ int amx_cpu(void) {
     if (has < 0) {
         unsigned a, b, c, d;
         const char *off = getenv("KVCELLAR_AMX");
-        int ok = avx512_cpu() && !(off && strcmp(off, "0") == 0) && __get_cpuid_count(7, 0, &a, &b, &c, &d)
+        int ok = KVC_AMX_BUILT && avx512_cpu() && !(off && strcmp(off, "0") == 0) && __get_cpuid_count(7, 0, &a, &b, &c, &d)
                  && (d >> 24 & 1) && (d >> 25 & 1);  /* AMX-TILE, AMX-INT8 */
         /* Linux hands the tile state only to a process that asks for it; a VM's CPUID may list
          * AMX that its kernel does not enable (the request then fails) */
@@ -38,6 +48,7 @@ int amx_cpu(void) {
 
 int kvc_amx(void) { return amx_cpu(); }
 
+#if KVC_AMX_BUILT
 /* Palette 1: tiles 0-1 dot products (16 rows x 16 int32), 2-3 activations (16 rows x one
  * block's 32 bytes), 4-5 weights (8 rows x 64 bytes). Static: the compiler keeps every byte of
  * it (a configuration built on the stack had its stores dropped before ldtilecfg at -O2). */
@@ -46,6 +57,8 @@ static const uint8_t tile_config[64] __attribute__((aligned(64))) = {
     [16] = 64, [18] = 64, [20] = 32, [22] = 32, [24] = 64, [26] = 64,
     [48] = 16, [49] = 16, [50] = 16, [51] = 16, [52] = 8, [53] = 8,
 };
+
+#endif
 
 /* Per thread, memory kept for its next call (freed with the thread): a worker's B tiles for its
  * pairs, a caller's packed activations. */
@@ -72,6 +85,7 @@ static void *scratch(int which, int64_t bytes) {
     return k->p;
 }
 
+#if KVC_AMX_BUILT
 /* The pair's blocks as B tiles: block b's rows 0-3 the low nibbles of chunks 0-3 of both
  * panels (lanes 0-7 the first panel's rows, 8-15 the second's, pair_tile's), rows 4-7 the high
  * nibbles: row k holds, for each output, the weights of inputs 4k..4k+3 of the activations'
@@ -90,6 +104,8 @@ static AMX void unpack_pair(const uint8_t *pw, int64_t blocks, uint8_t *bt) {
         }
     }
 }
+
+#endif
 
 /* Activations packed for the tiles, once a call (amx_pack): tile t's block b is 16 rows x 32
  * bytes, contiguous (16 rows a row apart cost 8 cache lines more a load), and its rows' scales
@@ -126,6 +142,7 @@ int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, i
     return 0;
 }
 
+#if KVC_AMX_BUILT
 /* acc[a] += block b's scaled dot products (dots: 16 rows of 16 int32; d, s: the 16 rows' scales
  * and sums) for the tile's rows. */
 static inline AMX __attribute__((always_inline)) void scale_block(const int32_t *dots, const uint16_t *ps,
@@ -190,8 +207,16 @@ static AMX int64_t pairs_on_tiles(const amx_pair *pairs, int n, int64_t blocks, 
     return acts->tiles * AMX_ROWS;
 }
 
+#endif
+
 int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts) {
-    if (n == 0 || acts->tiles == 0) return 0;
+    if (n == 0 || acts->tiles == 0) return 0;  /* tiles 0 wherever amx_cpu() is 0 */
+#if KVC_AMX_BUILT
     uint8_t *bt = scratch(B_TILES, n * blocks * B_BYTES);
     return bt ? pairs_on_tiles(pairs, n, blocks, acts, bt) : 0;
+#else
+    (void)pairs;
+    (void)blocks;
+    return 0;
+#endif
 }
