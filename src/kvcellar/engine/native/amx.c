@@ -4,8 +4,11 @@
  * dot product of each block is the same exact integer as pair_tile's, and each output's float
  * operations are pair_tile's in its order (per block fma(dot, scale x activation scale) then
  * fma(offset, activation sum)): its bits, so a row's outputs do not depend on whether its step
- * ran here. Taken where the CPU lists AMX-INT8, the OS gives the process the tile state and
- * KVCELLAR_AMX is not 0; steps of fewer than AMX_ROWS rows keep pair_tile. */
+ * ran here. A call's activations are packed into tiles once (amx_pack), each pair's weights
+ * unpacked into B tiles once, and a thread runs each tile of activations against up to
+ * AMX_GROUP pairs while it is in the cache. Taken where the CPU lists AMX-INT8, the OS gives the
+ * process the tile state and KVCELLAR_AMX is not 0; rows past the last whole tile of 16, and
+ * smaller steps, keep pair_tile. */
 #include "kvc.h"
 
 #include <cpuid.h>
@@ -36,8 +39,8 @@ int amx_cpu(void) {
     if (has < 0) {
         unsigned a, b, c, d;
         const char *off = getenv("KVCELLAR_AMX");
-        int ok = KVC_AMX_BUILT && avx512_cpu() && !(off && strcmp(off, "0") == 0) && __get_cpuid_count(7, 0, &a, &b, &c, &d)
-                 && (d >> 24 & 1) && (d >> 25 & 1);  /* AMX-TILE, AMX-INT8 */
+        int ok = KVC_AMX_BUILT && avx512_cpu() && !(off && strcmp(off, "0") == 0)
+                 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);  /* AMX-TILE, -INT8 */
         /* Linux hands the tile state only to a process that asks for it; a VM's CPUID may list
          * AMX that its kernel does not enable (the request then fails) */
         if (ok && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) ok = 0;
@@ -57,7 +60,6 @@ static const uint8_t tile_config[64] __attribute__((aligned(64))) = {
     [16] = 64, [18] = 64, [20] = 32, [22] = 32, [24] = 64, [26] = 64,
     [48] = 16, [49] = 16, [50] = 16, [51] = 16, [52] = 8, [53] = 8,
 };
-
 #endif
 
 /* Per thread, memory kept for its next call (freed with the thread): a worker's B tiles for its
