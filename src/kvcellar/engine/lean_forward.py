@@ -4,9 +4,9 @@ transformers' model code runs each step through ~15 module calls per layer (hook
 plumbing, the attention-interface lookup, output dataclasses) and builds a causal mask our
 paged attention never reads. ``LeanForward`` walks the same layers itself: the same weight
 tensors, the same functions in the same order (the model's own ``apply_rotary_pos_emb``,
-``act_fn`` and rotary module, RMSNorm written out exactly as transformers computes it, our
-``paged_attention``), so its logits are bitwise those of the module path (tested), with less
-Python per step. The linears are those ``engine/linears.py`` prepared (prepacked, quantized,
+``act_fn`` and rotary module, RMSNorm written out exactly as transformers computes it or, on
+CPU, kvcellar's kernel, which the model's norm modules then run too; our ``paged_attention``),
+so its logits are bitwise those of the module path (tested), with less Python per step. The linears are those ``engine/linears.py`` prepared (prepacked, quantized,
 QKV and gate-up fused into one call each: the module path calls the same fused linear and
 slices it, so both paths still give the same numbers).
 
@@ -37,6 +37,7 @@ from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
 from kvcellar.engine.linears import FusedPart, call_together
 from kvcellar.engine.linears import call_of as _linear
+from kvcellar.engine.native.norm import rms_norm_for
 
 # CausalLM class -> the decoder layer class it must hold.
 SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2DecoderLayer",
@@ -73,13 +74,20 @@ def fusion_groups(model: Any) -> list[tuple[str, list[str]]]:
     return groups
 
 
-def _rms_norm(module: Any, weight: torch.Tensor | None = None,
-              weight_first: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+def _rms_norm(module: Any, weight: torch.Tensor | None = None, weight_first: bool = False,
+              kernels: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """transformers' LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op (GptOssRMSNorm's
     where ``weight_first``); ``weight``: another than the module's that broadcasts the same
-    way (every element gets the same operations)."""
-    weight = module.weight if weight is None else weight
+    way (every element gets the same operations). ``kernels``: a hidden-size norm, on
+    kvcellar's kernels where they run it (``native.rms_norm_for``: its own order of sums); the
+    module then runs it too, so the module path keeps the lean path's numbers."""
     eps: float = module.variance_epsilon
+    if kernels and weight is None:
+        fast = rms_norm_for(module.weight, eps, weight_first)
+        if fast is not None:
+            module.forward = fast
+            return fast
+    weight = module.weight if weight is None else weight
 
     def norm(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -132,8 +140,8 @@ class _Layer:
             self.down = _linear(mlp.down_proj)
             self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = fused_gate_up
-        self.input_norm = _rms_norm(layer.input_layernorm, weight_first=weight_first_norm)
-        self.post_norm = _rms_norm(layer.post_attention_layernorm, weight_first=weight_first_norm)
+        self.input_norm = _rms_norm(layer.input_layernorm, weight_first=weight_first_norm, kernels=True)
+        self.post_norm = _rms_norm(layer.post_attention_layernorm, weight_first=weight_first_norm, kernels=True)
 
 
 def _router(mlp: Any) -> Router | None:
@@ -181,7 +189,7 @@ class LeanForward:
         self.rope = rope
         family = type(model).__name__
         self.layers = [_Layer(layer, family in WEIGHT_FIRST_NORM) for layer in inner.layers]
-        self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM)
+        self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM, kernels=True)
         self.lm_head = _linear(model.lm_head)
         # The other families' RoPE is the standard rotate-half one; applied to query and key
         # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.

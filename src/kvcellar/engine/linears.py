@@ -261,6 +261,7 @@ class FastLinear(nn.Module):
         self._zero: torch.Tensor | None = None
         self.group_size = 0
         self.panels = False  # int4 kept in the panel layout (``native.pack_int4``; offsets None: Q4_0's)
+        self._group: native.Int4Group | native.Int8Group | None = None  # its kernel's call, as a group of one
         if self.quant_kind is not None:
             assert quant is not None
             try:
@@ -301,6 +302,10 @@ class FastLinear(nn.Module):
                     self._q, self._scale, self._zero = native.pack_int4(*mapped, torch.get_num_threads())
                     self.panels = True
                     _drop_mapped_pages(mapped)
+            if quant.kind == "int8":
+                self._group = native.Int8Group([(self._q, self._scale)])
+            elif self.panels:
+                self._group = native.Int4Group([(self._q, self._scale, self._zero)], panels=True)
             return
         self._scale, zero = quant.kernel_params(dtype)
         if quant.kind == "int8":
@@ -404,7 +409,9 @@ class FastLinear(nn.Module):
         if self.native:
             assert self._q is not None and self._scale is not None
             xn, threads = _kernel_input(x2d), torch.get_num_threads()
-            if self.quant_kind == "int8":
+            if self._group is not None:
+                out = self._group(xn, threads, _kernel_output(self.dtype))[0]
+            elif self.quant_kind == "int8":
                 out = native.matmul_int8(xn, self._q, self._scale, threads)
             elif self.quant_kind == "mxfp4":
                 out = native.matmul_mxfp4(xn, self._q, self._scale, threads)

@@ -12,7 +12,6 @@
 #include "kvc.h"
 
 #include <cpuid.h>
-#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -61,31 +60,6 @@ static const uint8_t tile_config[64] __attribute__((aligned(64))) = {
     [48] = 16, [49] = 16, [50] = 16, [51] = 16, [52] = 8, [53] = 8,
 };
 #endif
-
-/* Per thread, memory kept for its next call (freed with the thread): a worker's B tiles for its
- * pairs, a caller's packed activations. */
-static pthread_key_t keys[2];
-static pthread_once_t keys_once = PTHREAD_ONCE_INIT;
-typedef struct { void *p; int64_t room; } kept;
-static __thread kept held[2];
-enum { B_TILES, ACTS };
-
-static void make_keys(void) {
-    pthread_key_create(&keys[B_TILES], free);
-    pthread_key_create(&keys[ACTS], free);
-}
-
-static void *scratch(int which, int64_t bytes) {
-    kept *k = &held[which];
-    if (bytes > k->room) {
-        pthread_once(&keys_once, make_keys);
-        free(k->p);
-        k->p = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
-        k->room = k->p ? bytes : 0;
-        pthread_setspecific(keys[which], k->p);
-    }
-    return k->p;
-}
 
 #if KVC_AMX_BUILT
 /* The pair's blocks as B tiles: block b's rows 0-3 the low nibbles of chunks 0-3 of both
@@ -136,7 +110,7 @@ int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, i
     if (rows < AMX_ROWS || !amx_cpu()) return 0;
     const int64_t tiles = rows / AMX_ROWS, blocks = cols / BLOCK;
     const int64_t qbytes = tiles * AMX_ROWS * cols, fbytes = tiles * blocks * AMX_ROWS * (int64_t)sizeof(float);
-    uint8_t *base = scratch(ACTS, qbytes + 2 * fbytes);
+    uint8_t *base = thread_kept(KEPT_AMX_ACTS, qbytes + 2 * fbytes);
     if (!base) return -1;
     pack_call c = {xq, xd, xs, cols, (int8_t *)base, (float *)(base + qbytes), (float *)(base + qbytes + fbytes)};
     pool_for(threads, tiles, 1, pack_tiles, &c);
@@ -214,7 +188,7 @@ static AMX int64_t pairs_on_tiles(const amx_pair *pairs, int n, int64_t blocks, 
 int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts) {
     if (n == 0 || acts->tiles == 0) return 0;  /* tiles 0 wherever amx_cpu() is 0 */
 #if KVC_AMX_BUILT
-    uint8_t *bt = scratch(B_TILES, n * blocks * B_BYTES);
+    uint8_t *bt = thread_kept(KEPT_B_TILES, n * blocks * B_BYTES);
     return bt ? pairs_on_tiles(pairs, n, blocks, acts, bt) : 0;
 #else
     (void)pairs;

@@ -445,12 +445,12 @@ typedef struct {
     int64_t table_width; const int64_t *contexts, *rows; int64_t block_size, kv_heads, head_dim, group; int bits;
     const float *q; int64_t gq; float scale; const float *sinks; int64_t window; float *out;
     const int64_t *first, *row0, *slot; float *part, *ml;
-    void **scratch;  /* a thread's scores, tile, zeros and paired keys: allocated by its first task */
     _Atomic int failed;
 } attend_call;
 
 /* Tasks t0..t1-1 of kvc_attend_kv. */
 static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
+    (void)thread;
     attend_call *c = ctx;
     const uint8_t *pool = c->pool;
     const int64_t block_bytes = c->block_bytes, k_region = c->k_region, v_region = c->v_region;
@@ -462,14 +462,15 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
     const int64_t *tables = c->tables, *contexts = c->contexts, *rows = c->rows, *first = c->first;
     const int64_t *row0 = c->row0, *slot = c->slot;
     float *out = c->out, *part = c->part, *ml = c->ml;
-    if (!c->scratch[thread])
-        c->scratch[thread] = calloc(ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim,
-                                    sizeof(float));
-    float *scores = (float *)c->scratch[thread];
+    /* the thread's scores, tile, zeros and paired keys, kept for its next call (a fresh
+     * allocation this size is mapped and faulted in page by page at every call) */
+    const int64_t room = ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim;
+    float *scores = thread_kept(KEPT_ATTEND, room * (int64_t)sizeof(float));
     if (!scores) {
         atomic_store(&c->failed, 1);
         return;
     }
+    memset(scores + ATTEND_ROWS * heads * ATTEND_CHUNK + ATTEND_TILE * head_dim, 0, head_dim * sizeof(float));
     for (int64_t task = t0_; task < t1_; task++) {
         int64_t s = 0;
         while (first[s + 1] <= task) s++;
@@ -581,12 +582,10 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
     for (int64_t s = 0, next = 0; s < n_seq; s++)
         for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
     float *ml = part + chunk_tasks * heads * head_dim;
-    void *scratch[POOL_THREADS] = {0};
     attend_call c = {pool, block_bytes, k_region, v_region, values_bytes, tables, table_width, contexts, rows,
                      block_size, kv_heads, head_dim, group, bits, q, gq, scale, sinks, window, out, first, row0, slot,
-                     part, ml, scratch, 0};
+                     part, ml, 0};
     pool_for(threads, tasks, 1, attend_tasks, &c);
-    free_scratch(scratch, threads > 0 ? threads : 1);
     const int failed = atomic_load(&c.failed);
     if (!failed)
         pool_for(chunk_tasks * heads * head_dim > 65536 ? threads : 1, n_seq * heads, heads, merge_heads, &c);

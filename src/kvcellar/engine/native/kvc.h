@@ -364,6 +364,11 @@ static inline void free_scratch(void **scratch, int threads) {
     for (int t = 0; t < threads && t < POOL_THREADS; t++) free(scratch[t]);
 }
 
+/* Memory a thread keeps in `slot` for its next call, at least `bytes` (64-byte aligned; NULL
+ * where there was none); freed when the thread ends (pool.c). */
+enum { KEPT_B_TILES, KEPT_AMX_ACTS, KEPT_LINEAR_ACTS, KEPT_ATTEND, KEPT_SLOTS };
+void *thread_kept(int slot, int64_t bytes);
+
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
  * scratch (nothing written), or -2 for an argument outside its bounds (nothing written). */
 void kvc_quantize_q8(const void *x, int x_bf16, int64_t rows, int64_t cols, int8_t *xq, float *xd, float *xs, int threads);
@@ -389,6 +394,8 @@ void kvc_gather_kv(const uint8_t *pool, int64_t block_bytes, int64_t region, int
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const float *q, int64_t gq, float scale, const float *sinks, int64_t window, float *out, int threads);
 int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *blocks, const int64_t *offsets, int64_t n_rows, int64_t kv_heads, int64_t head_dim, int64_t group, int bits, const void *x, int x_bf16, int threads);
 int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
+void kvc_rms_norm(const void *x, int bf16, const float *weight, int64_t rows, int64_t cols, float eps, int weight_first, void *out, int threads);
+int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, const int64_t *ys, int y_bf16, int threads);
 void kvc_pool_spin(int64_t microseconds);
 int kvc_amx(void);
 void kvc_pool_counts(int64_t *out);

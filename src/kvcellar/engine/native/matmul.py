@@ -14,6 +14,7 @@ rows by the same arithmetic.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Sequence
@@ -218,9 +219,15 @@ def _addresses(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     return torch.tensor([_address(t) for t in tensors], dtype=torch.int64)
 
 
+# ``kvc_linear``'s kinds (``linear.c``): int4 weights kept as panels, int8 weights.
+LINEAR_KINDS = {"kvc_gemm_q4p_many": 0, "kvc_gemm_q8_many": 1}
+
+
 class _Group:
     """Quantized weights that take the same activations, checked and their addresses taken once:
-    ``kernel`` multiplies them all in one call over the activations quantized once."""
+    ``kernel`` multiplies them all in one call over the activations quantized once. Panels and
+    int8 weights go in one foreign call, ``kvc_linear``, activations quantized in it (a decode
+    step makes ~4 such calls a layer: Python's part of a call costs what a small kernel does)."""
 
     kernel: str
     cols: int
@@ -228,12 +235,20 @@ class _Group:
     _w: torch.Tensor
     _s: torch.Tensor
     _o: torch.Tensor | None = None  # int4's offsets
+    _spec: torch.Tensor | None = None  # kvc_linear's: [kind, count, cols, w..., scales..., offsets..., outs...]
 
     def _take(self, weights: Sequence[tuple[Any, ...]]) -> None:
         self.weights = list(weights)  # keeps the tensors the addresses point into
         self.outs = [w[0].shape[0] for w in weights]
         self._w, self._s = _addresses([w[0] for w in weights]), _addresses([w[1] for w in weights])
         self._outs = torch.tensor(self.outs, dtype=torch.int64)
+
+    def _take_spec(self) -> None:
+        kind = LINEAR_KINDS.get(self.kernel)
+        if kind is not None:
+            offsets = self._o if self._o is not None else torch.zeros(len(self.outs), dtype=torch.int64)
+            self._spec = torch.cat([torch.tensor([kind, len(self.outs), self.cols]), self._w, self._s, offsets,
+                                    self._outs])
 
     def __call__(self, x: torch.Tensor, threads: int, out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Each weight times ``x`` float32 or bfloat16 ``[rows, cols]`` in one call over ``x``
@@ -242,19 +257,24 @@ class _Group:
         _check_activations(x, self.cols)
         _check_out_dtype(out_dtype)
         rows = x.shape[0]
-        xq, xd, xs = _quantize(x, threads)
         direct = self.kernel == "kvc_gemm_q4p_many"  # writes bf16 itself
         ys = [torch.empty(rows, out, dtype=out_dtype if direct else torch.float32) for out in self.outs]
-        y = _addresses(ys)
-        args: dict[str, object] = {"w": self._w.data_ptr(), "scales": self._s.data_ptr(),
-                                   "outs": self._outs.data_ptr(), "ys": y.data_ptr(), "count": len(self.outs),
-                                   "cols": self.cols, "xq": xq.data_ptr(), "xd": xd.data_ptr(), "rows": rows,
-                                   "threads": threads}
-        if self._o is not None:
-            args.update(offsets=self._o.data_ptr(), xs=xs.data_ptr())
-        if direct:
-            args.update(y_bf16=int(out_dtype == torch.bfloat16))
-        done = lib.call(self.kernel, **args)
+        if self._spec is not None:
+            x = x.contiguous()
+            done = lib.call("kvc_linear", spec=self._spec.data_ptr(), x=x.data_ptr(),
+                            x_bf16=int(x.dtype == torch.bfloat16), rows=rows,
+                            ys=(ctypes.c_int64 * len(ys))(*[y.data_ptr() for y in ys]),
+                            y_bf16=int(out_dtype == torch.bfloat16), threads=threads)
+        else:
+            xq, xd, xs = _quantize(x, threads)
+            addresses = _addresses(ys)  # held until the call returns
+            args: dict[str, object] = {"w": self._w.data_ptr(), "scales": self._s.data_ptr(),
+                                       "outs": self._outs.data_ptr(), "ys": addresses.data_ptr(),
+                                       "count": len(self.outs), "cols": self.cols, "xq": xq.data_ptr(),
+                                       "xd": xd.data_ptr(), "rows": rows, "threads": threads}
+            if self._o is not None:
+                args.update(offsets=self._o.data_ptr(), xs=xs.data_ptr())
+            done = lib.call(self.kernel, **args)
         if done != 0:
             raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
         return ys if direct else [y.to(out_dtype) for y in ys]
@@ -278,6 +298,7 @@ class Int4Group(_Group):
             _check_weight(nibbles, scales, cols, offsets)
         self._take(weights)
         self._o = _addresses([o for _, _, o in weights])
+        self._take_spec()
 
 
 class Int8Group(_Group):
@@ -293,6 +314,7 @@ class Int8Group(_Group):
                 raise ValueError(f"weights of {qweight.shape[1]} and of {cols} inputs in one group")
             _check_weight(qweight, scales, cols)
         self._take(weights)
+        self._take_spec()
 
 
 def matmul_int8_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -160,3 +160,24 @@ void kvc_pool_spin(int64_t microseconds) {
 void kvc_pool_counts(int64_t *out) {
     for (int i = 0; i < 3; i++) out[i] = atomic_load(&counts[i]);
 }
+
+/* Per thread, memory kept for its next call and freed with the thread: a worker's B tiles for its
+ * AMX pairs, a caller's packed tiles of activations, a linear's quantized activations. */
+static pthread_key_t kept_keys[KEPT_SLOTS];
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+static __thread struct { void *p; int64_t room; } kept[KEPT_SLOTS];
+
+static void make_kept_keys(void) {
+    for (int i = 0; i < KEPT_SLOTS; i++) pthread_key_create(&kept_keys[i], free);
+}
+
+void *thread_kept(int slot, int64_t bytes) {
+    if (bytes > kept[slot].room) {
+        pthread_once(&kept_once, make_kept_keys);
+        free(kept[slot].p);
+        kept[slot].p = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        kept[slot].room = kept[slot].p ? bytes : 0;
+        pthread_setspecific(kept_keys[slot], kept[slot].p);
+    }
+    return kept[slot].p;
+}
