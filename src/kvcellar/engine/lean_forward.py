@@ -6,9 +6,10 @@ paged attention never reads. ``LeanForward`` walks the same layers itself: the s
 tensors, the same functions in the same order (the model's own ``apply_rotary_pos_emb``,
 ``act_fn`` and rotary module, RMSNorm written out exactly as transformers computes it or, on
 CPU, kvcellar's kernel, which the model's norm modules then run too; our ``paged_attention``),
-so its logits are bitwise those of the module path (tested), with less Python per step. The linears are those ``engine/linears.py`` prepared (prepacked, quantized,
-QKV and gate-up fused into one call each: the module path calls the same fused linear and
-slices it, so both paths still give the same numbers).
+so its logits are bitwise those of the module path (tested), with less Python per step. The
+linears are those ``engine/linears.py`` prepared (prepacked, quantized, QKV and gate-up fused
+into one call each: the module path calls the same fused linear and slices it, so both paths
+still give the same numbers).
 
 Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), Gemma 4
 (its own walk, ``engine/lean_gemma4.py``) and the hybrid Qwen3.5 (``engine/lean_qwen35.py``,
