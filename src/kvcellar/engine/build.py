@@ -83,6 +83,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states, drafter=drafter)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
+    kernel_norms = bool(getattr(getattr(runner, "lean", None), "kernel_norms", False))
     descriptor = kv_descriptor(
         weights_id=loaded.weights_id,
         tokenizer_id=loaded.tokenizer_id,
@@ -92,7 +93,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         model_name=loaded.name,
         kv_bits=layout.kv_bits,
         kv_group_size=layout.kv_group_size,
-        arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 else "",
+        arithmetic=native.ARITHMETIC if pool.attends or loaded.kernel_dtype == torch.int8 or kernel_norms else "",
         recurrence=native.RECURRENCE if state_layout is not None and native.runs_gated_delta(
             loaded.device, state_layout.value_dim) else "",
         experts=native.MOE_ARITHMETIC if runs_moe_kernels(loaded.model) else "",

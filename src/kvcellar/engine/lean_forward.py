@@ -191,6 +191,9 @@ class LeanForward:
         family = type(model).__name__
         self.layers = [_Layer(layer, family in WEIGHT_FIRST_NORM) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM, kernels=True)
+        # Whether the hidden states' norms run on kvcellar's kernels (their numbers are the
+        # kernels' arithmetic revision's: the KV namespace names it).
+        self.kernel_norms = getattr(inner.norm, "forward", None) is self.norm
         self.lm_head = _linear(model.lm_head)
         # The other families' RoPE is the standard rotate-half one; applied to query and key
         # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.

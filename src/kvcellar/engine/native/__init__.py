@@ -59,8 +59,9 @@ from kvcellar.engine.native.router import ROUTER_ORDERS, route
 # The revision of the numbers these kernels compute (part of the KV namespace where they
 # compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
 # sums as the panels do, and attention gives every position the decode step's arithmetic.
-# 3: sliding-window layers attend by the kernel too (they ran SDPA).
-ARITHMETIC = "kvc-3"
+# 3: sliding-window layers attend by the kernel too (they ran SDPA). 4: the hidden states'
+# RMSNorm on the kernels (``norm.rms_norm_for``), with its own order of sums.
+ARITHMETIC = "kvc-4"
 # The revision of a MoE block's numbers where these kernels route it (``route``) or run its
 # experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do, not
 # as torch's, so the KV namespace names them (MXFP4 experts, which only MoE blocks have, too).
