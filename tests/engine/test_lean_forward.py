@@ -9,11 +9,21 @@ from typing import Any
 import pytest
 import torch
 
+from kvcellar.engine import native
 from kvcellar.engine.experts import moe_blocks
 from kvcellar.engine.lean_forward import lean_forward_for, module_forward
 from kvcellar.engine.model_runner import ModelRunner
 from kvcellar.engine.sampling import SamplingParams
-from tests._models import chat_ids, embedded, make_engine, needs_native, served_gpt_oss, served_moe, tiny_model
+from tests._models import (
+    chat_ids,
+    embedded,
+    make_engine,
+    needs_native,
+    served_gpt_oss,
+    served_moe,
+    tiny_model,
+    without_native_kernels,
+)
 
 GEMMA4 = {"global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 24,
           "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
@@ -108,6 +118,30 @@ def test_other_architectures_keep_the_module_path(model: Any) -> None:
     assert engine.runner.lean is None
     assert lean_forward_for(model.model) is not None
     assert make_engine(model, lean_forward=False).runner.lean is None
+
+
+@needs_native
+def test_the_hidden_states_norms_run_on_the_kernels_for_either_forward_and_the_namespace_names_them(
+        model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine on transformers' modules runs the norms the lean walk would (a cache shared by
+    the two gives the bits recomputing gives), and the KV namespace names the kernels'
+    arithmetic; without the kernels the norms are torch's and the namespace names none."""
+    tiny = tiny_model("llama", model.tokenizer, dtype=torch.bfloat16)
+    modules = make_engine(tiny, lean_forward=False)
+    assert modules.runner.lean is None and modules.runner.kernel_norms
+    assert modules.descriptor["arithmetic"] == native.ARITHMETIC
+    norms = [tiny.model.model.norm, *(m for layer in tiny.model.model.layers
+                                      for m in (layer.input_layernorm, layer.post_attention_layernorm))]
+    assert all("forward" in vars(m) for m in norms)  # the modules' own forward replaced
+    prompts = prompts_for(model)
+    lean = make_engine(tiny).generate(prompts, GREEDY)
+    assert [r.token_ids for r in modules.generate(prompts, GREEDY)] == [r.token_ids for r in lean]
+
+    without_native_kernels(monkeypatch)
+    plain = tiny_model("llama", model.tokenizer, dtype=torch.bfloat16)
+    engine = make_engine(plain)
+    assert not engine.runner.kernel_norms and "forward" not in vars(plain.model.model.norm)
+    assert "arithmetic" not in engine.descriptor
 
 
 def test_outputs_with_and_without_the_lean_path_are_identical(model: Any) -> None:

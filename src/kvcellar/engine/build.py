@@ -83,7 +83,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states, drafter=drafter)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)
-    kernel_norms = bool(getattr(getattr(runner, "lean", None), "kernel_norms", False))
+    kernel_norms = bool(getattr(runner, "kernel_norms", False))
     descriptor = kv_descriptor(
         weights_id=loaded.weights_id,
         tokenizer_id=loaded.tokenizer_id,

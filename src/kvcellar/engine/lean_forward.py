@@ -38,6 +38,7 @@ from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
 from kvcellar.engine.linears import FusedPart, call_together
 from kvcellar.engine.linears import call_of as _linear
+from kvcellar.engine.native.lib import available as lib_available
 from kvcellar.engine.native.norm import rms_norm_for
 
 # CausalLM class -> the decoder layer class it must hold.
@@ -83,20 +84,20 @@ def _rms_norm(module: Any, weight: torch.Tensor | None = None, weight_first: boo
     kvcellar's kernels where they run it (``native.rms_norm_for``: its own order of sums); the
     module then runs it too, so the module path keeps the lean path's numbers."""
     eps: float = module.variance_epsilon
-    if kernels and weight is None:
-        fast = rms_norm_for(module.weight, eps, weight_first)
-        if fast is not None:
-            module.forward = fast
-            return fast
-    weight = module.weight if weight is None else weight
+    scale = module.weight if weight is None else weight
 
     def norm(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + eps)
-        return (weight * h).to(dtype) if weight_first else weight * h.to(dtype)
+        return (scale * h).to(dtype) if weight_first else scale * h.to(dtype)
 
+    if kernels and weight is None:
+        fast = rms_norm_for(module.weight, eps, weight_first, norm)
+        if fast is not None:
+            module.forward = fast
+            return fast
     return norm
 
 
@@ -191,13 +192,17 @@ class LeanForward:
         family = type(model).__name__
         self.layers = [_Layer(layer, family in WEIGHT_FIRST_NORM) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM, kernels=True)
-        # Whether the hidden states' norms run on kvcellar's kernels (their numbers are the
-        # kernels' arithmetic revision's: the KV namespace names it).
-        self.kernel_norms = getattr(inner.norm, "forward", None) is self.norm
+        self._norms_on_kernels = getattr(inner.norm, "forward", None) is self.norm
         self.lm_head = _linear(model.lm_head)
         # The other families' RoPE is the standard rotate-half one; applied to query and key
         # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
         self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb" and family not in HALF_ROPE
+
+    @property
+    def kernel_norms(self) -> bool:
+        """Whether the hidden states' norms run on kvcellar's kernels (their numbers are the
+        kernels' arithmetic revision's: the KV namespace names it)."""
+        return self._norms_on_kernels and lib_available()
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: StepMeta) -> torch.Tensor:

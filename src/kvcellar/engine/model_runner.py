@@ -95,7 +95,10 @@ class ModelRunner:
             raise ValueError("a hybrid model needs a recurrent-state pool")
         self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else (),
                                      kernel_dtype=kernel_dtype)
-        self.lean = lean_forward_for(model) if lean or hybrid else None
+        walk = lean_forward_for(model)  # also puts the hidden states' norms on the kernels, for either forward
+        self.lean = walk if lean or hybrid else None
+        # Whether the norms run on kvcellar's kernels (the KV namespace then names their arithmetic).
+        self.kernel_norms = bool(getattr(walk, "kernel_norms", False))
         if hybrid and self.lean is None:
             raise ValueError(f"kvcellar has no forward for the hybrid model {type(model).__name__}")
         self.forward = self.lean or module_forward(model)
