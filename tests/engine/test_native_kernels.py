@@ -937,3 +937,16 @@ def test_rms_norm_on_the_kernels_is_torchs_within_rounding_and_each_rows_own(dty
     if not weight_first:  # an input the kernel does not take: torch's operations
         assert torch.equal(norm(x[:4].half()), torchs(x[:4].half()))
     assert rms_norm_for(weight[:12], eps, weight_first, torchs) is None  # not in 8s
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_linear_on_the_kernels_takes_a_step_of_no_rows(kind):
+    """A linear's one foreign call (``kvc_linear``) with no activation rows: empty outputs, no
+    allocation to fail."""
+    q = (quantize_int4 if kind == "int4" else quantize_int8)(torch.randn(64, 256) * 0.05)
+    layer = FastLinear(q.dequantize(torch.float32), None, q, KernelTable(kernel_dtype=torch.int8))
+    assert layer._group is not None  # the linear runs through kvc_linear
+    assert layer(torch.empty(0, 256)).shape == (0, 64)
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x)[1:2], layer(x[1:2]))

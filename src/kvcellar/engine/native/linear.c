@@ -21,6 +21,7 @@ int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, con
     const int64_t kind = spec[0], count = spec[1], cols = spec[2];
     const int64_t *w = spec + 3, *scales = w + count, *offsets = scales + count, *outs = offsets + count;
     if (count < 1 || cols % BLOCK || (kind != LINEAR_Q4P && kind != LINEAR_Q8)) return -2;
+    if (rows <= 0) return 0;
     const int64_t blocks = rows * (cols / BLOCK);
     const int64_t bytes = rows * cols + 2 * blocks * (int64_t)sizeof(float);
     uint8_t *held = bytes <= LINEAR_KEEP ? thread_kept(KEPT_LINEAR_ACTS, bytes) : NULL;

@@ -275,8 +275,10 @@ class _Group:
             if self._o is not None:
                 args.update(offsets=self._o.data_ptr(), xs=xs.data_ptr())
             done = lib.call(self.kernel, **args)
+        if done == -1:
+            raise MemoryError("no memory for the linears' activations or work list")
         if done != 0:
-            raise MemoryError("no memory for the linears' work list") if done == -1 else ValueError("an empty weight")
+            raise ValueError("an empty weight")
         return ys if direct else [y.to(out_dtype) for y in ys]
 
 
