@@ -162,7 +162,8 @@ void kvc_pool_counts(int64_t *out) {
 }
 
 /* Per thread, memory kept for its next call and freed with the thread: a worker's B tiles for its
- * AMX pairs, a caller's packed tiles of activations, a linear's quantized activations. */
+ * AMX pairs, a caller's packed tiles of activations, a linear's quantized activations, an
+ * attention task's scores and tiles. */
 static pthread_key_t kept_keys[KEPT_SLOTS];
 static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
 static __thread struct { void *p; int64_t room; } kept[KEPT_SLOTS];
