@@ -409,14 +409,12 @@ class FastLinear(nn.Module):
         if self.native:
             assert self._q is not None and self._scale is not None
             xn, threads = _kernel_input(x2d), torch.get_num_threads()
-            if self._group is not None:
+            if self._group is not None:  # int8, int4 kept as panels
                 out = self._group(xn, threads, _kernel_output(self.dtype))[0]
-            elif self.quant_kind == "int8":
-                out = native.matmul_int8(xn, self._q, self._scale, threads)
             elif self.quant_kind == "mxfp4":
                 out = native.matmul_mxfp4(xn, self._q, self._scale, threads)
-            else:
-                out = native.matmul_int4(xn, self._q, self._scale, self._zero, threads, panels=self.panels,
+            else:  # int4 in the row layout
+                out = native.matmul_int4(xn, self._q, self._scale, self._zero, threads,
                                          out_dtype=_kernel_output(self.dtype))
             out = out.to(self.dtype)
             return out if self.bias is None else out + self.bias

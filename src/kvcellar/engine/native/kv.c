@@ -160,10 +160,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             rows[i] = (const float *)(base + r * packed);
         } else if (BITS == 16) {  /* bf16: the upper half of a float32 */
             const uint16_t *src = (const uint16_t *)(base + r * packed);
-            for (int64_t k = 0; k < head_dim; k += 8) {
-                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k)));
-                _mm256_storeu_ps(tile + i * head_dim + k, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-            }
+            for (int64_t k = 0; k < head_dim; k += 8) _mm256_storeu_ps(tile + i * head_dim + k, load8_bf16(src + k));
             rows[i] = tile + i * head_dim;
         } else {
             dequant_row(base + r * packed, (const uint16_t *)(base + values_bytes) + r * groups * per,

@@ -146,6 +146,11 @@ static inline __m256 q4_block(const uint8_t *wb) {
                                                 _mm256_set1_epi8(0x0F)));
 }
 
+/* 8 bfloat16 values at src as floats (a bf16 is the upper half of a float32: exact). */
+static inline __m256 load8_bf16(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
+
 /* v rounded to bfloat16 (nearest even) and kept as a float. */
 static inline __m256 round_bf16(__m256 v) {
     __m256i b = _mm256_castps_si256(v);

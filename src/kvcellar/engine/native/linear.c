@@ -12,7 +12,7 @@
 enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1 };
 
 /* spec: [kind, count, cols, w[count], scales[count], offsets[count], outs[count]] (addresses;
- * int8 weights' offsets 0), as matmul.LinearCall builds it once a linear. ys: the outputs'
+ * int8 weights' offsets 0), as matmul._Group builds it once a group. ys: the outputs'
  * addresses ([rows, outs[i]] each; bfloat16 where y_bf16 and the kernel writes it, int4's,
  * else float32). x: float32, or bfloat16 where x_bf16, [rows, cols]. Returns 0, -1 without
  * memory, -2 for a spec this file does not know. */

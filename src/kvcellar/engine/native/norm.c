@@ -17,8 +17,7 @@ static void norm_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *xb = (const uint16_t *)c->x + r * cols;
         const float *xf = (const float *)c->x + r * cols;
-#define LOAD8(i) (c->bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32( \
-                      _mm_loadu_si128((const __m128i *)(xb + (i)))), 16)) : _mm256_loadu_ps(xf + (i)))
+#define LOAD8(i) (c->bf16 ? load8_bf16(xb + (i)) : _mm256_loadu_ps(xf + (i)))
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         int64_t i = 0;
         for (; i + 32 <= cols; i += 32)

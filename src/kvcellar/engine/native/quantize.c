@@ -16,9 +16,7 @@ static void quantize_blocks(void *ctx, int64_t i0, int64_t i1, int thread) {
         }
         float wide[BLOCK];
         const uint16_t *src = (const uint16_t *)c->x + i * BLOCK;
-        for (int k = 0; k < BLOCK; k += 8)  /* bf16: the upper half of a float32 */
-            _mm256_storeu_ps(wide + k, _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + k))), 16)));
+        for (int k = 0; k < BLOCK; k += 8) _mm256_storeu_ps(wide + k, load8_bf16(src + k));
         quantize_block(wide, c->xq + i * BLOCK, c->xd + i, c->xs + i);
     }
 }
