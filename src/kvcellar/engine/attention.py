@@ -189,10 +189,8 @@ def paged_attention(
     direct = pool.attends and kwargs.get("softcap") is None
     scale = scaling if scaling is not None else head_dim ** -0.5
     if direct:
-        if layer == 0 and meta.decode is not None:
-            record("decode" if meta.decode_mask(window) is None else "decode_masked")
-        if layer == 0 and meta.prefills:
-            record("prefill_direct")
+        if layer == 0:
+            record_direct_paths(meta, window)
         tables, contexts, rows = meta.direct_batch()
         qa = q.transpose(0, 1).reshape(total, n_kv_heads, groups, head_dim)
         o = pool.attend(layer, tables, contexts, qa, scale, meta.attend_threads, rows, sinks, window or 0)
@@ -250,6 +248,14 @@ def paged_attention(
         out[span.start : span.start + n] = o[0].transpose(0, 1)
 
     return out[None], None
+
+
+def record_direct_paths(meta: StepMeta, window: int | None) -> None:
+    """The paths a step takes over a pool that attends in place (layer 0's record)."""
+    if meta.decode is not None:
+        meta.paths.add("decode" if meta.decode_mask(window) is None else "decode_masked")
+    if meta.prefills:
+        meta.paths.add("prefill_direct")
 
 
 def _ignore(_path: str) -> None:

@@ -9,7 +9,10 @@ CPU, kvcellar's kernel, which the model's norm modules then run too; our ``paged
 so its logits are bitwise those of the module path (tested), with less Python per step. The
 linears are those ``engine/linears.py`` prepared (prepacked, quantized, QKV and gate-up fused
 into one call each: the module path calls the same fused linear and slices it, so both paths
-still give the same numbers).
+still give the same numbers). On CPU the gated MLP's silu is kvcellar's kernel too (the
+module runs it as well), and where every part of a Llama/Qwen2 layer runs on the kernels a
+decode-sized step runs all layers in one call (``native.DenseLayers``), the same operations
+rounded as torch rounds them: the same bits again, without Python between a layer's kernels.
 
 Supported: the Llama, Qwen2, Qwen3, Qwen3-MoE and gpt-oss families (``SUPPORTED``), Gemma 4
 (its own walk, ``engine/lean_gemma4.py``) and the hybrid Qwen3.5 (``engine/lean_qwen35.py``,
@@ -23,6 +26,7 @@ expects, runs through transformers' modules
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,14 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcellar.engine.attention import StepMeta, paged_attention
+from kvcellar.engine.attention import StepMeta, paged_attention, record_direct_paths
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
 from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
 from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
-from kvcellar.engine.linears import FusedPart, call_together
+from kvcellar.engine.linears import FastLinear, FusedPart, call_together, kernel_group
 from kvcellar.engine.linears import call_of as _linear
+from kvcellar.engine.native.layer import DenseLayer, DenseLayers, silu_for
 from kvcellar.engine.native.lib import available as lib_available
 from kvcellar.engine.native.norm import rms_norm_for
 
@@ -48,6 +53,8 @@ SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2
 # Families whose RMSNorm multiplies by its weight before rounding to the input's dtype
 # (``(w * h).to(dtype)``, the weight kept in float32), not after.
 WEIGHT_FIRST_NORM = frozenset({"GptOssForCausalLM"})
+# transformers' silu modules (its own, and torch's).
+SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
 # Families whose rotary module gives half-width cos/sin (their own RoPE function applies them).
 HALF_ROPE = frozenset({"GptOssForCausalLM"})
 
@@ -140,10 +147,70 @@ class _Layer:
             self.gate_up_sizes: list[int] = [gate.out_features, up.out_features]
             self.gate_and_up = call_together([gate, up])
             self.down = _linear(mlp.down_proj)
-            self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+            self.act: Callable[[torch.Tensor], torch.Tensor] = _act(mlp.act_fn)
         self.gate_up: Callable[[torch.Tensor], torch.Tensor] | None = fused_gate_up
         self.input_norm = _rms_norm(layer.input_layernorm, weight_first=weight_first_norm, kernels=True)
         self.post_norm = _rms_norm(layer.post_attention_layernorm, weight_first=weight_first_norm, kernels=True)
+
+
+def _act(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gated MLP's act: silu on kvcellar's kernels where they run it (``native.silu_for``: its
+    own exp), which the module then runs too, as the norms; the module otherwise."""
+    if type(module).__name__ in SILU_ACTS:
+        fast = silu_for(functools.partial(type(module).forward, module))
+        if fast is not None:
+            module.forward = fast
+            return fast
+    act: Callable[[torch.Tensor], torch.Tensor] = module
+    return act
+
+
+def _kernel_linear(modules: list[Any],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, Any, list[torch.Tensor | None]] | None:
+    """Linears that take the same input (one, fused or not, or a group) as ``layer.c`` runs
+    them: ``kvc_linear``'s spec, what keeps its addresses alive, and each linear's bias."""
+    if not all(isinstance(m, FastLinear) and m.dtype == dtype and m.out_features % 8 == 0 for m in modules):
+        return None
+    if any(m.bias is not None and m.bias.dtype != dtype for m in modules):
+        return None
+    owner: Any = modules[0] if len(modules) == 1 else kernel_group(modules)
+    spec = None if owner is None else (owner.kernel_spec() if len(modules) == 1 else owner.spec)
+    if spec is None or int(spec[1]) != len(modules):
+        return None
+    return spec, owner, [None if m.bias is None else m.bias.contiguous() for m in modules]
+
+
+def _dense_layers(model: Any, layers: list[_Layer], joint_rope: bool) -> DenseLayers | None:
+    """The layers as ``native.DenseLayers`` runs them in one call a step, where every part is
+    one it runs (Llama/Qwen2: norms, silu and every linear on the kernels, rotate-half RoPE, no
+    per-head norms, sinks or windows); None otherwise."""
+    dtype = model.dtype
+    if not joint_rope or dtype not in (torch.float32, torch.bfloat16) or model.device.type != "cpu":
+        return None
+    parts = []
+    for walk, layer in zip(layers, model.model.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        if (walk.q_norm is not None or walk.experts is not None or walk.sinks is not None
+                or walk.sliding_window is not None or walk.act is not getattr(mlp.act_fn, "forward", None)
+                or walk.input_norm is not getattr(layer.input_layernorm, "forward", None)
+                or walk.post_norm is not getattr(layer.post_attention_layernorm, "forward", None)
+                or walk.head_dim % 16 or walk.q_heads % (walk.qkv_sizes[1] // walk.head_dim)
+                or walk.gate_up_sizes[0] != walk.gate_up_sizes[1]):
+            return None
+        linears = (_kernel_linear([walk.qkv] if walk.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj],
+                                  dtype),
+                   _kernel_linear([attn.o_proj], dtype),
+                   _kernel_linear([walk.gate_up] if walk.gate_up is not None else [mlp.gate_proj, mlp.up_proj], dtype),
+                   _kernel_linear([mlp.down_proj], dtype))
+        norms = layer.input_layernorm, layer.post_attention_layernorm
+        if any(linear is None for linear in linears) or norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return None
+        parts.append(DenseLayer(walk.q_heads, walk.qkv_sizes[1] // walk.head_dim, walk.head_dim,
+                                walk.gate_up_sizes[0], norms[0].weight.detach().float().contiguous(),
+                                norms[1].weight.detach().float().contiguous(), norms[0].variance_epsilon,
+                                walk.scaling, tuple(linear for linear in linears if linear is not None)))
+    hidden = model.config.get_text_config().hidden_size
+    return DenseLayers(parts, hidden, dtype) if hidden % 8 == 0 else None
 
 
 def _router(mlp: Any) -> Router | None:
@@ -197,6 +264,8 @@ class LeanForward:
         # The other families' RoPE is the standard rotate-half one; applied to query and key
         # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
         self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb" and family not in HALF_ROPE
+        # A dense model's decode-sized steps: every layer in one call on the kernels.
+        self.dense = _dense_layers(model, self.layers, self.joint_rope) if lib_available() else None
 
     @property
     def kernel_norms(self) -> bool:
@@ -212,6 +281,10 @@ class LeanForward:
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
         lead = h.shape[:-1]
         rope, attention = self.rope, paged_attention
+        if self.dense is not None and self.dense.takes(meta.pool, h.shape[1]):
+            record_direct_paths(meta, None)
+            self.dense(h, cos, sin, meta)
+            return self.lm_head(self.norm(h)[:, logits_to_keep, :])
         for layer in self.layers:
             x = layer.input_norm(h)
             shape = (*lead, -1, layer.head_dim)

@@ -151,6 +151,23 @@ def _kernel_output(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in native.ACTIVATION_DTYPES else torch.float32
 
 
+def kernel_group(modules: Sequence[nn.Module]) -> native.Int4Group | native.Int8Group | None:
+    """Two or more linears that take the same input as one call of kvcellar's kernels, where
+    each runs the same one (int8, int4 in the same layout); None otherwise."""
+    linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind in ("int4", "int8")]
+    if len(linears) < 2 or len(linears) != len(modules):
+        return None
+    if len({(m.in_features, m.dtype, m.quant_kind, m.panels) for m in linears}) != 1:
+        return None
+    if linears[0].quant_kind == "int8":
+        pairs = [(m._q, m._scale) for m in linears if m._q is not None and m._scale is not None]
+        return native.Int8Group(pairs) if len(pairs) == len(linears) else None
+    weights = [(m._q, m._scale, m._zero) for m in linears]
+    assert all(q is not None and s is not None and (z is not None or m.panels)
+               for (q, s, z), m in zip(weights, linears, strict=True))
+    return native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
+
+
 def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """The outputs of linears that take the same input (a layer's q/k/v, gate/up), as their own
     calls give them. Where each runs kvcellar's int8 kernel, its int4 row kernel for the step
@@ -162,22 +179,10 @@ def call_together(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], list
     def apart(x: torch.Tensor) -> list[torch.Tensor]:
         return [call(x) for call in calls]
 
-    linears = [m for m in modules if isinstance(m, FastLinear) and m.native and m.quant_kind in ("int4", "int8")]
-    if len(linears) < 2 or len(linears) != len(modules):
+    group = kernel_group(modules)
+    if group is None:
         return apart
-    if len({(m.in_features, m.dtype, m.quant_kind, m.panels) for m in linears}) != 1:
-        return apart
-    group: native.Int4Group | native.Int8Group
-    if linears[0].quant_kind == "int8":
-        pairs = [(m._q, m._scale) for m in linears if m._q is not None and m._scale is not None]
-        if len(pairs) != len(linears):
-            return apart
-        group = native.Int8Group(pairs)
-    else:
-        weights = [(m._q, m._scale, m._zero) for m in linears]
-        assert all(q is not None and s is not None and (z is not None or m.panels)
-                   for (q, s, z), m in zip(weights, linears, strict=True))
-        group = native.Int4Group(weights, linears[0].panels)  # type: ignore[arg-type]
+    linears = [m for m in modules if isinstance(m, FastLinear)]
     outs = group.outs
     cols, dtype = linears[0].in_features, linears[0].dtype
     rows_layout = linears[0].quant_kind == "int4" and not linears[0].panels  # grouped for the row kernel only
@@ -364,6 +369,12 @@ class FastLinear(nn.Module):
             return None
         assert self._q is not None and self._scale is not None
         return self.quant_kind, self._q, self._scale, self._zero
+
+    def kernel_spec(self) -> torch.Tensor | None:
+        """``kvc_linear``'s spec of this linear's weight where its step is one such call (int8,
+        int4 kept as panels): what a kernel that runs it inside a larger step takes
+        (``native.layer``), its bias then added as ``quantized_kernel`` adds it."""
+        return self._group.spec if self.native and self._group is not None else None
 
     def dequantized(self) -> torch.Tensor:
         """The quantized weight ``[out, in]`` as the kernel multiplies it, in the compute dtype

@@ -6,9 +6,10 @@ to 8 bits per block of 32 and multiply in 8-bit dot products (``matmul``; ``int8
 activations in ``KernelTable.kernel_dtype`` terms): torch's int4 kernel converts every weight
 to float first and stays well below memory speed on such a CPU (docs/performance.md). The
 library also attends over KV blocks where they lie and reads and writes quantized KV blocks
-(``kv``), runs hybrid models' linear attention (``recurrent``), and checksums block files
-(``checksum``). Where it cannot be built (another CPU, no
-compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is None and torch's kernels run.
+(``kv``), runs a dense model's layers in one call a step (``layer``), hybrid models' linear
+attention (``recurrent``), and checksums block files (``checksum``). Where it cannot be built
+(another CPU, no compiler, ``KVCELLAR_NATIVE_KERNELS=0``) ``library()`` is None and torch's
+kernels run.
 """
 
 from kvcellar.engine.native.checksum import crc32, folds_crc32
@@ -60,8 +61,9 @@ from kvcellar.engine.native.router import ROUTER_ORDERS, route
 # compute the KV): bumped whenever a change moves a bit of any output. 2: every int4 kernel
 # sums as the panels do, and attention gives every position the decode step's arithmetic.
 # 3: sliding-window layers attend by the kernel too (they ran SDPA). 4: the hidden states'
-# RMSNorm on the kernels (``norm.rms_norm_for``), with its own order of sums.
-ARITHMETIC = "kvc-4"
+# RMSNorm on the kernels (``norm.rms_norm_for``), with its own order of sums. 5: a gated MLP's
+# silu on the kernels (``layer.silu_for``: their exp), for the one-call layers of ``layer.c``.
+ARITHMETIC = "kvc-5"
 # The revision of a MoE block's numbers where these kernels route it (``route``) or run its
 # experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do, not
 # as torch's, so the KV namespace names them (MXFP4 experts, which only MoE blocks have, too).

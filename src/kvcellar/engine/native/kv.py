@@ -60,6 +60,19 @@ def attends_kv(layout: KVLayout, device: torch.device) -> bool:
             and all(layout.heads(i)[1] % 16 == 0 for i in range(layout.num_layers)) and lib.available())
 
 
+def regions(layout: KVLayout, layer: int) -> tuple[int, int, int, int]:
+    """Where the kernels find layer ``layer``'s K and V in a block: their bytes into it, a
+    quantized block's values bytes (0 otherwise) and the bits of a value as stored."""
+    if layout.quantized:
+        layer_bytes, values_bytes, bits = layout.storage_shape[-1], layout.layer_values_bytes(layer), layout.kv_bits
+    elif layout.dtype in (torch.float32, torch.bfloat16):  # 32 or 16 bits as stored
+        layer_bytes = layout.bytes_per_block // (layout.num_layers * 2)
+        values_bytes, bits = 0, layout.dtype.itemsize * 8
+    else:
+        raise ValueError(f"the kernels read float32, bf16 or quantized blocks, not {layout.dtype}")
+    return layer * 2 * layer_bytes, (layer * 2 + 1) * layer_bytes, values_bytes, bits
+
+
 def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Tensor, contexts: torch.Tensor,
               q: torch.Tensor, scale: float, threads: int = 0, rows: torch.Tensor | None = None,
               sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
@@ -91,16 +104,10 @@ def attend_kv(pool: torch.Tensor, layout: KVLayout, layer: int, tables: torch.Te
         sinks = sinks.to(torch.float32).contiguous()
         if sinks.shape != (kv_heads * groups,):
             raise ValueError(f"one sink per query head ({kv_heads * groups}), not {tuple(sinks.shape)}")
-    if layout.quantized:
-        layer_bytes, values_bytes, bits = layout.storage_shape[-1], layout.layer_values_bytes(layer), layout.kv_bits
-    elif layout.dtype in (torch.float32, torch.bfloat16):  # 32 or 16 bits as stored
-        layer_bytes = layout.bytes_per_block // (layout.num_layers * 2)
-        values_bytes, bits = 0, layout.dtype.itemsize * 8
-    else:
-        raise ValueError(f"attend_kv reads float32, bf16 or quantized blocks, not {layout.dtype}")
+    k_region, v_region, values_bytes, bits = regions(layout, layer)
     status = lib.call("kvc_attend_kv", pool=pool.data_ptr(), n_blocks=pool.shape[0],
-                      block_bytes=layout.bytes_per_block, k_region=layer * 2 * layer_bytes,
-                      v_region=(layer * 2 + 1) * layer_bytes, values_bytes=values_bytes, tables=tables.data_ptr(),
+                      block_bytes=layout.bytes_per_block, k_region=k_region,
+                      v_region=v_region, values_bytes=values_bytes, tables=tables.data_ptr(),
                       table_width=tables.shape[1], contexts=contexts.data_ptr(), rows=rows.data_ptr(), n_seq=n,
                       block_size=layout.block_size, kv_heads=kv_heads, head_dim=head_dim,
                       group=layout.kv_group_size, bits=bits, q=qf.data_ptr(), gq=groups, scale=scale,

@@ -7,6 +7,9 @@
  *   int8.c      int8 linears and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
  *   moe.c       a MoE block's routed experts, input to output (any of the three kinds above)
+ *   linear.c    a quantized linear's step in one call, its activations quantized in it
+ *   norm.c      RMSNorm of the hidden states
+ *   layer.c     a dense decoder's layers in one call (a step's norms, linears, RoPE, attention, MLP)
  *   kv.c        KV blocks: gathered, written (quantized) and attended where they lie
  *   recurrent.c hybrid models' linear attention: the gated delta rule and the elementwise work
  *               around it
@@ -371,7 +374,19 @@ static inline void free_scratch(void **scratch, int threads) {
 
 /* Memory a thread keeps in `slot` for its next call, at least `bytes` (64-byte aligned; NULL
  * where there was none); freed when the thread ends (pool.c). */
-enum { KEPT_B_TILES, KEPT_AMX_ACTS, KEPT_LINEAR_ACTS, KEPT_ATTEND, KEPT_SLOTS };
+enum { KEPT_B_TILES, KEPT_AMX_ACTS, KEPT_LINEAR_ACTS, KEPT_ATTEND, KEPT_LAYER, KEPT_SLOTS };
+
+/* kvc_linear's kinds of weight (spec[0]): int4 kept as panels, int8. */
+enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1 };
+
+/* kvc_dense_layers' spec, per layer: sizes, the norms' float32 weights and eps, each linear's
+ * kvc_linear spec and its parts' biases (an array of addresses, 0: none), K's and V's bytes into a block, a quantized block's values
+ * bytes, attention's scale and window (eps and scale as float bits). */
+enum {
+    L_HIDDEN, L_Q_HEADS, L_KV_HEADS, L_HEAD_DIM, L_INNER, L_IN_NORM, L_POST_NORM, L_EPS, L_QKV, L_QKV_BIAS, L_O,
+    L_O_BIAS, L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_K_REGION, L_V_REGION, L_VALUES_BYTES, L_SCALE,
+    L_WINDOW, LAYER_FIELDS
+};
 void *thread_kept(int slot, int64_t bytes);
 
 /* The exported kernels. Those returning int give 0, or -1 where they had no memory for their
@@ -401,6 +416,9 @@ int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t bl
 int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
 void kvc_rms_norm(const void *x, int bf16, const float *weight, int64_t rows, int64_t cols, float eps, int weight_first, void *out, int threads);
 int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, const int64_t *ys, int y_bf16, int threads);
+void kvc_silu(const void *x, int bf16, int64_t rows, int64_t cols, int64_t stride, void *out);
+int kvc_layer_fields(void);
+int kvc_dense_layers(const int64_t *spec, int64_t layers, void *h, int bf16, int64_t rows, const void *cos, const void *sin, uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t group, int bits, const int64_t *slot_blocks, const int64_t *slot_offsets, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *seq_rows, int64_t n_seq, int attend_threads, int threads);
 void kvc_pool_spin(int64_t microseconds);
 int kvc_amx(void);
 void kvc_pool_counts(int64_t *out);

@@ -9,8 +9,6 @@
  * (decode and verification steps); a prompt's larger ones are allocated for their call. */
 #define LINEAR_KEEP (8 << 20)
 
-enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1 };
-
 /* spec: [kind, count, cols, w[count], scales[count], offsets[count], outs[count]] (addresses;
  * int8 weights' offsets 0), as matmul._Group builds it once a group. ys: the outputs'
  * addresses ([rows, outs[i]] each; bfloat16 where y_bf16 and the kernel writes it, int4's,

@@ -250,6 +250,11 @@ class _Group:
             self._spec = torch.cat([torch.tensor([kind, len(self.outs), self.cols]), self._w, self._s, offsets,
                                     self._outs])
 
+    @property
+    def spec(self) -> torch.Tensor | None:
+        """``kvc_linear``'s spec of these weights, where their step is one such call."""
+        return self._spec
+
     def __call__(self, x: torch.Tensor, threads: int, out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Each weight times ``x`` float32 or bfloat16 ``[rows, cols]`` in one call over ``x``
         quantized once: each result in ``out_dtype``, the same bits as its own ``matmul_int4`` /
