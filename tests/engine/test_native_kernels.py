@@ -375,8 +375,8 @@ torch.save(avx512_cases(), sys.argv[1])
 def avx512_cases() -> dict[str, torch.Tensor]:
     """Results of every kernel with an AVX-512 form: int4 weights kept as panels (an even and an
     odd count of panels, derived and own offsets, grouped linears and routed experts) at rows
-    around its tiles, and attention over bf16, float32 and 8-bit blocks as prefill chunks and
-    decode steps."""
+    around its tiles, int8 weights (an even and an odd count of blocks, a group), and attention
+    over bf16, float32 and 8-bit blocks as prefill chunks and decode steps."""
     from kvcellar.cache.kv_pool import KVLayout, KVPool
 
     found: dict[str, torch.Tensor] = {}
@@ -393,6 +393,13 @@ def avx512_cases() -> dict[str, torch.Tensor]:
                                                              out_dtype=torch.bfloat16)
     experts = native.expert_weights("int4", *map(list, zip(own, derived, strict=True)), panels=True)
     found["experts"] = native.moe_matmul(activations(19, 256), experts, torch.tensor([0, 10, 19]), THREADS)
+    for cols in (1056, 256):  # 33 blocks (two a 512-bit load, then one alone) and 8
+        q = quantize_int8(torch.randn(40, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
+        for rows in (1, 5, 8, 13):
+            found[f"int8 {cols} {rows}"] = native.matmul_int8(activations(rows, cols), q.qweight, q.scales, THREADS)
+        other = quantize_int8(torch.randn(24, cols, generator=torch.Generator().manual_seed(1)))
+        found[f"int8 group {cols}"] = torch.cat(native.matmul_int8_many(
+            activations(6, cols), [(q.qweight, q.scales), (other.qweight, other.scales)], THREADS), 1)
     # head sizes of 4 and 8 vectors of 16 and of one that takes them one at a time
     for dtype, bits, dim in ((torch.bfloat16, 16, 64), (torch.float32, 16, 64), (torch.bfloat16, 8, 64),
                              (torch.bfloat16, 16, 128), (torch.float32, 16, 80)):
