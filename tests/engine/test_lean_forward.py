@@ -205,20 +205,20 @@ def test_a_moe_gguf_on_kvcellars_kernels_is_bitwise_the_module_path(weights: str
 @needs_native
 @pytest.mark.parametrize(("arch", "dtype", "weights", "kv_bits"), [
     ("llama", torch.bfloat16, "int4", 16), ("qwen2", torch.bfloat16, "int4", 8), ("llama", torch.float32, "int8", 4),
-    ("qwen2", torch.float32, "int4", 16)])
+    ("qwen2", torch.float32, "int4", 16), ("qwen3", torch.bfloat16, "int4", 8)])
 def test_a_dense_models_layers_in_one_call_are_bitwise_the_module_path(
         model: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype, weights: str, kv_bits: int) -> None:
     """The lean walk's layers in one call (``native.DenseLayers``: decodes, and prompt chunks of
     up to 64 rows) against transformers' modules over the same kernels, on every cache path:
     the same logits to the bit, in bf16 and float32, over int4 panels and int8 linears with
-    biases (Qwen2's QKV; Llama's everywhere), KV of 16, 8 and 4 bits."""
-    extra = ({"attention_bias": True, "use_sliding_window": False} if arch == "qwen2"
-             else {"attention_bias": True, "mlp_bias": True})
+    biases (Qwen2's QKV; Llama's everywhere), Qwen3's per-head norms, KV of 16, 8 and 4 bits."""
+    extra = {"qwen2": {"attention_bias": True, "use_sliding_window": False},
+             "llama": {"attention_bias": True, "mlp_bias": True}, "qwen3": {"attention_bias": True}}[arch]
     tiny = tiny_model(arch, model.tokenizer, dtype=dtype, **extra)
-    with torch.no_grad():  # biases off zero, so that a bias added twice or not at all shows
+    with torch.no_grad():  # biases and head norms off their initial values, so that one missed shows
         for name, p in tiny.model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
+            if name.endswith("bias") or name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.add_(torch.randn_like(p) * 0.5)
     tiny.quantized, tiny.kernel_dtype = quantize_model(tiny.model, weights), torch.int8
     calls: list[int] = []
     real = DenseLayers.__call__

@@ -87,9 +87,9 @@ def _rms_norm(module: Any, weight: torch.Tensor | None = None, weight_first: boo
               kernels: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """transformers' LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op (GptOssRMSNorm's
     where ``weight_first``); ``weight``: another than the module's that broadcasts the same
-    way (every element gets the same operations). ``kernels``: a hidden-size norm, on
-    kvcellar's kernels where they run it (``native.rms_norm_for``: its own order of sums); the
-    module then runs it too, so the module path keeps the lean path's numbers."""
+    way (every element gets the same operations). ``kernels``: on kvcellar's kernels where they
+    run it (``native.rms_norm_for``: its own order of sums); the module then runs it too, so the
+    module path keeps the lean path's numbers."""
     eps: float = module.variance_epsilon
     scale = module.weight if weight is None else weight
 
@@ -127,10 +127,12 @@ class _Layer:
         self.o = _linear(attn.o_proj)
         # Qwen3: each query and key head RMS-normalized before RoPE; side by side (joint RoPE)
         # as one norm over the heads, whose weights are the two norms' own.
+        # On kvcellar's kernels where they run (the modules then run them too), else torch's.
         self.q_norm = self.k_norm = self.qk_norm = None
         if hasattr(attn, "q_norm"):
-            self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
-            if attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
+            self.q_norm, self.k_norm = _rms_norm(attn.q_norm, kernels=True), _rms_norm(attn.k_norm, kernels=True)
+            on_kernels = "forward" in vars(attn.q_norm) or "forward" in vars(attn.k_norm)
+            if not on_kernels and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
                 kv_heads = k.out_features // self.head_dim
                 joint = torch.cat([attn.q_norm.weight.expand(self.q_heads, -1),
                                    attn.k_norm.weight.expand(kv_heads, -1)])
@@ -182,15 +184,21 @@ def _kernel_linear(modules: list[Any],
 
 def _dense_layers(model: Any, layers: list[_Layer], joint_rope: bool) -> DenseLayers | None:
     """The layers as ``native.DenseLayers`` runs them in one call a step, where every part is
-    one it runs (Llama/Qwen2: norms, silu and every linear on the kernels, rotate-half RoPE, no
-    per-head norms, sinks or windows); None otherwise."""
+    one it runs (Llama/Qwen2/Qwen3: norms, Qwen3's per-head ones too, silu and every linear on
+    the kernels, rotate-half RoPE, no sinks or windows); None otherwise."""
     dtype = model.dtype
     if not joint_rope or dtype not in (torch.float32, torch.bfloat16) or model.device.type != "cpu":
         return None
     parts = []
     for walk, layer in zip(layers, model.model.layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        if (walk.q_norm is not None or walk.experts is not None or walk.sinks is not None
+        q_norm: Any = getattr(attn, "q_norm", None)
+        k_norm: Any = getattr(attn, "k_norm", None)
+        if q_norm is not None and (walk.q_norm is not getattr(q_norm, "forward", None)
+                                   or walk.k_norm is not getattr(k_norm, "forward", None)
+                                   or q_norm.variance_epsilon != k_norm.variance_epsilon):
+            return None
+        if (walk.experts is not None or walk.sinks is not None
                 or walk.sliding_window is not None or walk.act is not getattr(mlp.act_fn, "forward", None)
                 or walk.input_norm is not getattr(layer.input_layernorm, "forward", None)
                 or walk.post_norm is not getattr(layer.post_attention_layernorm, "forward", None)
@@ -205,10 +213,13 @@ def _dense_layers(model: Any, layers: list[_Layer], joint_rope: bool) -> DenseLa
         norms = layer.input_layernorm, layer.post_attention_layernorm
         if any(linear is None for linear in linears) or norms[0].variance_epsilon != norms[1].variance_epsilon:
             return None
+        head_norms = None if q_norm is None else (q_norm.weight.detach().float().contiguous(),
+                                                  k_norm.weight.detach().float().contiguous(),
+                                                  float(q_norm.variance_epsilon))
         parts.append(DenseLayer(walk.q_heads, walk.qkv_sizes[1] // walk.head_dim, walk.head_dim,
                                 walk.gate_up_sizes[0], norms[0].weight.detach().float().contiguous(),
                                 norms[1].weight.detach().float().contiguous(), norms[0].variance_epsilon,
-                                walk.scaling, tuple(linear for linear in linears if linear is not None)))
+                                walk.scaling, tuple(linear for linear in linears if linear is not None), head_norms))
     hidden = model.config.get_text_config().hidden_size
     return DenseLayers(parts, hidden, dtype) if hidden % 8 == 0 else None
 

@@ -62,7 +62,8 @@ from kvcellar.engine.native.router import ROUTER_ORDERS, route
 # sums as the panels do, and attention gives every position the decode step's arithmetic.
 # 3: sliding-window layers attend by the kernel too (they ran SDPA). 4: the hidden states'
 # RMSNorm on the kernels (``norm.rms_norm_for``), with its own order of sums. 5: a gated MLP's
-# silu on the kernels (``layer.silu_for``: their exp), for the one-call layers of ``layer.c``.
+# silu on the kernels (``layer.silu_for``: their exp) and Qwen3's per-head norms too, for the
+# one-call layers of ``layer.c``.
 ARITHMETIC = "kvc-5"
 # The revision of a MoE block's numbers where these kernels route it (``route``) or run its
 # experts whole (``moe_glu``): their softmax and gating round as libm's expf and exp8 do, not

@@ -381,11 +381,12 @@ enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1 };
 
 /* kvc_dense_layers' spec, per layer: sizes, the norms' float32 weights and eps, each linear's
  * kvc_linear spec and its parts' biases (an array of addresses, 0: none), K's and V's bytes into a block, a quantized block's values
- * bytes, attention's scale and window (eps and scale as float bits). */
+ * bytes, attention's scale and window, Qwen3's per-head norms of queries and keys (float32
+ * weights, 0: none) and their eps (eps and scale as float bits). */
 enum {
     L_HIDDEN, L_Q_HEADS, L_KV_HEADS, L_HEAD_DIM, L_INNER, L_IN_NORM, L_POST_NORM, L_EPS, L_QKV, L_QKV_BIAS, L_O,
     L_O_BIAS, L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_K_REGION, L_V_REGION, L_VALUES_BYTES, L_SCALE,
-    L_WINDOW, LAYER_FIELDS
+    L_WINDOW, L_Q_NORM, L_K_NORM, L_QK_EPS, LAYER_FIELDS
 };
 void *thread_kept(int slot, int64_t bytes);
 

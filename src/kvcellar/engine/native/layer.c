@@ -92,7 +92,8 @@ static int linear(const int64_t *spec, const int64_t *biases, const void *x, int
                     memcpy(row, (const uint8_t *)ys[i] + r * outs[i] * size, (size_t)(outs[i] * size));
                 } else {
                     const dest d = {row, bf16};
-                    for (int64_t c = 0; c < outs[i]; c += 8) put8(d, c, _mm256_loadu_ps((const float *)ys[i] + r * outs[i] + c));
+                    const float *part = (const float *)ys[i] + r * outs[i];
+                    for (int64_t c = 0; c < outs[i]; c += 8) put8(d, c, _mm256_loadu_ps(part + c));
                 }
             }
         if (biases[i])
@@ -152,13 +153,22 @@ int kvc_dense_layers(const int64_t *spec, int64_t layers, void *h, int bf16, int
         uint8_t *x = mem, *y = x + rows * hidden * size, *qkv = y + rows * hidden * size;
         uint8_t *o = qkv + rows * qkv_out * size, *gu = o + rows * q_out * size, *act = gu + rows * 2 * inner * size;
         float *qf = (float *)(act + rows * inner * size), *of = qf + rows * q_out, *wide = of + rows * q_out;
-#define LINEAR(field, in, out) linear((const int64_t *)s[field], (const int64_t *)s[field + 1], in, rows, out, wide, bf16, \
-                                      threads)
+#define LINEAR(field, in, out) \
+        linear((const int64_t *)s[field], (const int64_t *)s[field + 1], in, rows, out, wide, bf16, threads)
         kvc_rms_norm(h, bf16, (const float *)s[L_IN_NORM], rows, hidden, eps, 0, x, threads);
         if ((status = LINEAR(L_QKV, x, qkv))) break;
-        /* RoPE on the query and key heads, K and V stored, the queries in float32 for attention */
+        /* Qwen3's per-head norms, RoPE on the query and key heads, K and V stored, the queries in
+         * float32 for attention */
         for (int64_t t = 0; t < rows; t++) {
             uint8_t *row = qkv + t * qkv_out * size;
+            if (s[L_Q_NORM]) {
+                float qk_eps;
+                const int32_t qk_eps_bits = (int32_t)s[L_QK_EPS];
+                memcpy(&qk_eps, &qk_eps_bits, sizeof qk_eps);
+                kvc_rms_norm(row, bf16, (const float *)s[L_Q_NORM], qh, dim, qk_eps, 0, row, 1);
+                kvc_rms_norm(row + q_out * size, bf16, (const float *)s[L_K_NORM], kvh, dim, qk_eps, 0,
+                             row + q_out * size, 1);
+            }
             for (int64_t head = 0; head < qh + kvh; head++)
                 rope_head(row + head * dim * size, (const uint8_t *)cos + t * dim * size,
                           (const uint8_t *)sin + t * dim * size, dim, bf16);

@@ -68,6 +68,8 @@ class DenseLayer:
     scale: float
     # qkv, o, gate_up, down: kvc_linear's spec, what keeps its addresses, each part's bias
     linears: tuple[tuple[torch.Tensor, Any, list[torch.Tensor | None]], ...]
+    # Qwen3: each query and key head RMS-normalized before RoPE (float32 weights, eps)
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def __post_init__(self) -> None:
         self.biases = [torch.tensor([0 if b is None else b.data_ptr() for b in biases], dtype=torch.int64)
@@ -103,11 +105,14 @@ class DenseLayers:
             if layout.heads(i) != (layer.kv_heads, layer.head_dim):
                 return None
             k_region, v_region, values_bytes, _ = regions(layout, i)
+            q_norm, k_norm, qk_eps = layer.head_norms or (None, None, 0.0)
+            head_norms = [0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(),
+                          _float_bits(qk_eps)]
             linears = [x for (spec, _, _), biases in zip(layer.linears, layer.biases, strict=True)
                        for x in (spec.data_ptr(), biases.data_ptr())]
             rows.append([self.hidden, layer.q_heads, layer.kv_heads, layer.head_dim, layer.inner,
                          layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), _float_bits(layer.eps), *linears,
-                         k_region, v_region, values_bytes, _float_bits(layer.scale), 0])
+                         k_region, v_region, values_bytes, _float_bits(layer.scale), 0, *head_norms])
         if any(len(r) != int(lib.call("kvc_layer_fields") or 0) for r in rows):
             raise RuntimeError("layer.c and native/layer.py disagree on a layer's spec")
         return torch.tensor(rows, dtype=torch.int64)
