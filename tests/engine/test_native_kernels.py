@@ -375,8 +375,8 @@ torch.save(avx512_cases(), sys.argv[1])
 def avx512_cases() -> dict[str, torch.Tensor]:
     """Results of every kernel with an AVX-512 form: int4 weights kept as panels (an even and an
     odd count of panels, derived and own offsets, grouped linears and routed experts) at rows
-    around its tiles, int8 weights (an even and an odd count of blocks, a group), and attention
-    over bf16, float32 and 8-bit blocks as prefill chunks and decode steps."""
+    around its tiles, int8 weights (an even and an odd count of blocks, a group), silu, and
+    attention over bf16, float32 and 8-bit blocks as prefill chunks and decode steps."""
     from kvcellar.cache.kv_pool import KVLayout, KVPool
 
     found: dict[str, torch.Tensor] = {}
@@ -393,6 +393,14 @@ def avx512_cases() -> dict[str, torch.Tensor]:
                                                              out_dtype=torch.bfloat16)
     experts = native.expert_weights("int4", *map(list, zip(own, derived, strict=True)), panels=True)
     found["experts"] = native.moe_matmul(activations(19, 256), experts, torch.tensor([0, 10, 19]), THREADS)
+    from kvcellar.engine.native.layer import silu_for
+
+    silu = silu_for(torch.nn.functional.silu)
+    assert silu is not None
+    gate = torch.randn(9, 2 * 264, generator=torch.Generator().manual_seed(2)) * 8  # 16 lanes x 16, then 8
+    gate[0, :6] = torch.tensor([1e30, float("inf"), -float("inf"), -90.0, 90.0, -0.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        found[f"silu {dtype}"] = silu(gate.to(dtype)[:, :264])
     for cols in (1056, 256):  # 33 blocks (two a 512-bit load, then one alone) and 8
         q = quantize_int8(torch.randn(40, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
         for rows in (1, 5, 8, 13):

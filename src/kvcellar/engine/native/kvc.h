@@ -417,7 +417,7 @@ int kvc_write_kv(uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t bl
 int kvc_route(const float *x, const float *weight, const float *bias, int64_t rows, int64_t cols, int64_t experts, int64_t k, int order, int normalize, float *logits, int64_t *index, float *weights, int threads);
 void kvc_rms_norm(const void *x, int bf16, const float *weight, int64_t rows, int64_t cols, float eps, int weight_first, void *out, int threads);
 int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, const int64_t *ys, int y_bf16, int threads);
-void kvc_silu(const void *x, int bf16, int64_t rows, int64_t cols, int64_t stride, void *out);
+void kvc_silu(const void *x, int bf16, int64_t rows, int64_t cols, int64_t stride, void *out, int threads);
 int kvc_layer_fields(void);
 int kvc_dense_layers(const int64_t *spec, int64_t layers, void *h, int bf16, int64_t rows, const void *cos, const void *sin, uint8_t *pool, int64_t n_blocks, int64_t block_size, int64_t block_bytes, int64_t group, int bits, const int64_t *slot_blocks, const int64_t *slot_offsets, const int64_t *tables, int64_t table_width, const int64_t *contexts, const int64_t *seq_rows, int64_t n_seq, int attend_threads, int threads);
 void kvc_pool_spin(int64_t microseconds);

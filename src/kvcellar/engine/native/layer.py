@@ -42,7 +42,8 @@ def silu_for(otherwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tor
             rows = rows.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
         lib.call("kvc_silu", x=rows.data_ptr(), bf16=int(x.dtype == torch.bfloat16), rows=rows.shape[0], cols=cols,
-                 stride=rows.stride(0) if rows.shape[0] > 1 else cols, out=out.data_ptr())
+                 stride=rows.stride(0) if rows.shape[0] > 1 else cols, out=out.data_ptr(),
+                 threads=torch.get_num_threads())
         return out
 
     return silu
