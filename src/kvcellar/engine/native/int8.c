@@ -1,29 +1,37 @@
 /* int8 linears (a float32 scale per output row) and a MoE layer's routed int8 experts. */
 #include "kvc.h"
 
-/* Output r of int8 weights (row wr, its scale) against n <= TILE activation rows: signs moved
- * onto the activations, as the 8-bit dot product takes one unsigned operand. */
+/* Block b of an int8 weight row in the activations' order (even inputs, then odd ones). */
+static inline __attribute__((always_inline)) __m256i q8_weights(const int8_t *wr, int64_t b) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK));
+    const __m256i even_odd = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(
+        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    /* lanes: [e0-7 o0-7 | e8-15 o8-15] -> [e0-15 | o0-15] */
+    return _mm256_permute4x64_epi64(even_odd, 0xD8);
+}
+
+/* acc[a] += block b's dot product with activation row a (of n) x its scale: signs moved onto the
+ * activations, as the 8-bit dot product takes one unsigned operand. */
+static inline __attribute__((always_inline)) void q8_step(__m256i wq, int64_t b, int64_t blocks, const int8_t *xq,
+                                                          const float *xd, int n, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1), wabs = _mm256_sign_epi8(wq, wq);
+    for (int a = 0; a < n; a++) {
+        const int64_t i = a * blocks + b;
+        const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+        acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[i]), acc[a]);
+    }
+}
+
+/* Output r of int8 weights (row wr, its scale) against n <= TILE activation rows. */
 static inline void q8_row(const int8_t *wr, float scale, int64_t r, int64_t out, int64_t blocks, const int8_t *xq,
                           const float *xd, int n, float *y) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE];
     for (int a = 0; a < n; a++) acc[a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        /* the weights in the activations' order: even inputs, then odd ones */
         _mm_prefetch((const char *)(wr + b * BLOCK + PREFETCH), _MM_HINT_T0);
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK));
-        const __m256i even_odd = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(
-            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-        /* lanes: [e0-7 o0-7 | e8-15 o8-15] -> [e0-15 | o0-15] */
-        const __m256i wq = _mm256_permute4x64_epi64(even_odd, 0xD8);
-        const __m256i wabs = _mm256_sign_epi8(wq, wq);
-        for (int a = 0; a < n; a++) {
-            const int64_t i = a * blocks + b;
-            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
-            acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[i]), acc[a]);
-        }
+        q8_step(q8_weights(wr, b), b, blocks, xq, xd, n, acc);
     }
     for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]) * scale;
 }
@@ -58,18 +66,7 @@ static inline AVX512 __attribute__((always_inline)) void q8_row_wide(const int8_
                                      _mm256_set1_ps(xd[i + 1]), acc[a]);
         }
     }
-    if (b < blocks) {  /* an odd last block, as q8_row takes it */
-        const __m256i ones = _mm256_set1_epi16(1);
-        const __m256i wq = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(
-            _mm256_loadu_si256((const __m256i *)(wr + b * BLOCK)), _mm512_castsi512_si256(even_odd)), 0xD8);
-        const __m256i wabs = _mm256_sign_epi8(wq, wq);
-        for (int a = 0; a < n; a++) {
-            const int64_t i = a * blocks + b;
-            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + i * BLOCK)), wq);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
-            acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xd[i]), acc[a]);
-        }
-    }
+    if (b < blocks) q8_step(q8_weights(wr, b), b, blocks, xq, xd, n, acc);  /* an odd last block */
     for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]) * scale;
 }
 

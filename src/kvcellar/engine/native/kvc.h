@@ -120,6 +120,10 @@ static inline void quantize_block(const float *v, int8_t *q, float *d_out, float
     *s_out = d * (float)sum;
 }
 
+/* exp's polynomial in x - n ln 2 (Cephes'), highest power first: exp8 and layer.c's exp16. */
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                  1.6666665459e-1f, 5.0000001201e-1f};
+
 /* exp of 8 floats: Cephes' polynomial on x - n ln 2, scaled by 2^n (relative error ~2e-7).
  * Arguments below -87 give 0, as exp's float does near there. */
 static inline __m256 exp8(__m256 x) {
@@ -130,12 +134,8 @@ static inline __m256 exp8(__m256 x) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
