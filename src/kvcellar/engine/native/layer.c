@@ -184,7 +184,7 @@ int kvc_dense_layers(const int64_t *spec, int64_t layers, void *h, int bf16, int
         const int64_t *s = spec + l * LAYER_FIELDS;
         const int64_t hidden = s[L_HIDDEN], qh = s[L_Q_HEADS], kvh = s[L_KV_HEADS], dim = s[L_HEAD_DIM];
         const int64_t inner = s[L_INNER];
-        if (hidden != spec[L_HIDDEN] || hidden % 8 || inner % 8 || dim % 16 || qh % kvh) return -2;
+        if (hidden != spec[L_HIDDEN] || hidden % 8 || inner % 8 || dim % 16 || kvh < 1 || qh % kvh) return -2;
         const int64_t elems = 2 * hidden + (qh + 2 * kvh) * dim + qh * dim + 3 * inner;
         int64_t wide = (qh + 2 * kvh) * dim;  /* an int8 linear's float32 outputs, the widest */
         if (2 * inner > wide) wide = 2 * inner;
