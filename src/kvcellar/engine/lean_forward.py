@@ -10,7 +10,7 @@ so its logits are bitwise those of the module path (tested), with less Python pe
 linears are those ``engine/linears.py`` prepared (prepacked, quantized, QKV and gate-up fused
 into one call each: the module path calls the same fused linear and slices it, so both paths
 still give the same numbers). On CPU the gated MLP's silu is kvcellar's kernel too (the
-module runs it as well), and where every part of a Llama/Qwen2 layer runs on the kernels a
+module runs it as well), and where every part of a Llama/Qwen2/Qwen3 layer runs on the kernels a
 decode-sized step runs all layers in one call (``native.DenseLayers``), the same operations
 rounded as torch rounds them: the same bits again, without Python between a layer's kernels.
 

@@ -70,36 +70,37 @@ static inline AVX512 __attribute__((always_inline)) void q8_row_wide(const int8_
     for (int a = 0; a < n; a++) y[a * out + r] = hsum(acc[a]) * scale;
 }
 
-/* q8_block's loops over q8_row_wide. */
+/* Outputs r0..r1-1 of int8 weights w (scales) against activation rows a0..a1-1 into y [.., out]
+ * by the row function Q8_ROW names where it is used (q8_row or q8_row_wide): whole tiles of TILE
+ * rows, then the last 1-3 as constants, so the accumulators stay in registers. */
+#define Q8_ROWS(n) Q8_ROW(w + r * cols, scales[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
+#define Q8_BLOCK() do {                                                                              \
+        const int64_t blocks = cols / BLOCK;                                                         \
+        for (int64_t r = r0; r < r1; r++) {                                                          \
+            int64_t a = a0;                                                                          \
+            for (; a + TILE <= a1; a += TILE) Q8_ROWS(TILE);                                         \
+            LAST_ROWS_OF_4(a1 - a, Q8_ROWS);                                                         \
+        }                                                                                            \
+    } while (0)
+
+#define Q8_ROW q8_row_wide
 static AVX512 void q8_block_wide(const int8_t *w, const float *scales, int64_t r0, int64_t r1, int64_t out,
                                  int64_t cols, const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y) {
-    const int64_t blocks = cols / BLOCK;
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t a = a0;
-#define ROWS(n) q8_row_wide(w + r * cols, scales[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
-        for (; a + TILE <= a1; a += TILE) ROWS(TILE);
-        LAST_ROWS_OF_4(a1 - a, ROWS);
-#undef ROWS
-    }
+    Q8_BLOCK();
 }
+#undef Q8_ROW
 
-/* Outputs r0..r1-1 of int8 weights w (scales) against activation rows a0..a1-1 into y [.., out]:
- * whole tiles of TILE rows, then the last 1-3 as constants, so the accumulators stay in registers. */
+#define Q8_ROW q8_row
 static inline void q8_block(const int8_t *w, const float *scales, int64_t r0, int64_t r1, int64_t out,
                             int64_t cols, const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y) {
-    if (avx512_cpu()) {
+    if (avx512_cpu())
         q8_block_wide(w, scales, r0, r1, out, cols, xq, xd, a0, a1, y);
-        return;
-    }
-    const int64_t blocks = cols / BLOCK;
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t a = a0;
-#define ROWS(n) q8_row(w + r * cols, scales[r], r, out, blocks, xq + a * cols, xd + a * blocks, n, y + a * out)
-        for (; a + TILE <= a1; a += TILE) ROWS(TILE);
-        LAST_ROWS_OF_4(a1 - a, ROWS);
-#undef ROWS
-    }
+    else
+        Q8_BLOCK();
 }
+#undef Q8_ROW
+#undef Q8_BLOCK
+#undef Q8_ROWS
 
 /* Linears 0..count-1 (w[i], scales[i], outs[i] rows into ys[i]) over the same activations. */
 typedef struct {
