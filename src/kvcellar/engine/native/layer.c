@@ -2,10 +2,10 @@
  * and Qwen3's norm -> QKV (-> Qwen3's per-head norms) -> RoPE -> K and V written to the pool ->
  * attention over it -> o -> residual -> norm -> gate/up -> silu(gate) x up -> down -> residual.
  * A decode step spent about a tenth of its time in Python and torch between a layer's ~10
- * kernel calls, more than the calls' arithmetic: after a kernel has streamed its weights, the interpreter's code and data
- * come back from memory. Each operation here is the one the lean forward runs (engine/
- * lean_forward.py), rounded where torch rounds it (a bf16 model after every operation), so the
- * two give the same bits and a step may take either. */
+ * kernel calls, more than the calls' arithmetic: after a kernel has streamed its weights, the
+ * interpreter's code and data come back from memory. Each operation here is the one the lean
+ * forward runs (engine/lean_forward.py), rounded where torch rounds it (a bf16 model after every
+ * operation), so the two give the same bits and a step may take either. */
 #include "kvc.h"
 
 /* A call's scratch up to this size stays with the thread for its next call (decode and
