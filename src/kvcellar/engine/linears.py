@@ -25,6 +25,7 @@ import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,22 @@ def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.int8 and native.available())
 
 
+# An int4 weight in the panel layout (``native.pack_int4``): nibbles, scales, offsets or None.
+Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class PanelSource(Protocol):
+    """Where a model's int4 panels may be stored between starts (``artifacts.panels.PanelStore``)."""
+
+    def take(self, name: str, rows: Panels) -> Panels | None:
+        """The stored panels of linear ``name`` (its row layout: ``rows``), or None."""
+        ...
+
+    def keep(self, name: str, panels: Panels) -> None:
+        """Panels packed by this process, to be stored."""
+        ...
+
+
 @dataclass
 class KernelTable:
     """What every linear of one model shares about its quantized kernels."""
@@ -71,6 +88,8 @@ class KernelTable:
     # Whether int4 weights may be kept as panels (``native.stores_panels``): the model's int4
     # weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
     panels: bool = True
+    # Panels stored by an earlier start, taken instead of packing (and given what is packed).
+    stored: PanelSource | None = None
 
 
 # Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
@@ -250,8 +269,9 @@ class FastLinear(nn.Module):
     every step (see the module's docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantizedWeight | None,
-                 table: KernelTable) -> None:
+                 table: KernelTable, name: str = "") -> None:
         super().__init__()
+        self.name = name  # the module's (a fused one's own), naming its stored panels
         self.out_features, self.in_features = weight.shape
         self.table = table
         self.bias = None if bias is None else bias.detach()
@@ -304,7 +324,13 @@ class FastLinear(nn.Module):
                 self._zero = quant.offsets.to(torch.float16).contiguous()
                 if self.table.panels and native.stores_panels(self.out_features):
                     mapped = (self._q, self._scale, self._zero)
-                    self._q, self._scale, self._zero = native.pack_int4(*mapped, torch.get_num_threads())
+                    store = self.table.stored if self.name else None
+                    panels = store.take(self.name, mapped) if store is not None else None
+                    if panels is None:
+                        panels = native.pack_int4(*mapped, torch.get_num_threads())
+                        if store is not None:
+                            store.keep(self.name, panels)
+                    self._q, self._scale, self._zero = panels
                     self.panels = True
                     _drop_mapped_pages(mapped)
             if quant.kind == "int8":
@@ -326,8 +352,8 @@ class FastLinear(nn.Module):
 
     @classmethod
     def from_linears(cls, linears: Sequence[nn.Linear], quants: Sequence[QuantizedWeight | None],
-                     table: KernelTable) -> FastLinear:
-        """One linear computing ``linears`` side by side (outputs concatenated)."""
+                     table: KernelTable, name: str = "") -> FastLinear:
+        """One linear computing ``linears`` side by side (outputs concatenated), named ``name``."""
         quant = None
         if all(q is not None for q in quants):
             quant = (QuantizedWeight.concat(quants)  # type: ignore[arg-type]  # all() above: no None in quants
@@ -347,7 +373,7 @@ class FastLinear(nn.Module):
             bias = torch.cat([b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
                                                                             device=m.weight.device)
                               for b, m in zip(biases, linears, strict=True)])
-        return cls(weight, bias, quant, table)
+        return cls(weight, bias, quant, table, name)
 
     @property
     def quantized(self) -> bool:
@@ -478,13 +504,14 @@ class PreparedModel:
 
 
 def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
-                  fuse: Sequence[tuple[str, Sequence[str]]] = (), kernel_dtype: torch.dtype | None = None
-                  ) -> PreparedModel:
+                  fuse: Sequence[tuple[str, Sequence[str]]] = (), kernel_dtype: torch.dtype | None = None,
+                  stored: PanelSource | None = None) -> PreparedModel:
     """Turn every ``nn.Linear`` of ``model`` into a ``FastLinear``, in place, once (a model
     already prepared is returned as it is). ``quantized``: quantized weights by module name
     (``quantization.quantize_model``); ``fuse``: (name, [module names]) groups to fuse, e.g.
     ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``;
-    ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``)."""
+    ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``);
+    ``stored``: int4 panels an earlier start stored (taken instead of packing them)."""
     prepared: PreparedModel | None = getattr(model, "_kvcellar_prepared", None)
     if prepared is not None:
         return prepared
@@ -493,7 +520,7 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
     int4_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
                      for q in quantized.values() if q.kind == "int4")
-    table = KernelTable(kernel_dtype=kernel_dtype, panels=native.panels_fit(int4_bytes))
+    table = KernelTable(kernel_dtype=kernel_dtype, panels=native.panels_fit(int4_bytes), stored=stored)
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8
@@ -507,7 +534,7 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
         parts = [modules[m] for m in members]
         if not all(type(p) is nn.Linear for p in parts) or (in_place and any(m in quantized for m in members)):
             continue
-        one = FastLinear.from_linears(parts, [quantized.get(m) for m in members], table)
+        one = FastLinear.from_linears(parts, [quantized.get(m) for m in members], table, name)
         fused[name] = one
         linears.append(one)
         start = 0
@@ -516,7 +543,7 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
             start += part.out_features
     for name, module in modules.items():
         if type(module) is nn.Linear and name not in replace:
-            one = FastLinear.from_linears([module], [quantized.get(name)], table)
+            one = FastLinear.from_linears([module], [quantized.get(name)], table, name)
             linears.append(one)
             replace[name] = one
     for name, new in replace.items():

@@ -94,6 +94,12 @@ def cpu_kernels() -> dict[str, object]:
             "int4_panels_at_once": 2 if wide_panels() else 1, "amx": amx_tiles()}
 
 
+def panel_layout() -> str:
+    """The name of the layout ``pack_int4`` packs on this CPU (``kept_panel_at``): pairs of
+    panels interleaved where two are multiplied at once. Stored panels are this machine's."""
+    return f"int4-panels-x{2 if wide_panels() else 1}"
+
+
 def panel_min_rows(out: int) -> int:
     """Rows from which on ``matmul_int4`` multiplies panels of ``out`` outputs, on this CPU."""
     return WIDE_PANEL_MIN_ROWS if out % WIDE_PANEL == 0 and wide_panels() else PANEL_MIN_ROWS
