@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcellar.engine import SamplingParams, observability
+from kvcellar.engine.loader import MachineFigures
 from kvcellar.engine.model_runner import CLEAR_LEAD, SMALL_STEP_TOKENS
 from kvcellar.engine.native.threads import SpinGate
 from kvcellar.engine.warmup import warm_up
@@ -115,5 +116,42 @@ def test_threads_measured_while_other_processes_ran_are_all_kept(model: Any, two
         write()
 
     assert runner.calibrate_decode_threads(step, steps=3, clock=lambda: now[0]) == 2
+    assert not runner.measured_quiet  # not a figure to keep for later starts
     busy[0] = 0.0
     assert runner.calibrate_decode_threads(step, steps=3, clock=lambda: now[0]) == 1  # a quiet machine: measured
+    assert runner.measured_quiet
+
+
+def test_decode_threads_measured_on_a_quiet_machine_are_kept_for_the_next_start(
+        model: Any, two_threads: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's warm-up keeps the decode threads it measured with no other process busy
+    (``MachineFigures``, per model and thread count); the next start takes them without
+    measuring. A measurement beside a busy process is not kept."""
+    figures = MachineFigures(tmp_path / "figures.json")
+    measured: list[bool] = []
+
+    def calibrate(runner: Any, quiet: bool) -> Any:
+        def measure(decode_step: Any, steps: int = 4, clock: Any = None) -> int:
+            measured.append(quiet)
+            runner.measured_quiet = quiet
+            runner.set_decode_threads(1)
+            return 1
+        return measure
+
+    engines = [make_engine(model) for _ in range(3)]
+    try:
+        busy, first, second = engines
+        monkeypatch.setattr(busy.runner, "calibrate_decode_threads", calibrate(busy.runner, False))
+        warm_up(busy, figures=figures)
+        assert measured == [False] and not figures.path.exists()
+        monkeypatch.setattr(first.runner, "calibrate_decode_threads", calibrate(first.runner, True))
+        warm_up(first, figures=figures)
+        assert measured == [False, True] and first.runner.decode_threads == 1
+        monkeypatch.setattr(second.runner, "calibrate_decode_threads", calibrate(second.runner, True))
+        assert second.runner.decode_threads == second.runner.threads
+        warm_up(second, figures=figures)
+        assert measured == [False, True] and second.runner.decode_threads == 1  # read back, not measured
+        assert observability.snapshot(second)["runner_decode_threads"] == 1
+    finally:
+        for engine in engines:
+            engine.shutdown(timeout=10)

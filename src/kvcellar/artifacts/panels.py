@@ -14,8 +14,9 @@ two classes sharing one cache dir each get their own entry. The entry is checked
 
 from __future__ import annotations
 
+import json
 import logging
-import pickle
+import mmap
 import time
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,16 @@ from kvcellar.artifacts.store import ArtifactCache
 
 log = logging.getLogger(__name__)
 
-PANELS_FILE = "panels.pt"
+# The tensors' bytes, each at a multiple of ``ALIGN``, and where each lies (JSON).
+PANELS_FILE = "panels.bin"
+INDEX_FILE = "panels.json"
+ALIGN = 4096
 # Bump when what the entry holds changes: older entries become misses.
 PANELS_CONVERTER = "kvc-panels-1"
+DTYPES = {"uint8": torch.uint8, "float16": torch.float16}
 
 # A linear's panels: nibbles, scales and offsets (None: derived from the scales, Q4_0's).
 Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-# What torch.load may raise on a file that is not what was stored.
-_UNREADABLE = (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError)
 
 
 def panels_descriptor(quantized: ArtifactLease, layout: str) -> ArtifactDescriptor:
@@ -44,14 +47,6 @@ def panels_descriptor(quantized: ArtifactLease, layout: str) -> ArtifactDescript
     return ArtifactDescriptor(source=f"artifact:{quantized.key}", dtype="int4", quantization=layout,
                               modality=d.modality, converter=PANELS_CONVERTER, name=d.name,
                               source_path=d.source_path)
-
-
-def _alone(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` with a storage of its own: torch.save writes whole storages, and small tensors
-    share 2 MB-page mappings (``kvcellar.pages``) with others of other dtypes."""
-    if t is None or (t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes):
-        return t
-    return t.clone()
 
 
 class PanelStore:
@@ -63,7 +58,7 @@ class PanelStore:
         self.layout = layout
         self.descriptor = panels_descriptor(quantized, layout)
         self.lease: ArtifactLease | None = None
-        self.stored: dict[str, Any] = {}
+        self.stored: dict[str, Panels] = {}
         self.packed: dict[str, Panels] = {}
         self.taken = 0
         try:
@@ -74,11 +69,8 @@ class PanelStore:
         if self.lease is None:
             return
         try:
-            found = torch.load(self.lease.path / PANELS_FILE, mmap=True, weights_only=True)
-            if not isinstance(found, dict):
-                raise ValueError(f"{PANELS_FILE} holds a {type(found).__name__}")
-            self.stored = found
-        except _UNREADABLE as exc:  # it validated but does not load: packed again, and stored anew
+            self.stored = read_panels(self.lease.path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # it validated but does not load
             self.lease.invalidate(f"stored int4 panels unreadable: {exc}")
             self.lease = None
 
@@ -86,19 +78,14 @@ class PanelStore:
         """The stored panels of linear ``name`` if they have the shapes and dtypes of its row
         layout ``rows`` (packing keeps both), else None (packed then)."""
         found = self.stored.get(name)
-        if not isinstance(found, list) or len(found) != 3:
+        if found is None:
             return None
-        for got, want in zip(found, rows, strict=True):
-            if want is None or got is None:
-                if got is not None:
-                    return None
-                continue
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-                return None
-        if found[0] is None or found[1] is None:
+        # offsets stored as None are derived from the scales (packing found them so)
+        pairs = [(found[0], rows[0]), (found[1], rows[1])] + ([] if found[2] is None else [(found[2], rows[2])])
+        if any(want is None or got.shape != want.shape or got.dtype != want.dtype for got, want in pairs):
             return None
         self.taken += 1
-        return found[0], found[1], found[2]
+        return found
 
     def keep(self, name: str, panels: Panels) -> None:
         """Panels this process packed, for ``commit``."""
@@ -113,7 +100,7 @@ class PanelStore:
         t0 = time.perf_counter()
 
         def build(out_dir: Path) -> dict[str, Any]:
-            torch.save({name: [_alone(t) for t in p] for name, p in packed.items()}, out_dir / PANELS_FILE)
+            write_panels(out_dir, packed)
             return {"linears": len(packed), "layout": self.layout,
                     "bytes": sum(t.nbytes for p in packed.values() for t in p if t is not None)}
 
@@ -124,3 +111,45 @@ class PanelStore:
             return
         log.info("int4 panels of %d linears stored for the next start in %.1f s", len(packed),
                  time.perf_counter() - t0)
+
+
+def write_panels(folder: Path, panels: dict[str, Panels]) -> None:
+    """``panels`` as ``PANELS_FILE`` (their bytes as they lie in memory: no copy) and ``INDEX_FILE``."""
+    index: dict[str, list[list[Any] | None]] = {}
+    with open(folder / PANELS_FILE, "wb") as f:
+        for name, tensors in panels.items():
+            index[name] = []
+            for t in tensors:
+                if t is None:
+                    index[name].append(None)
+                    continue
+                f.write(bytes(-f.tell() % ALIGN))
+                index[name].append([f.tell(), str(t.dtype).removeprefix("torch."), list(t.shape)])
+                f.write(t.contiguous().view(torch.uint8).numpy().data)
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+
+
+def read_panels(folder: Path) -> dict[str, Panels]:
+    """What ``write_panels`` wrote, the tensors in one private mapping of the file (pages of the
+    page cache, shared by every process that maps them, until one writes)."""
+    index = json.loads((folder / INDEX_FILE).read_text())
+    with open(folder / PANELS_FILE, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    stored: dict[str, Panels] = {}
+    for name, entries in index.items():
+        tensors: list[torch.Tensor | None] = []
+        for entry in entries:
+            if entry is None:
+                tensors.append(None)
+                continue
+            offset, dtype_name, shape = entry
+            dtype = DTYPES[dtype_name]
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            if offset % ALIGN or offset + nbytes > whole.numel():
+                raise ValueError(f"{name}: bytes {offset}..{offset + nbytes} are not in {PANELS_FILE}")
+            tensors.append(whole[offset: offset + nbytes].view(dtype).view(shape))
+        if len(tensors) != 3 or tensors[0] is None or tensors[1] is None:
+            raise ValueError(f"{name}: not a weight's nibbles, scales and offsets")
+        stored[name] = (tensors[0], tensors[1], tensors[2])
+    return stored

@@ -256,9 +256,8 @@ def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype,
     if key in _probed:
         return _probed[key]
     name = "|".join([mode, str(dtype), str(dense_dtype), str(device)])
-    path = _probe_file(device)
-    stored = _read_probes(path)
-    found = stored.get(name)
+    figures = MachineFigures(_probe_file(device))
+    found = figures.get(name)
     if isinstance(found, list) and len(found) == 3 and all(isinstance(v, (int, float)) for v in found):
         _probed[key] = (float(found[0]), float(found[1]), float(found[2]))
         return _probed[key]
@@ -266,8 +265,28 @@ def _probe(mode: str, dtype: torch.dtype, dense_dtype: torch.dtype,
     log.info("a %dx%d %s matmul at one row takes %.3f ms (%s activations; %.3f ms at %d rows), %.3f ms dense (%s)"
              " on %s", PROBE_FEATURES, PROBE_FEATURES, mode, quantized_ms, str(dtype).removeprefix("torch."),
              batch_ms, PROBE_BATCH_ROWS, dense_ms, str(dense_dtype).removeprefix("torch."), device)
-    _write_probes(path, {**_read_probes(path), name: [quantized_ms, dense_ms, batch_ms]})
+    figures.put(name, [quantized_ms, dense_ms, batch_ms])
     return _probed[key]
+
+
+class MachineFigures:
+    """Figures measured once on a machine and read back by every later process (a JSON file:
+    ``machine_figures``). Another process may write between a ``get`` and a ``put``: each
+    ``put`` reads the file again and replaces it whole."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get(self, name: str) -> Any:
+        return _read_probes(self.path).get(name)
+
+    def put(self, name: str, value: Any) -> None:
+        _write_probes(self.path, {**_read_probes(self.path), name: value})
+
+
+def machine_figures(device: torch.device) -> MachineFigures:
+    """This machine's figures for ``device`` (``_probe_file``: its CPU, torch and kernels' build)."""
+    return MachineFigures(_probe_file(device))
 
 
 def _probe_file(device: torch.device) -> Path:

@@ -55,6 +55,8 @@ class StepRunner(Protocol):
 
     states: StatePool | None
     threads: int
+    decode_threads: int
+    measured_quiet: bool  # the last decode-thread measurement saw no other process busy
     paths_seen: set[str]
     stats: RunnerStats
 
@@ -112,6 +114,8 @@ class ModelRunner:
         self.paths_seen: set[str] = set()
         self.threads = torch.get_num_threads()
         self.decode_threads = self.threads
+        # Whether the last ``calibrate_decode_threads`` measured a quiet machine (worth keeping).
+        self.measured_quiet = False
         self.stats = RunnerStats(decode_threads=self.threads)
         self.spin = SpinGate(thread_spin if self.device.type == "cpu" else "off")
 
@@ -153,6 +157,7 @@ class ModelRunner:
             log.info("decode threads: other processes took %.1f CPUs while they were measured; all %d kept",
                      others, self.threads)
             best = self.threads
+        self.measured_quiet = start is not None and others <= SPARE
         self.set_decode_threads(best)
         return best
 

@@ -35,14 +35,16 @@ from kvcellar.stats import Stats
 
 if TYPE_CHECKING:
     from kvcellar.engine.engine import Engine
+    from kvcellar.engine.loader import MachineFigures
 
 log = logging.getLogger(__name__)
 
 WARMUP_SALT = "kvcellar-warmup"
 # Long enough that a chunk on top of it takes the split path (SPLIT_MIN_PAST).
 LONG_PREFIX = SPLIT_MIN_PAST + 64
-# A chunk too long to fold (> FOLD_GQA_MAX_QUERIES queries).
+# A chunk too long to fold (> FOLD_GQA_MAX_QUERIES queries), and a short tail.
 UNFOLDED_CHUNK = FOLD_GQA_MAX_QUERIES + 8
+TAIL = 5
 # Seconds the waves and the decode thread measurement may take together (see above).
 BUDGET_S = 20.0
 # Timed steps per thread count when measuring decode threads; with a step after each of the
@@ -62,11 +64,15 @@ def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int,
 
     ``filler``: real token ids to build prompts from (any text); ``max_tokens_total``: the
     most tokens one request may hold (context and pool limits). Prompts shrink to fit; the
-    split path is skipped when they can't reach ``LONG_PREFIX``, and where the engine has no
-    split path (``split`` False: kvcellar's attention kernel takes every prefill) the cached
-    prefix is two blocks, not ``LONG_PREFIX`` tokens (a 7B on two cores: 5 s less)."""
+    split path is skipped when they can't reach ``LONG_PREFIX``. Where the engine has no
+    split path (``split`` False: kvcellar's attention kernel takes every prefill, one path
+    whatever the chunk) the cached prefix is two blocks, not ``LONG_PREFIX`` tokens, the
+    chunks over it are short and there is no fourth wave: a 7B on two cores spends ~2 s on
+    these where SDPA's waves took ~10, and a first request after them ran as fast as later
+    ones (docs/performance.md)."""
     budget = max(block_size + 4, max_tokens_total - 8)
-    long = min(LONG_PREFIX if split else 2 * block_size, budget - UNFOLDED_CHUNK) // block_size * block_size
+    chunk = UNFOLDED_CHUNK if split else TAIL
+    long = min(LONG_PREFIX if split else 2 * block_size, budget - chunk) // block_size * block_size
     text = (filler * (1 + (long + UNFOLDED_CHUNK + block_size) // max(1, len(filler))))
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, seed=0, presence_penalty=0.1,
@@ -79,11 +85,11 @@ def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int,
         [WarmupRequest(text[:long] if long > 0 else text[: block_size + 3], greedy)],
         # on top of the cached prefix: a long chunk (split path) and a short tail (folded);
         # their decodes batch
-        [WarmupRequest(text[: max(long, block_size)] + text[-UNFOLDED_CHUNK:], sampled),
-         WarmupRequest(text[: max(long, block_size)] + text[:5], greedy)],
-        # a chunk over a short cached prefix (masked, unfolded)
-        [WarmupRequest(text[:block_size] + text[-UNFOLDED_CHUNK:], sampled)],
+        [WarmupRequest(text[: max(long, block_size)] + text[-chunk:], sampled),
+         WarmupRequest(text[: max(long, block_size)] + text[:TAIL], greedy)],
     ]
+    if split:  # a chunk over a short cached prefix (masked, unfolded)
+        waves.append([WarmupRequest(text[:block_size] + text[-UNFOLDED_CHUNK:], sampled)])
     return waves
 
 
@@ -114,10 +120,11 @@ class _Budget:
         self.prompts += prompts
 
 
-def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
+def warm_up(engine: Engine, budget_s: float = BUDGET_S, figures: MachineFigures | None = None) -> float:
     """Run every code path a first request needs on ``engine`` (idle, not started), so the
     first request after a start is not the one paying one-off costs, within ``budget_s``
-    (see the module's docstring).
+    (see the module's docstring). ``figures``: where the decode threads measured on a quiet
+    machine are kept for the model, and read back by later starts instead of measuring.
     Leaves no trace: its blocks are dropped, nothing reaches a lower tier, counters are
     restored (but ``engine_warmup_*``). Returns the seconds it took."""
     if engine.threaded or engine.num_active():
@@ -150,11 +157,22 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S) -> float:
                 engine.generate([r.prompt for r in wave], [r.params for r in wave], cache_salt=WARMUP_SALT)
                 budget.charge(time.perf_counter() - start, tokens, [r.prompt for r in wave])
                 steps += int(engine.stats.steps - before)
-            if engine.config.decode_threads == 0 and engine.runner.threads > 1:  # else no choice to make
+            runner = engine.runner
+            name = f"decode_threads|{engine.fingerprint}|{runner.threads}"
+            kept = figures.get(name) if figures is not None else None
+            if engine.config.decode_threads or runner.threads == 1:
+                pass  # no choice to make
+            elif isinstance(kept, int) and 1 <= kept <= runner.threads:
+                runner.set_decode_threads(kept)
+                log.info("decode steps use %d of %d torch threads (measured by an earlier start)", kept,
+                         runner.threads)
+            else:
                 # two blocks the waves cached: the measurement's decode steps, not a prefill
                 prompt = filler[: max(1, min(len(filler), 2 * engine.block_size, engine.pool_tokens // 8))]
                 if budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
                     steps += _calibrate_decode_threads(engine, prompt)
+                    if figures is not None and runner.measured_quiet:
+                        figures.put(name, runner.decode_threads)
                 else:
                     skipped += 1
                     log.info("warm-up: decode threads not measured (over the %.0f s budget): using all %d",

@@ -24,6 +24,7 @@ from typing import Any
 
 import uvicorn
 
+from kvcellar.engine.loader import machine_figures
 from kvcellar.engine.warmup import warm_up
 from kvcellar.runtime import build_engine
 from kvcellar.server import logs
@@ -50,7 +51,7 @@ def serve(settings: Settings, log_level: str = "WARNING") -> int:
     engine = build_engine(settings)
     if settings.engine.warmup:
         try:
-            seconds = warm_up(engine)
+            seconds = warm_up(engine, figures=machine_figures(engine.pool.device))
             print(f"kvcellar: warmed up in {seconds:.2f} s", file=sys.stderr, flush=True)
         except Exception:  # a speed-up only: serve anyway, the first request pays the one-off costs
             log.exception("warm-up failed; serving without it")

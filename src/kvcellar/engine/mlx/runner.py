@@ -38,7 +38,8 @@ class MLXRunner:
         self.block_size = pool.layout.block_size
         self.num_layers = len(self.text.layers)
         self.paths_seen: set[str] = set()
-        self.threads = 1  # MLX schedules its own threads
+        self.threads = self.decode_threads = 1  # MLX schedules its own threads
+        self.measured_quiet = False
         self.stats = RunnerStats(decode_threads=1)
 
     def rewind(self, item: Scheduled, row: int, dst: int) -> None:
