@@ -14,10 +14,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.panels import PanelStore
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.engine import Engine, assemble_engine, native
+from kvcellar.engine.linears import packed_panels
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.engine.speculation import RecentOutputs
@@ -197,8 +200,15 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
                         "cached by a run without the artifact cache won't be reused", source.name)
         loaded.artifact = lease
     loaded.quantized_artifact = qlease
-    if qlease is not None and artifacts is not None and native.available() and loaded.device.type == "cpu":
-        loaded.panels = PanelStore(artifacts, qlease, native.panel_layout())
+    if (qlease is not None and artifacts is not None and loaded.kernel_dtype == torch.int8 and native.available()
+            and loaded.device.type == "cpu"):
+        # the int4 linears as this CPU's panels: stored by the first start, mapped by every one
+        t0 = time.perf_counter()
+        store = PanelStore(artifacts, qlease, native.panel_layout())
+        quantized = loaded.quantized
+        if store.prepare(lambda: packed_panels(quantized)):
+            loaded.panels = store
+        loaded.load_seconds["panels"] = time.perf_counter() - t0
     return loaded
 
 
@@ -252,8 +262,6 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
             loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                       artifacts=open_artifacts(settings))
     engine = assemble_engine(loaded, settings.engine)
-    if isinstance(loaded.panels, PanelStore):
-        loaded.panels.commit()  # what this start packed, mapped by the next
     keep_outputs(engine, settings.cache_dir)
     try:
         attach_disk_tier(engine, settings)

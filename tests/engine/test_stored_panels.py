@@ -1,7 +1,7 @@
-"""int4 panels stored by a first start and mapped by the next (``artifacts/panels.py``): a GGUF
-written by the test, served through ``runtime.build_engine`` as the server builds its engine.
-The second start packs nothing, its panels lie in the entry's file mapping, and it gives the
-first start's tokens and logprobs to the bit; a damaged entry is packed and stored again."""
+"""int4 panels stored in the artifact cache by a first start and mapped by every start
+(``artifacts/panels.py``): a GGUF written by the test, served through ``runtime.build_engine``
+as the server builds its engine. Mapped panels give the tokens and logprobs of panels packed in
+memory to the bit; a damaged entry is built again."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvcellar.engine.linears import _file_mapped
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.runtime import build_engine, prepare_and_load
 from kvcellar.settings import load_settings
+from tests._models import make_engine
 from tests.artifacts.gguf_files import write_gguf
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels are not built here")
@@ -51,32 +52,43 @@ def run(engine: Any, loaded: Any) -> list[tuple[list[int], list[float]]]:
     return [(r.token_ids, r.logprobs) for r in engine.generate(prompts, PARAMS)]
 
 
-def test_panels_packed_by_a_first_start_are_mapped_by_the_next(gguf: Path, tmp_path: Path) -> None:
+def mapped(m: Any) -> bool:
+    """Whether every tensor of a linear's panels lies in a file mapping (the entry's)."""
+    return all(_file_mapped(t.data_ptr(), t.data_ptr() + t.nbytes)
+               for t in (m._q, m._scale) + (() if m._zero is None else (m._zero,)))
+
+
+def test_panels_stored_by_a_first_start_are_mapped_by_every_start(gguf: Path, tmp_path: Path) -> None:
+    """The first start packs the panels into the entry and maps them, as every later one does;
+    all give the tokens of panels packed in memory (no artifact cache) to the bit."""
+    loaded = prepare_and_load(str(gguf), weights="int4")
+    assert loaded.panels is None
+    packed = make_engine(loaded)
+    in_memory = panel_linears(packed)
+    assert in_memory and not any(mapped(m) for m in in_memory)
+    expected = run(packed, loaded)
+
     first, loaded = start(gguf, tmp_path)
     try:
-        packed = panel_linears(first)
-        assert packed and isinstance(loaded.panels, PanelStore) and loaded.panels.taken == 0
-        assert not any(_file_mapped(m._q.data_ptr(), m._q.data_ptr() + m._q.nbytes) for m in packed)
-        expected = run(first, loaded)
+        assert isinstance(loaded.panels, PanelStore) and loaded.panels.lease is not None
         entry = loaded.panels.lease
-        assert entry is not None and entry.built and entry.manifest.info["linears"] == len(packed)
+        assert entry.built and entry.manifest.info["linears"] == len(in_memory)
         assert entry.manifest.info["layout"] == native.panel_layout()
+        stored = panel_linears(first)
+        assert len(stored) == len(in_memory) == loaded.panels.taken and all(mapped(m) for m in stored)
+        assert run(first, loaded) == expected
     finally:
         first.shutdown(timeout=0)
 
     second, loaded = start(gguf, tmp_path)
     try:
-        mapped = panel_linears(second)
-        assert len(mapped) == len(packed) and loaded.panels.taken == len(mapped)
-        for m in mapped:  # every panel tensor in the entry's file mapping, none packed
-            for t in (m._q, m._scale) + (() if m._zero is None else (m._zero,)):
-                assert _file_mapped(t.data_ptr(), t.data_ptr() + t.nbytes)
         assert loaded.panels.lease is not None and loaded.panels.lease.hit
+        assert loaded.panels.taken == len(in_memory) and all(mapped(m) for m in panel_linears(second))
         assert run(second, loaded) == expected
     finally:
         second.shutdown(timeout=0)
 
-    # a byte of the stored panels changed: the entry fails its check, is packed and stored again
+    # a byte of the stored panels changed: the entry fails its check and is built again
     path = loaded.panels.lease.path / PANELS_FILE
     loaded.panels.lease.release()
     data = bytearray(path.read_bytes())
@@ -85,10 +97,24 @@ def test_panels_packed_by_a_first_start_are_mapped_by_the_next(gguf: Path, tmp_p
     path.write_bytes(bytes(data))
     third, loaded = start(gguf, tmp_path)
     try:
-        assert loaded.panels.taken == 0 and loaded.panels.lease is not None and loaded.panels.lease.built
+        assert loaded.panels.lease is not None and loaded.panels.lease.built
         assert run(third, loaded) == expected
     finally:
         third.shutdown(timeout=0)
+
+
+def test_stored_panels_are_kept_whatever_their_size(gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
+    """Panels packed in memory are anonymous memory, so a model whose panels would take more
+    than half the machine's keeps the row layout (``native.panels_fit``); stored panels are the
+    artifact cache's mapped pages, as the row layout is, so they are taken at any size."""
+    monkeypatch.setattr(native, "panels_fit", lambda nbytes: False)
+    rows = prepare_and_load(str(gguf), weights="int4")
+    assert not panel_linears(make_engine(rows))
+    cache = ArtifactCache.open(tmp_path)
+    loaded = prepare_and_load(str(gguf), weights="int4", artifacts=cache)
+    engine = make_engine(loaded)
+    assert panel_linears(engine) and all(mapped(m) for m in panel_linears(engine))
 
 
 def test_each_panel_layout_is_an_entry_of_its_own(gguf: Path, tmp_path: Path) -> None:
@@ -100,11 +126,14 @@ def test_each_panel_layout_is_an_entry_of_its_own(gguf: Path, tmp_path: Path) ->
     assert quantized is not None
     keys = {panels_descriptor(quantized, layout).key for layout in ("int4-panels-x1", "int4-panels-x2")}
     assert len(keys) == 2 and quantized.key not in keys
-    store = PanelStore(cache, quantized, "int4-panels-x1")
     rows = (torch.zeros(8, 16, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.float16), None)
-    store.keep("a", rows)
-    store.commit()
-    assert PanelStore(cache, quantized, "int4-panels-x1").take("a", rows) is not None
-    assert PanelStore(cache, quantized, "int4-panels-x2").take("a", rows) is None
+    one = PanelStore(cache, quantized, "int4-panels-x1")
+    assert one.prepare(lambda: iter([("a", rows)])) and one.lease is not None and one.lease.built
+    assert one.take("a", rows) is not None
     # stored panels of other shapes than the row layout's are not taken
-    assert PanelStore(cache, quantized, "int4-panels-x1").take("a", (rows[0][:, :8], rows[1], None)) is None
+    assert one.take("a", (rows[0][:, :8], rows[1], None)) is None
+    other = PanelStore(cache, quantized, "int4-panels-x2")
+    assert other.prepare(lambda: iter([])) and other.take("a", rows) is None
+    again = PanelStore(cache, quantized, "int4-panels-x1")
+    assert again.prepare(lambda: iter([])) and again.lease is not None and again.lease.hit
+    assert again.take("a", rows) is not None

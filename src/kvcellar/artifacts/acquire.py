@@ -79,28 +79,6 @@ def acquire_entry(d: CacheDirectory, descriptor: ArtifactDescriptor, build: Buil
         raise ArtifactStoreError(f"artifact cache at {d.root} failed: {exc}") from exc
 
 
-def find_entry(d: CacheDirectory, descriptor: ArtifactDescriptor) -> ArtifactLease | None:
-    """The entry of ``descriptor`` leased if it is there and valid, else None; never builds
-    (a damaged entry is left for ``acquire_entry`` to replace)."""
-    key = descriptor.key
-    entry = d.entries_dir / key
-    use = d.use_lock(key)
-    seconds: dict[str, float] = {}
-    try:
-        use.acquire(exclusive=False)
-        try:
-            manifest, _ = _validate(d, key, entry, seconds)
-            if manifest is None:
-                use.release()
-                return None
-            return _lease(d, descriptor, entry, manifest, use, seconds, built=False)
-        except BaseException:
-            use.release()
-            raise
-    except (OSError, sqlite3.Error) as exc:
-        raise ArtifactStoreError(f"artifact cache at {d.root} failed: {exc}") from exc
-
-
 def _lease(d: CacheDirectory, descriptor: ArtifactDescriptor, entry: Path, manifest: Manifest, use: FileLock,
            seconds: dict[str, float], *, built: bool) -> ArtifactLease:
     key = descriptor.key

@@ -2,14 +2,17 @@
 
 Where kvcellar's kernels keep int4 linears as panels (``native.pack_int4``), a start used to
 pack them from the quantized entry's row layout into fresh anonymous memory: for a 7B, seconds
-of the kernel zeroing pages and of packing, at every start. The first start now stores what it
-packed as an entry derived from the quantized one, and later starts map it as they map every
-other weight (llama-server's way to a start in seconds): the same bytes, so the same bits.
+of the kernel zeroing pages and of packing at every start, and for a model whose panels would
+take more than half the machine's memory no panels at all (the row kernels instead). Now the
+first start packs them a linear at a time into an entry derived from the quantized one, and
+every start maps that entry as it maps every other weight (llama-server's way to a start in
+seconds): pages of the page cache, evictable and shared between processes, the same bytes
+and so the same bits as packing them in memory.
 
 The layout depends on the CPU class (AVX-512 CPUs keep pairs of panels interleaved:
 ``native.panel_layout``), so the key holds it beside the quantized entry's key: machines of
 two classes sharing one cache dir each get their own entry. The entry is checked as any other
-(sampled hashes, stat signatures; a damaged one is replaced at the next start that packs).
+(sampled hashes, stat signatures; a damaged one is built again).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import logging
 import mmap
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +54,8 @@ def panels_descriptor(quantized: ArtifactLease, layout: str) -> ArtifactDescript
 
 
 class PanelStore:
-    """One model's stored panels: ``take`` gives those its entry holds (mapped), ``keep``
-    collects those packed by this process, ``commit`` stores them when there was no entry."""
+    """One model's stored panels (``prepare`` builds the entry if there is none): ``take``
+    gives a linear's, mapped."""
 
     def __init__(self, cache: ArtifactCache, quantized: ArtifactLease, layout: str) -> None:
         self.cache = cache
@@ -59,20 +63,35 @@ class PanelStore:
         self.descriptor = panels_descriptor(quantized, layout)
         self.lease: ArtifactLease | None = None
         self.stored: dict[str, Panels] = {}
-        self.packed: dict[str, Panels] = {}
         self.taken = 0
-        try:
-            self.lease = cache.find(self.descriptor)
-        except ArtifactStoreError as exc:
-            log.warning("stored int4 panels not looked up: %s", exc)
-            return
-        if self.lease is None:
-            return
-        try:
-            self.stored = read_panels(self.lease.path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # it validated but does not load
-            self.lease.invalidate(f"stored int4 panels unreadable: {exc}")
-            self.lease = None
+
+    def prepare(self, packed: Callable[[], Iterator[tuple[str, Panels]]]) -> bool:
+        """Map the entry, built first from ``packed()`` (each linear's panels, packed as they
+        are asked for and written before the next: the memory of one) if there is none or it
+        is damaged. False where the cache dir fails: the linears are packed in memory then."""
+        t0 = time.perf_counter()
+
+        def build(out_dir: Path) -> dict[str, Any]:
+            count, nbytes = write_panels(out_dir, packed())
+            return {"linears": count, "layout": self.layout, "bytes": nbytes}
+
+        for attempt in (1, 2):
+            try:
+                self.lease = self.cache.acquire(self.descriptor, build)
+            except (ArtifactStoreError, OSError, RuntimeError) as exc:
+                log.warning("int4 panels not stored (packed at every start): %s", exc)
+                return False
+            try:
+                self.stored = read_panels(self.lease.path)
+                break
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # it validated but does not load
+                self.lease.invalidate(f"stored int4 panels unreadable: {exc}")
+                self.lease = None
+                if attempt == 2:
+                    return False
+        if self.lease is not None and self.lease.built:
+            log.info("int4 panels of %d linears stored in %.1f s", len(self.stored), time.perf_counter() - t0)
+        return True
 
     def take(self, name: str, rows: Panels) -> Panels | None:
         """The stored panels of linear ``name`` if they have the shapes and dtypes of its row
@@ -87,37 +106,14 @@ class PanelStore:
         self.taken += 1
         return found
 
-    def keep(self, name: str, panels: Panels) -> None:
-        """Panels this process packed, for ``commit``."""
-        self.packed[name] = panels
 
-    def commit(self) -> None:
-        """Store the panels this process packed as the entry, if there was none (the first
-        start): a failing cache dir costs the next start the packing, nothing else."""
-        packed, self.packed = self.packed, {}
-        if not packed or self.lease is not None:
-            return
-        t0 = time.perf_counter()
-
-        def build(out_dir: Path) -> dict[str, Any]:
-            write_panels(out_dir, packed)
-            return {"linears": len(packed), "layout": self.layout,
-                    "bytes": sum(t.nbytes for p in packed.values() for t in p if t is not None)}
-
-        try:
-            self.lease = self.cache.acquire(self.descriptor, build)
-        except (ArtifactStoreError, OSError, RuntimeError) as exc:
-            log.warning("int4 panels not stored for the next start: %s", exc)
-            return
-        log.info("int4 panels of %d linears stored for the next start in %.1f s", len(packed),
-                 time.perf_counter() - t0)
-
-
-def write_panels(folder: Path, panels: dict[str, Panels]) -> None:
-    """``panels`` as ``PANELS_FILE`` (their bytes as they lie in memory: no copy) and ``INDEX_FILE``."""
+def write_panels(folder: Path, panels: Iterable[tuple[str, Panels]]) -> tuple[int, int]:
+    """``panels`` as ``PANELS_FILE`` (their bytes as they lie in memory: no copy) and
+    ``INDEX_FILE``; returns how many linears and bytes."""
     index: dict[str, list[list[Any] | None]] = {}
+    nbytes = 0
     with open(folder / PANELS_FILE, "wb") as f:
-        for name, tensors in panels.items():
+        for name, tensors in panels:
             index[name] = []
             for t in tensors:
                 if t is None:
@@ -126,7 +122,9 @@ def write_panels(folder: Path, panels: dict[str, Panels]) -> None:
                 f.write(bytes(-f.tell() % ALIGN))
                 index[name].append([f.tell(), str(t.dtype).removeprefix("torch."), list(t.shape)])
                 f.write(t.contiguous().view(torch.uint8).numpy().data)
+                nbytes += t.nbytes
     (folder / INDEX_FILE).write_text(json.dumps(index))
+    return len(index), nbytes
 
 
 def read_panels(folder: Path) -> dict[str, Panels]:

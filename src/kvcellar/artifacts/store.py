@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import kvcellar.artifacts.housekeeping as housekeeping  # the module, not the package: no import cycle
-from kvcellar.artifacts.acquire import acquire_entry, find_entry
+from kvcellar.artifacts.acquire import acquire_entry
 from kvcellar.artifacts.config import ArtifactConfig
 from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease, Builder
 from kvcellar.artifacts.directory import CacheDirectory
@@ -65,11 +65,6 @@ class ArtifactCache(CacheDirectory):
         fails (the caller may load without caching); errors of ``build`` itself propagate.
         """
         return acquire_entry(self, descriptor, build, progress)
-
-    def find(self, descriptor: ArtifactDescriptor) -> ArtifactLease | None:
-        """``descriptor``'s entry, leased, if it is there and valid; None otherwise (nothing is
-        built). Raises ``ArtifactStoreError`` when the cache dir fails."""
-        return find_entry(self, descriptor)
 
     def file_digest(self, path: Path) -> str:
         """sha256 of ``path``, memoized in the index while its size/mtime/ctime/inode stay the same."""

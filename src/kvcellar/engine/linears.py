@@ -23,7 +23,7 @@ import functools
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,15 +66,37 @@ Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class PanelSource(Protocol):
-    """Where a model's int4 panels may be stored between starts (``artifacts.panels.PanelStore``)."""
+    """A model's int4 panels stored between starts, mapped (``artifacts.panels.PanelStore``)."""
 
     def take(self, name: str, rows: Panels) -> Panels | None:
         """The stored panels of linear ``name`` (its row layout: ``rows``), or None."""
         ...
 
-    def keep(self, name: str, panels: Panels) -> None:
-        """Panels packed by this process, to be stored."""
-        ...
+
+def _int4_rows(quant: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 weight's row layout as kvcellar's kernels read it (float16 scales and offsets:
+    as mapped where the entry holds them so)."""
+    assert quant.offsets is not None
+    return (quant.qweight.contiguous(), quant.scales.to(torch.float16).contiguous(),
+            quant.offsets.to(torch.float16).contiguous())
+
+
+def _keeps_panels(quant: QuantizedWeight) -> bool:
+    """Whether kvcellar's kernels keep ``quant``'s linear as panels (where they fit)."""
+    out, cols = quant.qweight.shape[0], quant.qweight.shape[1] * 2
+    return (quant.kind == "int4" and quant.group_size == native.BLOCK and cols % native.BLOCK == 0
+            and native.stores_panels(out))
+
+
+def packed_panels(quantized: dict[str, QuantizedWeight]) -> Iterator[tuple[str, Panels]]:
+    """Each linear of ``quantized`` that kvcellar's kernels keep as panels, by module name,
+    packed as it is asked for (``artifacts.panels`` writes each before the next is packed);
+    its row layout's mapped pages are given back after it."""
+    for name, quant in quantized.items():
+        if _keeps_panels(quant):
+            rows = _int4_rows(quant)
+            yield name, native.pack_int4(*rows, torch.get_num_threads())
+            _drop_mapped_pages(rows)
 
 
 @dataclass
@@ -88,7 +110,7 @@ class KernelTable:
     # Whether int4 weights may be kept as panels (``native.stores_panels``): the model's int4
     # weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
     panels: bool = True
-    # Panels stored by an earlier start, taken instead of packing (and given what is packed).
+    # Panels stored in the artifact cache, taken instead of packing them.
     stored: PanelSource | None = None
 
 
@@ -319,20 +341,15 @@ class FastLinear(nn.Module):
             elif quant.kind == "mxfp4":
                 self._scale = quant.scales.contiguous()  # E8M0 exponents, as mapped
             else:
-                assert quant.offsets is not None
-                self._scale = quant.scales.to(torch.float16).contiguous()  # float16 already: as mapped
-                self._zero = quant.offsets.to(torch.float16).contiguous()
-                if self.table.panels and native.stores_panels(self.out_features):
-                    mapped = (self._q, self._scale, self._zero)
+                rows = _int4_rows(quant)
+                self._q, self._scale, self._zero = rows
+                if self.table.panels and _keeps_panels(quant):
                     store = self.table.stored if self.name else None
-                    panels = store.take(self.name, mapped) if store is not None else None
-                    if panels is None:
-                        panels = native.pack_int4(*mapped, torch.get_num_threads())
-                        if store is not None:
-                            store.keep(self.name, panels)
-                    self._q, self._scale, self._zero = panels
+                    panels = store.take(self.name, rows) if store is not None else None
+                    self._q, self._scale, self._zero = (panels if panels is not None
+                                                        else native.pack_int4(*rows, torch.get_num_threads()))
                     self.panels = True
-                    _drop_mapped_pages(mapped)
+                    _drop_mapped_pages(rows)
             if quant.kind == "int8":
                 self._group = native.Int8Group([(self._q, self._scale)])
             elif self.panels:
@@ -511,7 +528,8 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     (``quantization.quantize_model``); ``fuse``: (name, [module names]) groups to fuse, e.g.
     ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``;
     ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``);
-    ``stored``: int4 panels an earlier start stored (taken instead of packing them)."""
+    ``stored``: int4 panels stored in the artifact cache (taken instead of packing them, and
+    kept as panels whatever their size)."""
     prepared: PreparedModel | None = getattr(model, "_kvcellar_prepared", None)
     if prepared is not None:
         return prepared
@@ -520,7 +538,9 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
     int4_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
                      for q in quantized.values() if q.kind == "int4")
-    table = KernelTable(kernel_dtype=kernel_dtype, panels=native.panels_fit(int4_bytes), stored=stored)
+    # panels stored in the artifact cache are its mapped pages, as the row layout's would be
+    table = KernelTable(kernel_dtype=kernel_dtype, panels=stored is not None or native.panels_fit(int4_bytes),
+                        stored=stored)
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8
