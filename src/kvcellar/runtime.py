@@ -20,7 +20,7 @@ from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
 from kvcellar.artifacts.panels import PanelStore
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
 from kvcellar.engine import Engine, assemble_engine, native
-from kvcellar.engine.linears import packed_panels
+from kvcellar.engine.linears import keeps_panels, packed_panels
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.engine.speculation import RecentOutputs
@@ -201,7 +201,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
         loaded.artifact = lease
     loaded.quantized_artifact = qlease
     if (qlease is not None and artifacts is not None and loaded.kernel_dtype == torch.int8 and native.available()
-            and loaded.device.type == "cpu"):
+            and loaded.device.type == "cpu" and any(keeps_panels(q) for q in loaded.quantized.values())):
         # the int4 linears as this CPU's panels: stored by the first start, mapped by every one
         t0 = time.perf_counter()
         store = PanelStore(artifacts, qlease, native.panel_layout())

@@ -298,7 +298,9 @@ def test_quantized_linears_are_an_entry_of_their_own(tiny_ggufs: list[Path], tmp
     with safe_open(str(second.quantized_artifact.path / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert names and all(n.endswith((".qweight", ".scales", ".offsets")) for n in names)  # linears only
-    assert len(_cache(tmp_path).entries()) == 2  # the dense entry, shared, and the quantized one
+    # the dense entry, shared, the quantized one, and int4 linears as this CPU's panels where kvcellar's kernels run
+    assert (second.panels is not None) == (mode == "int4" and second.kernel_dtype == torch.int8)
+    assert len(_cache(tmp_path).entries()) == 2 + (second.panels is not None)
 
 
 def test_a_damaged_quantized_entry_is_rebuilt(tiny_ggufs: list[Path], tmp_path: Path) -> None:

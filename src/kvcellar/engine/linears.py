@@ -81,7 +81,7 @@ def _int4_rows(quant: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
             quant.offsets.to(torch.float16).contiguous())
 
 
-def _keeps_panels(quant: QuantizedWeight) -> bool:
+def keeps_panels(quant: QuantizedWeight) -> bool:
     """Whether kvcellar's kernels keep ``quant``'s linear as panels (where they fit)."""
     out, cols = quant.qweight.shape[0], quant.qweight.shape[1] * 2
     return (quant.kind == "int4" and quant.group_size == native.BLOCK and cols % native.BLOCK == 0
@@ -93,7 +93,7 @@ def packed_panels(quantized: dict[str, QuantizedWeight]) -> Iterator[tuple[str, 
     packed as it is asked for (``artifacts.panels`` writes each before the next is packed);
     its row layout's mapped pages are given back after it."""
     for name, quant in quantized.items():
-        if _keeps_panels(quant):
+        if keeps_panels(quant):
             rows = _int4_rows(quant)
             yield name, native.pack_int4(*rows, torch.get_num_threads())
             _drop_mapped_pages(rows)
@@ -343,7 +343,7 @@ class FastLinear(nn.Module):
             else:
                 rows = _int4_rows(quant)
                 self._q, self._scale, self._zero = rows
-                if self.table.panels and _keeps_panels(quant):
+                if self.table.panels and keeps_panels(quant):
                     store = self.table.stored if self.name else None
                     panels = store.take(self.name, rows) if store is not None else None
                     self._q, self._scale, self._zero = (panels if panels is not None
