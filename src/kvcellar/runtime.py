@@ -154,8 +154,10 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     prepared once into it and loaded from its entry from then on, which the result holds
     (``LoadedModel.artifact``) while served; source digests are memoized there too. With
     ``weights`` int8/int4 its quantized linears have an entry of their own
-    (``LoadedModel.quantized_artifact``). Both ways give the same identities and outputs, hit
-    or not. ``progress``: show preparation progress bars (None: when stderr is a terminal)."""
+    (``LoadedModel.quantized_artifact``), and the int4 ones kvcellar's kernels keep as panels
+    another, in this CPU's layout (``LoadedModel.panels``: ``artifacts/panels.py``). Both ways
+    give the same identities and outputs, hit or not. ``progress``: show preparation progress
+    bars (None: when stderr is a terminal)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model)
