@@ -83,8 +83,8 @@ def warmup_waves(filler: list[int], block_size: int, max_tokens_total: int,
         [WarmupRequest(text[1:block_size], SamplingParams(max_tokens=2, temperature=0.0))],
         # fresh causal prefill, then masked decode
         [WarmupRequest(text[:long] if long > 0 else text[: block_size + 3], greedy)],
-        # on top of the cached prefix: a long chunk (split path) and a short tail (folded);
-        # their decodes batch
+        # on top of the cached prefix: a long chunk (split path, where there is one) and a short
+        # tail (folded); their decodes batch
         [WarmupRequest(text[: max(long, block_size)] + text[-chunk:], sampled),
          WarmupRequest(text[: max(long, block_size)] + text[:TAIL], greedy)],
     ]
