@@ -131,6 +131,8 @@ def read_panels(folder: Path) -> dict[str, Panels]:
     """What ``write_panels`` wrote, the tensors in one private mapping of the file (pages of the
     page cache, shared by every process that maps them, until one writes)."""
     index = json.loads((folder / INDEX_FILE).read_text())
+    if not index:  # no linear kept as panels (an empty file cannot be mapped)
+        return {}
     with open(folder / PANELS_FILE, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     whole = torch.frombuffer(mapped, dtype=torch.uint8)
