@@ -158,25 +158,23 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S, figures: MachineFigures 
                 budget.charge(time.perf_counter() - start, tokens, [r.prompt for r in wave])
                 steps += int(engine.stats.steps - before)
             runner = engine.runner
-            name = f"decode_threads|{engine.fingerprint}|{runner.threads}"
-            kept = figures.get(name) if figures is not None else None
-            if engine.config.decode_threads or runner.threads == 1:
-                pass  # no choice to make
-            elif isinstance(kept, int) and 1 <= kept <= runner.threads:
-                runner.set_decode_threads(kept)
-                log.info("decode steps use %d of %d torch threads (measured by an earlier start)", kept,
-                         runner.threads)
-            else:
+            if engine.config.decode_threads == 0 and runner.threads > 1:  # else no choice to make
+                name = f"decode_threads|{engine.fingerprint}|{runner.threads}"
+                kept = figures.get(name) if figures is not None else None
                 # two blocks the waves cached: the measurement's decode steps, not a prefill
                 prompt = filler[: max(1, min(len(filler), 2 * engine.block_size, engine.pool_tokens // 8))]
-                if budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
+                if isinstance(kept, int) and 1 <= kept <= runner.threads:
+                    runner.set_decode_threads(kept)
+                    log.info("decode steps use %d of %d torch threads (measured by an earlier start)", kept,
+                             runner.threads)
+                elif budget.allows(len(prompt) + 4 * (1 + THREAD_STEPS)):
                     steps += _calibrate_decode_threads(engine, prompt)
                     if figures is not None and runner.measured_quiet:
                         figures.put(name, runner.decode_threads)
                 else:
                     skipped += 1
                     log.info("warm-up: decode threads not measured (over the %.0f s budget): using all %d",
-                             budget_s, engine.runner.threads)
+                             budget_s, runner.threads)
         finally:
             release_scratch()  # warm-up runs on the caller's thread; serving steps on the engine's
             engine.blocks.evict_all()

@@ -120,20 +120,26 @@ static inline void quantize_block(const float *v, int8_t *q, float *d_out, float
     *s_out = d * (float)sum;
 }
 
-/* exp's polynomial in x - n ln 2 (Cephes'), highest power first: exp8 and layer.c's exp16. */
+/* exp's polynomial in x - n ln 2 (Cephes'), highest power first, and its range and reduction
+ * (ln 2 in two parts): exp8 and layer.c's exp16, which must give the same bits. */
 static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                   1.6666665459e-1f, 5.0000001201e-1f};
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
 
 /* exp of 8 floats: Cephes' polynomial on x - n ln 2, scaled by 2^n (relative error ~2e-7).
  * Arguments below -87 give 0, as exp's float does near there. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 lo = _mm256_set1_ps(EXP_LO);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
     __m256 p = _mm256_set1_ps(EXP_POLY[0]);
     for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
