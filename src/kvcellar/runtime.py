@@ -204,7 +204,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     loaded.quantized_artifact = qlease
     if (qlease is not None and artifacts is not None and loaded.kernel_dtype == torch.int8 and native.available()
             and loaded.device.type == "cpu" and any(keeps_panels(q) for q in loaded.quantized.values())):
-        # the int4 linears as this CPU's panels: stored by the first start, mapped by every one
+        # the int4 and MXFP4 linears as this CPU's panels: stored by the first start, mapped by every one
         t0 = time.perf_counter()
         store = PanelStore(artifacts, qlease, native.panel_layout())
         quantized = loaded.quantized

@@ -180,7 +180,7 @@ def test_the_int8_kernel_gives_a_row_the_same_numbers_at_any_row_count(out, cols
 @needs_native
 @pytest.mark.parametrize(("kind", "out", "cols"), [
     *((kind, out, cols) for kind in ("int4", "int8", "mxfp4") for out, cols in ((40, 256), (33, 320))),
-    ("int4 panels", 40, 256),  # kept as panels (rows in 8s)
+    ("int4 panels", 40, 256), ("mxfp4 panels", 40, 256), ("mxfp4 panels", 24, 320),  # kept as panels (rows in 8s)
 ])
 def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out, cols):
     """``moe_matmul`` runs a MoE layer's experts in one call: each expert's rows (none, one,
@@ -207,7 +207,10 @@ def test_routed_experts_in_one_call_are_each_experts_linear_to_the_bit(kind, out
             return native.matmul_int8(rows, quants[e].qweight, quants[e].scales, 1)
     else:
         quants = [mxfp4_weight(out, cols, seed=e) for e in range(len(counts))]
-        experts = native.expert_weights("mxfp4", [q.qweight for q in quants], [q.scales for q in quants])
+        kept_mx = ([native.pack_mxfp4(q.qweight, q.scales, THREADS) for q in quants] if kind == "mxfp4 panels"
+                   else [(q.qweight, q.scales) for q in quants])
+        experts = native.expert_weights("mxfp4", [w for w, _ in kept_mx], [e for _, e in kept_mx],
+                                        panels=kind == "mxfp4 panels")
 
         def alone(rows: torch.Tensor, e: int) -> torch.Tensor:
             return native.matmul_mxfp4(rows, quants[e].qweight, quants[e].scales, 1)
@@ -248,8 +251,8 @@ def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_
     """``moe_glu``: a MoE block's routed experts from input to output in one call. Each token's
     output is its experts' linears (plus their biases, gpt-oss's), gated, weighted and summed
     (within the rounding of its gating, which is the kernel's own, and of the 8-bit activations
-    after it); the same bits alone as in any step, and with int4 experts kept as panels as in the
-    row layout."""
+    after it); the same bits alone as in any step, and with int4 and MXFP4 experts kept as panels
+    as in the row layout."""
     cols, inner, n_experts, k, tokens = 64, 96, 6, 3, 13
     gen = torch.Generator().manual_seed(7)
     parts, biases = {}, {}
@@ -268,7 +271,8 @@ def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_
     linear = {"int4": native.matmul_int4, "int8": native.matmul_int8, "mxfp4": native.matmul_mxfp4}[kind]
 
     def experts(name: str, panels: bool) -> native.ExpertWeights:
-        kept = [native.pack_int4(*p, THREADS) for p in parts[name]] if panels else parts[name]
+        pack = native.pack_int4 if kind == "int4" else native.pack_mxfp4
+        kept = [pack(*p, THREADS) for p in parts[name]] if panels else parts[name]
         return native.expert_weights(kind, [p[0] for p in kept], [p[1] for p in kept],
                                      [p[2] for p in kept] if kind == "int4" else None, panels=panels)
 
@@ -292,7 +296,7 @@ def test_a_moe_block_in_one_call_is_its_experts_gated_and_summed_and_each_token_
                               gate_up_bias=biases["gate_up"], down_bias=biases["down"])
 
     results = []
-    for panels in (False, True) if kind == "int4" else (False,):
+    for panels in (False, True) if kind != "int8" else (False,):
         gate_up, down = experts("gate_up", panels), experts("down", panels)
         got = block(gate_up, down, slice(None), THREADS)
         torch.testing.assert_close(got, want, rtol=0, atol=0.02 * float(want.abs().max()))
@@ -319,18 +323,31 @@ def test_mxfp4_matmul_is_the_8_bit_activations_times_the_weight_at_any_row_count
         assert torch.equal(native.matmul_mxfp4(x[start:end], q.qweight, q.scales, 1), whole[start:end])
     out_rows = torch.empty(3, cols)
     assert torch.equal(native.dequantize_mxfp4(q.qweight, q.scales, 2, 5, out_rows, THREADS), weight[2:5].float())
+    if out % native.PANEL == 0:  # kept as panels: every row count, the same bits; the row layout back
+        kept = native.pack_mxfp4(q.qweight, q.scales, THREADS)
+        assert not torch.equal(kept[0], q.qweight)
+        for start, end in ((0, 1), (1, 4), (4, 9), (9, 23), (0, 23)):
+            assert torch.equal(native.matmul_mxfp4(x[start:end], *kept, 1, panels=True), whole[start:end])
+        assert all(torch.equal(a, b) for a, b in zip(native.unpack_mxfp4(*kept, THREADS), (q.qweight, q.scales),
+                                                      strict=True))
+        assert torch.equal(native.dequantize_mxfp4(*kept, 2, 5, out_rows, THREADS, panels=True), weight[2:5].float())
 
 
 @needs_native
 def test_mxfp4_sums_the_largest_products_exactly():
-    """Every code 6.0 (doubled: 12), activations at their blocks' maximum."""
-    out, cols = 8, 4096
+    """Every code 6.0 (doubled: 12) or -6.0, activations at their blocks' maximum, in both layouts."""
+    out, cols = 24, 4096
     nibbles = torch.full((out, cols // 2), 0x77, dtype=torch.uint8)
+    nibbles[8:16] = 0xFF  # -6.0: the sign moved onto the activations
     exponents = torch.full((out, cols // 32), 127, dtype=torch.uint8)  # 2^0
     x = torch.ones(2, cols)
     x[1] = -1.0
-    y = native.matmul_mxfp4(x, nibbles, exponents, THREADS)
-    assert torch.equal(y[0], torch.full((out,), 6.0 * cols)) and torch.equal(y[1], torch.full((out,), -6.0 * cols))
+    want = torch.full((2, out), 6.0 * cols)
+    want[1] *= -1
+    want[:, 8:16] *= -1
+    assert torch.equal(native.matmul_mxfp4(x, nibbles, exponents, THREADS), want)
+    assert torch.equal(native.matmul_mxfp4(x, *native.pack_mxfp4(nibbles, exponents, THREADS), THREADS, panels=True),
+                       want)
 
 
 @needs_native

@@ -91,8 +91,9 @@ def test_full_weights_generate_what_transformers_generates_from_the_files_tensor
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_mxfp4_experts_are_kept_code_for_code(weights):
     """The experts' linears multiply the reference's expert weights exactly (MXFP4 under
-    every quantized mode: exact and the smallest), gate and up rows interleaved as gpt-oss
-    gates them, each expert's biases its own; no expert weight lies in the dense entry."""
+    every quantized mode: exact and the smallest; kept as panels, stored), gate and up rows
+    interleaved as gpt-oss gates them, each expert's biases its own; no expert weight lies in
+    the dense entry."""
     ref = reference(gpt_oss_gguf())
     loaded = served_gpt_oss(weights)
     blocks = [m for m in loaded.model.modules() if isinstance(m, RoutedExperts)]
@@ -104,11 +105,14 @@ def test_mxfp4_experts_are_kept_code_for_code(weights):
     for e in (0, 5):
         gate_up, down = blocks[1].gate_up[e], blocks[1].down[e]
         assert gate_up.quant_kind == "mxfp4" and down.quant_kind == "mxfp4" and gate_up.lean
+        assert gate_up.panels and down.panels  # kept as panels (their bits are the row layout's)
         assert torch.equal(gate_up.dequantized().clone(), stacked.gate_up_proj[e].t())
         assert torch.equal(down.dequantized().clone(), stacked.down_proj[e].t())
         assert torch.equal(gate_up.bias, stacked.gate_up_proj_bias[e])
         assert torch.equal(down.bias, stacked.down_proj_bias[e])
     assert blocks[1]._fused().act == "clamped"  # the whole block, biases and gating too, in one call
+    # every expert's panels stored in the artifact cache by the first start, and mapped
+    assert loaded.panels is not None and loaded.panels.taken >= 2 * 2 * 8
     entry = {k for f in loaded.artifact.path.glob("*.safetensors") for k in _keys(f)}
     assert not any(k.endswith(("gate_up_proj", "down_proj")) for k in entry)
     prompt = chat_ids(loaded, QUESTIONS[1], SYSTEM)

@@ -185,6 +185,8 @@ def test_a_gpt_oss_gguf_answers_a_forced_call_in_harmony(served_gguf: ServerProc
     health = served_gguf.health()
     assert health["chat_format"] == {"tool_calls": "harmony", "reasoning": "harmony"}
     assert health["linears"]["experts_mxfp4"] == 2 * 4 * 2  # layers x experts x (gate-up, down)
+    if health["kernel_dtype"] == "int8" and health["cpu_kernels"]:  # kept as panels (stored)
+        assert health["linears"]["panels"] >= 2 * 4 * 2
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = served_gguf.client().chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
                                                      tool_choice="required", max_tokens=60, temperature=0)

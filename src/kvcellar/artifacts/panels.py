@@ -1,8 +1,10 @@
-"""int4 weights in the panel layout of this machine's kernels, stored as an entry of their own.
+"""int4 and MXFP4 weights in the panel layout of this machine's kernels, stored as an entry of
+their own.
 
-Where kvcellar's kernels keep int4 linears as panels (``native.pack_int4``), a start used to
-pack them from the quantized entry's row layout into fresh anonymous memory: for a 7B, seconds
-of the kernel zeroing pages and of packing at every start, and for a model whose panels would
+Where kvcellar's kernels keep int4 linears as panels (``native.pack_int4``; MXFP4 experts too:
+``native.pack_mxfp4``), a start used to pack them from the quantized entry's row layout into
+fresh anonymous memory: for a 7B, seconds of the kernel zeroing pages and of packing at every
+start, and for a model whose panels would
 take more than half the machine's memory no panels at all (the row kernels instead). Now the
 first start packs them a linear at a time into an entry derived from the quantized one, and
 every start maps that entry as it maps every other weight (llama-server's way to a start in
@@ -38,7 +40,8 @@ PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 ALIGN = 4096
 # Bump when what the entry holds changes: older entries become misses.
-PANELS_CONVERTER = "kvc-panels-1"
+# 2: MXFP4 weights (gpt-oss's experts) are kept as panels too.
+PANELS_CONVERTER = "kvc-panels-2"
 DTYPES = {"uint8": torch.uint8, "float16": torch.float16}
 
 # A linear's panels: nibbles, scales and offsets (None: derived from the scales, Q4_0's).
@@ -46,7 +49,7 @@ Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def panels_descriptor(quantized: ArtifactLease, layout: str) -> ArtifactDescriptor:
-    """The entry holding ``quantized``'s int4 linears packed in ``layout``."""
+    """The entry holding ``quantized``'s int4 and MXFP4 linears packed in ``layout``."""
     d = quantized.descriptor
     return ArtifactDescriptor(source=f"artifact:{quantized.key}", dtype="int4", quantization=layout,
                               modality=d.modality, converter=PANELS_CONVERTER, name=d.name,
@@ -79,18 +82,18 @@ class PanelStore:
             try:
                 self.lease = self.cache.acquire(self.descriptor, build)
             except (ArtifactStoreError, OSError, RuntimeError) as exc:
-                log.warning("int4 panels not stored (packed at every start): %s", exc)
+                log.warning("panels not stored (packed at every start): %s", exc)
                 return False
             try:
                 self.stored = read_panels(self.lease.path)
                 break
             except (OSError, ValueError, KeyError, TypeError) as exc:  # it validated but does not load
-                self.lease.invalidate(f"stored int4 panels unreadable: {exc}")
+                self.lease.invalidate(f"stored panels unreadable: {exc}")
                 self.lease = None
                 if attempt == 2:
                     return False
         if self.lease is not None and self.lease.built:
-            log.info("int4 panels of %d linears stored in %.1f s", len(self.stored), time.perf_counter() - t0)
+            log.info("panels of %d linears stored in %.1f s", len(self.stored), time.perf_counter() - t0)
         return True
 
     def take(self, name: str, rows: Panels) -> Panels | None:

@@ -61,12 +61,13 @@ def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.int8 and native.available())
 
 
-# An int4 weight in the panel layout (``native.pack_int4``): nibbles, scales, offsets or None.
+# A weight in the panel layout: int4's nibbles, scales and offsets or None (``native.pack_int4``),
+# or MXFP4's codes, exponents and None (``native.pack_mxfp4``).
 Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class PanelSource(Protocol):
-    """A model's int4 panels stored between starts, mapped (``artifacts.panels.PanelStore``)."""
+    """A model's panels stored between starts, mapped (``artifacts.panels.PanelStore``)."""
 
     def take(self, name: str, rows: Panels) -> Panels | None:
         """The stored panels of linear ``name`` (its row layout: ``rows``), or None."""
@@ -82,10 +83,25 @@ def _int4_rows(quant: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def keeps_panels(quant: QuantizedWeight) -> bool:
-    """Whether kvcellar's kernels keep ``quant``'s linear as panels (where they fit)."""
+    """Whether kvcellar's kernels keep ``quant``'s linear as panels (where they fit): int4 and
+    MXFP4 weights in groups of the kernels' block, rows in 8s."""
     out, cols = quant.qweight.shape[0], quant.qweight.shape[1] * 2
-    return (quant.kind == "int4" and quant.group_size == native.BLOCK and cols % native.BLOCK == 0
+    return (quant.kind in ("int4", "mxfp4") and quant.group_size == native.BLOCK and cols % native.BLOCK == 0
             and native.stores_panels(out))
+
+
+def _rows(quant: QuantizedWeight) -> Panels:
+    """A weight kept as panels in its row layout, as ``native.pack_int4``/``pack_mxfp4`` take it."""
+    if quant.kind == "mxfp4":
+        return quant.qweight.contiguous(), quant.scales.contiguous(), None
+    return _int4_rows(quant)
+
+
+def _pack(rows: Panels) -> Panels:
+    """``rows`` (``_rows``) in the panel layout."""
+    if rows[2] is None:  # MXFP4
+        return (*native.pack_mxfp4(rows[0], rows[1], torch.get_num_threads()), None)
+    return native.pack_int4(rows[0], rows[1], rows[2], torch.get_num_threads())
 
 
 def packed_panels(quantized: dict[str, QuantizedWeight]) -> Iterator[tuple[str, Panels]]:
@@ -94,9 +110,9 @@ def packed_panels(quantized: dict[str, QuantizedWeight]) -> Iterator[tuple[str, 
     its row layout's mapped pages are given back after it."""
     for name, quant in quantized.items():
         if keeps_panels(quant):
-            rows = _int4_rows(quant)
-            yield name, native.pack_int4(*rows, torch.get_num_threads())
-            _drop_mapped_pages(rows)
+            rows = _rows(quant)
+            yield name, _pack(rows)
+            _drop_mapped_pages([t for t in rows if t is not None])
 
 
 @dataclass
@@ -107,8 +123,8 @@ class KernelTable:
     # float32 model where the CPU has no native bf16 (``loader.resolve_serving``). int8:
     # kvcellar's own kernels (``engine/native``), which quantize the activations to 8 bits.
     kernel_dtype: torch.dtype | None = None
-    # Whether int4 weights may be kept as panels (``native.stores_panels``): the model's int4
-    # weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
+    # Whether int4 and MXFP4 weights may be kept as panels (``native.stores_panels``): stored
+    # ones, or the model's weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
     panels: bool = True
     # Panels stored in the artifact cache, taken instead of packing them.
     stored: PanelSource | None = None
@@ -307,7 +323,8 @@ class FastLinear(nn.Module):
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
         self.group_size = 0
-        self.panels = False  # int4 kept in the panel layout (``native.pack_int4``; offsets None: Q4_0's)
+        # kept in the panel layout (``native.pack_int4``, offsets None: Q4_0's; ``native.pack_mxfp4``)
+        self.panels = False
         self._group: native.Int4Group | native.Int8Group | None = None  # its kernel's call, as a group of one
         if self.quant_kind is not None:
             assert quant is not None
@@ -338,21 +355,18 @@ class FastLinear(nn.Module):
             self.group_size = quant.group_size
             if quant.kind == "int8":
                 self._scale = quant.scales.float().contiguous()
-            elif quant.kind == "mxfp4":
-                self._scale = quant.scales.contiguous()  # E8M0 exponents, as mapped
-            else:
-                rows = _int4_rows(quant)
+            else:  # int4; MXFP4 (its scales: E8M0 exponents, as mapped)
+                rows = _rows(quant)
                 self._q, self._scale, self._zero = rows
                 if self.table.panels and keeps_panels(quant):
                     store = self.table.stored if self.name else None
                     panels = store.take(self.name, rows) if store is not None else None
-                    self._q, self._scale, self._zero = (panels if panels is not None
-                                                        else native.pack_int4(*rows, torch.get_num_threads()))
+                    self._q, self._scale, self._zero = panels if panels is not None else _pack(rows)
                     self.panels = True
-                    _drop_mapped_pages(rows)
+                    _drop_mapped_pages([t for t in rows if t is not None])
             if quant.kind == "int8":
                 self._group = native.Int8Group([(self._q, self._scale)])
-            elif self.panels:
+            elif self.panels and quant.kind == "int4":
                 self._group = native.Int4Group([(self._q, self._scale, self._zero)], panels=True)
             return
         self._scale, zero = quant.kernel_params(dtype)
@@ -433,7 +447,7 @@ class FastLinear(nn.Module):
                                           self.panels)
         if self.quant_kind == "mxfp4":
             assert self._scale is not None
-            return native.dequantize_mxfp4(self._q, self._scale, 0, rows, out, torch.get_num_threads())
+            return native.dequantize_mxfp4(self._q, self._scale, 0, rows, out, torch.get_num_threads(), self.panels)
         for start in range(0, rows, _DEQUANT_ROWS):
             end = min(rows, start + _DEQUANT_ROWS)
             if self.quant_kind == "int8":
@@ -466,7 +480,7 @@ class FastLinear(nn.Module):
             if self._group is not None:  # int8, int4 kept as panels
                 out = self._group(xn, threads, _kernel_output(self.dtype))[0]
             elif self.quant_kind == "mxfp4":
-                out = native.matmul_mxfp4(xn, self._q, self._scale, threads)
+                out = native.matmul_mxfp4(xn, self._q, self._scale, threads, self.panels)
             else:  # int4 in the row layout
                 out = native.matmul_int4(xn, self._q, self._scale, self._zero, threads,
                                          out_dtype=_kernel_output(self.dtype))
@@ -536,10 +550,10 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
     quantized = quantized or {}
     param = next(model.parameters())
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
-    int4_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
-                     for q in quantized.values() if q.kind == "int4")
+    panel_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
+                      for q in quantized.values() if q.kind in ("int4", "mxfp4"))
     # panels stored in the artifact cache are its mapped pages, as the row layout's would be
-    table = KernelTable(kernel_dtype=kernel_dtype, panels=stored is not None or native.panels_fit(int4_bytes),
+    table = KernelTable(kernel_dtype=kernel_dtype, panels=stored is not None or native.panels_fit(panel_bytes),
                         stored=stored)
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).

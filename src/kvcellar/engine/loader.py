@@ -403,7 +403,7 @@ def requested_mode(weights: str, source: ModelSource) -> str:
 def linear_kernels(model: Any) -> dict[str, int]:
     """Which kernel runs the linears of a model the engine prepared (``linears.prepare_model``),
     for ``/health``: how many run their int4 / int8 kernel (for every step; ``lean``: keeping no
-    dense copy), how many run dense weights; of a mixture-of-experts model, how many of them
+    dense copy; ``panels``: kept in the panel layout, int4 or MXFP4), how many run dense weights; of a mixture-of-experts model, how many of them
     are experts' and which kernels those run (``experts_int4`` ...). Empty before the engine
     prepared the model."""
     from kvcellar.engine.experts import moe_blocks
@@ -411,11 +411,12 @@ def linear_kernels(model: Any) -> dict[str, int]:
     prepared = getattr(model, "_kvcellar_prepared", None)
     if prepared is None:
         return {}
-    counts = {"int4": 0, "int8": 0, "dense": 0, "lean": 0}
+    counts = {"int4": 0, "int8": 0, "dense": 0, "lean": 0, "panels": 0}
     for linear in prepared.linears:
         kind = linear.quant_kind or "dense"
         counts[kind] = counts.get(kind, 0) + 1  # mxfp4 where a model has it
         counts["lean"] += int(linear.lean)
+        counts["panels"] += int(linear.panels)
     for block in moe_blocks(model):
         for linear in (*block.gate_up, *block.down):
             kind = f"experts_{getattr(linear, 'quant_kind', None) or 'dense'}"

@@ -40,12 +40,14 @@ from kvcellar.engine.native.matmul import (
     moe_glu,
     moe_matmul,
     pack_int4,
+    pack_mxfp4,
     panel_layout,
     panel_min_rows,
     panels_fit,
     quantize_activations,
     stores_panels,
     unpack_int4,
+    unpack_mxfp4,
     wide_panels,
 )
 from kvcellar.engine.native.recurrent import (
@@ -83,7 +85,8 @@ __all__ = [
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_int8_many", "matmul_mxfp4",
     "moe_glu", "moe_matmul",
-    "pack_int4", "panel_layout", "panel_min_rows", "panels_fit", "quantize_activations", "route", "runs_gated_delta",
-    "stores_panels", "unpack_int4",
+    "pack_int4", "pack_mxfp4", "panel_layout", "panel_min_rows", "panels_fit", "quantize_activations", "route",
+    "runs_gated_delta",
+    "stores_panels", "unpack_int4", "unpack_mxfp4",
     "wide_panels", "write_kv",
 ]

@@ -448,10 +448,9 @@ typedef struct { uint8_t *w; uint16_t *s, *o; int step; } kept_panel;
 
 static inline kept_panel kept_panel_at(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t p,
                                        int64_t panels, int64_t blocks) {
-    const int paired = q4_panel_step() == 2 && (p | 1) < panels;  /* an odd last panel lies alone */
-    const int64_t at = paired ? (p & ~(int64_t)1) * blocks * PANEL + (p & 1) * PANEL : p * blocks * PANEL;
-    return (kept_panel){(uint8_t *)pw + at * (BLOCK / 2), (uint16_t *)ps + at, po ? (uint16_t *)po + at : NULL,
-                        paired ? 2 : 1};
+    int step;
+    const int64_t at = kept_panel_offset(p, panels, blocks, &step);
+    return (kept_panel){(uint8_t *)pw + at * (BLOCK / 2), (uint16_t *)ps + at, po ? (uint16_t *)po + at : NULL, step};
 }
 
 void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols,
@@ -467,15 +466,11 @@ void kvc_pack_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offse
 /* The row layout back from the panel layout (a dense fallback's dequantization reads rows). */
 void kvc_unpack_q4(const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t out, int64_t cols, uint8_t *w,
                    uint16_t *scales, uint16_t *offsets, int threads) {
-    const int64_t blocks = cols / BLOCK, stride = cols / 2, panels = out / PANEL;
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < panels; p++) {
         const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < 4; c++)
-                for (int j = 0; j < PANEL; j++)
-                    memcpy(w + (p * PANEL + j) * stride + b * (BLOCK / 2) + 4 * c,
-                           k.w + b * k.step * (PANEL * BLOCK / 2) + c * 32 + j * 4, 4);
+        unpack_panel_nibbles(k.w, k.step, p * PANEL, blocks, w);
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < PANEL; j++) {
                 const uint16_t sc = k.s[b * k.step * PANEL + j];
@@ -557,11 +552,6 @@ static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16
 
 int q4_panel_step(void) {
     return avx512_cpu() ? 2 : 1;
-}
-
-/* Whether the unit of a weight kept as panels that starts at panel p (of `panels`) is a pair. */
-static inline int unit_is_pair(int64_t p, int64_t panels) {
-    return q4_panel_step() == 2 && p + 1 < panels;
 }
 
 /* The unit of a weight kept as panels that starts at panel p (of `panels`): q4_panel_step()

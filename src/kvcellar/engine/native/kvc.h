@@ -273,6 +273,36 @@ static inline void panel_nibbles(const uint8_t *w, int64_t blocks, int64_t r0, i
     }
 }
 
+/* Groups of 8 rows (panels) a unit of int4 or MXFP4 weights kept as panels takes: 2 where the
+ * CPU multiplies two panels at once (AVX-512's 8-bit dot product), else 1 (int4.c). */
+int q4_panel_step(void);
+
+/* Where panel p (of `panels`) of a weight kept as panels lies, in blocks' rows from the weight's
+ * start (x 16 bytes: its nibbles; x 1: its per-block scale), and its blocks' step (*step): pairs
+ * of panels interleaved block by block where two are multiplied at once (an odd last panel lies
+ * alone), else each panel's blocks in a row. int4 and MXFP4 weights share the layout. */
+static inline int64_t kept_panel_offset(int64_t p, int64_t panels, int64_t blocks, int *step) {
+    const int paired = q4_panel_step() == 2 && (p | 1) < panels;
+    *step = paired ? 2 : 1;
+    return paired ? (p & ~(int64_t)1) * blocks * PANEL + (p & 1) * PANEL : p * blocks * PANEL;
+}
+
+/* Whether the unit of a weight kept as panels that starts at panel p (of `panels`) is a pair. */
+static inline int unit_is_pair(int64_t p, int64_t panels) {
+    return q4_panel_step() == 2 && p + 1 < panels;
+}
+
+/* panel_nibbles undone for a kept panel (its blocks at `step` blocks' room, from kw): the row
+ * layout of its rows r0..r0+7 into w. */
+static inline void unpack_panel_nibbles(const uint8_t *kw, int step, int64_t r0, int64_t blocks, uint8_t *w) {
+    const int64_t stride = blocks * (BLOCK / 2);
+    for (int64_t b = 0; b < blocks; b++)
+        for (int c = 0; c < 4; c++)
+            for (int j = 0; j < PANEL; j++)
+                memcpy(w + (r0 + j) * stride + b * (BLOCK / 2) + 4 * c,
+                       kw + b * step * (PANEL * BLOCK / 2) + c * 32 + j * 4, 4);
+}
+
 /* ---- Routed experts: all of a MoE layer's experts in one call ----------------------------
  * A step's (token, expert) slots arrive grouped by expert: activation rows starts[e] ..
  * starts[e + 1] - 1 go through expert e's weights (w[e], scales[e], offsets[e]: addresses of
@@ -327,9 +357,6 @@ int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, i
              int threads);
 int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts);
 
-/* Groups of 8 rows (panels) a unit of int4 weights kept as panels takes: 2 where the CPU
- * multiplies two panels at once (AVX-512's 8-bit dot product), else 1 (int4.c). */
-int q4_panel_step(void);
 
 /* Units handed out at a time: where the step gives its experts few rows each (decode), a unit
  * is a few microseconds of reading, and one at a time the threads take turns on alternate
@@ -404,6 +431,10 @@ void kvc_gemm_q4_panels(const uint8_t *w, const uint16_t *scales, const uint16_t
 void kvc_gemm_q4_panels16(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, float *y, int threads);
 void kvc_gemm_q8(const int8_t *w, const float *scales, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
 void kvc_gemm_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
+void kvc_pack_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, uint8_t *pw, uint8_t *pe, int threads);
+void kvc_unpack_mxfp4(const uint8_t *pw, const uint8_t *pe, int64_t out, int64_t cols, uint8_t *w, uint8_t *exps, int threads);
+void kvc_gemm_mxfp4p(const uint8_t *pw, const uint8_t *pe, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
+int kvc_moe_mxfp4p(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, int64_t end, int64_t cols, float *out, int threads);
 int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);

@@ -167,6 +167,30 @@ def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     return pw, ps, po
 
 
+def pack_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 weight (``matmul_mxfp4``'s layout, ``out`` a multiple of 8) in the panel layout
+    int4's share (``kvc_pack_mxfp4``): new tensors of the same shapes, in 2 MB pages where the OS
+    gives them. ``matmul_mxfp4(..., panels=True)`` multiplies them, to the same bits."""
+    out, cols = nibbles.shape[0], nibbles.shape[1] * 2
+    _check_weight(nibbles, exponents, cols)
+    if out % PANEL or cols % BLOCK:
+        raise ValueError(f"a {out}x{cols} MXFP4 weight has no panel layout (rows in 8s, inputs in {BLOCK}s)")
+    pw, pe = pages.empty(nibbles.shape, nibbles.dtype), pages.empty(exponents.shape, exponents.dtype)
+    lib.call("kvc_pack_mxfp4", w=nibbles.data_ptr(), exps=exponents.data_ptr(), out=out, cols=cols,
+             pw=pw.data_ptr(), pe=pe.data_ptr(), threads=threads)
+    return pw, pe
+
+
+def unpack_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_mxfp4`` undone: the row layout of an MXFP4 weight kept as panels."""
+    out, cols = nibbles.shape[0], nibbles.shape[1] * 2
+    _check_weight(nibbles, exponents, cols)
+    w, e = torch.empty_like(nibbles), torch.empty_like(exponents)
+    lib.call("kvc_unpack_mxfp4", pw=nibbles.data_ptr(), pe=exponents.data_ptr(), out=out, cols=cols,
+             w=w.data_ptr(), exps=e.data_ptr(), threads=threads)
+    return w, e
+
+
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -347,10 +371,15 @@ def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, th
     return _matmul_scaled("kvc_gemm_q8", x, qweight, qweight.shape[1], scales, threads)
 
 
-def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int) -> torch.Tensor:
+def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int,
+                 panels: bool = False) -> torch.Tensor:
     """``x @ w.T`` in float32 for MXFP4 ``w`` (``nibbles`` uint8 ``[out, in / 2]`` as int4's, each
-    an E2M1 code; ``exponents`` uint8 E8M0 ``[out, in / 32]``), ``x`` float32 ``[rows, in]``."""
-    return _matmul_scaled("kvc_gemm_mxfp4", x, nibbles, nibbles.shape[1] * 2, exponents, threads)
+    an E2M1 code; ``exponents`` uint8 E8M0 ``[out, in / 32]``; in the panel layout where
+    ``panels``: ``pack_mxfp4``), ``x`` float32 ``[rows, in]``. Both layouts give the same bits."""
+    if panels and nibbles.shape[0] % PANEL:
+        raise ValueError(f"a weight of {nibbles.shape[0]} rows has no panel layout")
+    return _matmul_scaled("kvc_gemm_mxfp4p" if panels else "kvc_gemm_mxfp4", x, nibbles, nibbles.shape[1] * 2,
+                          exponents, threads)
 
 
 def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int, scales: torch.Tensor,
@@ -362,9 +391,9 @@ def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int
     out, rows = weight.shape[0], x.shape[0]
     xq, xd, _ = _quantize(x, threads)
     y = torch.empty(rows, out)
-    scale_name = "exps" if kernel == "kvc_gemm_mxfp4" else "scales"
-    lib.call(kernel, w=weight.data_ptr(), **{scale_name: scales.data_ptr()}, out=out, cols=cols, xq=xq.data_ptr(),
-             xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
+    names = {"kvc_gemm_mxfp4": ("w", "exps"), "kvc_gemm_mxfp4p": ("pw", "pe")}.get(kernel, ("w", "scales"))
+    lib.call(kernel, **{names[0]: weight.data_ptr(), names[1]: scales.data_ptr()}, out=out, cols=cols,
+             xq=xq.data_ptr(), xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
     return y
 
 
@@ -377,11 +406,14 @@ def _check_rows(out: torch.Tensor, dtypes: tuple[torch.dtype, ...], start: int, 
 
 
 def dequantize_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, start: int, end: int, out: torch.Tensor,
-                     threads: int) -> torch.Tensor:
-    """Rows ``start:end`` of an MXFP4 weight (layout as ``matmul_mxfp4``) into float32 ``out``."""
+                     threads: int, panels: bool = False) -> torch.Tensor:
+    """Rows ``start:end`` of an MXFP4 weight (layout as ``matmul_mxfp4``, the panel layout where
+    ``panels``) into float32 ``out``."""
     cols = nibbles.shape[1] * 2
     _check_weight(nibbles, exponents, cols)
     _check_rows(out, (torch.float32,), start, end, nibbles.shape[0], cols)
+    if panels:
+        nibbles, exponents = unpack_mxfp4(nibbles, exponents, threads)
     lib.call("kvc_dequantize_mxfp4", w=nibbles.data_ptr(), exps=exponents.data_ptr(), start=start, end=end,
              cols=cols, out=out.data_ptr(), threads=threads)
     return out
@@ -418,7 +450,7 @@ class ExpertWeights:
     scales: torch.Tensor
     offsets: torch.Tensor | None
     keep: tuple[torch.Tensor, ...]
-    panels: bool = False  # int4 in the panel layout (``pack_int4``)
+    panels: bool = False  # int4 or MXFP4 in the panel layout (``pack_int4``, ``pack_mxfp4``)
 
 
 def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
@@ -427,8 +459,8 @@ def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[
     kept as panels may have no offsets: ``pack_int4``)."""
     if kind not in ("int4", "int8", "mxfp4") or (kind == "int4") != (offsets is not None):
         raise ValueError(f"experts of kind {kind!r} take {'offsets' if kind == 'int4' else 'no offsets'}")
-    if panels and (kind != "int4" or weights[0].shape[0] % PANEL):
-        raise ValueError("only int4 experts of rows in 8s have a panel layout")
+    if panels and (kind == "int8" or weights[0].shape[0] % PANEL):
+        raise ValueError("only int4 and MXFP4 experts of rows in 8s have a panel layout")
     if not panels and offsets is not None and any(o is None for o in offsets):
         raise ValueError("int4 experts in the row layout need their offsets")
     out, packed = weights[0].shape
@@ -442,7 +474,8 @@ def expert_weights(kind: str, weights: Sequence[torch.Tensor], scales: Sequence[
                          None if offsets is None else _addresses(offsets), tuple(tensors), panels)
 
 
-_MOE_KERNELS = {"int4": "kvc_moe_q4", "int8": "kvc_moe_q8", "mxfp4": "kvc_moe_mxfp4"}
+_MOE_KERNELS = {("int4", False): "kvc_moe_q4", ("int4", True): "kvc_moe_q4p", ("int8", False): "kvc_moe_q8",
+                ("mxfp4", False): "kvc_moe_mxfp4", ("mxfp4", True): "kvc_moe_mxfp4p"}
 
 
 def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, threads: int) -> torch.Tensor:
@@ -470,8 +503,7 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
     if experts.kind == "int4":
         assert experts.offsets is not None  # expert_weights requires them
         args.update(offsets=experts.offsets.data_ptr(), xs=xs.data_ptr())
-    kernel = "kvc_moe_q4p" if experts.panels else _MOE_KERNELS[experts.kind]
-    if lib.call(kernel, **args) != 0:
+    if lib.call(_MOE_KERNELS[(experts.kind, experts.panels)], **args) != 0:
         raise MemoryError("no memory for the experts' work list")
     return y
 
@@ -480,7 +512,7 @@ def moe_matmul(x: torch.Tensor, experts: ExpertWeights, starts: torch.Tensor, th
 # act(gate) * up; or gpt-oss's, gate and up interleaved and clamped (``alpha``, ``limit``).
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1, "clamped": 2}
 # ``kvc_moe_glu``'s kinds of experts.
-_GLU_KINDS = {("int4", False): 0, ("int4", True): 1, ("int8", False): 2, ("mxfp4", False): 3}
+_GLU_KINDS = {("int4", False): 0, ("int4", True): 1, ("int8", False): 2, ("mxfp4", False): 3, ("mxfp4", True): 4}
 
 
 def moe_glu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights,

@@ -94,6 +94,7 @@ static inline void gate_slot(const float *gu, const float *gb, int64_t inner, ga
 #define MOE_Q4_PANELS 1
 #define MOE_Q8 2
 #define MOE_MXFP4 3
+#define MOE_MXFP4_PANELS 4
 
 /* kvc_moe_glu's per-slot and per-token work: slots grouped by expert (pos: a slot's place, token
  * and expert: a place's), their activations, outputs and the block's output. */
@@ -154,15 +155,17 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
                 int64_t k, int64_t experts, const int64_t *gw, const int64_t *gs, const int64_t *go, const float *gb,
                 const int64_t *dw, const int64_t *ds, const int64_t *dof, const float *db, int64_t inner, int act,
                 float alpha, float limit, float *y, int threads) {
-    static const moe_project projects[] = {moe_q4_project, moe_q4_project, moe_q8_project, moe_mx_project};
+    static const moe_project projects[] = {moe_q4_project, moe_q4_project, moe_q8_project, moe_mx_project,
+                                           moe_mx_project};
     const int64_t slots = tokens * k, wide = 2 * inner, cb = cols / BLOCK, ib = inner / BLOCK;
+    const int panels = kind == MOE_Q4_PANELS || kind == MOE_MXFP4_PANELS;
     if (tokens < 0 || k <= 0 || cols % BLOCK || inner % BLOCK || act < GLU_SILU || act > GLU_CLAMPED || kind < MOE_Q4
-        || kind > MOE_MXFP4 || (kind == MOE_Q4_PANELS && (wide % 8 || cols % 8)))
+        || kind > MOE_MXFP4_PANELS || (panels && (wide % 8 || cols % 8)))
         return -2;
     for (int64_t s = 0; s < slots; s++)
         if (index[s] < 0 || index[s] >= experts) return -2;
     const moe_project project = projects[kind];
-    const moe_proj up_proj = {gw, gs, go, kind == MOE_Q4_PANELS}, down_proj = {dw, ds, dof, kind == MOE_Q4_PANELS};
+    const moe_proj up_proj = {gw, gs, go, panels}, down_proj = {dw, ds, dof, panels};
     const gating gt = {act, alpha, limit};
     int64_t *starts = calloc((size_t)experts + 1, sizeof(int64_t)), *next = malloc(((size_t)experts + 1) * sizeof(int64_t));
     int64_t *pos = malloc((size_t)(slots + 1) * sizeof(int64_t)), *token = malloc((size_t)(slots + 1) * sizeof(int64_t));
@@ -186,7 +189,7 @@ int kvc_moe_glu(int kind, const float *x, int64_t tokens, int64_t cols, const in
         token[pos[s]] = s / k;
         expert[pos[s]] = index[s];
     }
-    const int64_t step = kind == MOE_Q4_PANELS ? q4_panel_step() : 1;
+    const int64_t step = panels ? q4_panel_step() : 1;
     units1 = moe_units(starts, experts, (wide + 7) / 8, step, &n1);
     units2 = moe_units(starts, experts, (cols + 7) / 8, step, &n2);
     if (!units1 || !units2) goto done;

@@ -154,9 +154,9 @@ static void mx_pack(const uint8_t *w, const uint8_t *exps, int64_t r0, int64_t b
 /* N activation rows (N <= MX_MR, a constant at each call site) against a packed panel: y[a *
  * out + 0..7]. Chunk c's low nibbles are inputs 4c..4c+3 of the activations' reordered block,
  * its high nibbles inputs 16 + 4c.. */
-static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int64_t blocks, const int8_t *xq,
-                                                                const float *xd, int64_t cols, float *y, int64_t out,
-                                                                const int N) {
+static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int step, int64_t blocks,
+                                                                const int8_t *xq, const float *xd, int64_t cols,
+                                                                float *y, int64_t out, const int N) {
     const __m256i values = mx_values();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MX_MR];
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int6
     for (int64_t b = 0; b < blocks; b++) {
         __m256i sum[MX_MR];
         for (int a = 0; a < N; a++) sum[a] = _mm256_setzero_si256();
-        const uint8_t *pb = p.nibbles + b * (PANEL * BLOCK / 2);
+        const uint8_t *pb = p.nibbles + b * step * (PANEL * BLOCK / 2);
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_load_si256((const __m256i *)(pb + 32 * c));
             const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(raw, low));
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int6
                                                                    _mm256_maddubs_epi16(hi_abs, xh)));
             }
         }
-        const __m256 ws = e8m0_half8(p.exps + b * PANEL);
+        const __m256 ws = e8m0_half8(p.exps + b * step * PANEL);
         for (int a = 0; a < N; a++) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[a], ones));
             acc[a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws, _mm256_set1_ps(xd[a * blocks + b])), acc[a]);
@@ -190,16 +190,17 @@ static inline __attribute__((always_inline)) void mx_panel_tile(mx_panel p, int6
     for (int a = 0; a < N; a++) _mm256_storeu_ps(y + a * out, acc[a]);
 }
 
-/* Activation rows a0..a1-1 against a packed panel into y (the panel's first output column). */
-static void mx_panel_tiles(mx_panel p, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd, int64_t a0,
-                           int64_t a1, float *y, int64_t out) {
+/* Activation rows a0..a1-1 against a panel (its blocks at `step` blocks' room) into y (the panel's
+ * first output column). */
+static void mx_panel_tiles(mx_panel p, int step, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
+                           int64_t a0, int64_t a1, float *y, int64_t out) {
     int64_t a = a0;
     for (; a + MX_MR <= a1; a += MX_MR)
-        mx_panel_tile(p, blocks, xq + a * cols, xd + a * blocks, cols, y + a * out, out, MX_MR);
+        mx_panel_tile(p, step, blocks, xq + a * cols, xd + a * blocks, cols, y + a * out, out, MX_MR);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks;
     float *ya = y + a * out;
-#define ROWS(n) mx_panel_tile(p, blocks, xa, da, cols, ya, out, n)
+#define ROWS(n) mx_panel_tile(p, step, blocks, xa, da, cols, ya, out, n)
     LAST_ROWS_OF_4(a1 - a, ROWS);
 #undef ROWS
 }
@@ -212,7 +213,7 @@ static inline void mx_unit(const uint8_t *w, const uint8_t *exps, int64_t g, int
                            mx_panel p) {
     if (a1 - a0 >= PANEL && out % PANEL == 0 && p.nibbles && p.exps) {
         mx_pack(w, exps, g * PANEL, blocks, p);
-        mx_panel_tiles(p, blocks, cols, xq, xd, a0, a1, y + g * PANEL, out);
+        mx_panel_tiles(p, 1, blocks, cols, xq, xd, a0, a1, y + g * PANEL, out);
         return;
     }
     for (int64_t a = a0; a < a1; a += TILE)
@@ -220,10 +221,153 @@ static inline void mx_unit(const uint8_t *w, const uint8_t *exps, int64_t g, int
                  y + a * out);
 }
 
+/* ---- MXFP4 weights kept in the panel layout --------------------------------------------
+ * As int4's (int4.c): each 8 rows' codes as panel_nibbles lays them and their exponents 8 a
+ * block, in the place of the same rows (the tensors keep their shapes), pairs of panels
+ * interleaved block by block where two are multiplied at once (kept_panel_offset). A decode
+ * step then reads one stream where the row kernel reads 8 (its rows' bytes lie apart), and a
+ * prefill packs nothing. Every output's float operations are mx_rows8's, in its order. */
+
+/* Panel p (of `panels`) of a weight kept as panels, and its blocks' step. */
+static inline mx_panel mx_kept_at(const uint8_t *pw, const uint8_t *pe, int64_t p, int64_t panels, int64_t blocks,
+                                  int *step) {
+    const int64_t at = kept_panel_offset(p, panels, blocks, step);
+    return (mx_panel){(uint8_t *)pw + at * (BLOCK / 2), (uint8_t *)pe + at};
+}
+
+void kvc_pack_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t out, int64_t cols, uint8_t *pw, uint8_t *pe,
+                    int threads) {
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++) {
+        int step;
+        const mx_panel k = mx_kept_at(pw, pe, p, panels, blocks, &step);
+        for (int64_t b = 0; b < blocks; b++) {
+            panel_nibbles(w, blocks, p * PANEL, b, k.nibbles + b * step * (PANEL * BLOCK / 2));
+            for (int j = 0; j < PANEL; j++) k.exps[b * step * PANEL + j] = exps[(p * PANEL + j) * blocks + b];
+        }
+    }
+}
+
+/* The row layout back from the panel layout (dequantizing reads rows). */
+void kvc_unpack_mxfp4(const uint8_t *pw, const uint8_t *pe, int64_t out, int64_t cols, uint8_t *w, uint8_t *exps,
+                      int threads) {
+    const int64_t blocks = cols / BLOCK, panels = out / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++) {
+        int step;
+        const mx_panel k = mx_kept_at(pw, pe, p, panels, blocks, &step);
+        unpack_panel_nibbles(k.nibbles, step, p * PANEL, blocks, w);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int j = 0; j < PANEL; j++) exps[(p * PANEL + j) * blocks + b] = k.exps[b * step * PANEL + j];
+    }
+}
+
+/* The two panels of a pair at once with AVX-512's 8-bit dot product (int4.c's pair_tile for
+ * MXFP4): chunk c of both in one 64-byte vector, lanes 0-7 the first panel's rows, 8-15 the
+ * second's. The dot product takes unsigned weights, so each code's magnitude (doubled) comes
+ * from a table and its sign moves onto the activations (negated under the code's sign bit; they
+ * are within +-127). A block's sum is the exact integer mx_panel_tile finds, and each output's
+ * float operations its own, in its order: its bits at every row count. */
+#define MX_MR2 8
+/* Bytes ahead in the pair's nibbles that a block asks for (its exponents: a line per 4 blocks). */
+#define MX_PREFETCH 4096
+
+static inline AVX512 __m512 e8m0_half16(const uint8_t *e16) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e16));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+}
+
+static inline AVX512 __attribute__((always_inline)) void mx_pair_tile(const uint8_t *pw, const uint8_t *pe,
+                                                                     int64_t blocks, const int8_t *xq,
+                                                                     const float *xd, int64_t cols, float *y,
+                                                                     int64_t out, const int N) {
+    const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+    const __m512i low = _mm512_set1_epi8(0x0F), sign_low = _mm512_set1_epi8(0x08);
+    const __m512i sign_high = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc[MX_MR2];
+    for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i sum[MX_MR2];
+        for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
+        const uint8_t *w = pw + b * (2 * PANEL * BLOCK / 2);  /* the first panel's 128 bytes, then the second's */
+        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(w + MX_PREFETCH + 64 * line), _MM_HINT_T0);
+        if ((b & 3) == 0) _mm_prefetch((const char *)(pe + b * 2 * PANEL + MX_PREFETCH / 16), _MM_HINT_T0);
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(w + 32 * c))),
+                _mm256_load_si256((const __m256i *)(w + PANEL * BLOCK / 2 + 32 * c)), 1);
+            const __m512i lo = _mm512_shuffle_epi8(magnitudes, _mm512_and_si512(raw, low));
+            const __m512i hi = _mm512_shuffle_epi8(magnitudes, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+            const __mmask64 lo_neg = _mm512_test_epi8_mask(raw, sign_low), hi_neg = _mm512_test_epi8_mask(raw, sign_high);
+            for (int a = 0; a < N; a++) {
+                const int8_t *xb = xq + a * cols + b * BLOCK;
+                int32_t four_lo, four_hi;
+                memcpy(&four_lo, xb + 4 * c, 4);
+                memcpy(&four_hi, xb + 16 + 4 * c, 4);
+                const __m512i xl = _mm512_set1_epi32(four_lo), xh = _mm512_set1_epi32(four_hi);
+                sum[a] = _mm512_dpbusd_epi32(sum[a], lo, _mm512_mask_sub_epi8(xl, lo_neg, zero, xl));
+                sum[a] = _mm512_dpbusd_epi32(sum[a], hi, _mm512_mask_sub_epi8(xh, hi_neg, zero, xh));
+            }
+        }
+        const __m512 ws = e8m0_half16(pe + b * 2 * PANEL);
+        for (int a = 0; a < N; a++)
+            acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[a]), _mm512_mul_ps(ws, _mm512_set1_ps(xd[a * blocks + b])),
+                                     acc[a]);
+    }
+    for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, acc[a]);
+}
+
+/* Pair p, p + 1 (kept interleaved) against activation rows a0..a1-1; y: the weight's output. */
+static AVX512 void mx_pair_rows(const uint8_t *pw, const uint8_t *pe, int64_t blocks, int64_t cols,
+                                const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y, int64_t out) {
+    int64_t a = a0;
+    for (; a + MX_MR2 <= a1; a += MX_MR2)
+        mx_pair_tile(pw, pe, blocks, xq + a * cols, xd + a * blocks, cols, y + a * out, out, MX_MR2);
+    const int8_t *xa = xq + a * cols;
+    const float *da = xd + a * blocks;
+    float *ya = y + a * out;
+#define ROWS(n) mx_pair_tile(pw, pe, blocks, xa, da, cols, ya, out, n)
+    LAST_ROWS_OF_8(a1 - a, ROWS);
+#undef ROWS
+}
+
+/* The unit of a weight kept as panels that starts at panel p (a pair, or one panel) against
+ * activation rows a0..a1-1 into y (the weight's output of row 0). */
+static void mx_kept_unit(const uint8_t *pw, const uint8_t *pe, int64_t p, int64_t panels, int64_t blocks,
+                         int64_t cols, const int8_t *xq, const float *xd, int64_t a0, int64_t a1, float *y,
+                         int64_t out) {
+    int step;
+    const mx_panel k = mx_kept_at(pw, pe, p, panels, blocks, &step);
+    if (unit_is_pair(p, panels))
+        mx_pair_rows(k.nibbles, k.exps, blocks, cols, xq, xd, a0, a1, y + p * PANEL, out);
+    else
+        mx_panel_tiles(k, step, blocks, cols, xq, xd, a0, a1, y + p * PANEL, out);
+}
+
 typedef struct {
     const uint8_t *w, *exps; int64_t out, cols; const int8_t *xq; const float *xd; int64_t rows; float *y;
     void **scratch;
 } mx_call;
+
+static void gemm_mxp_units(void *ctx, int64_t u0, int64_t u1, int thread) {
+    (void)thread;
+    const mx_call *c = ctx;
+    const int64_t blocks = c->cols / BLOCK, panels = c->out / PANEL, unit = q4_panel_step();
+    for (int64_t u = u0; u < u1; u++)
+        mx_kept_unit(c->w, c->exps, u * unit, panels, blocks, c->cols, c->xq, c->xd, 0, c->rows, c->y, c->out);
+}
+
+/* kvc_gemm_mxfp4 for a weight kept as panels (kvc_pack_mxfp4; out a multiple of 8), at any row
+ * count: the same bits. */
+void kvc_gemm_mxfp4p(const uint8_t *pw, const uint8_t *pe, int64_t out, int64_t cols, const int8_t *xq,
+                     const float *xd, int64_t rows, float *y, int threads) {
+    const int64_t unit = q4_panel_step(), units = (out / PANEL + unit - 1) / unit;
+    mx_call c = {pw, pe, out, cols, xq, xd, rows, y, NULL};
+    pool_for(threads, units, rows < PANEL ? ROW_GROUPS / unit : 1, gemm_mxp_units, &c);
+}
 
 static void gemm_mx_groups(void *ctx, int64_t g0, int64_t g1, int thread) {
     const mx_call *c = ctx;
@@ -270,6 +414,11 @@ void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_
     const int64_t blocks = cols / BLOCK;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t e = units[u].e, a0 = starts[e], a1 = starts[e + 1];
+        if (p->panels) {
+            mx_kept_unit((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g, out / PANEL, blocks, cols, xq,
+                         xd, a0, a1, y, out);
+            continue;
+        }
         mx_unit((const uint8_t *)p->w[e], (const uint8_t *)p->s[e], units[u].g, out, blocks, cols, xq, xd, a0, a1, y,
                 a1 - a0 >= PANEL ? mx_panel_of(scratch, blocks) : (mx_panel){NULL, NULL});
     }
@@ -278,5 +427,13 @@ void moe_mx_project(const moe_proj *p, const moe_unit *units, int64_t u0, int64_
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out,
                   int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
     const moe_proj p = {w, exps, NULL, 0};
+    return moe_matmul(moe_mx_project, &p, starts, experts, out, cols, xq, xd, NULL, y, threads);
+}
+
+/* kvc_moe_mxfp4 for experts kept as panels (out a multiple of 8). */
+int kvc_moe_mxfp4p(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out,
+                   int64_t cols, const int8_t *xq, const float *xd, float *y, int threads) {
+    if (out % PANEL) return -2;
+    const moe_proj p = {w, exps, NULL, 1};
     return moe_matmul(moe_mx_project, &p, starts, experts, out, cols, xq, xd, NULL, y, threads);
 }
