@@ -403,9 +403,9 @@ def requested_mode(weights: str, source: ModelSource) -> str:
 def linear_kernels(model: Any) -> dict[str, int]:
     """Which kernel runs the linears of a model the engine prepared (``linears.prepare_model``),
     for ``/health``: how many run their int4 / int8 kernel (for every step; ``lean``: keeping no
-    dense copy; ``panels``: kept in the panel layout, int4 or MXFP4), how many run dense weights; of a mixture-of-experts model, how many of them
-    are experts' and which kernels those run (``experts_int4`` ...). Empty before the engine
-    prepared the model."""
+    dense copy; ``panels``: kept in the panel layout, int4 or MXFP4), how many run dense
+    weights; of a mixture-of-experts model, how many of them are experts' and which kernels those
+    run (``experts_int4`` ...). Empty before the engine prepared the model."""
     from kvcellar.engine.experts import moe_blocks
 
     prepared = getattr(model, "_kvcellar_prepared", None)
