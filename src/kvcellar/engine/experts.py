@@ -123,12 +123,14 @@ class _Gemma4RouterInput(nn.Module):
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` over ``weight`` ``[out, in]`` as it is (a view: no copy)."""
-    with torch.device("meta"):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    """An ``nn.Linear`` over ``weight`` ``[out, in]`` as it is (a view: no copy). Built without
+    ``nn.Linear.__init__``, whose initialization of parameters about to be replaced took ~0.4 ms a
+    linear even on the meta device: 5 s of a 128-expert, 48-layer model's start."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    linear.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach(), requires_grad=False))
     return linear
 
 
