@@ -301,7 +301,8 @@ static inline AVX512 __attribute__((always_inline)) void mx_pair_tile(const uint
                 _mm256_load_si256((const __m256i *)(w + PANEL * BLOCK / 2 + 32 * c)), 1);
             const __m512i lo = _mm512_shuffle_epi8(magnitudes, _mm512_and_si512(raw, low));
             const __m512i hi = _mm512_shuffle_epi8(magnitudes, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-            const __mmask64 lo_neg = _mm512_test_epi8_mask(raw, sign_low), hi_neg = _mm512_test_epi8_mask(raw, sign_high);
+            const __mmask64 lo_neg = _mm512_test_epi8_mask(raw, sign_low);
+            const __mmask64 hi_neg = _mm512_test_epi8_mask(raw, sign_high);
             for (int a = 0; a < N; a++) {
                 const int8_t *xb = xq + a * cols + b * BLOCK;
                 int32_t four_lo, four_hi;
