@@ -4,12 +4,11 @@ their own.
 Where kvcellar's kernels keep int4 linears as panels (``native.pack_int4``; MXFP4 experts too:
 ``native.pack_mxfp4``), a start used to pack them from the quantized entry's row layout into
 fresh anonymous memory: for a 7B, seconds of the kernel zeroing pages and of packing at every
-start, and for a model whose panels would
-take more than half the machine's memory no panels at all (the row kernels instead). Now the
-first start packs them a linear at a time into an entry derived from the quantized one, and
-every start maps that entry as it maps every other weight (llama-server's way to a start in
-seconds): pages of the page cache, evictable and shared between processes, the same bytes
-and so the same bits as packing them in memory.
+start, and for a model whose panels would take more than half the machine's memory no panels at
+all (the row kernels instead). Now the first start packs them a linear at a time into an entry
+derived from the quantized one, and every start maps that entry as it maps every other weight
+(llama-server's way to a start in seconds): pages of the page cache, evictable and shared
+between processes, the same bytes and so the same bits as packing them in memory.
 
 The layout depends on the CPU class (AVX-512 CPUs keep pairs of panels interleaved:
 ``native.panel_layout``), so the key holds it beside the quantized entry's key: machines of
