@@ -357,7 +357,6 @@ int amx_pack(const int8_t *xq, const float *xd, const float *xs, int64_t rows, i
              int threads);
 int64_t q4_pairs_amx(const amx_pair *pairs, int n, int64_t blocks, const amx_acts *acts);
 
-
 /* Units handed out at a time: where the step gives its experts few rows each (decode), a unit
  * is a few microseconds of reading, and one at a time the threads take turns on alternate
  * units (no streaming read for the prefetchers, a shared counter each microsecond): 2 threads
