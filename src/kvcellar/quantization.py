@@ -53,6 +53,11 @@ class QuantizedWeight:
       each nibble an E2M1 code (``MXFP4_VALUES``), uint8 E8M0 ``scales [out, in / 32]``:
       ``w = value * 2^(scale - 127)``; no offsets. Read from GGUF blocks as they are
       (``artifacts/gguf_convert.py``), never made from float weights.
+
+    ``panels``: int4 or MXFP4 tensors in kvcellar's panel layout (``native.pack_int4``/
+    ``pack_mxfp4``: the same shapes, each 8 rows' bytes together; int4 offsets None where they
+    are -8 x the scales), as the artifact cache stores them for this CPU's kernels; ``rows``
+    gives the layout above.
     """
 
     kind: str
@@ -60,6 +65,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     offsets: torch.Tensor | None = None
     group_size: int = 0
+    panels: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -70,8 +76,23 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.offsets) if t is not None)
 
+    def rows(self) -> QuantizedWeight:
+        """This weight in the row layout (panels unpacked into new tensors; else itself)."""
+        if not self.panels:
+            return self
+        from kvcellar.engine import native
+
+        threads = torch.get_num_threads()
+        if self.kind == "mxfp4":
+            return QuantizedWeight(self.kind, *native.unpack_mxfp4(self.qweight, self.scales, threads),
+                                   group_size=self.group_size)
+        return QuantizedWeight(self.kind, *native.unpack_int4(self.qweight, self.scales, self.offsets, threads),
+                               group_size=self.group_size)
+
     def int4_values(self) -> torch.Tensor:
         """The 4-bit values as int32 ``[out, in]``."""
+        if self.panels:
+            return self.rows().int4_values()
         lo = (self.qweight & 0xF).to(torch.int32)
         hi = (self.qweight >> 4).to(torch.int32)
         return torch.stack([lo, hi], dim=-1).reshape(self.shape)
@@ -82,6 +103,8 @@ class QuantizedWeight:
         compute ``(q - 8) * scale + zero``)."""
         if self.kind == "int8":
             return self.scales.to(dtype), None
+        if self.panels:
+            return self.rows().kernel_params(dtype)
         assert self.offsets is not None
         return self.scales.to(dtype), (self.offsets.float() + 8 * self.scales.float()).to(dtype)
 
@@ -89,6 +112,8 @@ class QuantizedWeight:
         """The weight the kernels compute with, from the scales rounded to ``dtype`` as the
         kernels take them: int8 ``q * scale``, int4 ``dequantize_int4`` (what a lean linear
         computes, ``engine/linears.py``)."""
+        if self.panels:
+            return self.rows().dequantize(dtype)
         if self.kind == "mxfp4":
             return dequantize_mxfp4(self.qweight, self.scales).to(dtype)
         scale, zero = self.kernel_params(dtype)
@@ -99,6 +124,8 @@ class QuantizedWeight:
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Named tensors for a safetensors file (``from_tensors`` reads them back)."""
+        if self.panels:  # their own file (``artifacts/panels.py``): the kernels need them aligned
+            raise ValueError(f"{prefix}: panels are not stored as safetensors")
         out = {f"{prefix}.qweight": self.qweight, f"{prefix}.scales": self.scales}
         if self.offsets is not None:
             out[f"{prefix}.offsets"] = self.offsets
@@ -120,7 +147,7 @@ class QuantizedWeight:
     @staticmethod
     def concat(parts: Iterable[QuantizedWeight]) -> QuantizedWeight:
         """The weights stacked along the output dimension (fused QKV / gate-up)."""
-        parts = list(parts)
+        parts = [p.rows() for p in parts]
         kinds = {(p.kind, p.group_size) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")

@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 from kvcellar.artifacts import ArtifactCache, ArtifactStoreError
-from kvcellar.artifacts.panels import PanelStore
 from kvcellar.artifacts.prepare import prepare_gguf, prepare_quantized_gguf, read_quantized
-from kvcellar.engine import Engine, assemble_engine, native
-from kvcellar.engine.linears import keeps_panels, packed_panels
+from kvcellar.engine import Engine, assemble_engine
+from kvcellar.engine.linears import panel_layout
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.engine.speculation import RecentOutputs
@@ -154,8 +153,8 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     prepared once into it and loaded from its entry from then on, which the result holds
     (``LoadedModel.artifact``) while served; source digests are memoized there too. With
     ``weights`` int8/int4 its quantized linears have an entry of their own
-    (``LoadedModel.quantized_artifact``), and the int4 ones kvcellar's kernels keep as panels
-    another, in this CPU's layout (``LoadedModel.panels``: ``artifacts/panels.py``). Both ways
+    (``LoadedModel.quantized_artifact``), those kvcellar's kernels keep as panels packed in this
+    CPU's layout (``artifacts/panels.py``). Both ways
     give the same identities and outputs, hit or not. ``progress``: show preparation progress
     bars (None: when stderr is a terminal)."""
     timings: dict[str, float] = {}
@@ -170,6 +169,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     timings["source_identity"] = time.perf_counter() - t0
 
     lease = qlease = None
+    layout = panel_layout() if precision.kernel_dtype == torch.int8 and dev.type == "cpu" else None
     for attempt in (1, 2):
         if source.kind == "gguf" and artifacts is not None:
             t0 = time.perf_counter()
@@ -178,7 +178,8 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
             lease = prepare_gguf(artifacts, source, weights_id, torch_dtype, progress=progress,
                                  linears_apart=weights != "full")
             if weights != "full":
-                qlease = prepare_quantized_gguf(artifacts, source, weights_id, weights, progress=progress)
+                qlease = prepare_quantized_gguf(artifacts, source, weights_id, weights, progress=progress,
+                                                layout=layout)
             timings["artifact"] = timings.get("artifact", 0.0) + time.perf_counter() - t0
         try:
             given = read_quantized(qlease) if qlease is not None else None
@@ -202,15 +203,6 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
                         "cached by a run without the artifact cache won't be reused", source.name)
         loaded.artifact = lease
     loaded.quantized_artifact = qlease
-    if (qlease is not None and artifacts is not None and loaded.kernel_dtype == torch.int8 and native.available()
-            and loaded.device.type == "cpu" and any(keeps_panels(q) for q in loaded.quantized.values())):
-        # the int4 and MXFP4 linears as this CPU's panels: stored by the first start, mapped by every one
-        t0 = time.perf_counter()
-        store = PanelStore(artifacts, qlease, native.panel_layout())
-        quantized = loaded.quantized
-        if store.prepare(lambda: packed_panels(quantized)):
-            loaded.panels = store
-        loaded.load_seconds["panels"] = time.perf_counter() - t0
     return loaded
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.artifacts.locks import FileLock
+from kvcellar.artifacts.prepare import read_quantized
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.identity import file_sha256
 from kvcellar.runtime import open_artifacts, prepare_and_load
@@ -283,7 +284,7 @@ def test_quantized_linears_are_an_entry_of_their_own(tiny_ggufs: list[Path], tmp
     assert second.quantized_artifact.manifest.info["linears"] == 1 + 7 * 2
     assert sorted(direct.quantized) == sorted(second.quantized) and len(direct.quantized) == 1 + 7 * 2
     for name, q in direct.quantized.items():
-        got = second.quantized[name]
+        got = second.quantized[name].rows()  # int4 linears stored as this CPU's panels: the same values
         assert got.kind == q.kind and torch.equal(got.qweight, q.qweight) and torch.equal(got.scales, q.scales)
     from kvcellar.engine.loader import resolve_serving
     from kvcellar.model_source import resolve_source
@@ -298,9 +299,12 @@ def test_quantized_linears_are_an_entry_of_their_own(tiny_ggufs: list[Path], tmp
     with safe_open(str(second.quantized_artifact.path / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert names and all(n.endswith((".qweight", ".scales", ".offsets")) for n in names)  # linears only
-    # the dense entry, shared, the quantized one, and int4 linears as this CPU's panels where kvcellar's kernels run
-    assert (second.panels is not None) == (mode == "int4" and second.kernel_dtype == torch.int8)
-    assert len(_cache(tmp_path).entries()) == 2 + (second.panels is not None)
+    # the dense entry, shared, and the quantized one, which holds the int4 linears as this CPU's
+    # panels where kvcellar's kernels run, and not in the row layout too
+    panels = {n for n, q in read_quantized(second.quantized_artifact).items() if q.panels}
+    assert bool(panels) == (mode == "int4" and second.kernel_dtype == torch.int8)
+    assert not any(n.startswith(tuple(f"{p}." for p in panels)) for n in names)
+    assert len(_cache(tmp_path).entries()) == 2
 
 
 def test_a_damaged_quantized_entry_is_rebuilt(tiny_ggufs: list[Path], tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""int4 panels stored in the artifact cache by a first start and mapped by every start
-(``artifacts/panels.py``): a GGUF written by the test, served through ``runtime.build_engine``
-as the server builds its engine. Mapped panels give the tokens and logprobs of panels packed in
-memory to the bit; a damaged entry is built again."""
+"""int4 linears stored in the quantized entry as this CPU's panels, packed as the GGUF is
+prepared and mapped by every start (``artifacts/panels.py``): a GGUF written by the test,
+served through ``runtime.build_engine`` as the server builds its engine. Mapped panels give the
+tokens and logprobs of panels packed in memory to the bit, the entry holds no row layout of
+them beside, and a damaged entry is built again."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvcellar.artifacts.panels import PANELS_FILE, PanelStore, panels_descriptor
+from kvcellar.artifacts.panels import INDEX_FILE, PANELS_FILE, PanelLayout
+from kvcellar.artifacts.prepare import prepare_quantized_gguf, quantized_descriptor, read_quantized
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import native
-from kvcellar.engine.linears import _file_mapped
+from kvcellar.engine.linears import _file_mapped, panel_form, panel_layout
 from kvcellar.engine.sampling import SamplingParams
+from kvcellar.identity import file_sha256, weights_identity
+from kvcellar.model_source import resolve_source
 from kvcellar.runtime import build_engine, prepare_and_load
 from kvcellar.settings import load_settings
 from tests._models import make_engine
@@ -58,11 +62,22 @@ def mapped(m: Any) -> bool:
                for t in (m._q, m._scale) + (() if m._zero is None else (m._zero,)))
 
 
+def shard_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def test_panels_stored_by_a_first_start_are_mapped_by_every_start(gguf: Path, tmp_path: Path) -> None:
-    """The first start packs the panels into the entry and maps them, as every later one does;
-    all give the tokens of panels packed in memory (no artifact cache) to the bit."""
+    """The first start packs the panels into the quantized entry as it prepares it, and maps
+    them, as every later one does; all give the tokens of panels packed in memory (no artifact
+    cache) to the bit. The entry holds them once: not in the row layout too."""
     loaded = prepare_and_load(str(gguf), weights="int4")
-    assert loaded.panels is None
+    assert loaded.quantized_artifact is None and not any(q.panels for q in loaded.quantized.values())
     packed = make_engine(loaded)
     in_memory = panel_linears(packed)
     assert in_memory and not any(mapped(m) for m in in_memory)
@@ -70,34 +85,37 @@ def test_panels_stored_by_a_first_start_are_mapped_by_every_start(gguf: Path, tm
 
     first, loaded = start(gguf, tmp_path)
     try:
-        assert isinstance(loaded.panels, PanelStore) and loaded.panels.lease is not None
-        entry = loaded.panels.lease
-        assert entry.built and entry.manifest.info["linears"] == len(in_memory)
+        entry = loaded.quantized_artifact
+        assert entry is not None and entry.built
         assert entry.manifest.info["layout"] == native.panel_layout()
         stored = panel_linears(first)
-        assert len(stored) == len(in_memory) == loaded.panels.taken and all(mapped(m) for m in stored)
+        assert len(stored) == len(in_memory) and all(mapped(m) for m in stored)
+        names = {m.name for m in stored}
+        assert {n for n, q in read_quantized(entry).items() if q.panels} == names
+        assert not any(n.rpartition(".")[0] in names for n in shard_names(entry.path))
         assert run(first, loaded) == expected
     finally:
         first.shutdown(timeout=0)
 
     second, loaded = start(gguf, tmp_path)
     try:
-        assert loaded.panels.lease is not None and loaded.panels.lease.hit
-        assert loaded.panels.taken == len(in_memory) and all(mapped(m) for m in panel_linears(second))
+        assert loaded.quantized_artifact is not None and loaded.quantized_artifact.hit
+        assert all(mapped(m) for m in panel_linears(second)) and len(panel_linears(second)) == len(in_memory)
         assert run(second, loaded) == expected
     finally:
         second.shutdown(timeout=0)
 
     # a byte of the stored panels changed: the entry fails its check and is built again
-    path = loaded.panels.lease.path / PANELS_FILE
-    loaded.panels.lease.release()
+    path = loaded.quantized_artifact.path / PANELS_FILE
+    loaded.quantized_artifact.release()
+    loaded.artifact.release()
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.chmod(0o600)
     path.write_bytes(bytes(data))
     third, loaded = start(gguf, tmp_path)
     try:
-        assert loaded.panels.lease is not None and loaded.panels.lease.built
+        assert loaded.quantized_artifact is not None and loaded.quantized_artifact.built
         assert run(third, loaded) == expected
     finally:
         third.shutdown(timeout=0)
@@ -119,24 +137,28 @@ def test_stored_panels_are_kept_whatever_their_size(gguf: Path, tmp_path: Path, 
 
 def test_each_panel_layout_is_an_entry_of_its_own(gguf: Path, tmp_path: Path) -> None:
     """AVX-512 CPUs keep pairs of panels interleaved, AVX2 ones do not: machines of both kinds
-    sharing a cache dir each map their own (two layouts of this test's own naming, beside the
-    entry of this machine's layout that loading the model built)."""
+    sharing a cache dir each map their own quantized entry (this machine's, one of a layout of
+    this test's own naming, and the row layout's, which a GPU reads), and all hold the same
+    values."""
     cache = ArtifactCache.open(tmp_path)
-    loaded = prepare_and_load(str(gguf), weights="int4", artifacts=cache)
-    quantized = loaded.quantized_artifact
-    assert quantized is not None
-    layouts = ("test-layout-a", "test-layout-b")
-    keys = {panels_descriptor(quantized, layout).key for layout in (*layouts, native.panel_layout())}
-    assert len(keys) == 3 and quantized.key not in keys
-    rows = (torch.zeros(8, 16, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.float16), None)
-    one = PanelStore(cache, quantized, layouts[0])
-    assert one.prepare(lambda: iter([("a", rows)])) and one.lease is not None and one.lease.built
-    assert one.take("a", rows) is not None
-    # stored panels of other shapes than the row layout's are not taken
-    assert one.take("a", (rows[0][:, :8], rows[1], None)) is None
-    other = PanelStore(cache, quantized, layouts[1])
-    assert other.prepare(lambda: iter([])) and other.lease is not None and other.lease.built
-    assert other.take("a", rows) is None
-    again = PanelStore(cache, quantized, layouts[0])
-    assert again.prepare(lambda: iter([])) and again.lease is not None and again.lease.hit
-    assert again.take("a", rows) is not None
+    source = resolve_source(str(gguf))
+    weights_id = weights_identity(source, file_sha256)
+    here = panel_layout()
+    assert here is not None
+    layouts = [here, PanelLayout("test-layout", panel_form), None]
+    keys = {quantized_descriptor(weights_id=weights_id, mode="int4", name=source.name, path=source.path,
+                                 layout=None if layout is None else layout.name).key for layout in layouts}
+    assert len(keys) == 3
+    leases = [prepare_quantized_gguf(cache, source, weights_id, "int4", layout=layout) for layout in layouts]
+    assert all(lease is not None and lease.built for lease in leases)
+    assert {lease.key for lease in leases if lease is not None} == keys
+    got = [read_quantized(lease) for lease in leases if lease is not None]
+    assert not (leases[2].path / INDEX_FILE).exists() and not any(q.panels for q in got[2].values())
+    assert any(q.panels for q in got[0].values())
+    for name, rows in got[2].items():
+        for weights in got[:2]:
+            one = weights[name].rows()
+            assert torch.equal(one.qweight, rows.qweight) and torch.equal(one.scales, rows.scales)
+            assert (one.offsets is rows.offsets is None) or torch.equal(one.offsets, rows.offsets)
+    again = prepare_quantized_gguf(cache, source, weights_id, "int4", layout=layouts[1])
+    assert again is not None and again.hit

@@ -20,6 +20,7 @@ import torch
 from kvcellar.artifacts.gguf_convert import gguf_config
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.experts import RoutedExperts
+from kvcellar.engine.linears import _file_mapped
 from tests._models import (
     TEST_DEVICE,
     assert_generates_like_reference,
@@ -111,8 +112,10 @@ def test_mxfp4_experts_are_kept_code_for_code(weights):
         assert torch.equal(gate_up.bias, stacked.gate_up_proj_bias[e])
         assert torch.equal(down.bias, stacked.down_proj_bias[e])
     assert blocks[1]._fused().act == "clamped"  # the whole block, biases and gating too, in one call
-    # every expert's panels stored in the artifact cache by the first start, and mapped
-    assert loaded.panels is not None and loaded.panels.taken >= 2 * 2 * 8
+    # every expert's panels stored in the quantized entry as it was prepared, and mapped from it
+    experts = [m for b in blocks for m in (*b.gate_up, *b.down)]
+    assert len(experts) == 2 * 2 * 8 and all(_file_mapped(m._q.data_ptr(), m._q.data_ptr() + m._q.nbytes)
+                                             for m in experts)
     entry = {k for f in loaded.artifact.path.glob("*.safetensors") for k in _keys(f)}
     assert not any(k.endswith(("gate_up_proj", "down_proj")) for k in entry)
     prompt = chat_ids(loaded, QUESTIONS[1], SYSTEM)

@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -46,6 +46,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from kvcellar.artifacts.panels import PanelLayout, PanelWriter
 from kvcellar.errors import ModelLoadError
 from kvcellar.gguf_info import GGUFInfo, GGUFTensor, read_gguf_info
 from kvcellar.model_source import MOE_GGUF_ARCHITECTURES
@@ -664,12 +665,15 @@ class ShardWriter:
         self.total_bytes += nbytes
         return tensor
 
-    def close(self) -> list[Path]:
+    def close(self, empty: bool = False) -> list[Path]:
+        """Name the files written; ``empty``: none may be (else an error)."""
         if self._shard:
             self._flush()
         self._buffer = None
         n = len(self._files)
         if n == 0:
+            if empty:
+                return []
             raise ModelLoadError("no tensors to write")
         final = [self.out_dir / (SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors")
                  for k in range(n)]
@@ -753,19 +757,29 @@ def iter_quantized(source: GgufFile, mode: str) -> Iterator[tuple[str, Quantized
 
 
 def write_quantized(weights: Iterable[tuple[str, QuantizedWeight]], out_dir: Path, *,
-                    shard_bytes: int = SHARD_BYTES, on_tensor: Callable[[], None] | None = None) -> tuple[int, int]:
-    """Write quantized linears as safetensors shards as they come (``QuantizedWeight.
-    to_tensors`` names), holding one shard and one linear; returns (linears, bytes)."""
+                    shard_bytes: int = SHARD_BYTES, on_tensor: Callable[[], None] | None = None,
+                    layout: PanelLayout | None = None, keep_rows: Container[str] = ()) -> tuple[int, int]:
+    """Write quantized linears as they come, holding one shard and one linear: those ``layout``
+    keeps as panels packed into its file (``artifacts/panels.py``; not those in ``keep_rows``,
+    e.g. an input embedding), the rest as safetensors shards (``QuantizedWeight.to_tensors``
+    names). Returns (linears, bytes)."""
     writer = ShardWriter(out_dir, shard_bytes)
     count = nbytes = 0
-    for name, q in weights:
-        for key, value in q.to_tensors(name).items():
-            writer.slot(key, tuple(value.shape), value.dtype).copy_(value)
-        count += 1
-        nbytes += q.nbytes
-        if on_tensor is not None:
-            on_tensor()
-    writer.close()
+    with contextlib.ExitStack() as stack:
+        panels = stack.enter_context(PanelWriter(out_dir)) if layout is not None else None
+        for name, q in weights:
+            packed = layout.pack(q) if layout is not None and name not in keep_rows else None
+            if panels is not None and packed is not None:
+                panels.add(name, packed)
+                nbytes += packed.nbytes
+            else:
+                for key, value in q.to_tensors(name).items():
+                    writer.slot(key, tuple(value.shape), value.dtype).copy_(value)
+                nbytes += q.nbytes
+            count += 1
+            if on_tensor is not None:
+                on_tensor()
+        writer.close(empty=panels is not None and bool(panels.index))
     return count, nbytes
 
 

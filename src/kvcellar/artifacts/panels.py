@@ -1,144 +1,100 @@
-"""int4 and MXFP4 weights in the panel layout of this machine's kernels, stored as an entry of
-their own.
+"""int4 and MXFP4 linears in the panel layout of this machine's kernels, as the quantized entry
+stores them.
 
 Where kvcellar's kernels keep int4 linears as panels (``native.pack_int4``; MXFP4 experts too:
-``native.pack_mxfp4``), a start used to pack them from the quantized entry's row layout into
-fresh anonymous memory: for a 7B, seconds of the kernel zeroing pages and of packing at every
-start, and for a model whose panels would take more than half the machine's memory no panels at
-all (the row kernels instead). Now the first start packs them a linear at a time into an entry
-derived from the quantized one, and every start maps that entry as it maps every other weight
-(llama-server's way to a start in seconds): pages of the page cache, evictable and shared
-between processes, the same bytes and so the same bits as packing them in memory.
+``native.pack_mxfp4``), the quantized entry of a GGUF holds them packed so, a linear at a time
+as the GGUF is read: every start maps them as it maps every other weight (pages of the page
+cache, evictable and shared between processes), the same bytes and so the same bits as packing
+them in memory, and the entry holds no second copy of them in the row layout (a Qwen3-30B-A3B:
+18 GB of disk less). The rest of the entry (int8 linears, embeddings) stays safetensors.
 
 The layout depends on the CPU class (AVX-512 CPUs keep pairs of panels interleaved:
-``native.panel_layout``), so the key holds it beside the quantized entry's key: machines of
-two classes sharing one cache dir each get their own entry. The entry is checked as any other
-(sampled hashes, stat signatures; a damaged one is built again).
+``native.panel_layout``), so the quantized entry's key holds it: machines of two classes
+sharing one cache dir each get their own entry. The file is checked as the rest of the entry
+(sampled hashes, stat signatures; a damaged entry is built again).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import mmap
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 
-from kvcellar.artifacts.descriptor import ArtifactDescriptor, ArtifactLease
-from kvcellar.artifacts.directory import ArtifactStoreError
-from kvcellar.artifacts.store import ArtifactCache
+from kvcellar.quantization import MXFP4_GROUP, QuantizedWeight
 
-log = logging.getLogger(__name__)
-
-# The tensors' bytes, each at a multiple of ``ALIGN``, and where each lies (JSON).
+# The tensors' bytes, each at a multiple of ``ALIGN`` (the kernels' aligned loads), and where
+# each lies (JSON).
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 ALIGN = 4096
-# Bump when what the entry holds changes: older entries become misses.
-# 2: MXFP4 weights (gpt-oss's experts) are kept as panels too.
-PANELS_CONVERTER = "kvc-panels-2"
 DTYPES = {"uint8": torch.uint8, "float16": torch.float16}
 
-# A linear's panels: nibbles, scales and offsets (None: derived from the scales, Q4_0's).
-Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+@dataclass(frozen=True)
+class PanelLayout:
+    """This CPU's panel layout: its name (``native.panel_layout``, part of the quantized entry's
+    key) and ``pack``, a linear's weight in it (None: the kernels keep it in the row layout)."""
+
+    name: str
+    pack: Callable[[QuantizedWeight], QuantizedWeight | None]
 
 
-def panels_descriptor(quantized: ArtifactLease, layout: str) -> ArtifactDescriptor:
-    """The entry holding ``quantized``'s int4 and MXFP4 linears packed in ``layout``."""
-    d = quantized.descriptor
-    return ArtifactDescriptor(source=f"artifact:{quantized.key}", dtype="int4", quantization=layout,
-                              modality=d.modality, converter=PANELS_CONVERTER, name=d.name,
-                              source_path=d.source_path)
+class PanelWriter:
+    """Writes linears' panels into ``folder`` as they come (their bytes as they lie in memory:
+    no copy), then their index on ``close``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.index: dict[str, list[list[Any] | None]] = {}
+        self.nbytes = 0
+        self._file = open(folder / PANELS_FILE, "wb")  # noqa: SIM115  # closed by close or the with block
+
+    def add(self, name: str, weight: QuantizedWeight) -> None:
+        f = self._file
+        self.index[name] = []
+        for t in (weight.qweight, weight.scales, weight.offsets):
+            if t is None:
+                self.index[name].append(None)
+                continue
+            f.write(bytes(-f.tell() % ALIGN))
+            self.index[name].append([f.tell(), str(t.dtype).removeprefix("torch."), list(t.shape)])
+            f.write(t.contiguous().view(torch.uint8).numpy().data)
+            self.nbytes += t.nbytes
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            (self.folder / INDEX_FILE).write_text(json.dumps(self.index))
+
+    def __enter__(self) -> PanelWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()
 
 
-class PanelStore:
-    """One model's stored panels (``prepare`` builds the entry if there is none): ``take``
-    gives a linear's, mapped."""
-
-    def __init__(self, cache: ArtifactCache, quantized: ArtifactLease, layout: str) -> None:
-        self.cache = cache
-        self.layout = layout
-        self.descriptor = panels_descriptor(quantized, layout)
-        self.lease: ArtifactLease | None = None
-        self.stored: dict[str, Panels] = {}
-        self.taken = 0
-
-    def prepare(self, packed: Callable[[], Iterator[tuple[str, Panels]]]) -> bool:
-        """Map the entry, built first from ``packed()`` (each linear's panels, packed as they
-        are asked for and written before the next: the memory of one) if there is none or it
-        is damaged. False where the cache dir fails: the linears are packed in memory then."""
-        t0 = time.perf_counter()
-
-        def build(out_dir: Path) -> dict[str, Any]:
-            count, nbytes = write_panels(out_dir, packed())
-            return {"linears": count, "layout": self.layout, "bytes": nbytes}
-
-        for attempt in (1, 2):
-            try:
-                self.lease = self.cache.acquire(self.descriptor, build)
-            except (ArtifactStoreError, OSError, RuntimeError) as exc:
-                log.warning("panels not stored (packed at every start): %s", exc)
-                return False
-            try:
-                self.stored = read_panels(self.lease.path)
-                break
-            except (OSError, ValueError, KeyError, TypeError) as exc:  # it validated but does not load
-                self.lease.invalidate(f"stored panels unreadable: {exc}")
-                self.lease = None
-                if attempt == 2:
-                    return False
-        if self.lease is not None and self.lease.built:
-            log.info("panels of %d linears stored in %.1f s", len(self.stored), time.perf_counter() - t0)
-        return True
-
-    def take(self, name: str, rows: Panels) -> Panels | None:
-        """The stored panels of linear ``name`` if they have the shapes and dtypes of its row
-        layout ``rows`` (packing keeps both), else None (packed then)."""
-        found = self.stored.get(name)
-        if found is None:
-            return None
-        # offsets stored as None are derived from the scales (packing found them so)
-        pairs = [(found[0], rows[0]), (found[1], rows[1])] + ([] if found[2] is None else [(found[2], rows[2])])
-        if any(want is None or got.shape != want.shape or got.dtype != want.dtype for got, want in pairs):
-            return None
-        self.taken += 1
-        return found
-
-
-def write_panels(folder: Path, panels: Iterable[tuple[str, Panels]]) -> tuple[int, int]:
-    """``panels`` as ``PANELS_FILE`` (their bytes as they lie in memory: no copy) and
-    ``INDEX_FILE``; returns how many linears and bytes."""
-    index: dict[str, list[list[Any] | None]] = {}
-    nbytes = 0
-    with open(folder / PANELS_FILE, "wb") as f:
-        for name, tensors in panels:
-            index[name] = []
-            for t in tensors:
-                if t is None:
-                    index[name].append(None)
-                    continue
-                f.write(bytes(-f.tell() % ALIGN))
-                index[name].append([f.tell(), str(t.dtype).removeprefix("torch."), list(t.shape)])
-                f.write(t.contiguous().view(torch.uint8).numpy().data)
-                nbytes += t.nbytes
-    (folder / INDEX_FILE).write_text(json.dumps(index))
-    return len(index), nbytes
-
-
-def read_panels(folder: Path) -> dict[str, Panels]:
-    """What ``write_panels`` wrote, the tensors in one private mapping of the file (pages of the
-    page cache, shared by every process that maps them, until one writes)."""
+def read_panels(folder: Path) -> dict[str, QuantizedWeight]:
+    """What ``PanelWriter`` wrote (nothing where it wrote no file), the tensors in one private
+    mapping of the file (pages of the page cache, shared by every process that maps them,
+    until one writes)."""
+    if not (folder / INDEX_FILE).exists():
+        return {}
     index = json.loads((folder / INDEX_FILE).read_text())
     if not index:  # no linear kept as panels (an empty file cannot be mapped)
         return {}
     with open(folder / PANELS_FILE, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     whole = torch.frombuffer(mapped, dtype=torch.uint8)
-    stored: dict[str, Panels] = {}
+    stored: dict[str, QuantizedWeight] = {}
     for name, entries in index.items():
         tensors: list[torch.Tensor | None] = []
         for entry in entries:
@@ -151,7 +107,21 @@ def read_panels(folder: Path) -> dict[str, Panels]:
             if offset % ALIGN or offset + nbytes > whole.numel():
                 raise ValueError(f"{name}: bytes {offset}..{offset + nbytes} are not in {PANELS_FILE}")
             tensors.append(whole[offset: offset + nbytes].view(dtype).view(shape))
-        if len(tensors) != 3 or tensors[0] is None or tensors[1] is None:
-            raise ValueError(f"{name}: not a weight's nibbles, scales and offsets")
-        stored[name] = (tensors[0], tensors[1], tensors[2])
+        stored[name] = _weight(name, tensors)
     return stored
+
+
+def _weight(name: str, tensors: list[torch.Tensor | None]) -> QuantizedWeight:
+    """A linear's panels from its nibbles, scales and offsets: MXFP4's exponents are bytes,
+    int4's scales float16 (its offsets None where derived from them)."""
+    nibbles, scales, offsets = tensors if len(tensors) == 3 else (None, None, None)
+    if nibbles is None or scales is None or nibbles.dim() != 2:
+        raise ValueError(f"{name}: not a weight's nibbles, scales and offsets")
+    cols = nibbles.shape[1] * 2
+    if scales.dim() != 2 or scales.shape[0] != nibbles.shape[0] or cols % scales.shape[1]:
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} do not fit {cols} inputs")
+    if scales.dtype == torch.uint8 and offsets is None and cols // scales.shape[1] == MXFP4_GROUP:
+        return QuantizedWeight("mxfp4", nibbles, scales, None, MXFP4_GROUP, panels=True)
+    if scales.dtype != torch.float16 or (offsets is not None and offsets.shape != scales.shape):
+        raise ValueError(f"{name}: not int4 or MXFP4 panels")
+    return QuantizedWeight("int4", nibbles, scales, offsets, cols // scales.shape[1], panels=True)

@@ -39,6 +39,7 @@ from kvcellar.artifacts.gguf_convert import (
     write_dense,
     write_quantized,
 )
+from kvcellar.artifacts.panels import PanelLayout, read_panels
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import tokenizer_identity
@@ -254,16 +255,20 @@ def quantize_gguf(gguf_path: Path, mode: str) -> dict[str, QuantizedWeight]:
         return quantize_linears(_load_gguf(gguf_path, torch.float32), mode)
 
 
-def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path) -> ArtifactDescriptor:
-    """The descriptor of a GGUF's quantized linears (scales in float32, any serving dtype)."""
-    return ArtifactDescriptor(source=weights_id, dtype="float32", quantization=SCHEMES[mode], modality="text",
+def quantized_descriptor(*, weights_id: str, mode: str, name: str, path: Path,
+                         layout: str | None = None) -> ArtifactDescriptor:
+    """The descriptor of a GGUF's quantized linears (scales in float32, any serving dtype), those
+    kept as panels in ``layout`` (``artifacts.panels``) where given."""
+    scheme = SCHEMES[mode] if layout is None else f"{SCHEMES[mode]}+{layout}"
+    return ArtifactDescriptor(source=weights_id, dtype="float32", quantization=scheme, modality="text",
                               converter=f"{converter_id()}+{QUANTIZED_CONVERTER}", name=name, source_path=str(path))
 
 
-def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: bool | None = None) -> Builder:
-    """A builder writing the GGUF's linears quantized under ``mode`` (``quantize_gguf``) as
-    safetensors shards, a linear at a time as they are converted; the rest of the model
-    comes from the dense entry."""
+def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: bool | None = None,
+                           layout: PanelLayout | None = None) -> Builder:
+    """A builder writing the GGUF's linears quantized under ``mode`` (``quantize_gguf``) a
+    linear at a time as they are converted: as safetensors shards, or packed in ``layout``
+    where it keeps them as panels; the rest of the model comes from the dense entry."""
 
     def build(out_dir: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -275,14 +280,17 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
         try:
             with GgufFile(gguf_path) as source:
                 embedding = source.exact_embedding()
+                found = source.embedding()
                 with tqdm(total=len(source.linears(mode)) + embedding, desc=desc, unit="tensor",
                           disable=not show) as bar:
-                    count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update)
+                    count, nbytes = write_quantized(iter_quantized(source, mode), out_dir, on_tensor=bar.update,
+                                                    layout=layout, keep_rows=() if found is None else (found[1],))
         except NotStreamable as exc:
             log.warning("%s quantized whole, not a tensor at a time (more memory): %s", gguf_path.name, exc)
             count, nbytes = write_quantized(quantize_linears(_load_gguf(gguf_path, torch.float32), mode).items(),
-                                            out_dir)
+                                            out_dir, layout=layout)
         return {
+            "layout": "rows" if layout is None else layout.name,
             "source_kind": "gguf",
             "scheme": SCHEMES[mode],
             "linears": count - embedding,
@@ -295,16 +303,17 @@ def quantized_gguf_builder(gguf_path: Path, mode: str, *, name: str, progress: b
 
 
 def prepare_quantized_gguf(cache: ArtifactCache, source: ModelSource, weights_id: str, mode: str, *,
-                           progress: bool | None = None) -> ArtifactLease | None:
-    """The cache entry of a GGUF's quantized linears, prepared now if needed; None if the
-    cache dir fails."""
-    desc = quantized_descriptor(weights_id=weights_id, mode=mode, name=source.name, path=source.path)
-    return _acquire(cache, desc, quantized_gguf_builder(source.path, mode, name=source.name, progress=progress),
-                    progress, f"quantizing {source.name} without it")
+                           progress: bool | None = None, layout: PanelLayout | None = None) -> ArtifactLease | None:
+    """The cache entry of a GGUF's quantized linears (those ``layout`` keeps as panels packed
+    so), prepared now if needed; None if the cache dir fails."""
+    desc = quantized_descriptor(weights_id=weights_id, mode=mode, name=source.name, path=source.path,
+                                layout=None if layout is None else layout.name)
+    builder = quantized_gguf_builder(source.path, mode, name=source.name, progress=progress, layout=layout)
+    return _acquire(cache, desc, builder, progress, f"quantizing {source.name} without it")
 
 
 def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
-    """The quantized linears of an entry, by mmap (safetensors)."""
+    """The quantized linears of an entry, by mmap (safetensors shards and panels)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -312,8 +321,12 @@ def read_quantized(lease: ArtifactLease) -> dict[str, QuantizedWeight]:
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(lease.path.glob("*.safetensors")):
             tensors.update(load_file(shard))
-        if not tensors:
-            raise OSError("no safetensors file")
-        return from_tensors(tensors)
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        weights = from_tensors(tensors)
+        panels = read_panels(lease.path)
+        if not weights and not panels:
+            raise OSError("no quantized weight")
+        if panels.keys() & weights.keys():
+            raise ValueError(f"stored twice: {sorted(panels.keys() & weights.keys())[:3]}")
+        return weights | panels
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"Could not read the quantized weights in {lease.path}: {exc}") from exc

@@ -79,8 +79,7 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
         runner = MLXRunner(loaded.model.module, pool)
     else:
         runner = ModelRunner(loaded.model, pool, lean=cfg.lean_forward, quantized=quantized,
-                             kernel_dtype=loaded.kernel_dtype, states=states, thread_spin=cfg.thread_spin,
-                             panels=loaded.panels)
+                             kernel_dtype=loaded.kernel_dtype, states=states, thread_spin=cfg.thread_spin)
     scheduler = Scheduler(blocks, lower, cfg, copy_block=pool.copy_block, states=states, drafter=drafter)
     if cfg.decode_threads > 0:
         runner.set_decode_threads(cfg.decode_threads)

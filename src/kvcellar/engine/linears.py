@@ -23,14 +23,14 @@ import functools
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcellar.artifacts.panels import PanelLayout
 from kvcellar.engine import native
 from kvcellar.quantization import QuantizedWeight, dequantize_int4
 
@@ -66,14 +66,6 @@ def quant_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
 Panels = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-class PanelSource(Protocol):
-    """A model's panels stored between starts, mapped (``artifacts.panels.PanelStore``)."""
-
-    def take(self, name: str, rows: Panels) -> Panels | None:
-        """The stored panels of linear ``name`` (its row layout: ``rows``), or None."""
-        ...
-
-
 def _int4_rows(quant: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An int4 weight's row layout as kvcellar's kernels read it (float16 scales and offsets:
     as mapped where the entry holds them so)."""
@@ -104,15 +96,17 @@ def _pack(rows: Panels) -> Panels:
     return native.pack_int4(rows[0], rows[1], rows[2], torch.get_num_threads())
 
 
-def packed_panels(quantized: dict[str, QuantizedWeight]) -> Iterator[tuple[str, Panels]]:
-    """Each linear of ``quantized`` that kvcellar's kernels keep as panels, by module name,
-    packed as it is asked for (``artifacts.panels`` writes each before the next is packed);
-    its row layout's mapped pages are given back after it."""
-    for name, quant in quantized.items():
-        if keeps_panels(quant):
-            rows = _rows(quant)
-            yield name, _pack(rows)
-            _drop_mapped_pages([t for t in rows if t is not None])
+def panel_form(quant: QuantizedWeight) -> QuantizedWeight | None:
+    """``quant`` packed as this CPU's panels where kvcellar's kernels keep it so, else None."""
+    if quant.panels or not keeps_panels(quant):
+        return None
+    return QuantizedWeight(quant.kind, *_pack(_rows(quant)), group_size=quant.group_size, panels=True)
+
+
+def panel_layout() -> PanelLayout | None:
+    """How the artifact cache stores the linears kvcellar's kernels keep as panels on this CPU
+    (``artifacts.panels``); None where they do not run."""
+    return PanelLayout(native.panel_layout(), panel_form) if native.available() else None
 
 
 @dataclass
@@ -126,8 +120,6 @@ class KernelTable:
     # Whether int4 and MXFP4 weights may be kept as panels (``native.stores_panels``): stored
     # ones, or the model's weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
     panels: bool = True
-    # Panels stored in the artifact cache, taken instead of packing them.
-    stored: PanelSource | None = None
 
 
 # Rows of the weight dequantized at a time by a lean linear (bounds its float32 temporary).
@@ -355,13 +347,14 @@ class FastLinear(nn.Module):
             self.group_size = quant.group_size
             if quant.kind == "int8":
                 self._scale = quant.scales.float().contiguous()
+            elif quant.panels:  # packed by the artifact cache: mapped as they are
+                self._q, self._scale, self._zero = quant.qweight, quant.scales, quant.offsets
+                self.panels = True
             else:  # int4; MXFP4 (its scales: E8M0 exponents, as mapped)
                 rows = _rows(quant)
                 self._q, self._scale, self._zero = rows
                 if self.table.panels and keeps_panels(quant):
-                    store = self.table.stored if self.name else None
-                    panels = store.take(self.name, rows) if store is not None else None
-                    self._q, self._scale, self._zero = panels if panels is not None else _pack(rows)
+                    self._q, self._scale, self._zero = _pack(rows)
                     self.panels = True
                     _drop_mapped_pages([t for t in rows if t is not None])
             if quant.kind == "int8":
@@ -535,26 +528,24 @@ class PreparedModel:
 
 
 def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
-                  fuse: Sequence[tuple[str, Sequence[str]]] = (), kernel_dtype: torch.dtype | None = None,
-                  stored: PanelSource | None = None) -> PreparedModel:
+                  fuse: Sequence[tuple[str, Sequence[str]]] = (),
+                  kernel_dtype: torch.dtype | None = None) -> PreparedModel:
     """Turn every ``nn.Linear`` of ``model`` into a ``FastLinear``, in place, once (a model
     already prepared is returned as it is). ``quantized``: quantized weights by module name
     (``quantization.quantize_model``); ``fuse``: (name, [module names]) groups to fuse, e.g.
     ``("model.layers.0.self_attn.qkv", ["...q_proj", "...k_proj", "...v_proj"])``;
-    ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``);
-    ``stored``: int4 panels stored in the artifact cache (taken instead of packing them, and
-    kept as panels whatever their size)."""
+    ``kernel_dtype``: the activations' dtype in the quantized kernels (``KernelTable``).
+    Weights the artifact cache stored as panels (``QuantizedWeight.panels``) are kept as
+    panels whatever their size."""
     prepared: PreparedModel | None = getattr(model, "_kvcellar_prepared", None)
     if prepared is not None:
         return prepared
     quantized = quantized or {}
     param = next(model.parameters())
     kernels = bool(quantized) and quant_kernels_run(kernel_dtype or param.dtype, param.device)
-    panel_bytes = sum(q.qweight.nbytes + q.scales.nbytes + (0 if q.offsets is None else q.offsets.nbytes)
-                      for q in quantized.values() if q.kind in ("int4", "mxfp4"))
-    # panels stored in the artifact cache are its mapped pages, as the row layout's would be
-    table = KernelTable(kernel_dtype=kernel_dtype, panels=stored is not None or native.panels_fit(panel_bytes),
-                        stored=stored)
+    # what packing would take (panels stored in the artifact cache are its mapped pages)
+    panel_bytes = sum(q.nbytes for q in quantized.values() if q.kind in ("int4", "mxfp4") and not q.panels)
+    table = KernelTable(kernel_dtype=kernel_dtype, panels=native.panels_fit(panel_bytes))
     # kvcellar's kernels read quantized weights where they are mapped from the entry; fusing
     # them would copy them (a 7B's QKV and gate-up: 2.7 GB of anonymous memory).
     in_place = kernels and kernel_dtype == torch.int8

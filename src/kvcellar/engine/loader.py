@@ -32,7 +32,6 @@ from kvcellar.model_source import ModelSource, check_architecture, resolve_sourc
 
 if TYPE_CHECKING:
     from kvcellar.artifacts import ArtifactLease
-    from kvcellar.engine.linears import PanelSource
     from kvcellar.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -63,9 +62,6 @@ class LoadedModel:
     artifact: ArtifactLease | None = None
     # The entry of its quantized linears (``--weights int8|int4`` on a GGUF), held the same way.
     quantized_artifact: ArtifactLease | None = None
-    # Its int4 linears packed as this CPU's panels by an earlier start, or to be stored by this
-    # one (``artifacts.panels``; set by ``runtime.prepare_and_load``); None without an entry.
-    panels: PanelSource | None = None
     # The framework computing it: ``torch`` (``model`` a transformers model), or ``mlx`` (an
     # ``engine/mlx`` model, ``--engine mlx``).
     engine: str = "torch"

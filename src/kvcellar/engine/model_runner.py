@@ -27,7 +27,7 @@ from kvcellar.engine.config import ThreadSpin
 from kvcellar.engine.deltanet import RecurrentStep
 from kvcellar.engine.lean_forward import fusion_groups, lean_forward_for, module_forward
 from kvcellar.engine.lean_qwen35 import is_hybrid
-from kvcellar.engine.linears import PanelSource, prepare_model
+from kvcellar.engine.linears import prepare_model
 from kvcellar.engine.native.threads import SPARE, SpinGate
 from kvcellar.engine.scheduler import Scheduled, StepPlan
 from kvcellar.quantization import QuantizedWeight
@@ -80,16 +80,14 @@ def _slot(seq: Any) -> int:
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, *, lean: bool = True,
                  quantized: dict[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype | None = None,
-                 states: StatePool | None = None, thread_spin: ThreadSpin = "auto",
-                 panels: PanelSource | None = None) -> None:
+                 states: StatePool | None = None, thread_spin: ThreadSpin = "auto") -> None:
         """``lean``: run supported architectures through ``engine/lean_forward.py`` (the same
         logits with less Python per step), others through transformers' modules. The model's
         linears are prepared once (``engine/linears.py``: prepacked, fused for the lean
         forward, ``quantized`` ones with their kernels, on ``kernel_dtype`` activations where
         given); other runners over the same model object share that. ``states``: a hybrid
         model's recurrent-state pool (its walk is its only path, lean or not). ``thread_spin``:
-        ``EngineConfig.thread_spin``; ``panels``: int4 panels stored by an earlier start
-        (``prepare_model``)."""
+        ``EngineConfig.thread_spin``."""
         self.model = model
         self.pool = pool
         self.states = states
@@ -98,7 +96,7 @@ class ModelRunner:
         if hybrid and states is None:
             raise ValueError("a hybrid model needs a recurrent-state pool")
         self.linears = prepare_model(model, quantized, fuse=fusion_groups(model) if lean else (),
-                                     kernel_dtype=kernel_dtype, stored=panels)
+                                     kernel_dtype=kernel_dtype)
         walk = lean_forward_for(model)  # also puts the hidden states' norms on the kernels, for either forward
         self.lean = walk if lean or hybrid else None
         # Whether the norms run on kvcellar's kernels (the KV namespace then names their arithmetic).
