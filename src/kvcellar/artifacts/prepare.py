@@ -8,7 +8,8 @@ or ``model-0000k-of-0000n`` shards and their index), ``config.json`` (GGUF quant
 settings removed), ``generation_config.json``, and the tokenizer saved with
 ``save_pretrained`` (``tokenizer.json``, its config and the chat template), which reloads in
 ~0.2 s. ``--weights int8|int4`` has an entry of its own, the linears quantized
-(``quantize_gguf``; a GGUF's 4-bit blocks taken as they are).
+(``quantize_gguf``; a GGUF's 4-bit blocks taken as they are; those kvcellar's kernels keep as
+panels packed in this CPU's layout, ``artifacts/panels.py``).
 
 HF-format directories and hub snapshots are not prepared: they are in that form already
 and stay where they are (the HF cache stores hub models; we don't copy them).
