@@ -117,8 +117,9 @@ class KernelTable:
     # float32 model where the CPU has no native bf16 (``loader.resolve_serving``). int8:
     # kvcellar's own kernels (``engine/native``), which quantize the activations to 8 bits.
     kernel_dtype: torch.dtype | None = None
-    # Whether int4 and MXFP4 weights may be kept as panels (``native.stores_panels``): stored
-    # ones, or the model's weights fit ``native.panels_fit``; else they stay in the row layout, mapped.
+    # Whether int4 and MXFP4 weights given in the row layout are packed as panels
+    # (``native.stores_panels``): where they fit ``native.panels_fit``, else they stay in the row
+    # layout, mapped. Weights the artifact cache stored as panels are kept so at any size.
     panels: bool = True
 
 
