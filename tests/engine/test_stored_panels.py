@@ -24,6 +24,7 @@ from kvcellar.runtime import build_engine, prepare_and_load
 from kvcellar.settings import load_settings
 from tests._models import make_engine
 from tests.artifacts.gguf_files import write_gguf
+from tests.engine.test_gguf_served import entry_names
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="kvcellar's kernels are not built here")
 
@@ -62,16 +63,6 @@ def mapped(m: Any) -> bool:
                for t in (m._q, m._scale) + (() if m._zero is None else (m._zero,)))
 
 
-def shard_names(folder: Path) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for shard in folder.glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as f:
-            names.update(f.keys())
-    return names
-
-
 def test_panels_stored_by_a_first_start_are_mapped_by_every_start(gguf: Path, tmp_path: Path) -> None:
     """The first start packs the panels into the quantized entry as it prepares it, and maps
     them, as every later one does; all give the tokens of panels packed in memory (no artifact
@@ -92,7 +83,7 @@ def test_panels_stored_by_a_first_start_are_mapped_by_every_start(gguf: Path, tm
         assert len(stored) == len(in_memory) and all(mapped(m) for m in stored)
         names = {m.name for m in stored}
         assert {n for n, q in read_quantized(entry).items() if q.panels} == names
-        assert not any(n.rpartition(".")[0] in names for n in shard_names(entry.path))
+        assert not any(n.rpartition(".")[0] in names for n in entry_names(entry.path))
         assert run(first, loaded) == expected
     finally:
         first.shutdown(timeout=0)
