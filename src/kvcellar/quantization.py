@@ -56,8 +56,8 @@ class QuantizedWeight:
 
     ``panels``: int4 or MXFP4 tensors in kvcellar's panel layout (``native.pack_int4``/
     ``pack_mxfp4``: the same shapes, each 8 rows' bytes together; int4 offsets None where they
-    are -8 x the scales), as the artifact cache stores them for this CPU's kernels; ``rows``
-    gives the layout above.
+    are -8 x the scales), as the artifact cache stores them for this CPU's kernels
+    (``engine.linears.row_layout`` gives the layout above).
     """
 
     kind: str
@@ -76,23 +76,13 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.offsets) if t is not None)
 
-    def rows(self) -> QuantizedWeight:
-        """This weight in the row layout (panels unpacked into new tensors; else itself)."""
-        if not self.panels:
-            return self
-        from kvcellar.engine import native
-
-        threads = torch.get_num_threads()
-        if self.kind == "mxfp4":
-            return QuantizedWeight(self.kind, *native.unpack_mxfp4(self.qweight, self.scales, threads),
-                                   group_size=self.group_size)
-        return QuantizedWeight(self.kind, *native.unpack_int4(self.qweight, self.scales, self.offsets, threads),
-                               group_size=self.group_size)
+    def _rows_only(self) -> None:
+        if self.panels:  # the kernels' own layout: ``engine.linears.row_layout`` gives the rows
+            raise ValueError("a weight in the panel layout has no rows to read here")
 
     def int4_values(self) -> torch.Tensor:
         """The 4-bit values as int32 ``[out, in]``."""
-        if self.panels:
-            return self.rows().int4_values()
+        self._rows_only()
         lo = (self.qweight & 0xF).to(torch.int32)
         hi = (self.qweight >> 4).to(torch.int32)
         return torch.stack([lo, hi], dim=-1).reshape(self.shape)
@@ -103,8 +93,7 @@ class QuantizedWeight:
         compute ``(q - 8) * scale + zero``)."""
         if self.kind == "int8":
             return self.scales.to(dtype), None
-        if self.panels:
-            return self.rows().kernel_params(dtype)
+        self._rows_only()
         assert self.offsets is not None
         return self.scales.to(dtype), (self.offsets.float() + 8 * self.scales.float()).to(dtype)
 
@@ -112,8 +101,7 @@ class QuantizedWeight:
         """The weight the kernels compute with, from the scales rounded to ``dtype`` as the
         kernels take them: int8 ``q * scale``, int4 ``dequantize_int4`` (what a lean linear
         computes, ``engine/linears.py``)."""
-        if self.panels:
-            return self.rows().dequantize(dtype)
+        self._rows_only()
         if self.kind == "mxfp4":
             return dequantize_mxfp4(self.qweight, self.scales).to(dtype)
         scale, zero = self.kernel_params(dtype)
@@ -147,7 +135,9 @@ class QuantizedWeight:
     @staticmethod
     def concat(parts: Iterable[QuantizedWeight]) -> QuantizedWeight:
         """The weights stacked along the output dimension (fused QKV / gate-up)."""
-        parts = [p.rows() for p in parts]
+        parts = list(parts)
+        for p in parts:
+            p._rows_only()
         kinds = {(p.kind, p.group_size) for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse weights quantized differently: {sorted(kinds)}")

@@ -15,6 +15,7 @@ import pytest
 from kvcellar.artifacts import ArtifactCache
 from kvcellar.artifacts.locks import FileLock
 from kvcellar.artifacts.prepare import read_quantized
+from kvcellar.engine.linears import row_layout
 from kvcellar.engine.loader import LoadedModel
 from kvcellar.identity import file_sha256
 from kvcellar.runtime import open_artifacts, prepare_and_load
@@ -284,7 +285,7 @@ def test_quantized_linears_are_an_entry_of_their_own(tiny_ggufs: list[Path], tmp
     assert second.quantized_artifact.manifest.info["linears"] == 1 + 7 * 2
     assert sorted(direct.quantized) == sorted(second.quantized) and len(direct.quantized) == 1 + 7 * 2
     for name, q in direct.quantized.items():
-        got = second.quantized[name].rows()  # int4 linears stored as this CPU's panels: the same values
+        got = row_layout(second.quantized[name])  # int4 linears stored as this CPU's panels: the same values
         assert got.kind == q.kind and torch.equal(got.qweight, q.qweight) and torch.equal(got.scales, q.scales)
     from kvcellar.engine.loader import resolve_serving
     from kvcellar.model_source import resolve_source

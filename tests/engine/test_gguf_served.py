@@ -17,7 +17,7 @@ from torch import nn
 
 from kvcellar.artifacts import prepare
 from kvcellar.artifacts.store import ArtifactCache
-from kvcellar.engine.linears import quant_kernels_run
+from kvcellar.engine.linears import quant_kernels_run, row_layout
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.quantization import QuantizedEmbedding
 from kvcellar.runtime import prepare_and_load
@@ -69,7 +69,7 @@ def served_reference(path: Path, loaded: Any) -> nn.Module:
     model = prepare._load_gguf(path, torch.float32)
     for name, q in loaded.quantized.items():
         linear = model.get_submodule(name)
-        linear.weight = nn.Parameter(q.dequantize(torch.float32), requires_grad=False)
+        linear.weight = nn.Parameter(row_layout(q).dequantize(torch.float32), requires_grad=False)
     return model.eval()
 
 

@@ -16,7 +16,14 @@ from torch import nn
 
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import SamplingParams, native
-from kvcellar.engine.linears import FastLinear, KernelTable, int4_pack_block, prepare_model, quant_kernels_run
+from kvcellar.engine.linears import (
+    FastLinear,
+    KernelTable,
+    int4_pack_block,
+    prepare_model,
+    quant_kernels_run,
+    row_layout,
+)
 from kvcellar.quantization import INT4_GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from kvcellar.runtime import prepare_and_load
 from tests._models import (
@@ -65,7 +72,7 @@ def dequantized_reference(mode: str, dtype: str = "bfloat16") -> nn.Module:
     for name, q in load(mode, dtype).quantized.items():
         linear = model.get_submodule(name)
         assert type(linear) is nn.Linear
-        linear.weight = nn.Parameter(q.dequantize(linear.weight.dtype), requires_grad=False)
+        linear.weight = nn.Parameter(row_layout(q).dequantize(linear.weight.dtype), requires_grad=False)
     return model
 
 
@@ -243,7 +250,7 @@ def test_int4_of_the_embedded_gguf_is_its_own_q4_1_blocks():
     reader = gguf.GGUFReader(str(find_embedded_gguf()))
     raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q4_1
-    ours = load("int4").quantized["model.layers.0.mlp.down_proj"]
+    ours = row_layout(load("int4").quantized["model.layers.0.mlp.down_proj"])  # stored as panels
     out, cols = ours.shape
     blocks = np.asarray(raw.data).reshape(out, cols // 32, 20)  # per block: fp16 d, fp16 m, 16 bytes
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -16,7 +16,7 @@ from kvcellar.artifacts.panels import INDEX_FILE, PANELS_FILE, PanelLayout
 from kvcellar.artifacts.prepare import prepare_quantized_gguf, quantized_descriptor, read_quantized
 from kvcellar.artifacts.store import ArtifactCache
 from kvcellar.engine import native
-from kvcellar.engine.linears import _file_mapped, panel_form, panel_layout
+from kvcellar.engine.linears import _file_mapped, panel_form, panel_layout, row_layout
 from kvcellar.engine.sampling import SamplingParams
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
@@ -148,7 +148,7 @@ def test_each_panel_layout_is_an_entry_of_its_own(gguf: Path, tmp_path: Path) ->
     assert any(q.panels for q in got[0].values())
     for name, rows in got[2].items():
         for weights in got[:2]:
-            one = weights[name].rows()
+            one = row_layout(weights[name])
             assert torch.equal(one.qweight, rows.qweight) and torch.equal(one.scales, rows.scales)
             assert (one.offsets is rows.offsets is None) or torch.equal(one.offsets, rows.offsets)
     again = prepare_quantized_gguf(cache, source, weights_id, "int4", layout=layouts[1])

@@ -96,6 +96,18 @@ def _pack(rows: Panels) -> Panels:
     return native.pack_int4(rows[0], rows[1], rows[2], torch.get_num_threads())
 
 
+def row_layout(quant: QuantizedWeight) -> QuantizedWeight:
+    """``quant`` in the row layout: stored panels unpacked into new tensors (exactly), else itself."""
+    if not quant.panels:
+        return quant
+    threads = torch.get_num_threads()
+    if quant.kind == "mxfp4":
+        return QuantizedWeight(quant.kind, *native.unpack_mxfp4(quant.qweight, quant.scales, threads),
+                               group_size=quant.group_size)
+    return QuantizedWeight(quant.kind, *native.unpack_int4(quant.qweight, quant.scales, quant.offsets, threads),
+                           group_size=quant.group_size)
+
+
 def panel_form(quant: QuantizedWeight) -> QuantizedWeight | None:
     """``quant`` packed as this CPU's panels where kvcellar's kernels keep it so, else None."""
     if quant.panels or not keeps_panels(quant):
@@ -309,6 +321,8 @@ class FastLinear(nn.Module):
         self.dtype, self.device = dtype, device = weight.dtype, weight.device
         self.kernel_dtype = table.kernel_dtype or dtype
         self.native = self.kernel_dtype == torch.int8
+        if quant is not None and quant.panels and not self.native:  # stored for kvcellar's kernels, not run by them
+            quant = row_layout(quant)
         runs = quant is not None and quant_kernels_run(self.kernel_dtype, device)
         # MXFP4 has only kvcellar's kernel: elsewhere its dequantized weight runs
         self.quant_kind = quant.kind if quant is not None and runs and (quant.kind != "mxfp4" or self.native) else None
@@ -381,8 +395,8 @@ class FastLinear(nn.Module):
         """One linear computing ``linears`` side by side (outputs concatenated), named ``name``."""
         quant = None
         if all(q is not None for q in quants):
-            quant = (QuantizedWeight.concat(quants)  # type: ignore[arg-type]  # all() above: no None in quants
-                     if len(quants) > 1 else quants[0])
+            present = [q for q in quants if q is not None]
+            quant = QuantizedWeight.concat(row_layout(q) for q in present) if len(present) > 1 else present[0]
         elif any(q is not None for q in quants):
             raise ValueError("cannot fuse a quantized linear with a dense one")
         first = linears[0].weight
