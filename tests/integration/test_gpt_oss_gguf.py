@@ -20,7 +20,6 @@ import torch
 from kvcellar.artifacts.gguf_convert import gguf_config
 from kvcellar.engine import SamplingParams
 from kvcellar.engine.experts import RoutedExperts
-from kvcellar.engine.linears import _file_mapped
 from tests._models import (
     TEST_DEVICE,
     assert_generates_like_reference,
@@ -36,6 +35,7 @@ from tests._models import (
     tiered,
     uncached_runner,
 )
+from tests.engine.test_stored_panels import mapped
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=5, ignore_eos=True)
 SYSTEM = "You answer questions about a build system in one line. The build uses ninja and clang. " * 8
@@ -114,8 +114,7 @@ def test_mxfp4_experts_are_kept_code_for_code(weights):
     assert blocks[1]._fused().act == "clamped"  # the whole block, biases and gating too, in one call
     # every expert's panels stored in the quantized entry as it was prepared, and mapped from it
     experts = [m for b in blocks for m in (*b.gate_up, *b.down)]
-    assert len(experts) == 2 * 2 * 8 and all(_file_mapped(m._q.data_ptr(), m._q.data_ptr() + m._q.nbytes)
-                                             for m in experts)
+    assert len(experts) == 2 * 2 * 8 and all(mapped(m) for m in experts)
     entry = {k for f in loaded.artifact.path.glob("*.safetensors") for k in _keys(f)}
     assert not any(k.endswith(("gate_up_proj", "down_proj")) for k in entry)
     prompt = chat_ids(loaded, QUESTIONS[1], SYSTEM)
