@@ -725,8 +725,9 @@ def test_sliding_windows_and_sinks_attend_in_the_kernel(window, sinks):
     slots = torch.arange(48 * 16)
     pool.write(0, slots // 16, slots % 16, torch.randn(48 * 16, 2, dim, generator=gen) * 3,
                torch.randn(48 * 16, 2, dim, generator=gen))
-    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(3)])
-    contexts, rows = torch.tensor([600, 37, 300]), torch.tensor([75, 1, 29])
+    # a prefill chunk, a decode, a shorter chunk, and verified drafts of 12 and 5 rows (split by chunk)
+    contexts, rows = torch.tensor([600, 37, 300, 520, 290]), torch.tensor([75, 1, 29, 12, 5])
+    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(len(rows))])
     q = torch.randn(int(rows.sum()), 2, groups, dim, generator=gen) * 2
     sink = torch.randn(2 * groups, generator=gen) * 3 if sinks else None
     got = pool.attend(0, tables, contexts, q, 0.125, 2, rows, sink, window)
@@ -734,7 +735,7 @@ def test_sliding_windows_and_sinks_attend_in_the_kernel(window, sinks):
     k, v = pool.gather(0, tables)
     none = torch.full((1, 2 * groups, 1, 1), float("-inf"))
     first = 0
-    for s in range(3):
+    for s in range(len(rows)):
         n, context = int(rows[s]), int(contexts[s])
         for r in range(n):
             alone = pool.attend(0, tables[s : s + 1], torch.tensor([context - n + 1 + r]), q[first + r : first + r + 1],
@@ -758,8 +759,9 @@ def test_sliding_windows_and_sinks_attend_in_the_kernel(window, sinks):
 def test_attention_gives_a_position_the_same_numbers_in_any_step(dtype, bits):
     """A prefill chunk's positions attended together (``rows``) get, to the bit, what each gets
     alone as a decode step over the same blocks: across the kernel's chunks of 256 tokens and
-    its groups of rows, chunks starting inside a block and on top of earlier tokens, two
-    sequences of several rows and one of a single row in one call, at any thread count. And
+    its groups of rows, chunks starting inside a block and on top of earlier tokens, sequences of
+    many rows, of a few (a verified draft: a task per chunk) and of one in one call, at any thread
+    count. And
     the result is causal attention (SDPA over the gathered context, to float rounding)."""
     import dataclasses
 
@@ -775,8 +777,9 @@ def test_attention_gives_a_position_the_same_numbers_in_any_step(dtype, bits):
     slots = torch.arange(48 * 16)
     pool.write(0, slots // 16, slots % 16, (torch.randn(48 * 16, 2, dim, generator=gen) * 3).to(dtype),
                torch.randn(48 * 16, 2, dim, generator=gen).to(dtype))
-    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(3)])
-    contexts, rows = torch.tensor([600, 37, 300]), torch.tensor([75, 1, 29])
+    # a prefill chunk, a decode, a shorter chunk, and verified drafts of 12 and 5 rows (split by chunk)
+    contexts, rows = torch.tensor([600, 37, 300, 520, 290]), torch.tensor([75, 1, 29, 12, 5])
+    tables = torch.stack([torch.randperm(48, generator=gen)[:40] for _ in range(len(rows))])
     q = (torch.randn(int(rows.sum()), 2, groups, dim, generator=gen) * 2).to(dtype)
     got = pool.attend(0, tables, contexts, q, 0.125, 2, rows)
     assert torch.equal(pool.attend(0, tables, contexts, q, 0.125, 1, rows), got)
@@ -786,7 +789,7 @@ def test_attention_gives_a_position_the_same_numbers_in_any_step(dtype, bits):
         wide.data.copy_(pool.data)
     k, v = wide.gather(0, tables)
     first = 0
-    for s in range(3):
+    for s in range(len(rows)):
         for r in range(int(rows[s])):
             context = int(contexts[s]) - int(rows[s]) + 1 + r
             alone = pool.attend(0, tables[s : s + 1], torch.tensor([context]), q[first + r : first + r + 1], 0.125)

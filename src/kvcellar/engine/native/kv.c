@@ -436,12 +436,28 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
 /* Query rows of one sequence attended together by one task of kvc_attend_kv: their K and V
  * tiles are read once for all of them. */
 #define ATTEND_ROWS 8
+/* A sequence of at most this many rows (a decode, a verified draft) has a task per group of
+ * rows and chunk of context, so that its long context keeps every thread busy as a one-row
+ * sequence's does; a longer one (a prefill chunk) a task per group of rows, which takes its
+ * chunks in turn. */
+#define SPLIT_ROWS 16
+/* The split sequences' partial softmaxes together, at most (float32s); past it a sequence's
+ * groups take their chunks in turn. */
+#define SPLIT_FLOATS ((int64_t)16 << 20)
+
+/* Task i: rows r0..r0+R-1 of sequence s; chunk >= 0: that chunk of context only, its partial
+ * softmaxes at part + at; chunk -1: all its chunks, merged into out. */
+typedef struct { int64_t s, r0, R, chunk, at; } attend_task;
+
+/* Row r of a group of R rows of a split sequence: its group's first chunk task, how many chunks
+ * it sees, and its row of q/out. */
+typedef struct { int64_t task, r, R, chunks, row; } merge_row;
 
 typedef struct {
     const uint8_t *pool; int64_t block_bytes, k_region, v_region, values_bytes; const int64_t *tables;
     int64_t table_width; const int64_t *contexts, *rows; int64_t block_size, kv_heads, head_dim, group; int bits;
     const float *q; int64_t gq; float scale; const float *sinks; int64_t window; float *out;
-    const int64_t *first, *row0, *slot; float *part, *ml;
+    const int64_t *row0; const attend_task *tasks; const merge_row *merges; float *part;
     _Atomic int failed;
 } attend_call;
 
@@ -456,9 +472,8 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
     const int64_t heads = kv_heads * gq;
     const int bits = c->bits;
     const float scale = c->scale, *q = c->q, *sinks = c->sinks;
-    const int64_t *tables = c->tables, *contexts = c->contexts, *rows = c->rows, *first = c->first;
-    const int64_t *row0 = c->row0, *slot = c->slot;
-    float *out = c->out, *part = c->part, *ml = c->ml;
+    const int64_t *tables = c->tables, *contexts = c->contexts, *rows = c->rows, *row0 = c->row0;
+    float *out = c->out, *part = c->part;
     /* the thread's scores, tile, zeros and paired keys, kept for its next call (a fresh
      * allocation this size is mapped and faulted in page by page at every call) */
     const int64_t room = ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim;
@@ -468,31 +483,28 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
         return;
     }
     memset(scores + ATTEND_ROWS * heads * ATTEND_CHUNK + ATTEND_TILE * head_dim, 0, head_dim * sizeof(float));
-    for (int64_t task = t0_; task < t1_; task++) {
-        int64_t s = 0;
-        while (first[s + 1] <= task) s++;
-        float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
-        const float *zeros = tile + ATTEND_TILE * head_dim;
-        float *kt = tile + (ATTEND_TILE + 1) * head_dim;
+    float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
+    const float *zeros = tile + ATTEND_TILE * head_dim;
+    float *kt = tile + (ATTEND_TILE + 1) * head_dim;
+    for (int64_t i = t0_; i < t1_; i++) {
+        const attend_task *task = c->tasks + i;
+        const int64_t s = task->s, r0 = task->r0, R = task->R;
         const int64_t *table = tables + s * table_width;
-        if (rows[s] == 1) {
-            const int64_t t0 = (task - first[s]) * ATTEND_CHUNK;
-            const int64_t t1 = t0 + ATTEND_CHUNK < contexts[s] ? t0 + ATTEND_CHUNK : contexts[s];
-            float *m = ml + slot[task] * heads * 2;
-            attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
-                              head_dim, group, bits, q + row0[s] * heads * head_dim, 1, contexts + s, gq, scale,
-                              window, t0, t1, m, m + heads, part + slot[task] * heads * head_dim, scores, tile,
-                              zeros, kt);
-            continue;
-        }
-        /* rows r0..r0+R-1 of the sequence: all their chunks, then their outputs */
-        const int64_t r0 = (task - first[s]) * ATTEND_ROWS;
-        const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
-        int64_t ends[ATTEND_ROWS];
+        const float *qs = q + (row0[s] + r0) * heads * head_dim;
+        int64_t ends[ATTEND_ROWS];  /* row r sees the tokens before ends[r] */
         for (int64_t r = 0; r < R; r++) ends[r] = contexts[s] - rows[s] + 1 + r0 + r;
-        const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
         /* per chunk: R x heads x head_dim values, then R x heads maxima and R x heads sums */
         const int64_t per = R * heads * (head_dim + 2);
+        if (task->chunk >= 0) {
+            const int64_t t0 = task->chunk * ATTEND_CHUNK;
+            const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
+            float *cp = part + task->at, *m = cp + R * heads * head_dim;
+            attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
+                              head_dim, group, bits, qs, R, ends, gq, scale, window, t0, t1, m, m + R * heads, cp,
+                              scores, tile, zeros, kt);
+            continue;
+        }
+        const int64_t chunks = (ends[R - 1] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
         float *own = malloc(chunks * per * sizeof(float));
         if (!own) {
             atomic_store(&c->failed, 1);
@@ -503,8 +515,8 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
             const int64_t t1 = t0 + ATTEND_CHUNK < ends[R - 1] ? t0 + ATTEND_CHUNK : ends[R - 1];
             float *cp = own + ch * per, *m = cp + R * heads * head_dim;
             attend_chunk_bits(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads,
-                              head_dim, group, bits, q + (row0[s] + r0) * heads * head_dim, R, ends, gq, scale,
-                              window, t0, t1, m, m + R * heads, cp, scores, tile, zeros, kt);
+                              head_dim, group, bits, qs, R, ends, gq, scale, window, t0, t1, m, m + R * heads, cp,
+                              scores, tile, zeros, kt);
         }
         for (int64_t r = 0; r < R; r++) {
             const int64_t mine = (ends[r] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
@@ -518,18 +530,19 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
     }
 }
 
-/* The one-row sequences' heads sj0..sj1-1 (sequence s's head j at s x heads + j): their chunks merged. */
-static void merge_heads(void *ctx, int64_t sj0, int64_t sj1, int thread) {
+/* The split sequences' rows' heads rj0..rj1-1 (merge row i's head j at i x heads + j): their
+ * chunks merged, in order. */
+static void merge_heads(void *ctx, int64_t rj0, int64_t rj1, int thread) {
     (void)thread;
     const attend_call *c = ctx;
-    const int64_t heads = c->kv_heads * c->gq, head_dim = c->head_dim, *first = c->first;
-    for (int64_t sj = sj0; sj < sj1; sj++) {
-        const int64_t s = sj / heads, j = sj % heads;
-        if (c->rows[s] != 1) continue;
-        const float *m = c->ml + c->slot[first[s]] * heads * 2 + j;
-        merge_chunks(m, m + heads, heads * 2, c->part + (c->slot[first[s]] * heads + j) * head_dim, heads * head_dim,
-                     first[s + 1] - first[s], head_dim, c->sinks ? c->sinks[j] : -INFINITY,
-                     c->out + (c->row0[s] * heads + j) * head_dim);
+    const int64_t heads = c->kv_heads * c->gq, head_dim = c->head_dim;
+    for (int64_t rj = rj0; rj < rj1; rj++) {
+        const merge_row *mr = c->merges + rj / heads;
+        const int64_t j = rj % heads, R = mr->R, per = R * heads * (head_dim + 2);
+        const float *base = c->part + c->tasks[mr->task].at;
+        const float *m = base + R * heads * head_dim + mr->r * heads + j;
+        merge_chunks(m, m + R * heads, per, base + (mr->r * heads + j) * head_dim, per, mr->chunks, head_dim,
+                     c->sinks ? c->sinks[j] : -INFINITY, c->out + (mr->row * heads + j) * head_dim);
     }
 }
 
@@ -542,12 +555,12 @@ static void merge_heads(void *ctx, int64_t sj0, int64_t sj1, int thread) {
  * query heads of each KV head; a sequence's rows one after the other), out the same shape.
  * Every (query row, chunk of ATTEND_CHUNK tokens) has its own softmax per query head, and the
  * chunks merge through their maxima and sums in order, by the same operations for every row
- * however many rows its sequence has: a token's attention does not depend on the step it runs
- * in. A one-row sequence's chunks are tasks of their own (a long context keeps every thread
- * busy); a longer sequence's rows go ATTEND_ROWS at a time, each task taking its chunks in
- * turn. head_dim a multiple of 16. Returns 0; -1 if scratch memory could not be had, -2 if a
- * block it would read lies outside the pool's n_blocks or a context outside its table (out
- * untouched). */
+ * however many rows its sequence has and however its work is split: a token's attention does
+ * not depend on the step it runs in. A short sequence's rows (SPLIT_ROWS at most) go
+ * ATTEND_ROWS at a time with a task per chunk (a long context keeps every thread busy); a
+ * longer sequence's groups of rows a task each, taking their chunks in turn. head_dim a
+ * multiple of 16. Returns 0; -1 if scratch memory could not be had, -2 if a block it would
+ * read lies outside the pool's n_blocks or a context outside its table (out untouched). */
 int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, int64_t k_region, int64_t v_region,
                   int64_t values_bytes, const int64_t *tables, int64_t table_width, const int64_t *contexts,
                   const int64_t *rows, int64_t n_seq, int64_t block_size, int64_t kv_heads, int64_t head_dim,
@@ -560,36 +573,64 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             if (tables[s * table_width + i] < 0 || tables[s * table_width + i] >= n_blocks) return -2;
     }
     const int64_t heads = kv_heads * gq;  /* query heads */
-    /* tasks: a one-row sequence's chunks, then a longer one's groups of rows */
-    int64_t *first = malloc((n_seq + 1) * sizeof(int64_t)), *row0 = malloc((n_seq + 1) * sizeof(int64_t));
-    if (!first || !row0) { free(first); free(row0); return -1; }
-    first[0] = row0[0] = 0;
-    int64_t chunk_tasks = 0;
+    /* which sequences split (a one-row one always), their tasks and merge rows counted */
+    int64_t n_tasks = 0, n_merges = 0, floats = 0;
+    char *split = malloc(n_seq + 1);
+    int64_t *row0 = malloc((n_seq + 1) * sizeof(int64_t));
+    if (!split || !row0) { free(split); free(row0); return -1; }
+    row0[0] = 0;
     for (int64_t s = 0; s < n_seq; s++) {
+        const int64_t groups = (rows[s] + ATTEND_ROWS - 1) / ATTEND_ROWS;
         const int64_t chunks = (contexts[s] + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
-        first[s + 1] = first[s] + (rows[s] == 1 ? chunks : (rows[s] + ATTEND_ROWS - 1) / ATTEND_ROWS);
+        const int64_t need = chunks * rows[s] * heads * (head_dim + 2);
+        split[s] = rows[s] == 1 || (rows[s] <= SPLIT_ROWS && chunks > 1 && floats + need <= SPLIT_FLOATS);
         row0[s + 1] = row0[s] + rows[s];
-        if (rows[s] == 1) chunk_tasks += chunks;
+        if (split[s]) {
+            floats += need;
+            n_tasks += groups * chunks;
+            n_merges += rows[s];
+        } else {
+            n_tasks += groups;
+        }
     }
-    const int64_t tasks = first[n_seq];
-    /* the one-row sequences' partials: per chunk task, heads x head_dim values, then maxima and sums */
-    float *part = malloc((chunk_tasks * heads * (head_dim + 2) + 1) * sizeof(float));
-    int64_t *slot = malloc((tasks + 1) * sizeof(int64_t));  /* a chunk task's place in part */
-    if (!part || !slot) { free(first); free(row0); free(part); free(slot); return -1; }
-    for (int64_t s = 0, next = 0; s < n_seq; s++)
-        for (int64_t task = first[s]; task < first[s + 1]; task++) slot[task] = rows[s] == 1 ? next++ : -1;
-    float *ml = part + chunk_tasks * heads * head_dim;
+    attend_task *tasks = malloc((n_tasks + 1) * sizeof(attend_task));
+    merge_row *merges = malloc((n_merges + 1) * sizeof(merge_row));
+    float *part = malloc((floats + 1) * sizeof(float));
+    if (!tasks || !merges || !part) {
+        free(split); free(row0); free(tasks); free(merges); free(part);
+        return -1;
+    }
+    tasks[n_tasks] = (attend_task){0, 0, 0, 0, 0};  /* a merge row of an empty context points here */
+    int64_t t = 0, mi = 0, at = 0;
+    for (int64_t s = 0; s < n_seq; s++)
+        for (int64_t r0 = 0; r0 < rows[s]; r0 += ATTEND_ROWS) {
+            const int64_t R = rows[s] - r0 < ATTEND_ROWS ? rows[s] - r0 : ATTEND_ROWS;
+            if (!split[s]) {
+                tasks[t++] = (attend_task){s, r0, R, -1, 0};
+                continue;
+            }
+            /* the group's last row sees the most chunks; each row merges those it sees */
+            const int64_t last = contexts[s] - rows[s] + r0 + R;
+            const int64_t chunks = (last + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t end = contexts[s] - rows[s] + 1 + r0 + r;
+                merges[mi++] = (merge_row){t, r, R, (end + ATTEND_CHUNK - 1) / ATTEND_CHUNK, row0[s] + r0 + r};
+            }
+            for (int64_t ch = 0; ch < chunks; ch++, at += R * heads * (head_dim + 2))
+                tasks[t++] = (attend_task){s, r0, R, ch, at};
+        }
     attend_call c = {pool, block_bytes, k_region, v_region, values_bytes, tables, table_width, contexts, rows,
-                     block_size, kv_heads, head_dim, group, bits, q, gq, scale, sinks, window, out, first, row0, slot,
-                     part, ml, 0};
-    pool_for(threads, tasks, 1, attend_tasks, &c);
+                     block_size, kv_heads, head_dim, group, bits, q, gq, scale, sinks, window, out, row0, tasks,
+                     merges, part, 0};
+    pool_for(threads, t, 1, attend_tasks, &c);
     const int failed = atomic_load(&c.failed);
-    if (!failed)
-        pool_for(chunk_tasks * heads * head_dim > 65536 ? threads : 1, n_seq * heads, heads, merge_heads, &c);
-    free(part);
-    free(slot);
-    free(first);
+    if (!failed && mi)
+        pool_for(at > 65536 ? threads : 1, mi * heads, heads, merge_heads, &c);
+    free(split);
     free(row0);
+    free(tasks);
+    free(merges);
+    free(part);
     return failed ? -1 : 0;
 }
 
