@@ -436,8 +436,8 @@ def avx512_cases() -> dict[str, torch.Tensor]:
         slots = torch.arange(40 * 16)
         pool.write(0, slots // 16, slots % 16, (torch.randn(40 * 16, 2, dim, generator=gen) * 3).to(dtype),
                    torch.randn(40 * 16, 2, dim, generator=gen).to(dtype))
-        tables = torch.stack([torch.randperm(40, generator=gen)[:36] for _ in range(2)])
-        contexts, rows = torch.tensor([570, 301]), torch.tensor([45, 1])
+        tables = torch.stack([torch.randperm(40, generator=gen)[:36] for _ in range(3)])
+        contexts, rows = torch.tensor([570, 301, 400]), torch.tensor([45, 1, 5])
         for gq in (3, 8, 10):  # query heads of a KV head: odd, a whole 8, past it
             q = (torch.randn(int(rows.sum()), 2, gq, dim, generator=gen) * 2).to(dtype)
             found[f"attend {dtype} {bits} {dim} {gq}"] = pool.attend(0, tables, contexts, q, 0.125, THREADS, rows)

@@ -189,11 +189,11 @@ static inline void pair_keys(const float *const *rows, int64_t head_dim, float *
 static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *q, const float *kt, int64_t head_dim,
                                                                   __m256 *out, const int NQ) {
     const int64_t n = head_dim / 8;
-    __m512 a[2][4];
+    __m512 a[4][4];
     for (int h = 0; h < NQ; h++)
         for (int i = 0; i < 4; i++) a[h][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c++) {
-        __m512 qc[2];
+        __m512 qc[4];
         for (int h = 0; h < NQ; h++) {  /* inputs 8c..8c+7 of head h in both halves */
             const __m256d half = _mm256_loadu_pd((const double *)(q + h * head_dim + 8 * c));
             qc[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(half));
@@ -215,6 +215,7 @@ static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *
 
 static AVX512 void qk_wide(const float *q, int64_t nq, const float *kt, int64_t head_dim, __m256 *out) {
     int64_t h = 0;
+    for (; h + 4 <= nq; h += 4) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 4);
     for (; h + 2 <= nq; h += 2) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 2);
     if (h < nq) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 1);
 }
