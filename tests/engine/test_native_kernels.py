@@ -401,7 +401,7 @@ def avx512_cases() -> dict[str, torch.Tensor]:
         nibbles, scales, offsets, _ = int4_weight(out, cols)
         own = native.pack_int4(nibbles, scales, offsets, THREADS)
         derived = native.pack_int4(nibbles, scales, (scales.float() * -8).half(), THREADS)
-        for rows in (1, 5, 8, 13, 32, 45):  # 32, 45: whole AMX tiles, and rows past them
+        for rows in (1, 5, 8, 9, 13, 32, 41, 45):  # 9, 41: a last pass of 9 rows; 32, 45: AMX tiles and past them
             x = activations(rows, cols)
             found[f"int4 {out} {rows}"] = native.matmul_int4(x, *own, THREADS, panels=True)
             found[f"q4_0 {out} {rows}"] = native.matmul_int4(x, *derived, THREADS, panels=True)

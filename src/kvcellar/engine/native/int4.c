@@ -502,10 +502,10 @@ static inline void packed_panel_rows(const uint8_t *pw, const uint16_t *ps, cons
 static inline AVX512 __attribute__((always_inline)) void pair_tile(
         const uint8_t *pw, const uint16_t *ps, const uint16_t *po, int64_t blocks, const int8_t *xq,
         const float *xd, const float *xs, int64_t cols, dest y, int64_t out, const int N) {
-    __m512 acc[MR2];
+    __m512 acc[MR2 + 1];
     for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i sum[MR2];
+        __m512i sum[MR2 + 1];
         for (int a = 0; a < N; a++) sum[a] = _mm512_setzero_si512();
         const uint8_t *w = pw + b * (2 * PANEL * BLOCK / 2);  /* the first panel's 128 bytes, then the second's */
         const uint16_t *s = ps + b * 2 * PANEL, *o = po ? po + b * 2 * PANEL : NULL;
@@ -539,14 +539,17 @@ static AVX512 void pair_rows(const uint8_t *pw, const uint16_t *ps, const uint16
                              int64_t a0, int64_t a1, dest y, int64_t out) {
     const kept_panel k = kept_panel_at(pw, ps, po, p, panels, blocks);
     int64_t a = a0;
-    for (; a + MR2 <= a1; a += MR2)
+    for (; a + MR2 <= a1 && a1 - a != MR2 + 1; a += MR2)
         pair_tile(k.w, k.s, k.o, blocks, xq + a * cols, xd + a * blocks, xs + a * blocks, cols,
                   dest_at(y, a * out + p * PANEL), out, MR2);
     const int8_t *xa = xq + a * cols;
     const float *da = xd + a * blocks, *xsa = xs + a * blocks;
     const dest ya = dest_at(y, a * out + p * PANEL);
 #define ROWS(n) pair_tile(k.w, k.s, k.o, blocks, xa, da, xsa, cols, ya, out, n)
-    LAST_ROWS_OF_8(a1 - a, ROWS);
+    if (a1 - a == MR2 + 1)
+        ROWS(MR2 + 1);  /* a verified draft of 8: one pass (a second for one row costs more than a decode) */
+    else
+        LAST_ROWS_OF_8(a1 - a, ROWS);
 #undef ROWS
 }
 
