@@ -142,6 +142,68 @@ def test_every_step_shape_and_hit_gives_the_uncached_bits(family, weights):
 
 
 @needs_native
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_bf16_activations_give_the_uncached_bits(family):
+    """What a CPU with AVX-512 BF16 or AMX serves (``--dtype auto``: bf16 activations, int4
+    linears): the norms, the MLPs' silu and the gated norm on the kernels, cold, from a snapshot
+    and in a batch, give the uncached engine's bits at every chunk size."""
+    from kvcellar.artifacts.store import ArtifactCache
+    from kvcellar.runtime import prepare_and_load
+
+    path = folder(family)
+    loaded = prepare_and_load(str(path), dtype="bfloat16", device="cpu", weights="int4",
+                              artifacts=ArtifactCache(path.parent / "artifacts-bf16"))
+    assert loaded.dtype == torch.bfloat16
+    uncached = uncached_runner(loaded, PARAMS)
+    asked = prompts(loaded)
+    for chunk in (13, 64):
+        engine = make_engine(loaded, max_step_tokens=chunk)
+        assert engine.descriptor.get("recurrence") == native.RECURRENCE
+        cold = engine.generate([asked[0]], PARAMS)[0]
+        assert_identical_output(cold, uncached(asked[0]))
+        again = engine.generate([asked[0]], PARAMS)[0]
+        assert again.num_cached_tokens == resumable(len(asked[0]))
+        assert_identical_output(again, uncached(asked[0]))
+        batch = engine.generate([asked[1], asked[2]], PARAMS)
+        for got, prompt in zip(batch, asked[1:], strict=True):
+            assert_identical_output(got, uncached(prompt))
+        assert_no_leaks(engine)
+        engine.shutdown(10)
+
+
+@needs_native
+def test_the_walks_norms_and_silu_on_the_kernels_are_transformers_within_rounding():
+    """The hybrid walk's zero-centred RMS norms (hidden states and per head), its MLP's silu and
+    the linear-attention layer's gated norm on the kernels against transformers' own modules, in
+    float32 and bf16 (to float rounding: the kernels sum in their own order)."""
+    from kvcellar.engine.lean_qwen35 import qwen35_forward_for
+
+    model = tiny().model
+    walk = qwen35_forward_for(model)
+    assert walk is not None
+    layer, delta = model.model.layers[0], model.model.layers[0].linear_attn
+    attention = next(i for i, lyr in enumerate(model.model.layers) if hasattr(lyr, "self_attn"))
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(7, model.config.hidden_size, generator=gen) * 3
+    heads = torch.randn(7, 4, model.model.layers[attention].self_attn.head_dim, generator=gen) * 3
+    gate = torch.randn(7, model.config.intermediate_size, generator=gen) * 4
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        pairs = [(walk.layers[0].input_norm, layer.input_layernorm, hidden), (walk.norm, model.model.norm, hidden),
+                 (walk.layers[attention].mixer.q_norm, model.model.layers[attention].self_attn.q_norm, heads),
+                 (walk.layers[0].mlp.act, layer.mlp.act_fn, gate)]
+        for ours, theirs, x in pairs:
+            x = x.to(dtype)
+            got, want = ours(x), theirs(x)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        core = torch.randn(7, delta.num_v_heads, delta.head_v_dim, generator=gen)
+        z = torch.randn(7, delta.num_v_heads, delta.head_v_dim, generator=gen).to(dtype)
+        got = native.gated_norm(core, z, delta.norm.weight, float(delta.norm.variance_epsilon)).to(dtype)
+        want = delta.norm(core.to(dtype), z).reshape(7, -1)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_native
 def test_torchs_recurrence_where_the_kernel_does_not_run(monkeypatch):
     """The path CUDA takes (the gated delta rule in torch, ``deltanet.GatedDeltaNet._torch_rule``):
     cached equals uncached to the bit there too, and its numbers are the kernel's within float32

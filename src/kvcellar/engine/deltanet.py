@@ -149,8 +149,8 @@ class GatedDeltaNet:
         mixed, z, b, a = self.projections(x[0])  # mixed: [rows, channels]
         kernels = native.runs_gated_delta(x.device, self.value_dim)
         core = self._native(mixed, b, a, step) if kernels else self._torch(mixed, b, a, step)
-        if kernels and x.dtype == torch.float32:
-            normed = native.gated_norm(core, z, self.norm_weight, self.norm_eps)
+        if kernels:  # float32, rounded once to a bf16 model's dtype
+            normed = native.gated_norm(core, z, self.norm_weight, self.norm_eps).to(x.dtype)
         else:
             normed = self._gated_norm(core, z.view(rows, self.value_heads, self.value_dim), x.dtype)
         return self.out(normed.reshape(1, rows, -1))

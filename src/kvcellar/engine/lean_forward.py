@@ -42,7 +42,7 @@ from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
 from kvcellar.engine.linears import FastLinear, FusedPart, call_together, kernel_group
 from kvcellar.engine.linears import call_of as _linear
-from kvcellar.engine.native.layer import DenseLayer, DenseLayers, silu_for
+from kvcellar.engine.native.layer import SILU_ACTS, DenseLayer, DenseLayers, silu_for
 from kvcellar.engine.native.lib import available as lib_available
 from kvcellar.engine.native.norm import rms_norm_for
 
@@ -53,8 +53,6 @@ SUPPORTED = {"LlamaForCausalLM": "LlamaDecoderLayer", "Qwen2ForCausalLM": "Qwen2
 # Families whose RMSNorm multiplies by its weight before rounding to the input's dtype
 # (``(w * h).to(dtype)``, the weight kept in float32), not after.
 WEIGHT_FIRST_NORM = frozenset({"GptOssForCausalLM"})
-# transformers' silu modules (its own, and torch's).
-SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
 # Families whose rotary module gives half-width cos/sin (their own RoPE function applies them).
 HALF_ROPE = frozenset({"GptOssForCausalLM"})
 

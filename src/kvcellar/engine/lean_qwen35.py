@@ -10,11 +10,15 @@ layers are transformers' (the query projection holds each head's query and outpu
 by side; query and key heads RMS-normalized, partial RoPE) over the paged KV pool, which holds
 only these layers (pool layer ``i``: the ``i``-th attention layer); the linear-attention
 layers continue each sequence's recurrent state (``cache/state_pool.py``). Every RMS norm is
-the zero-centred one, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32.
+the zero-centred one, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32. Where kvcellar's
+kernels run the linear attention (the KV namespace then names their revision,
+``native.RECURRENCE``), the norms and the MLPs' silu run on them too: one call each where torch
+took ~10 operations, or a silu in single-threaded pieces (``rowwise``) and their concatenation.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +26,14 @@ from typing import Any
 
 import torch
 
+from kvcellar.engine import native
 from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.deltanet import GatedDeltaNet, rowwise
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import call_of as _linear
 from kvcellar.engine.linears import call_together
+from kvcellar.engine.native.layer import SILU_ACTS, silu_for
+from kvcellar.engine.native.norm import rms_norm_for
 
 CAUSAL_LMS = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
@@ -42,8 +49,10 @@ class _PoolLayer:
     layer_idx: int  # what ``paged_attention`` reads: the layer's place in the KV pool
 
 
-def _zero_centred_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' ``Qwen3_5RMSNorm``, op for op (its ``1 + w`` computed once)."""
+def _zero_centred_norm(module: Any, kernels: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' ``Qwen3_5RMSNorm``, op for op (its ``1 + w`` computed once); ``kernels``: on
+    kvcellar's kernels where they take it (``native.rms_norm_for``, the weight applied before the
+    one rounding, as here; its own order of sums)."""
     scale, eps = 1.0 + module.weight.float(), float(module.eps)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -52,41 +61,44 @@ def _zero_centred_norm(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         out: torch.Tensor = (h * scale).type_as(x)
         return out
 
-    return norm
+    fast = rms_norm_for(scale, eps, True, norm) if kernels else None
+    return fast or norm
 
 
 class _Attention:
-    def __init__(self, attn: Any, index: int) -> None:
+    def __init__(self, attn: Any, index: int, kernels: bool) -> None:
         self.pool_layer = _PoolLayer(index)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self.qkv = call_together([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = _linear(attn.o_proj)
-        self.q_norm, self.k_norm = _zero_centred_norm(attn.q_norm), _zero_centred_norm(attn.k_norm)
+        self.q_norm, self.k_norm = _zero_centred_norm(attn.q_norm, kernels), _zero_centred_norm(attn.k_norm, kernels)
 
 
 class _MLP:
     """A gated MLP (the dense models', the MoE models' shared expert)."""
 
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, kernels: bool) -> None:
         self.gate_up = call_together([mlp.gate_proj, mlp.up_proj])
         self.down = _linear(mlp.down_proj)
-        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        fast = silu_for(functools.partial(rowwise, act)) if kernels and type(act).__name__ in SILU_ACTS else None
+        self.act: Callable[[torch.Tensor], torch.Tensor] = fast or functools.partial(rowwise, act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(rowwise(self.act, gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 class _Experts:
     """The MoE models' block: routed experts (kvcellar's, ``engine/experts.py``) plus a shared
     expert scaled by a sigmoid gate of its own."""
 
-    def __init__(self, block: Any) -> None:
+    def __init__(self, block: Any, kernels: bool) -> None:
         if not isinstance(block.gate, Router) or not isinstance(block.experts, RoutedExperts):
             raise ValueError("a Qwen3.5 MoE block whose experts were not split (engine/experts.py)")
         self.router, self.experts = block.gate, block.experts
-        self.shared = _MLP(block.shared_expert)
+        self.shared = _MLP(block.shared_expert, kernels)
         self.shared_gate = _linear(block.shared_expert_gate)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,12 +110,12 @@ class _Experts:
 
 
 class _Layer:
-    def __init__(self, layer: Any, mixer: _Attention | GatedDeltaNet) -> None:
+    def __init__(self, layer: Any, mixer: _Attention | GatedDeltaNet, kernels: bool) -> None:
         self.mixer = mixer
         mlp = layer.mlp
-        self.mlp: _MLP | _Experts = _Experts(mlp) if hasattr(mlp, "experts") else _MLP(mlp)
-        self.input_norm = _zero_centred_norm(layer.input_layernorm)
-        self.post_norm = _zero_centred_norm(layer.post_attention_layernorm)
+        self.mlp: _MLP | _Experts = _Experts(mlp, kernels) if hasattr(mlp, "experts") else _MLP(mlp, kernels)
+        self.input_norm = _zero_centred_norm(layer.input_layernorm, kernels)
+        self.post_norm = _zero_centred_norm(layer.post_attention_layernorm, kernels)
 
 
 def qwen35_forward_for(model: Any) -> Qwen35Forward | None:
@@ -124,15 +136,18 @@ class Qwen35Forward:
         self.rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = inner.rotary_emb
         self.rope = rope
         self.layers: list[_Layer] = []
+        text = model.config.get_text_config()
+        # the recurrence's kernels decide it (the KV namespace then names their revision)
+        kernels = native.runs_gated_delta(inner.embed_tokens.weight.device, int(text.linear_value_head_dim))
         attention = linear = 0
         for layer in inner.layers:
             mixer: _Attention | GatedDeltaNet
             if hasattr(layer, "linear_attn"):
                 mixer, linear = GatedDeltaNet(layer.linear_attn, linear, _linear, call_together), linear + 1
             else:
-                mixer, attention = _Attention(layer.self_attn, attention), attention + 1
-            self.layers.append(_Layer(layer, mixer))
-        self.norm = _zero_centred_norm(inner.norm)
+                mixer, attention = _Attention(layer.self_attn, attention, kernels), attention + 1
+            self.layers.append(_Layer(layer, mixer, kernels))
+        self.norm = _zero_centred_norm(inner.norm, kernels)
         self.lm_head = _linear(model.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,

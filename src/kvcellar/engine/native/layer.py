@@ -24,6 +24,10 @@ MAX_ROWS = 64
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
+# The act modules that are silu (transformers' names), which ``silu_for`` stands in for.
+SILU_ACTS = frozenset({"SiLUActivation", "SiLU"})
+
+
 def silu_for(otherwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """silu on the kernels (``x / (1 + exp(-x))`` by their exp, rounded to ``x``'s dtype): the
     act of every step a gated MLP runs in torch, so its numbers are those of ``layer.c``'s

@@ -11,8 +11,9 @@ from kvcellar.engine.native import lib
 
 # The revision of the numbers ``gated_delta`` computes (part of a hybrid model's KV namespace):
 # bumped whenever a change moves a bit of its output. 2: the rule's inputs and the gated norm
-# by ``delta_inputs`` and ``gated_norm``.
-RECURRENCE = "kvc-delta-2"
+# by ``delta_inputs`` and ``gated_norm``. 3: a bf16 model's gated norm by ``gated_norm`` too, and
+# the hybrid walk's RMS norms and MLP silu on the kernels (``lean_qwen35``) where these run.
+RECURRENCE = "kvc-delta-3"
 
 
 def runs_gated_delta(device: torch.device, value_dim: int) -> bool:
