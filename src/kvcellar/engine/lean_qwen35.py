@@ -138,7 +138,7 @@ class Qwen35Forward:
         self.layers: list[_Layer] = []
         text = model.config.get_text_config()
         # the recurrence's kernels decide it (the KV namespace then names their revision)
-        kernels = native.runs_gated_delta(inner.embed_tokens.weight.device, int(text.linear_value_head_dim))
+        kernels = native.runs_gated_delta(inner.norm.weight.device, int(text.linear_value_head_dim))
         attention = linear = 0
         for layer in inner.layers:
             mixer: _Attention | GatedDeltaNet
