@@ -540,7 +540,8 @@ static void merge_heads(void *ctx, int64_t rj0, int64_t rj1, int thread) {
     for (int64_t rj = rj0; rj < rj1; rj++) {
         const merge_row *mr = c->merges + rj / heads;
         const int64_t j = rj % heads, R = mr->R, per = R * heads * (head_dim + 2);
-        const float *base = c->part + c->tasks[mr->task].at;
+        /* a row with no context (no chunk) merges nothing: zeros, its task never read */
+        const float *base = c->part + (mr->chunks ? c->tasks[mr->task].at : 0);
         const float *m = base + R * heads * head_dim + mr->r * heads + j;
         merge_chunks(m, m + R * heads, per, base + (mr->r * heads + j) * head_dim, per, mr->chunks, head_dim,
                      c->sinks ? c->sinks[j] : -INFINITY, c->out + (mr->row * heads + j) * head_dim);
@@ -601,7 +602,6 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
         free(split); free(row0); free(tasks); free(merges); free(part);
         return -1;
     }
-    tasks[n_tasks] = (attend_task){0, 0, 0, 0, 0};  /* a merge row of an empty context points here */
     int64_t t = 0, mi = 0, at = 0;
     for (int64_t s = 0; s < n_seq; s++)
         for (int64_t r0 = 0; r0 < rows[s]; r0 += ATTEND_ROWS) {
