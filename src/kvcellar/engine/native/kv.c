@@ -450,9 +450,10 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
  * softmaxes at part + at; chunk -1: all its chunks, merged into out. */
 typedef struct { int64_t s, r0, R, chunk, at; } attend_task;
 
-/* Row r of a group of R rows of a split sequence: its group's first chunk task, how many chunks
- * it sees, and its row of q/out. */
-typedef struct { int64_t task, r, R, chunks, row; } merge_row;
+/* Row r of a group of R rows of a split sequence: where its group's chunks' partials start in
+ * part (a chunk's R x heads x (head_dim + 2) floats after another's), how many it sees, and its
+ * row of q/out. */
+typedef struct { int64_t at, r, R, chunks, row; } merge_row;
 
 typedef struct {
     const uint8_t *pool; int64_t block_bytes, k_region, v_region, values_bytes; const int64_t *tables;
@@ -540,8 +541,7 @@ static void merge_heads(void *ctx, int64_t rj0, int64_t rj1, int thread) {
     for (int64_t rj = rj0; rj < rj1; rj++) {
         const merge_row *mr = c->merges + rj / heads;
         const int64_t j = rj % heads, R = mr->R, per = R * heads * (head_dim + 2);
-        /* a row with no context (no chunk) merges nothing: zeros, its task never read */
-        const float *base = c->part + (mr->chunks ? c->tasks[mr->task].at : 0);
+        const float *base = c->part + mr->at;
         const float *m = base + R * heads * head_dim + mr->r * heads + j;
         merge_chunks(m, m + R * heads, per, base + (mr->r * heads + j) * head_dim, per, mr->chunks, head_dim,
                      c->sinks ? c->sinks[j] : -INFINITY, c->out + (mr->row * heads + j) * head_dim);
@@ -615,7 +615,7 @@ int kvc_attend_kv(const uint8_t *pool, int64_t n_blocks, int64_t block_bytes, in
             const int64_t chunks = (last + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
             for (int64_t r = 0; r < R; r++) {
                 const int64_t end = contexts[s] - rows[s] + 1 + r0 + r;
-                merges[mi++] = (merge_row){t, r, R, (end + ATTEND_CHUNK - 1) / ATTEND_CHUNK, row0[s] + r0 + r};
+                merges[mi++] = (merge_row){at, r, R, (end + ATTEND_CHUNK - 1) / ATTEND_CHUNK, row0[s] + r0 + r};
             }
             for (int64_t ch = 0; ch < chunks; ch++, at += R * heads * (head_dim + 2))
                 tasks[t++] = (attend_task){s, r0, R, ch, at};
