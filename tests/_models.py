@@ -306,12 +306,12 @@ def served_gpt_oss(weights: str = "auto") -> LoadedModel:
                             artifacts=ArtifactCache(shared_models_dir()))
 
 
-def served_file(path: Path, weights: str) -> LoadedModel:
-    """The model at ``path`` (a folder or a GGUF) loaded as a server loads it, in float32, through an
-    artifact cache of its own beside it (one per weights mode)."""
+def served_file(path: Path, weights: str, dtype: str = "float32") -> LoadedModel:
+    """The model at ``path`` (a folder or a GGUF) loaded as a server loads it, in ``dtype``, through
+    an artifact cache of its own beside it (one per weights mode)."""
     from kvcellar.artifacts.store import ArtifactCache
 
-    return prepare_and_load(str(path), dtype="float32", device=TEST_DEVICE, weights=weights,
+    return prepare_and_load(str(path), dtype=dtype, device=TEST_DEVICE, weights=weights,
                             artifacts=ArtifactCache(path.parent / f"artifacts-{weights}"))
 
 

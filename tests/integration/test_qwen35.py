@@ -147,12 +147,7 @@ def test_bf16_activations_give_the_uncached_bits(family):
     """What a CPU with AVX-512 BF16 or AMX serves (``--dtype auto``: bf16 activations, int4
     linears): the norms, the MLPs' silu and the gated norm on the kernels, cold, from a snapshot
     and in a batch, give the uncached engine's bits at every chunk size."""
-    from kvcellar.artifacts.store import ArtifactCache
-    from kvcellar.runtime import prepare_and_load
-
-    path = folder(family)
-    loaded = prepare_and_load(str(path), dtype="bfloat16", device="cpu", weights="int4",
-                              artifacts=ArtifactCache(path.parent / "artifacts-bf16"))
+    loaded = served_file(folder(family), "int4", dtype="bfloat16")
     assert loaded.dtype == torch.bfloat16
     uncached = uncached_runner(loaded, PARAMS)
     asked = prompts(loaded)
