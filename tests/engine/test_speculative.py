@@ -311,6 +311,11 @@ def test_drafts_are_chosen_by_what_they_pay():
         assert all(c.taken == 0 for c in declined)
     compute_bound.choose(declined, 8, 16)  # now and then one token anyway, to measure again
     assert sum(c.taken for c in declined) == 1
+    uneven = Drafter("ngram", 8)  # odd row counts cost as the next even one: 3 rows cost more than 4
+    for rows, seconds in ((1, 0.010), (2, 0.011), (3, 0.020), (4, 0.012)):
+        uneven.observe(rows, seconds)
+    uneven.choose([four := Candidate(1, [5] * 8, 0.9)], 1, 3)
+    assert four.taken == 3
     unknown = Drafter("ngram", 8)  # no step seen yet: nothing is drafted
     unknown.choose([sure := Candidate(1, [5] * 4, 0.99)], 1, 16)
     assert sure.taken == 0

@@ -429,24 +429,28 @@ class Drafter:
         base = self.costs.seconds(rows)
         if base is None or not candidates or budget <= 0:
             return
+        # Tokens are ranked likeliest first; the step takes the first n of them for the n that
+        # gives the most expected tokens a second. Every n is priced, not only up to the first
+        # that does not pay: a step's cost is not smooth in its rows (the kernels take rows in
+        # pairs and groups), so 4 rows can cost less than 3.
         expected = float(rows)  # tokens the step emits: one a row, plus what drafts add
-        seconds = base
-        total = rows
-        taken = 0
-        while taken < budget:
-            best = max(candidates, key=lambda c: c.rate ** (c.taken + 1) if c.taken < len(c.draft) else -1.0)
-            if best.taken >= len(best.draft):
+        best_rate, taken = expected / max(base, 1e-9), 0
+        order: list[Candidate] = []
+        while len(order) < budget:
+            pick = max(candidates, key=lambda c: c.rate ** (c.taken + 1) if c.taken < len(c.draft) else -1.0)
+            if pick.taken >= len(pick.draft):
                 break
-            gain = best.rate ** (best.taken + 1)
-            after = self.costs.seconds(total + 1)
+            pick.taken += 1
+            order.append(pick)
+            expected += pick.rate ** pick.taken
+            after = self.costs.seconds(rows + len(order))
             assert after is not None
-            if (expected + gain) / max(after, 1e-9) <= expected / max(seconds, 1e-9):
-                break
-            best.taken += 1
-            taken += 1
-            expected += gain
-            seconds = after
-            total += 1
+            if expected / max(after, 1e-9) > best_rate:
+                best_rate, taken = expected / max(after, 1e-9), len(order)
+        for c in candidates:
+            c.taken = 0
+        for pick in order[:taken]:
+            pick.taken += 1
         if taken:
             self._declined = 0
             return
