@@ -183,19 +183,20 @@ static inline void pair_keys(const float *const *rows, int64_t head_dim, float *
         }
 }
 
-/* The unscaled scores of NQ query heads (q, head_dim apart) against a tile paired by pair_keys:
- * out[h] lane i, key i's. Each lane is the AVX2 loop's chain of multiply-adds for its key (lanes
- * 8-15 of a pair: key i + 4's), summed by the same hsum8x8: the same bits. */
-static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *q, const float *kt, int64_t head_dim,
-                                                                  __m256 *out, const int NQ) {
+/* The unscaled scores of NQ queries (q[h]: any row's, any head's) against a tile paired by
+ * pair_keys: out[h] lane i, key i's. Each lane is the AVX2 loop's chain of multiply-adds for its
+ * key (lanes 8-15 of a pair: key i + 4's), summed by the same hsum8x8: the same bits, whichever
+ * queries share the call (the key tile is read once for all of them). */
+static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *const *q, const float *kt,
+                                                                  int64_t head_dim, __m256 *out, const int NQ) {
     const int64_t n = head_dim / 8;
     __m512 a[4][4];
     for (int h = 0; h < NQ; h++)
         for (int i = 0; i < 4; i++) a[h][i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c++) {
         __m512 qc[4];
-        for (int h = 0; h < NQ; h++) {  /* inputs 8c..8c+7 of head h in both halves */
-            const __m256d half = _mm256_loadu_pd((const double *)(q + h * head_dim + 8 * c));
+        for (int h = 0; h < NQ; h++) {  /* inputs 8c..8c+7 of query h in both halves */
+            const __m256d half = _mm256_loadu_pd((const double *)(q[h] + 8 * c));
             qc[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(half));
         }
         for (int i = 0; i < 4; i++) {
@@ -213,53 +214,66 @@ static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *
     }
 }
 
-static AVX512 void qk_wide(const float *q, int64_t nq, const float *kt, int64_t head_dim, __m256 *out) {
-    int64_t h = 0;
-    for (; h + 4 <= nq; h += 4) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 4);
-    for (; h + 2 <= nq; h += 2) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 2);
-    if (h < nq) qk_wide_n(q + h * head_dim, kt, head_dim, out + h, 1);
+/* qk_wide_n for 1..4 queries. */
+static AVX512 void qk_wide(const float *const *q, int nq, const float *kt, int64_t head_dim, __m256 *out) {
+    switch (nq) {
+        case 4: qk_wide_n(q, kt, head_dim, out, 4); break;
+        case 3: qk_wide_n(q, kt, head_dim, out, 3); break;
+        case 2: qk_wide_n(q, kt, head_dim, out, 2); break;
+        default: qk_wide_n(q, kt, head_dim, out, 1);
+    }
 }
 
-/* Outputs k0..k0+16N-1 of NH query heads (acc, p: theirs, head_dim and ATTEND_CHUNK apart) +=
- * the probabilities x value rows 0..mr-1, in N vectors a head that chain their multiply-adds
- * side by side (one vector alone waited on each of its own); each output's chain is the AVX2
- * loop's, in its order, and each value vector is read once for the NH heads. */
-static inline AVX512 __attribute__((always_inline)) void pv_block(float *acc, const float *p, int mr,
-                                                                 const float *const *rows, int64_t head_dim,
-                                                                 int64_t k0, const int NH, const int N) {
-    __m512 x[2][8];
+/* Outputs k0..k0+16N-1 of NH queries (acc[h], p[h]: any row's, any head's) += the
+ * probabilities x value rows 0..mr-1, in N vectors a query that chain their multiply-adds side
+ * by side (one vector alone waited on each of its own); each output's chain is the AVX2 loop's,
+ * in its order, and each value vector is read once for the NH queries. */
+static inline AVX512 __attribute__((always_inline)) void pv_block(float *const *acc, const float *const *p, int mr,
+                                                                 const float *const *rows, int64_t k0, const int NH,
+                                                                 const int N) {
+    __m512 x[4][4];
     for (int h = 0; h < NH; h++)
-        for (int c = 0; c < N; c++) x[h][c] = _mm512_loadu_ps(acc + h * head_dim + k0 + 16 * c);
+        for (int c = 0; c < N; c++) x[h][c] = _mm512_loadu_ps(acc[h] + k0 + 16 * c);
     for (int i = 0; i < mr; i++) {
-        __m512 w[2];
-        for (int h = 0; h < NH; h++) w[h] = _mm512_set1_ps(p[h * ATTEND_CHUNK + i]);
+        __m512 w[4];
+        for (int h = 0; h < NH; h++) w[h] = _mm512_set1_ps(p[h][i]);
         for (int c = 0; c < N; c++) {
             const __m512 v = _mm512_loadu_ps(rows[i] + k0 + 16 * c);
             for (int h = 0; h < NH; h++) x[h][c] = _mm512_fmadd_ps(w[h], v, x[h][c]);
         }
     }
     for (int h = 0; h < NH; h++)
-        for (int c = 0; c < N; c++) _mm512_storeu_ps(acc + h * head_dim + k0 + 16 * c, x[h][c]);
+        for (int c = 0; c < N; c++) _mm512_storeu_ps(acc[h] + k0 + 16 * c, x[h][c]);
 }
 
-/* acc[h * head_dim ..] += the probabilities p[h * ATTEND_CHUNK + i] x value row i (i < mr) for nq
- * query heads, 16 outputs a vector: each output's chain of multiply-adds in the AVX2 loop's order. */
-static AVX512 void pv_wide(float *acc, const float *p, int64_t nq, int mr, const float *const *rows,
+/* acc[h][..] += the probabilities p[h][i] x value row i (i < mr) for nq <= 4 queries, 16
+ * outputs a vector: each output's chain of multiply-adds in the AVX2 loop's order. */
+static AVX512 void pv_wide(float *const *acc, const float *const *p, int nq, int mr, const float *const *rows,
                            int64_t head_dim) {
-    for (int64_t h = 0; h < nq; h += 2) {
-        const int two = nq - h >= 2;
-        for (int64_t k0 = 0; k0 < head_dim; k0 += 128) {
-            const int64_t n = head_dim - k0 < 128 ? (head_dim - k0) / 16 : 8;
-#define PV(K, NH, N) pv_block(acc + h * head_dim, p + h * ATTEND_CHUNK, mr, rows, head_dim, K, NH, N)
-            switch (n) {  /* each count its own constant: the chains stay in registers */
-                case 8: if (two) PV(k0, 2, 8); else PV(k0, 1, 8); break;
-                case 4: if (two) PV(k0, 2, 4); else PV(k0, 1, 4); break;
-                default:  /* other head sizes: a vector at a time */
-                    for (int64_t k = k0; k < k0 + 16 * n; k += 16)
-                        if (two) PV(k, 2, 1); else PV(k, 1, 1);
-            }
-#undef PV
+    for (int64_t k0 = 0; k0 < head_dim; k0 += 64) {
+        const int64_t n = head_dim - k0 < 64 ? (head_dim - k0) / 16 : 4;
+#define PV(NH, N) pv_block(acc, p, mr, rows, k0, NH, N)
+#define PV_N(N) switch (nq) { case 4: PV(4, N); break; case 3: PV(3, N); break; case 2: PV(2, N); break; \
+                              default: PV(1, N); }
+        switch (n) {  /* each count its own constant: the chains stay in registers */
+            case 4: PV_N(4); break;
+            case 3: PV_N(3); break;
+            case 2: PV_N(2); break;
+            default: PV_N(1);
         }
+#undef PV_N
+#undef PV
+    }
+}
+
+/* A tile's scores (mr of them) into dst. */
+static inline __attribute__((always_inline)) void store_scores(float *dst, __m256 sv, int64_t mr) {
+    if (mr == ATTEND_TILE) {
+        _mm256_storeu_ps(dst, sv);
+    } else {
+        float part[ATTEND_TILE];
+        _mm256_storeu_ps(part, sv);
+        memcpy(dst, part, mr * sizeof(float));
     }
 }
 
@@ -288,39 +302,48 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
                       t, m, t1, tile, zeros, rows, BITS);
-            if (WIDE) pair_keys(rows, head_dim, kt);
+            if (WIDE) {  /* every row's query heads of this KV head, four at a time */
+                pair_keys(rows, head_dim, kt);
+                const float *qp[4];
+                float *dst[4];
+                int64_t cnt[4];
+                int nb = 0;
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t e = ends[r] < t1 ? ends[r] : t1;
+                    if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
+                    const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                    for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
+                        qp[nb] = q + j * head_dim;
+                        dst[nb] = scores + j * ATTEND_CHUNK + (t - t0);
+                        cnt[nb++] = mr;
+                        if (nb == 4) {
+                            __m256 sums[4];
+                            qk_wide(qp, nb, kt, head_dim, sums);
+                            for (int b = 0; b < nb; b++) store_scores(dst[b], _mm256_mul_ps(sums[b], vscale), cnt[b]);
+                            nb = 0;
+                        }
+                    }
+                }
+                if (nb) {
+                    __m256 sums[4];
+                    qk_wide(qp, nb, kt, head_dim, sums);
+                    for (int b = 0; b < nb; b++) store_scores(dst[b], _mm256_mul_ps(sums[b], vscale), cnt[b]);
+                }
+                continue;
+            }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
                 if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
-                __m256 wide[8];  /* WIDE: the unscaled scores of 8 query heads at a time */
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
-                    const int64_t jj = (j - r * heads - head * gq) % 8;
-                    if (WIDE && jj == 0) {
-                        const int64_t left = r * heads + (head + 1) * gq - j;
-                        qk_wide(q + j * head_dim, left < 8 ? left : 8, kt, head_dim, wide);
+                    __m256 a[ATTEND_TILE];
+                    for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
+                    for (int64_t k = 0; k < head_dim; k += 8) {
+                        const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
+                        for (int i = 0; i < ATTEND_TILE; i++)
+                            a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
                     }
-                    __m256 sum;
-                    if (WIDE) {
-                        sum = wide[jj];
-                    } else {
-                        __m256 a[ATTEND_TILE];
-                        for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
-                        for (int64_t k = 0; k < head_dim; k += 8) {
-                            const __m256 qk = _mm256_loadu_ps(q + j * head_dim + k);
-                            for (int i = 0; i < ATTEND_TILE; i++)
-                                a[i] = _mm256_fmadd_ps(qk, _mm256_loadu_ps(rows[i] + k), a[i]);
-                        }
-                        sum = hsum8x8(a);
-                    }
-                    const __m256 sv = _mm256_mul_ps(sum, vscale);
-                    if (mr == ATTEND_TILE) {
-                        _mm256_storeu_ps(scores + j * ATTEND_CHUNK + (t - t0), sv);
-                    } else {
-                        float part[ATTEND_TILE];
-                        _mm256_storeu_ps(part, sv);
-                        memcpy(scores + j * ATTEND_CHUNK + (t - t0), part, mr * sizeof(float));
-                    }
+                    store_scores(scores + j * ATTEND_CHUNK + (t - t0), _mm256_mul_ps(hsum8x8(a), vscale), mr);
                 }
             }
         }
@@ -375,9 +398,24 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
                 if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
                 const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
-                if (WIDE) {
-                    const int64_t j = r * heads + head * gq;
-                    pv_wide(acc + j * head_dim, scores + j * ATTEND_CHUNK + (t - t0), gq, (int)mr, rows, head_dim);
+                if (WIDE) {  /* this row and the next that see as many of the tile: four queries at a time */
+                    int64_t last = r;
+                    while (last + 1 < R && t < (ends[last + 1] < t1 ? ends[last + 1] : t1) &&
+                           !(window > 0 && t + ATTEND_TILE <= ends[last + 1] - window) &&
+                           ((ends[last + 1] < t1 ? ends[last + 1] : t1) - t < ATTEND_TILE ?
+                            (ends[last + 1] < t1 ? ends[last + 1] : t1) - t : ATTEND_TILE) == mr)
+                        last++;
+                    float *ap[4];
+                    const float *pp[4];
+                    int nb = 0;
+                    for (int64_t rr = r; rr <= last; rr++)
+                        for (int64_t j = rr * heads + head * gq; j < rr * heads + (head + 1) * gq; j++) {
+                            ap[nb] = acc + j * head_dim;
+                            pp[nb++] = scores + j * ATTEND_CHUNK + (t - t0);
+                            if (nb == 4) { pv_wide(ap, pp, nb, (int)mr, rows, head_dim); nb = 0; }
+                        }
+                    if (nb) pv_wide(ap, pp, nb, (int)mr, rows, head_dim);
+                    r = last;
                     continue;
                 }
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
@@ -436,7 +474,7 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
 
 /* Query rows of one sequence attended together by one task of kvc_attend_kv: their K and V
  * tiles are read once for all of them. */
-#define ATTEND_ROWS 8
+#define ATTEND_ROWS 16
 /* A sequence of at most this many rows (a decode, a verified draft) has a task per group of
  * rows and chunk of context, so that its long context keeps every thread busy as a one-row
  * sequence's does; a longer one (a prefill chunk) a task per group of rows, which takes its
