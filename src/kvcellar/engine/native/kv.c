@@ -139,12 +139,12 @@ static inline __attribute__((always_inline)) void prefetch_tile(
 
 /* The float32 rows of tokens t..t+m-1 (m <= ATTEND_TILE) of one head in one region: where
  * they lie (BITS 32), widened from bf16 (16) or dequantized (8, 4) into tile; rows past m
- * point at zeros. With the first head, packed rows two tiles on are asked for (t1: the end
+ * point at zeros. raw: bf16 rows where they lie too (their reader widens them). With the first head, packed rows two tiles on are asked for (t1: the end
  * of the task's tokens). */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
         int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t head, int64_t t, int64_t m,
-        int64_t t1, float *tile, const float *zeros, const float **rows, const int BITS) {
+        int64_t t1, float *tile, const float *zeros, const float **rows, const int BITS, int raw) {
     if (BITS < 16 && head == 0)
         prefetch_tile(pool, block_bytes, region, values_bytes, table, block_size, kv_heads, head_dim, group,
                       t + 2 * ATTEND_TILE, t1, BITS);
@@ -157,6 +157,8 @@ static inline __attribute__((always_inline)) void tile_rows(
         const int64_t r = off * kv_heads + head;
         const uint8_t *base = pool + table[blk] * block_bytes + region;
         if (BITS == 32) {
+            rows[i] = (const float *)(base + r * packed);
+        } else if (BITS == 16 && raw) {  /* bf16 rows where they lie, widened as they are read */
             rows[i] = (const float *)(base + r * packed);
         } else if (BITS == 16) {  /* bf16: the upper half of a float32 */
             const uint16_t *src = (const uint16_t *)(base + r * packed);
@@ -174,13 +176,25 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 /* Keys i and i + 4 of a tile side by side, 8 inputs at a time: kt[(i * head_dim / 8 + c) * 16]
  * holds inputs 8c..8c+7 of key i, then those of key i + 4 (i < 4). */
-static inline void pair_keys(const float *const *rows, int64_t head_dim, float *kt) {
+static inline AVX512 __attribute__((always_inline)) void pair_keys_n(const float *const *rows, int64_t head_dim,
+                                                                    float *kt, const int BF16) {
     const int64_t n = head_dim / 8;
     for (int i = 0; i < 4; i++)
         for (int64_t c = 0; c < n; c++) {
-            _mm256_storeu_ps(kt + (i * n + c) * 16, _mm256_loadu_ps(rows[i] + 8 * c));
-            _mm256_storeu_ps(kt + (i * n + c) * 16 + 8, _mm256_loadu_ps(rows[i + 4] + 8 * c));
+            if (BF16) {  /* rows of bf16 (RAW tile_rows): each value the upper half of its float32 */
+                const __m128i lo = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[i] + 8 * c));
+                const __m128i hi = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[i + 4] + 8 * c));
+                const __m512i both = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+                _mm512_storeu_ps(kt + (i * n + c) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
+            } else {
+                _mm256_storeu_ps(kt + (i * n + c) * 16, _mm256_loadu_ps(rows[i] + 8 * c));
+                _mm256_storeu_ps(kt + (i * n + c) * 16 + 8, _mm256_loadu_ps(rows[i + 4] + 8 * c));
+            }
         }
+}
+
+static AVX512 void pair_keys(const float *const *rows, int64_t head_dim, float *kt, int bf16) {
+    if (bf16) pair_keys_n(rows, head_dim, kt, 1); else pair_keys_n(rows, head_dim, kt, 0);
 }
 
 /* The unscaled scores of NQ queries (q[h]: any row's, any head's) against a tile paired by
@@ -230,7 +244,7 @@ static AVX512 void qk_wide(const float *const *q, int nq, const float *kt, int64
  * in its order, and each value vector is read once for the NH queries. */
 static inline AVX512 __attribute__((always_inline)) void pv_block(float *const *acc, const float *const *p, int mr,
                                                                  const float *const *rows, int64_t k0, const int NH,
-                                                                 const int N) {
+                                                                 const int N, const int BF16) {
     __m512 x[4][4];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < N; c++) x[h][c] = _mm512_loadu_ps(acc[h] + k0 + 16 * c);
@@ -238,7 +252,9 @@ static inline AVX512 __attribute__((always_inline)) void pv_block(float *const *
         __m512 w[4];
         for (int h = 0; h < NH; h++) w[h] = _mm512_set1_ps(p[h][i]);
         for (int c = 0; c < N; c++) {
-            const __m512 v = _mm512_loadu_ps(rows[i] + k0 + 16 * c);
+            const __m512 v = BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                        (const __m256i *)((const uint16_t *)rows[i] + k0 + 16 * c))), 16))
+                                  : _mm512_loadu_ps(rows[i] + k0 + 16 * c);
             for (int h = 0; h < NH; h++) x[h][c] = _mm512_fmadd_ps(w[h], v, x[h][c]);
         }
     }
@@ -249,10 +265,10 @@ static inline AVX512 __attribute__((always_inline)) void pv_block(float *const *
 /* acc[h][..] += the probabilities p[h][i] x value row i (i < mr) for nq <= 4 queries, 16
  * outputs a vector: each output's chain of multiply-adds in the AVX2 loop's order. */
 static AVX512 void pv_wide(float *const *acc, const float *const *p, int nq, int mr, const float *const *rows,
-                           int64_t head_dim) {
+                           int64_t head_dim, int bf16) {
     for (int64_t k0 = 0; k0 < head_dim; k0 += 64) {
         const int64_t n = head_dim - k0 < 64 ? (head_dim - k0) / 16 : 4;
-#define PV(NH, N) pv_block(acc, p, mr, rows, k0, NH, N)
+#define PV(NH, N) if (bf16) pv_block(acc, p, mr, rows, k0, NH, N, 1); else pv_block(acc, p, mr, rows, k0, NH, N, 0)
 #define PV_N(N) switch (nq) { case 4: PV(4, N); break; case 3: PV(3, N); break; case 2: PV(2, N); break; \
                               default: PV(1, N); }
         switch (n) {  /* each count its own constant: the chains stay in registers */
@@ -301,9 +317,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, k_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
-                      t, m, t1, tile, zeros, rows, BITS);
+                      t, m, t1, tile, zeros, rows, BITS, WIDE);
             if (WIDE) {  /* every row's query heads of this KV head, four at a time */
-                pair_keys(rows, head_dim, kt);
+                pair_keys(rows, head_dim, kt, BITS == 16);
                 const float *qp[4];
                 float *dst[4];
                 int64_t cnt[4];
@@ -389,11 +405,14 @@ static inline __attribute__((always_inline)) void attend_chunk(
             memset(acc + j * head_dim, 0, head_dim * sizeof(float));
         }
     }
+    /* bf16 values widened where they are multiplied while a few queries read them (one pass
+     * less over them), into the tile once where many do */
+    const int raw_v = WIDE && R * gq <= 8;
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
         for (int64_t head = 0; head < kv_heads; head++) {
             tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
-                      t, m, t1, tile, zeros, rows, BITS);
+                      t, m, t1, tile, zeros, rows, BITS, raw_v);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t e = ends[r] < t1 ? ends[r] : t1;
                 if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
@@ -412,9 +431,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
                         for (int64_t j = rr * heads + head * gq; j < rr * heads + (head + 1) * gq; j++) {
                             ap[nb] = acc + j * head_dim;
                             pp[nb++] = scores + j * ATTEND_CHUNK + (t - t0);
-                            if (nb == 4) { pv_wide(ap, pp, nb, (int)mr, rows, head_dim); nb = 0; }
+                            if (nb == 4) { pv_wide(ap, pp, nb, (int)mr, rows, head_dim, BITS == 16 && raw_v); nb = 0; }
                         }
-                    if (nb) pv_wide(ap, pp, nb, (int)mr, rows, head_dim);
+                    if (nb) pv_wide(ap, pp, nb, (int)mr, rows, head_dim, BITS == 16 && raw_v);
                     r = last;
                     continue;
                 }
