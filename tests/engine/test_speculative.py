@@ -13,6 +13,7 @@ rewound where drafts are rejected, its snapshots the plain decoding's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from kvcellar.engine.speculation import (
     SharedOutputs,
 )
 from kvcellar.engine.tokenization import encode_chat
+from kvcellar.server.generation import Generation, Inflight, Timeouts
 from kvcellar.server.tools.grammar import forced_call_grammar
 from tests._models import (
     assert_identical_output,
@@ -112,6 +114,40 @@ def test_the_drafter_as_served_speeds_up_a_copy_and_keeps_its_output(loaded):
     assert result.token_ids == ref.token_ids and result.text == ref.text
     assert spec_counts(engine)[2] > 25 and engine.stats.steps < 80  # 100 tokens
     assert_no_leaks(engine)
+
+
+def test_a_verified_drafts_tokens_reach_the_server_as_one_event(loaded):
+    """The server's stream of a request (server/generation.py) joins the events of a step that
+    verified a draft: fewer events than tokens, the same text and totals; with logprobs asked
+    for, an event a token, each with its logprob."""
+
+    async def stream(engine: Any, prompt: list[int], params: SamplingParams) -> list[Any]:
+        gen = Generation(engine, Inflight(), Timeouts(first_token=600.0, inter_token=600.0))
+        gen.submit([prompt], [params], cache_salt=None)
+        try:
+            return [event async for _, event in gen.events()]
+        finally:
+            gen.close()
+
+    prompt = chat(loaded, PROMPTS["rewrite"])
+    engine = speculative(loaded)
+    engine.start()
+    try:
+        for logprobs in (False, True):
+            params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=logprobs)
+            [ref] = uncached_runner(loaded, params, speculative="off").many([prompt])
+            events = asyncio.run(stream(engine, prompt, params))
+            assert "".join(e.text for e in events) == ref.text
+            assert events[-1].finish_reason == ref.finish_reason
+            assert events[-1].num_output_tokens == len(ref.token_ids)
+            if logprobs:
+                assert [e.token_id for e in events] == ref.token_ids
+                assert all(e.logprob is not None for e in events)
+            else:
+                assert len(events) < len(ref.token_ids) * 3 // 4
+    finally:
+        assert engine.shutdown(30)
+    assert spec_counts(engine)[2] > 20
 
 
 def test_stop_strings_and_max_tokens_inside_accepted_drafts(loaded):

@@ -88,6 +88,11 @@ class EventStream:
         async with asyncio.timeout(timeout):
             return await self._async_q.get()
 
+    def get_nowait(self) -> TokenEvent | None:
+        """The next event if one has arrived, else None (asyncio)."""
+        assert self._async_q is not None, "stream was built without an event loop"
+        return None if self._async_q.empty() else self._async_q.get_nowait()
+
     def get_sync(self, timeout: float | None = None) -> TokenEvent:
         assert self._sync_q is not None, "stream was built for asyncio"
         return self._sync_q.get(timeout=timeout)

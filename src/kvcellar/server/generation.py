@@ -3,7 +3,11 @@ cancelled together.
 
 A request asks for ``n`` choices of one or more prompts; each choice is one engine sequence.
 All of them report into a single ``EventStream`` bound to the server's event loop, and
-``events()`` yields ``(choice index, TokenEvent)`` in arrival order.
+``events()`` yields ``(choice index, TokenEvent)`` in arrival order. Events of one choice
+that arrived together (a step that verified a draft emits several tokens at once) are
+yielded as one whose text is theirs joined, where nothing is lost by it (no logprobs asked
+for): one chunk a step instead of one a token, which the server renders and the client
+parses on the cores that compute the next step.
 
 Timeouts are per choice: its first event must come within ``first_token`` seconds of
 submission (queueing and prefill included), every later one within ``inter_token`` seconds
@@ -22,7 +26,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcellar.engine import Engine, EventStream, SamplingParams, TokenEvent
 from kvcellar.engine.sequence import RequestHandle
@@ -30,6 +34,12 @@ from kvcellar.engine.sequence import RequestHandle
 # asyncio.wait_for with a zero timeout gives up before even looking at the queue; an
 # already-expired deadline therefore waits this long, which still returns queued events.
 _MIN_WAIT = 0.001
+
+
+def _joinable(event: TokenEvent) -> bool:
+    """Whether a later event of the same sequence may carry this one's text: not a final one,
+    and no per-token logprobs to report."""
+    return event.finish_reason is None and event.error is None and event.logprob is None and not event.is_eos
 
 
 class GenerationTimeout(Exception):
@@ -119,11 +129,21 @@ class Generation:
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
         """Events of every choice until each has finished. Raises ``GenerationTimeout``
         (after cancelling) when a choice is late."""
+        pending: TokenEvent | None = None  # arrived, not joinable with the event before it
         while self.num_unfinished:
             now = time.monotonic()
             late = min((c for c in self.choices if c.finish_reason is None), key=lambda c: c.deadline)
             try:
-                event = await self._stream.get(timeout=max(late.deadline - now, _MIN_WAIT))
+                if pending is not None:
+                    event, pending = pending, None
+                else:
+                    event = await self._stream.get(timeout=max(late.deadline - now, _MIN_WAIT))
+                while _joinable(event) and (after := self._stream.get_nowait()) is not None:
+                    if (after.seq_id != event.seq_id or after.logprob is not None
+                            or after.finish_reason not in (None, "stop", "length")):
+                        pending = after  # its own event: a failure's text is not the failure
+                        break
+                    event = replace(after, text=event.text + after.text)
             except TimeoutError:
                 if not late.started and self._prefill_advanced(late):
                     # A long prompt whose prefill keeps advancing is not late: a 7B model on
