@@ -11,8 +11,8 @@ from kvcellar.artifacts.index import ArtifactIndex
 
 
 def _open_and_insert(path: Path, barrier: Any, results: Any, name: str) -> None:
-    barrier.wait()
     try:
+        barrier.wait(timeout=60)  # a child that never started breaks it: the others report, not wait
         ArtifactIndex(path).insert(name, {"by": name}, 1, 0.0)
         results.put("ok")
     except Exception as exc:  # reported, not raised: the parent asserts on every child
@@ -22,7 +22,9 @@ def _open_and_insert(path: Path, barrier: Any, results: Any, name: str) -> None:
 def test_processes_opening_a_new_index_at_once_all_open_it_and_lose_nothing(tmp_path: Path) -> None:
     # Seen on a 14-worker run: a new file's switch to WAL answered "database is locked" at once,
     # the index was taken for corrupt and deleted under the processes that had just written it.
-    ctx = mp.get_context("fork")
+    # forkserver: children forked from a clean process, not from a test worker whose earlier
+    # tests left threads (the kernels' pool, engines) that may hold a lock at the fork
+    ctx = mp.get_context("forkserver")
     procs = 12
     for round_ in range(6):
         path = tmp_path / f"r{round_}" / "index.sqlite"
