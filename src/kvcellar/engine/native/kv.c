@@ -139,8 +139,8 @@ static inline __attribute__((always_inline)) void prefetch_tile(
 
 /* The float32 rows of tokens t..t+m-1 (m <= ATTEND_TILE) of one head in one region: where
  * they lie (BITS 32), widened from bf16 (16) or dequantized (8, 4) into tile; rows past m
- * point at zeros. raw: bf16 rows where they lie too (their reader widens them). With the first head, packed rows two tiles on are asked for (t1: the end
- * of the task's tokens). */
+ * point at zeros; raw: bf16 rows where they lie too (their reader widens them). With the
+ * first head, packed rows two tiles on are asked for (t1: the end of the task's tokens). */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *pool, int64_t block_bytes, int64_t region, int64_t values_bytes, const int64_t *table,
         int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int64_t head, int64_t t, int64_t m,
@@ -181,7 +181,7 @@ static inline AVX512 __attribute__((always_inline)) void pair_keys_n(const float
     const int64_t n = head_dim / 8;
     for (int i = 0; i < 4; i++)
         for (int64_t c = 0; c < n; c++) {
-            if (BF16) {  /* rows of bf16 (RAW tile_rows): each value the upper half of its float32 */
+            if (BF16) {  /* rows of bf16 (tile_rows' raw): each value the upper half of its float32 */
                 const __m128i lo = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[i] + 8 * c));
                 const __m128i hi = _mm_loadu_si128((const __m128i *)((const uint16_t *)rows[i + 4] + 8 * c));
                 const __m512i both = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
@@ -282,6 +282,14 @@ static AVX512 void pv_wide(float *const *acc, const float *const *p, int nq, int
     }
 }
 
+/* How many keys of the tile at t a row that sees the tokens before `end` takes (tokens before
+ * t1, its window's last keys only): 0 where it sees none of them. */
+static inline __attribute__((always_inline)) int64_t tile_seen(int64_t end, int64_t t, int64_t t1, int64_t window) {
+    const int64_t e = end < t1 ? end : t1;
+    if (t >= e || (window > 0 && t + ATTEND_TILE <= end - window)) return 0;
+    return e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+}
+
 /* A tile's scores (mr of them) into dst. */
 static inline __attribute__((always_inline)) void store_scores(float *dst, __m256 sv, int64_t mr) {
     if (mr == ATTEND_TILE) {
@@ -291,6 +299,15 @@ static inline __attribute__((always_inline)) void store_scores(float *dst, __m25
         _mm256_storeu_ps(part, sv);
         memcpy(dst, part, mr * sizeof(float));
     }
+}
+
+/* The scores of nb queries (qp) against a paired tile kt, scaled, into dst (cnt of each). */
+static inline __attribute__((always_inline)) void score_queries(const float *const *qp, float *const *dst,
+                                                               const int64_t *cnt, int nb, const float *kt,
+                                                               int64_t head_dim, __m256 vscale) {
+    __m256 sums[4];
+    qk_wide(qp, nb, kt, head_dim, sums);
+    for (int b = 0; b < nb; b++) store_scores(dst[b], _mm256_mul_ps(sums[b], vscale), cnt[b]);
 }
 
 /* One task: tokens t0..t1-1 of one sequence's blocks, every KV head (a token's heads lie side
@@ -325,32 +342,24 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 int64_t cnt[4];
                 int nb = 0;
                 for (int64_t r = 0; r < R; r++) {
-                    const int64_t e = ends[r] < t1 ? ends[r] : t1;
-                    if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
-                    const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                    const int64_t mr = tile_seen(ends[r], t, t1, window);
+                    if (!mr) continue;
                     for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
                         qp[nb] = q + j * head_dim;
                         dst[nb] = scores + j * ATTEND_CHUNK + (t - t0);
                         cnt[nb++] = mr;
                         if (nb == 4) {
-                            __m256 sums[4];
-                            qk_wide(qp, nb, kt, head_dim, sums);
-                            for (int b = 0; b < nb; b++) store_scores(dst[b], _mm256_mul_ps(sums[b], vscale), cnt[b]);
+                            score_queries(qp, dst, cnt, nb, kt, head_dim, vscale);
                             nb = 0;
                         }
                     }
                 }
-                if (nb) {
-                    __m256 sums[4];
-                    qk_wide(qp, nb, kt, head_dim, sums);
-                    for (int b = 0; b < nb; b++) store_scores(dst[b], _mm256_mul_ps(sums[b], vscale), cnt[b]);
-                }
+                if (nb) score_queries(qp, dst, cnt, nb, kt, head_dim, vscale);
                 continue;
             }
             for (int64_t r = 0; r < R; r++) {
-                const int64_t e = ends[r] < t1 ? ends[r] : t1;
-                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
-                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                const int64_t mr = tile_seen(ends[r], t, t1, window);
+                if (!mr) continue;
                 for (int64_t j = r * heads + head * gq; j < r * heads + (head + 1) * gq; j++) {
                     __m256 a[ATTEND_TILE];
                     for (int i = 0; i < ATTEND_TILE; i++) a[i] = _mm256_setzero_ps();
@@ -414,16 +423,11 @@ static inline __attribute__((always_inline)) void attend_chunk(
             tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
                       t, m, t1, tile, zeros, rows, BITS, raw_v);
             for (int64_t r = 0; r < R; r++) {
-                const int64_t e = ends[r] < t1 ? ends[r] : t1;
-                if (t >= e || (window > 0 && t + ATTEND_TILE <= ends[r] - window)) continue;
-                const int64_t mr = e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+                const int64_t mr = tile_seen(ends[r], t, t1, window);
+                if (!mr) continue;
                 if (WIDE) {  /* this row and the next that see as many of the tile: four queries at a time */
                     int64_t last = r;
-                    while (last + 1 < R && t < (ends[last + 1] < t1 ? ends[last + 1] : t1) &&
-                           !(window > 0 && t + ATTEND_TILE <= ends[last + 1] - window) &&
-                           ((ends[last + 1] < t1 ? ends[last + 1] : t1) - t < ATTEND_TILE ?
-                            (ends[last + 1] < t1 ? ends[last + 1] : t1) - t : ATTEND_TILE) == mr)
-                        last++;
+                    while (last + 1 < R && tile_seen(ends[last + 1], t, t1, window) == mr) last++;
                     float *ap[4];
                     const float *pp[4];
                     int nb = 0;
