@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,21 +70,30 @@ def test_without_a_key_health_says_only_its_status_and_metrics_are_refused(keyed
     assert httpx.get(keyed_server.url + "/metrics", headers=keyed_server.headers()).status_code == 200
 
 
-def _stream(server: ServerProcess, max_tokens: int) -> tuple[int, list[str]]:
+def _stream(server: ServerProcess, max_tokens: int, streaming: threading.Event) -> tuple[int, list[str]]:
+    """The stream's data lines; ``streaming`` is set at the first."""
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers(),
                       timeout=120) as r:
-        return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                streaming.set()
+        return r.status_code, lines
 
 
 def test_sigterm_drains_then_exits_0(keyed_server: ServerProcess) -> None:
     """In flight at SIGTERM: a short request finishes normally, a long one is cancelled at
-    the shutdown deadline with an in-stream error; meanwhile new requests get 503."""
+    the shutdown deadline with an in-stream error; meanwhile new requests get 503. The signal
+    goes when both have streamed a first chunk, with most of the short one's 64 tokens to go (a
+    poll of /health for both running missed a short one that finished between two polls)."""
+    short_streaming, long_streaming = threading.Event(), threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        short = pool.submit(_stream, keyed_server, 24)
-        long = pool.submit(_stream, keyed_server, 4000)
-        wait_until(lambda: keyed_server.health()["running"] == 2, timeout=60, what="both requests running")
+        short = pool.submit(_stream, keyed_server, 64, short_streaming)
+        long = pool.submit(_stream, keyed_server, 4000, long_streaming)
+        assert short_streaming.wait(60) and long_streaming.wait(60)
         keyed_server.signal(signal.SIGTERM)
         draining = wait_until(lambda: _draining(keyed_server), timeout=10, what="/health to report draining")
         assert draining["status"] == "draining"
