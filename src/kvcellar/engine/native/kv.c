@@ -197,6 +197,12 @@ static AVX512 void pair_keys(const float *const *rows, int64_t head_dim, float *
     if (bf16) pair_keys_n(rows, head_dim, kt, 1); else pair_keys_n(rows, head_dim, kt, 0);
 }
 
+/* _mm256_hadd_ps of the lower halves of a and b, and of their upper halves: each 128-bit lane
+ * [a0 + a1, a2 + a3, b0 + b1, b2 + b3], the same sums. */
+static inline AVX512 __attribute__((always_inline)) __m512 hadd512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* The unscaled scores of NQ queries (q[h]: any row's, any head's) against a tile paired by
  * pair_keys: out[h] lane i, key i's. Each lane is the AVX2 loop's chain of multiply-adds for its
  * key (lanes 8-15 of a pair: key i + 4's), summed by the same hsum8x8: the same bits, whichever
@@ -218,13 +224,11 @@ static inline AVX512 __attribute__((always_inline)) void qk_wide_n(const float *
             for (int h = 0; h < NQ; h++) a[h][i] = _mm512_fmadd_ps(qc[h], k, a[h][i]);
         }
     }
-    for (int h = 0; h < NQ; h++) {
-        __m256 lanes[8];
-        for (int i = 0; i < 4; i++) {
-            lanes[i] = _mm512_castps512_ps256(a[h][i]);
-            lanes[i + 4] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[h][i]), 1));
-        }
-        out[h] = hsum8x8(lanes);
+    for (int h = 0; h < NQ; h++) {  /* hsum8x8's sums, both halves of each register at once */
+        const __m512 b = hadd512(hadd512(a[h][0], a[h][1]), hadd512(a[h][2], a[h][3]));
+        const __m512 lanes = _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));  /* keys 0-3 | 4-7, twice */
+        out[h] = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
     }
 }
 
@@ -457,23 +461,40 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
-/* A task's chunk: attend_chunk at the pool's bits (the compiler specialises each). */
+/* A task's chunk: attend_chunk at the pool's bits (the compiler specialises each). The AVX-512
+ * ones are compiled for it whole: the same operations, with its 32 vector registers (on 16 the
+ * softmax's constants pushed its running sum through memory, a store and a load a vector). */
+#define ATTEND(B, W) attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, \
+                                  head_dim, group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, \
+                                  tile, zeros, kt, B, W)
+static AVX512 void attend_chunk_wide(
+        const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
+        const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
+        const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
+        int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
+        float *kt) {
+    if (bits == 8) ATTEND(8, 1);
+    else if (bits == 4) ATTEND(4, 1);
+    else if (bits == 16) ATTEND(16, 1);
+    else ATTEND(32, 1);
+}
+
 static void attend_chunk_bits(
         const uint8_t *pool, int64_t block_bytes, int64_t k_region, int64_t v_region, int64_t values_bytes,
         const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t group, int bits,
         const float *q, int64_t R, const int64_t *ends, int64_t gq, float scale, int64_t window, int64_t t0,
         int64_t t1, float *m_out, float *l_out, float *acc, float *scores, float *tile, const float *zeros,
         float *kt) {
-#define ATTEND(B, W) attend_chunk(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, \
-                                  head_dim, group, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, \
-                                  tile, zeros, kt, B, W)
-    const int wide = avx512_cpu();
-    if (bits == 8) { if (wide) ATTEND(8, 1); else ATTEND(8, 0); }
-    else if (bits == 4) { if (wide) ATTEND(4, 1); else ATTEND(4, 0); }
-    else if (bits == 16) { if (wide) ATTEND(16, 1); else ATTEND(16, 0); }
-    else { if (wide) ATTEND(32, 1); else ATTEND(32, 0); }
-#undef ATTEND
+    if (avx512_cpu())
+        attend_chunk_wide(pool, block_bytes, k_region, v_region, values_bytes, table, block_size, kv_heads, head_dim,
+                          group, bits, q, R, ends, gq, scale, window, t0, t1, m_out, l_out, acc, scores, tile, zeros,
+                          kt);
+    else if (bits == 8) ATTEND(8, 0);
+    else if (bits == 4) ATTEND(4, 0);
+    else if (bits == 16) ATTEND(16, 0);
+    else ATTEND(32, 0);
 }
+#undef ATTEND
 
 /* One query head's output from its chunks' partial softmaxes (chunk c: maximum m[c * stride],
  * sum l[c * stride], weighted values a + c * astride), merged in chunk order. */
