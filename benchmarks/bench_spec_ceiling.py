@@ -4,7 +4,7 @@ each turn carrying the replies before it), what a step costs here by its rows, a
 the drafter over those outputs beside an oracle.
 
     .venv/bin/python benchmarks/bench_spec_ceiling.py                  # ~3 min on 2 cores
-    .venv/bin/python benchmarks/bench_spec_ceiling.py --kinds code-edit --repeats 3
+    .venv/bin/python benchmarks/bench_spec_ceiling.py --kinds code-edit --repeats 3 --extra-row-ms 2,1.5,1
 
 Greedy output is the same with and without drafts, so one run without drafts gives every token a
 drafted run would emit, and a draft's fate is known without the model: the replay asks the
@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=8, help="the longest draft (--speculative-max-tokens)")
     ap.add_argument("--cost-repeats", type=int, default=3, help="runs of each row count when timing steps")
+    ap.add_argument("--extra-row-ms", default="", help="also replay where each row past the first costs these ms "
+                    "(comma-separated; the one-row step as measured): what cheaper verified rows would give")
     args = ap.parse_args()
 
     loaded = prepare_and_load(None, artifacts=ArtifactCache.open())
@@ -183,12 +185,26 @@ def main() -> None:
     print("| kind | " + " | ".join(runs) + " | tokens a step if every draft were verified whole |")
     print("|---" * (len(runs) + 2) + "|")
     for kind in kinds:
-        cells = []
-        for fig in (runs[mode][kind] for mode in runs):
-            seconds, tokens, steps, drafted, accepted = fig
-            plain = (tokens) * one
-            cells.append(f"{plain / seconds:.2f}x ({tokens / steps:.2f}, {accepted / max(drafted, 1):.2f})")
-        print(f"| {kind} | " + " | ".join(cells) + f" | {whole[kind]:.2f} |")
+        print(f"| {kind} | " + " | ".join(_cell(runs[mode][kind], one, True) for mode in runs)
+              + f" | {whole[kind]:.2f} |")
+
+    extra = [float(v) for v in args.extra_row_ms.split(",") if v]
+    if extra:
+        print("\nwhere each row past the first costs x ms (modelled speedup: ngram / suffix / oracle)")
+        print("| x ms | " + " | ".join(kinds) + " |")
+        print("|---" * (len(kinds) + 1) + "|")
+        for ms in extra:
+            model = {rows: one + ms / 1e3 * (rows - 1) for rows in costs}
+            these = {mode: replay(turns, model, mode, args.draft_tokens, False) for mode in ("ngram", "suffix")}
+            these["oracle"] = replay(turns, model, "ngram", args.draft_tokens, True)
+            print(f"| {ms:g} | " + " | ".join(" / ".join(_cell(these[m][kind], one, False) for m in these)
+                                              for kind in kinds) + " |")
+
+
+def _cell(fig: list[float], one: float, detail: bool) -> str:
+    seconds, tokens, steps, drafted, accepted = fig
+    ratio = tokens * one / seconds  # each token a one-row step of its own without drafts
+    return f"{ratio:.2f}x ({tokens / steps:.2f}, {accepted / max(drafted, 1):.2f})" if detail else f"{ratio:.2f}x"
 
 
 if __name__ == "__main__":
