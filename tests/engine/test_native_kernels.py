@@ -393,7 +393,7 @@ def avx512_cases() -> dict[str, torch.Tensor]:
     """Results of every kernel with an AVX-512 form: int4 weights kept as panels (an even and an
     odd count of panels, derived and own offsets, grouped linears and routed experts) at rows
     around its tiles, int8 weights (an even and an odd count of blocks, a group), silu, and
-    attention over bf16, float32 and 8-bit blocks as prefill chunks and decode steps."""
+    attention over bf16, float32, 8-bit and 4-bit blocks as prefill chunks and decode steps."""
     from kvcellar.cache.kv_pool import KVLayout, KVPool
 
     found: dict[str, torch.Tensor] = {}
@@ -427,7 +427,7 @@ def avx512_cases() -> dict[str, torch.Tensor]:
             activations(6, cols), [(q.qweight, q.scales), (other.qweight, other.scales)], THREADS), 1)
     # head sizes of 4 and 8 vectors of 16 and of one that takes them one at a time
     for dtype, bits, dim in ((torch.bfloat16, 16, 64), (torch.float32, 16, 64), (torch.bfloat16, 8, 64),
-                             (torch.bfloat16, 16, 128), (torch.float32, 16, 80)):
+                             (torch.bfloat16, 4, 64), (torch.bfloat16, 16, 128), (torch.float32, 16, 80)):
         layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=dim, block_size=16, dtype=dtype, kv_bits=bits,
                           kv_group_size=32 if bits < 16 else 64)
         pool = KVPool(layout, 40, torch.device("cpu"), gather_quantized=native.gather_kv,
