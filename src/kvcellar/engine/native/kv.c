@@ -200,7 +200,8 @@ static AVX512 void pair_keys(const float *const *rows, int64_t head_dim, float *
 /* _mm256_hadd_ps of the lower halves of a and b, and of their upper halves: each 128-bit lane
  * [a0 + a1, a2 + a3, b0 + b1, b2 + b3], the same sums. */
 static inline AVX512 __attribute__((always_inline)) __m512 hadd512(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* The unscaled scores of NQ queries (q[h]: any row's, any head's) against a tile paired by
