@@ -392,7 +392,7 @@ torch.save(avx512_cases(), sys.argv[1])
 def avx512_cases() -> dict[str, torch.Tensor]:
     """Results of every kernel with an AVX-512 form: int4 weights kept as panels (an even and an
     odd count of panels, derived and own offsets, grouped linears and routed experts) at rows
-    around its tiles, int8 weights (an even and an odd count of blocks, a group), silu, and
+    around its tiles, int8 weights (an even and an odd count of blocks, a group; kept as panels), silu, and
     attention over bf16, float32, 8-bit and 4-bit blocks as prefill chunks and decode steps."""
     from kvcellar.cache.kv_pool import KVLayout, KVPool
 
@@ -425,6 +425,11 @@ def avx512_cases() -> dict[str, torch.Tensor]:
         other = quantize_int8(torch.randn(24, cols, generator=torch.Generator().manual_seed(1)))
         found[f"int8 group {cols}"] = torch.cat(native.matmul_int8_many(
             activations(6, cols), [(q.qweight, q.scales), (other.qweight, other.scales)], THREADS), 1)
+        pw = native.pack_int8(quantize_int8(torch.randn(48, cols, generator=torch.Generator().manual_seed(2))).qweight,
+                              THREADS)
+        for rows in (1, 4, 5, 9, 17):  # passes of 8 rows on AVX-512, of 4 on AVX2
+            found[f"int8 panels {cols} {rows}"] = native.matmul_int8(activations(rows, cols), pw, torch.ones(48),
+                                                                     THREADS, panels=True)
     # head sizes of 4 and 8 vectors of 16 and of one that takes them one at a time
     for dtype, bits, dim in ((torch.bfloat16, 16, 64), (torch.float32, 16, 64), (torch.bfloat16, 8, 64),
                              (torch.bfloat16, 4, 64), (torch.bfloat16, 16, 128), (torch.float32, 16, 80)):
@@ -490,6 +495,61 @@ def test_int8_matmul_is_the_8_bit_activations_times_the_weight(out, cols):
     for rows in ROWS:
         x = activations(rows, cols)
         assert_close(native.matmul_int8(x, q.qweight, q.scales, THREADS), rounded(x) @ weight.T)
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols"), [(48, 256), (32, 1056), (96, 320)])
+def test_int8_panels_are_the_8_bit_activations_times_the_weight_at_every_row_count(out, cols):
+    """int8 weights kept as panels (an LM head's): within float rounding of the 8-bit activations
+    times the weight, the extremes of int8 included; a row's outputs the same bits whatever the
+    step's rows (tiles of 8 and their remainders) and threads, alone or in a group (``kvc_linear``)."""
+    q = quantize_int8(torch.randn(out, cols, generator=torch.Generator().manual_seed(cols)) * 0.05)
+    q.qweight[0, :4] = torch.tensor([-128, 127, -127, -128], dtype=torch.int8)
+    q.qweight[1, :] = -128  # every lane of a block at its most negative: the unsigned bias at its largest
+    pw = native.pack_int8(q.qweight, THREADS)
+    assert pw.shape == q.qweight.shape and pw.dtype == torch.uint8
+    weight = q.qweight.double() * q.scales.double()[:, None]
+    x = activations(27, cols)
+    whole = native.matmul_int8(x, pw, q.scales, THREADS, panels=True)
+    assert_close(whole, rounded(x) @ weight.T)
+    for start, end in ((0, 1), (1, 3), (3, 12), (12, 27)):  # 1, 2, 9 (5 + 4) and 15 (8 + 7) rows a step
+        assert torch.equal(native.matmul_int8(x[start:end], pw, q.scales, 1, panels=True), whole[start:end])
+    other = quantize_int8(torch.randn(16, cols, generator=torch.Generator().manual_seed(1)) * 0.05)
+    both = native.matmul_int8_many(x[:9], [(pw, q.scales), (native.pack_int8(other.qweight, 1), other.scales)],
+                                   THREADS, panels=True)
+    assert torch.equal(both[0], whole[:9])
+    assert_close(both[1], rounded(x[:9]) @ (other.qweight.double() * other.scales.double()[:, None]).T)
+    with pytest.raises(ValueError, match="no int8 panel layout"):
+        native.pack_int8(q.qweight[: out - 8], THREADS)
+
+
+@needs_native
+def test_an_int8_lm_head_is_kept_as_panels_and_its_numbers_are_theirs():
+    """``prepare_model`` keeps a model's int8 LM head as panels (its numbers reach no KV block);
+    its other int8 linears stay in the row layout, their numbers unchanged."""
+    from kvcellar.engine.linears import prepare_model
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(256, 64, bias=False)
+            self.lm_head = torch.nn.Linear(256, 96, bias=False)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm_head
+
+    model = Tiny()
+    quants = {name: quantize_int8(m.weight.detach()) for name, m in (("proj", model.proj), ("lm_head", model.lm_head))}
+    prepared = prepare_model(model, dict(quants), kernel_dtype=torch.int8)
+    assert prepared.head is model.lm_head and model.lm_head.panels and not model.proj.panels
+    x = activations(9, 256)
+    with torch.inference_mode():
+        assert torch.equal(model.lm_head(x), native.matmul_int8(x, native.pack_int8(quants["lm_head"].qweight, 1),
+                                                                quants["lm_head"].scales.float(), 1, panels=True))
+        proj = quants["proj"]
+        assert torch.equal(model.proj(x), native.matmul_int8(x, proj.qweight, proj.scales.float(), 1))
+    with pytest.raises(RuntimeError, match="no row layout"):
+        model.lm_head.dequantized()
 
 
 @needs_native

@@ -223,7 +223,7 @@ def kernel_group(modules: Sequence[nn.Module]) -> native.Int4Group | native.Int8
         return None
     if linears[0].quant_kind == "int8":
         pairs = [(m._q, m._scale) for m in linears if m._q is not None and m._scale is not None]
-        return native.Int8Group(pairs) if len(pairs) == len(linears) else None
+        return native.Int8Group(pairs, linears[0].panels) if len(pairs) == len(linears) else None
     weights = [(m._q, m._scale, m._zero) for m in linears]
     assert all(q is not None and s is not None and (z is not None or m.panels)
                for (q, s, z), m in zip(weights, linears, strict=True))
@@ -330,7 +330,8 @@ class FastLinear(nn.Module):
         self._scale: torch.Tensor | None = None
         self._zero: torch.Tensor | None = None
         self.group_size = 0
-        # kept in the panel layout (``native.pack_int4``, offsets None: Q4_0's; ``native.pack_mxfp4``)
+        # kept in the panel layout (``native.pack_int4``, offsets None: Q4_0's; ``native.pack_mxfp4``; int8:
+        # ``keep_int8_panels``)
         self.panels = False
         self._group: native.Int4Group | native.Int8Group | None = None  # its kernel's call, as a group of one
         if self.quant_kind is not None:
@@ -414,6 +415,23 @@ class FastLinear(nn.Module):
                               for b, m in zip(biases, linears, strict=True)])
         return cls(weight, bias, quant, table, name)
 
+    def keep_int8_panels(self) -> bool:
+        """Keep this linear's int8 weight as panels of 16 rows (``native.pack_int8``), where it runs
+        kvcellar's int8 kernel and its rows come in 16s: a step of several rows (a verification,
+        batched decoding) then multiplies each loaded weight by every row in one lane per output,
+        a third of the row layout's time at 9 rows. Their arithmetic is their own (each output's
+        the same at any row count and on every CPU), so the LM head takes them: its numbers reach
+        no KV block. Returns whether it keeps them."""
+        if not self.native or self.quant_kind != "int8" or self.panels or self.out_features % native.INT8_PANEL:
+            return False
+        assert self._q is not None and self._scale is not None
+        rows = self._q
+        self._q = native.pack_int8(rows, torch.get_num_threads())
+        self._group = native.Int8Group([(self._q, self._scale)], panels=True)
+        self.panels = True
+        _drop_mapped_pages([rows])
+        return True
+
     @property
     def quantized(self) -> bool:
         return self.quant_kind is not None
@@ -456,6 +474,8 @@ class FastLinear(nn.Module):
         if self.quant_kind == "mxfp4":
             assert self._scale is not None
             return native.dequantize_mxfp4(self._q, self._scale, 0, rows, out, torch.get_num_threads(), self.panels)
+        if self.panels and self.quant_kind == "int8":
+            raise RuntimeError("an int8 weight kept as panels has no row layout to dequantize")
         for start in range(0, rows, _DEQUANT_ROWS):
             end = min(rows, start + _DEQUANT_ROWS)
             if self.quant_kind == "int8":
@@ -590,6 +610,8 @@ def prepare_model(model: nn.Module, quantized: dict[str, QuantizedWeight] | None
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     head = next((new for name, new in replace.items() if modules[name] is head_module), None)
+    if isinstance(head, FastLinear):
+        head.keep_int8_panels()
     prepared = PreparedModel(table, fused, linears, head if isinstance(head, FastLinear) else None)
     model._kvcellar_prepared = prepared  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
     return prepared

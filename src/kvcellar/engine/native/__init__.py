@@ -18,6 +18,7 @@ from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
 from kvcellar.engine.native.matmul import (
     ACTIVATION_DTYPES,
     BLOCK,
+    INT8_PANEL,
     PANEL,
     PANEL_MIN_ROWS,
     WIDE_FLAGS,
@@ -40,6 +41,7 @@ from kvcellar.engine.native.matmul import (
     moe_glu,
     moe_matmul,
     pack_int4,
+    pack_int8,
     pack_mxfp4,
     panel_layout,
     panel_min_rows,
@@ -77,7 +79,8 @@ MOE_ARITHMETIC = "kvc-moe-2"
 
 __all__ = [
     "ACTIVATION_DTYPES",
-    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE", "ROUTER_ORDERS",
+    "ARITHMETIC", "BLOCK", "ENV_SWITCH", "INT8_PANEL", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE",
+    "ROUTER_ORDERS",
     "WIDE_FLAGS",
     "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "Int8Group", "amx_tiles", "attend_kv",
     "attends_kv", "available", "cpu_flags", "cpu_kernels", "crc32",
@@ -85,7 +88,8 @@ __all__ = [
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_int8_many", "matmul_mxfp4",
     "moe_glu", "moe_matmul",
-    "pack_int4", "pack_mxfp4", "panel_layout", "panel_min_rows", "panels_fit", "quantize_activations", "route",
+    "pack_int4", "pack_int8", "pack_mxfp4", "panel_layout", "panel_min_rows", "panels_fit", "quantize_activations",
+    "route",
     "runs_gated_delta",
     "stores_panels", "unpack_int4", "unpack_mxfp4",
     "wide_panels", "write_kv",

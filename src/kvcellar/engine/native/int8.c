@@ -171,3 +171,185 @@ int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, i
     const moe_proj p = {w, scales, NULL, 0};
     return moe_matmul(moe_q8_project, &p, starts, experts, out, cols, xq, xd, NULL, y, threads);
 }
+
+/* ---- int8 weights kept as panels -------------------------------------------------------- */
+
+/* A panel: Q8P output rows of an int8 weight (kvc_pack_q8), block after block; in a block, for
+ * chunk c (inputs 4c..4c+3 of the activations' reordered block), those 4 weights of each row
+ * side by side (64 bytes at b * 512 + 64c), each + 128 as an unsigned byte (the 8-bit dot
+ * product takes one unsigned operand; its bias comes off as 128 x the activations' sum). A
+ * lane per output row: a block's exact integer dot product needs no horizontal sum, where the
+ * row layout spends one per block, weight row and activation row. Each output's float
+ * operations: acc = 0, then per block in order acc = fma(dot, activation scale, acc), then
+ * acc x the row's scale; every path below (AVX-512, AVX2; any row count) does exactly these. */
+#define Q8P 16
+#define Q8P_BYTES (Q8P * BLOCK)
+/* Activation rows a pass over a panel takes: with AVX-512, 8 (16 registers of sums and
+ * accumulators of 32); with AVX2, 4 (2 x 4 accumulators and 4 sums of 16). */
+#define Q8P_MR 8
+
+static void pack_q8_panels(void *ctx, int64_t p0, int64_t p1, int thread) {
+    (void)thread;
+    const int64_t *a = ctx;
+    const int8_t *w = (const int8_t *)a[0];
+    const int64_t cols = a[1], blocks = cols / BLOCK;
+    uint8_t *pw = (uint8_t *)a[2];
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *dst = pw + (p * blocks + b) * Q8P_BYTES;
+            for (int j = 0; j < Q8P; j++) {
+                const int8_t *src = w + (p * Q8P + j) * cols + b * BLOCK;
+                for (int k = 0; k < BLOCK; k++) {  /* byte k of the reordered block: input 2k, or 2(k - 16) + 1 */
+                    const int input = k < BLOCK / 2 ? 2 * k : 2 * (k - BLOCK / 2) + 1;
+                    dst[(k / 4) * 64 + j * 4 + k % 4] = (uint8_t)(src[input] + 128);
+                }
+            }
+        }
+}
+
+int kvc_pack_q8(const int8_t *w, int64_t out, int64_t cols, uint8_t *pw, int threads) {
+    if (out % Q8P || cols % BLOCK) return -2;
+    const int64_t a[3] = {(int64_t)w, cols, (int64_t)pw};
+    pool_for(threads, out / Q8P, 8, pack_q8_panels, (void *)a);
+    return 0;
+}
+
+/* N activation rows (a constant at each call site) against panel pp (its rows' scales sc) into
+ * y (row a at y + a * out); sums[a * blocks + b]: 128 x row a's block b's sum of activations. */
+static inline AVX512 __attribute__((always_inline)) void q8p_tile_wide(
+        const uint8_t *pp, const float *sc, int64_t blocks, int64_t cols, const int8_t *xq, const float *xd,
+        const int32_t *sums, float *y, int64_t out, const int N) {
+    __m512 acc[Q8P_MR];
+    for (int a = 0; a < N; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = pp + b * Q8P_BYTES;
+        for (int l = 0; l < Q8P_BYTES; l += 64) _mm_prefetch((const char *)(wb + PREFETCH + l), _MM_HINT_T0);
+        __m512i s[Q8P_MR];
+        for (int a = 0; a < N; a++) s[a] = _mm512_set1_epi32(-sums[a * blocks + b]);
+        for (int c = 0; c < 8; c++) {
+            const __m512i wv = _mm512_load_si512((const void *)(wb + 64 * c));
+            for (int a = 0; a < N; a++) {
+                int32_t four;  /* memcpy: an unaligned 4-byte load, without aliasing */
+                memcpy(&four, xq + a * cols + b * BLOCK + 4 * c, 4);
+                s[a] = _mm512_dpbusd_epi32(s[a], wv, _mm512_set1_epi32(four));
+            }
+        }
+        for (int a = 0; a < N; a++)
+            acc[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[a]), _mm512_set1_ps(xd[a * blocks + b]), acc[a]);
+    }
+    const __m512 ws = _mm512_loadu_ps(sc);
+    for (int a = 0; a < N; a++) _mm512_storeu_ps(y + a * out, _mm512_mul_ps(acc[a], ws));
+}
+
+/* q8p_tile_wide on AVX2, the panel's halves in two vectors: the weight's sign moved onto the
+ * activations (|w| <= 128 x |x| <= 127, two a 16-bit sum: no saturation), the same integer
+ * dot products, the same float operations per output. */
+static inline __attribute__((always_inline)) void q8p_tile(const uint8_t *pp, const float *sc, int64_t blocks,
+                                                           int64_t cols, const int8_t *xq, const float *xd, float *y,
+                                                           int64_t out, const int N) {
+    __m256 acc[TILE][2];
+    for (int a = 0; a < N; a++) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = pp + b * Q8P_BYTES;
+        for (int l = 0; l < Q8P_BYTES; l += 64) _mm_prefetch((const char *)(wb + PREFETCH + l), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i s[TILE];
+            for (int a = 0; a < N; a++) s[a] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(wb + 64 * c + 32 * h)), bias);
+                const __m256i wabs = _mm256_abs_epi8(w);  /* -128's: 0x80, read as the unsigned 128 */
+                for (int a = 0; a < N; a++) {
+                    int32_t four;
+                    memcpy(&four, xq + a * cols + b * BLOCK + 4 * c, 4);
+                    const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+                    s[a] = _mm256_add_epi32(s[a], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones));
+                }
+            }
+            for (int a = 0; a < N; a++)
+                acc[a][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[a]), _mm256_set1_ps(xd[a * blocks + b]), acc[a][h]);
+        }
+    }
+    for (int a = 0; a < N; a++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(y + a * out + 8 * h, _mm256_mul_ps(acc[a][h], _mm256_loadu_ps(sc + 8 * h)));
+}
+
+typedef struct {
+    const uint8_t *pw; const float *scales; int64_t out, cols; const int8_t *xq; const float *xd; const int32_t *sums;
+    int64_t rows; float *y;
+} q8p_call;
+
+/* Panels p0..p1-1 for every activation row, in passes of at most Q8P_MR (TILE) rows of even
+ * size (9 rows: 5 and 4, not 8 and 1). */
+static AVX512 void q8p_panels_wide(const q8p_call *c, int64_t p0, int64_t p1) {
+    const int64_t blocks = c->cols / BLOCK, passes = (c->rows + Q8P_MR - 1) / Q8P_MR;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *pp = c->pw + p * blocks * Q8P_BYTES;
+        for (int64_t i = 0, a = 0; i < passes; i++) {
+            const int64_t n = (c->rows - a) / (passes - i);
+            const int8_t *xa = c->xq + a * c->cols;
+            const float *da = c->xd + a * blocks;
+            const int32_t *sa = c->sums + a * blocks;
+            float *ya = c->y + a * c->out + p * Q8P;
+#define ROWS(n) q8p_tile_wide(pp, c->scales + p * Q8P, blocks, c->cols, xa, da, sa, ya, c->out, n)
+            if (n == 8) ROWS(8); else LAST_ROWS_OF_8(n, ROWS);
+#undef ROWS
+            a += n;
+        }
+    }
+}
+
+static void q8p_panels(void *ctx, int64_t p0, int64_t p1, int thread) {
+    (void)thread;
+    const q8p_call *c = ctx;
+    if (avx512_cpu()) {
+        q8p_panels_wide(c, p0, p1);
+        return;
+    }
+    const int64_t blocks = c->cols / BLOCK, passes = (c->rows + TILE - 1) / TILE;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *pp = c->pw + p * blocks * Q8P_BYTES;
+        for (int64_t i = 0, a = 0; i < passes; i++) {
+            const int64_t n = (c->rows - a) / (passes - i);
+            const int8_t *xa = c->xq + a * c->cols;
+            const float *da = c->xd + a * blocks;
+            float *ya = c->y + a * c->out + p * Q8P;
+#define ROWS(n) q8p_tile(pp, c->scales + p * Q8P, blocks, c->cols, xa, da, ya, c->out, n)
+            if (n == 4) ROWS(4); else LAST_ROWS_OF_4(n, ROWS);
+#undef ROWS
+            a += n;
+        }
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T for int8 weights kept as panels (pw: kvc_pack_q8's, scales:
+ * float32 [out], out a multiple of Q8P). */
+int kvc_gemm_q8p(const uint8_t *pw, const float *scales, int64_t out, int64_t cols, const int8_t *xq,
+                 const float *xd, int64_t rows, float *y, int threads) {
+    if (out % Q8P || cols % BLOCK) return -2;
+    if (rows <= 0) return 0;
+    const int64_t blocks = cols / BLOCK;
+    int32_t *sums = malloc((size_t)(rows * blocks) * sizeof(int32_t));
+    if (!sums) return -1;
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        int32_t s = 0;
+        for (int k = 0; k < BLOCK; k++) s += xq[i * BLOCK + k];
+        sums[i] = 128 * s;
+    }
+    q8p_call c = {pw, scales, out, cols, xq, xd, sums, rows, y};
+    pool_for(threads, out / Q8P, ROW_GROUPS / 2, q8p_panels, &c);
+    free(sums);
+    return 0;
+}
+
+/* kvc_gemm_q8p for weights that take the same activations, one after the other. */
+int kvc_gemm_q8p_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count,
+                      int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads) {
+    for (int64_t i = 0; i < count; i++) {
+        const int status = kvc_gemm_q8p((const uint8_t *)w[i], (const float *)scales[i], outs[i], cols, xq, xd, rows,
+                                        (float *)ys[i], threads);
+        if (status) return status;
+    }
+    return 0;
+}

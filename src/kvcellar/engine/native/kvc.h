@@ -4,7 +4,7 @@
  *   quantize.c  activations to 8 bits per block of 32 (the input of every linear kernel)
  *   int4.c      int4 linears: the row kernel, 8- and 16-row panels, weights kept as panels,
  *               routed experts, dequantization
- *   int8.c      int8 linears and routed experts
+ *   int8.c      int8 linears (the row layout and panels of 16 rows) and routed experts
  *   mxfp4.c     MXFP4 linears and routed experts, dequantization
  *   moe.c       a MoE block's routed experts, input to output (any of the three kinds above)
  *   linear.c    a quantized linear's step in one call, its activations quantized in it
@@ -408,8 +408,8 @@ static inline void free_scratch(void **scratch, int threads) {
  * where there was none); freed when the thread ends (pool.c). */
 enum { KEPT_B_TILES, KEPT_AMX_ACTS, KEPT_LINEAR_ACTS, KEPT_ATTEND, KEPT_LAYER, KEPT_SLOTS };
 
-/* kvc_linear's kinds of weight (spec[0]): int4 kept as panels, int8. */
-enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1 };
+/* kvc_linear's kinds of weight (spec[0]): int4 kept as panels, int8, int8 kept as panels. */
+enum { LINEAR_Q4P = 0, LINEAR_Q8 = 1, LINEAR_Q8P = 2 };
 
 /* kvc_dense_layers' spec, per layer: sizes, the norms' float32 weights and eps, each linear's
  * kvc_linear spec and its parts' biases (an array of addresses, 0: none), K's and V's bytes into a block, a quantized block's values
@@ -438,6 +438,9 @@ void kvc_dequantize_mxfp4(const uint8_t *w, const uint8_t *exps, int64_t start, 
 int kvc_gemm_q4_many(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, const float *xs, int64_t rows, int threads);
 int kvc_moe_q4(const int64_t *w, const int64_t *scales, const int64_t *offsets, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, const float *xs, float *y, int threads);
 int kvc_gemm_q8_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads);
+int kvc_pack_q8(const int8_t *w, int64_t out, int64_t cols, uint8_t *pw, int threads);
+int kvc_gemm_q8p(const uint8_t *pw, const float *scales, int64_t out, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, float *y, int threads);
+int kvc_gemm_q8p_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count, int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads);
 int kvc_moe_q8(const int64_t *w, const int64_t *scales, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 int kvc_moe_mxfp4(const int64_t *w, const int64_t *exps, const int64_t *starts, int64_t experts, int64_t out, int64_t cols, const int8_t *xq, const float *xd, float *y, int threads);
 void kvc_dequantize_q4(const uint8_t *w, const uint16_t *scales, const uint16_t *offsets, int64_t start, int64_t end, int64_t cols, void *dst, int bf16, int threads);

@@ -18,7 +18,7 @@ int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, con
                int threads) {
     const int64_t kind = spec[0], count = spec[1], cols = spec[2];
     const int64_t *w = spec + 3, *scales = w + count, *offsets = scales + count, *outs = offsets + count;
-    if (count < 1 || cols % BLOCK || (kind != LINEAR_Q4P && kind != LINEAR_Q8)) return -2;
+    if (count < 1 || cols % BLOCK || (kind != LINEAR_Q4P && kind != LINEAR_Q8 && kind != LINEAR_Q8P)) return -2;
     if (rows <= 0) return 0;
     const int64_t blocks = rows * (cols / BLOCK);
     const int64_t bytes = rows * cols + 2 * blocks * (int64_t)sizeof(float);
@@ -34,6 +34,8 @@ int kvc_linear(const int64_t *spec, const void *x, int x_bf16, int64_t rows, con
                      xq, xd, xs, rows, (void *)ys[0], y_bf16, threads);
     else if (kind == LINEAR_Q4P)
         status = kvc_gemm_q4p_many(w, scales, offsets, outs, ys, count, cols, xq, xd, xs, rows, y_bf16, threads);
+    else if (kind == LINEAR_Q8P)
+        status = kvc_gemm_q8p_many(w, scales, outs, ys, count, cols, xq, xd, rows, threads);
     else if (count == 1)
         kvc_gemm_q8((const int8_t *)w[0], (const float *)scales[0], outs[0], cols, xq, xd, rows, (float *)ys[0],
                     threads);

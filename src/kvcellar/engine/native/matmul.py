@@ -249,8 +249,8 @@ def _addresses(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     return torch.tensor([_address(t) for t in tensors], dtype=torch.int64)
 
 
-# ``kvc_linear``'s kinds (``linear.c``): int4 weights kept as panels, int8 weights.
-LINEAR_KINDS = {"kvc_gemm_q4p_many": 0, "kvc_gemm_q8_many": 1}
+# ``kvc_linear``'s kinds (``linear.c``): int4 weights kept as panels, int8 weights, int8 kept as panels.
+LINEAR_KINDS = {"kvc_gemm_q4p_many": 0, "kvc_gemm_q8_many": 1, "kvc_gemm_q8p_many": 2}
 
 
 class _Group:
@@ -340,24 +340,25 @@ class Int4Group(_Group):
 
 class Int8Group(_Group):
     """int8 weights that take the same activations (``(qweight, scales)`` each, as
-    ``matmul_int8`` takes them)."""
+    ``matmul_int8`` takes them; all in the panel layout where ``panels``)."""
 
-    kernel = "kvc_gemm_q8_many"
-
-    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], panels: bool = False) -> None:
         self.cols = cols = weights[0][0].shape[1]
+        self.kernel = "kvc_gemm_q8p_many" if panels else "kvc_gemm_q8_many"
         for qweight, scales in weights:
             if qweight.shape[1] != cols:
                 raise ValueError(f"weights of {qweight.shape[1]} and of {cols} inputs in one group")
+            if panels and (qweight.dtype != torch.uint8 or qweight.shape[0] % INT8_PANEL):
+                raise ValueError(f"a {tuple(qweight.shape)} {qweight.dtype} weight is not in the int8 panel layout")
             _check_weight(qweight, scales, cols)
         self._take(weights)
         self._take_spec()
 
 
 def matmul_int8_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     threads: int) -> list[torch.Tensor]:
+                     threads: int, panels: bool = False) -> list[torch.Tensor]:
     """``matmul_int8`` of ``x`` by each of ``weights`` in one call (``Int8Group``)."""
-    return Int8Group(weights)(x, threads)
+    return Int8Group(weights, panels)(x, threads)
 
 
 def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
@@ -366,9 +367,30 @@ def matmul_int4_many(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torc
     return Int4Group(weights, panels)(x, threads)
 
 
-def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
-    """``x @ w.T`` in float32 for int8 ``w`` (``qweight`` ``[out, in]``, float32 ``scales [out]``)."""
-    return _matmul_scaled("kvc_gemm_q8", x, qweight, qweight.shape[1], scales, threads)
+def matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int,
+                panels: bool = False) -> torch.Tensor:
+    """``x @ w.T`` in float32 for int8 ``w`` (``qweight`` ``[out, in]``, float32 ``scales [out]``;
+    uint8 in the panel layout where ``panels``: ``pack_int8``, whose numbers are its own)."""
+    return _matmul_scaled("kvc_gemm_q8p" if panels else "kvc_gemm_q8", x, qweight, qweight.shape[1], scales, threads)
+
+
+# Output rows of an int8 weight's panel (``kvc_pack_q8``).
+INT8_PANEL = 16
+
+
+def pack_int8(qweight: torch.Tensor, threads: int) -> torch.Tensor:
+    """An int8 weight (``matmul_int8``'s layout, ``out`` a multiple of ``INT8_PANEL``) in the panel
+    layout: a uint8 tensor of the same shape, in 2 MB pages where the OS gives them; its scales
+    stay as they are. ``matmul_int8(..., panels=True)`` multiplies it, each output by its own
+    arithmetic (a block's exact integer dot product times the activations' scale, summed in
+    block order, then the row's scale), the same bits at any row count and on every CPU."""
+    out, cols = qweight.shape
+    if qweight.dtype != torch.int8 or not qweight.is_contiguous() or out % INT8_PANEL or cols % BLOCK:
+        raise ValueError(f"a {out}x{cols} {qweight.dtype} weight has no int8 panel layout "
+                         f"(contiguous int8, rows in {INT8_PANEL}s, inputs in {BLOCK}s)")
+    pw = pages.empty(qweight.shape, torch.uint8)
+    lib.call("kvc_pack_q8", w=qweight.data_ptr(), out=out, cols=cols, pw=pw.data_ptr(), threads=threads)
+    return pw
 
 
 def matmul_mxfp4(x: torch.Tensor, nibbles: torch.Tensor, exponents: torch.Tensor, threads: int,
@@ -391,9 +413,14 @@ def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int
     out, rows = weight.shape[0], x.shape[0]
     xq, xd, _ = _quantize(x, threads)
     y = torch.empty(rows, out)
-    names = {"kvc_gemm_mxfp4": ("w", "exps"), "kvc_gemm_mxfp4p": ("pw", "pe")}.get(kernel, ("w", "scales"))
-    lib.call(kernel, **{names[0]: weight.data_ptr(), names[1]: scales.data_ptr()}, out=out, cols=cols,
+    names = {"kvc_gemm_mxfp4": ("w", "exps"), "kvc_gemm_mxfp4p": ("pw", "pe"),
+             "kvc_gemm_q8p": ("pw", "scales")}.get(kernel, ("w", "scales"))
+    done = lib.call(kernel, **{names[0]: weight.data_ptr(), names[1]: scales.data_ptr()}, out=out, cols=cols,
              xq=xq.data_ptr(), xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
+    if done == -1:  # the kernels returning int (kvc_gemm_q8p); the others give None
+        raise MemoryError("no memory for the activations' block sums")
+    if done == -2:
+        raise ValueError(f"a {out}x{cols} weight has no int8 panel layout")
     return y
 
 
