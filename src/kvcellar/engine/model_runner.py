@@ -5,7 +5,8 @@ Threads: a step of at most ``SMALL_STEP_TOKENS`` tokens (decodes) runs with
 is faster on one thread depends on the machine, so warm-up (``engine/warmup.py``) measures it
 (``calibrate_decode_threads``; figures in docs/performance.md). The kernels' own threads spin
 between a decode step's loops while the machine has room (``native/threads.py``: ``SpinGate``),
-so a decode step does not wait for a sleeping thread to wake at every kernel call.
+so a decode step does not wait for a sleeping thread to wake at every kernel call; so do those of
+a step of decodes and verifications of any size (no prefill chunk).
 """
 
 from __future__ import annotations
@@ -279,8 +280,11 @@ class ModelRunner:
         a row per prefill that samples."""
         # torch's thread count is process-wide: set it for this step only (switching costs
         # nothing measurable), so other engines and callers see the count they set.
-        decode = plan.num_tokens <= SMALL_STEP_TOKENS
-        threads = self.spin.step(decode, self.decode_threads if decode else self.threads)
+        small = plan.num_tokens <= SMALL_STEP_TOKENS
+        # decodes and verifications alone (no prefill chunk): short loops with Python between
+        # them, where a worker that sleeps is woken at every one (docs/performance.md)
+        decode = small or not plan.prefills
+        threads = self.spin.step(decode, self.decode_threads if small else self.threads)
         self.stats.spinning = int(self.spin.spinning)
         before = torch.get_num_threads()
         if before != threads:

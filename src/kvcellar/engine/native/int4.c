@@ -577,11 +577,14 @@ static inline amx_pair pair_for_tiles(const uint8_t *pw, const uint16_t *ps, con
 }
 
 /* Units of `step` kept panels a thread takes at a time for `rows` activation rows: a decode
- * step's ROW_GROUPS groups of 8 rows; a prefill's units (panels x every row) are long, and one
- * at a time keeps the threads even, or AMX_GROUP pairs where they run on AMX tiles (each tile
- * of activations then serves them all while it is in the cache). */
+ * step's ROW_GROUPS groups of 8 rows, half as many for a verification's 8-15 rows (taken one
+ * at a time, each fetch of the shared counter moves its line between the cores, and a unit of so
+ * few rows is short); a prefill's units (panels x every row) are long, and one at a time
+ * keeps the threads even, or AMX_GROUP pairs where they run on AMX tiles (each tile of
+ * activations then serves them all while it is in the cache). */
 static inline int packed_units_at_a_time(int64_t rows, int64_t step, const amx_acts *acts) {
-    return rows < PANEL ? (int)(ROW_GROUPS / step) : acts->tiles ? AMX_GROUP : 1;
+    if (rows < 2 * PANEL) return (int)(ROW_GROUPS / step / (rows < PANEL ? 1 : 2));
+    return acts->tiles ? AMX_GROUP : 1;
 }
 
 /* kvc_gemm_q4 for a weight in the panel layout (out a multiple of 8), at any row count: the
