@@ -287,6 +287,23 @@ static AVX512 void pv_wide(float *const *acc, const float *const *p, int nq, int
     }
 }
 
+/* The softmax's loop below on 16 lanes, as far as whole vectors of 16 go: s[i] = exp(s[i] - m)
+ * in place, each vector's halves added to *sum one after the other, as the 8-lane loop adds
+ * them (exp16's lanes are exp8's: the same bits). Returns where the 8-lane loop goes on. */
+static AVX512 int64_t exp_wide(float *s, int64_t n, float m, __m256 *sum) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m256 acc = *sum;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+        _mm512_storeu_ps(s + i, p);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
+        acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+    }
+    *sum = acc;
+    return i;
+}
+
 /* How many keys of the tile at t a row that sees the tokens before `end` takes (tokens before
  * t1, its window's last keys only): 0 where it sees none of them. */
 static inline __attribute__((always_inline)) int64_t tile_seen(int64_t end, int64_t t, int64_t t1, int64_t window) {
@@ -406,7 +423,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             }
             const __m256 vm = _mm256_set1_ps(m);
             __m256 sum = _mm256_setzero_ps();
-            int64_t i = 0;
+            int64_t i = WIDE ? exp_wide(s, n, m, &sum) : 0;
             for (; i + 8 <= n; i += 8) {
                 const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
                 _mm256_storeu_ps(s + i, p);

@@ -121,7 +121,7 @@ static inline void quantize_block(const float *v, int8_t *q, float *d_out, float
 }
 
 /* exp's polynomial in x - n ln 2 (Cephes'), highest power first, and its range and reduction
- * (ln 2 in two parts): exp8 and layer.c's exp16, which must give the same bits. */
+ * (ln 2 in two parts): exp8 and exp16, which must give the same bits. */
 static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                   1.6666665459e-1f, 5.0000001201e-1f};
 #define EXP_LO (-87.0f)
@@ -145,6 +145,22 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* exp8 on 16 lanes: each lane by exp8's operations, the same bits. */
+static inline AVX512 __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(EXP_LO);
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  /* exp8's not (x < lo): NaN kept */
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(EXP_HI));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(kept, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
 }
 
 /* A block's 16 bytes of nibbles as 32 bytes: low nibbles (even inputs) in the lower half,

@@ -37,22 +37,6 @@ static void rope_head(void *x, const void *cos, const void *sin, int64_t dim, in
     }
 }
 
-/* exp8 on 16 lanes: each lane by exp8's operations, the same bits. */
-static inline AVX512 __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(EXP_LO);
-    const __mmask16 kept = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  /* exp8's not (x < lo): NaN kept */
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(EXP_HI));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
-    for (int k = 1; k < 6; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[k]));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(kept, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
-}
-
 static inline AVX512 __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)p + at);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
