@@ -90,6 +90,34 @@ def spec_counts(engine: Any) -> tuple[int, int, int]:
     return s.spec_verifies, s.spec_drafted_tokens, s.spec_accepted_tokens
 
 
+def test_verifications_of_any_size_spin_the_kernels_threads_and_prefill_does_not(loaded):
+    """A step of decodes and verifications alone (no prefill chunk) spins the kernels' workers
+    between its loops whatever its rows, as a decode step does (``thread_spin`` on): a worker that
+    slept would be woken at every loop; a prefill chunk's step does not spin."""
+    from kvcellar.engine.model_runner import SMALL_STEP_TOKENS
+    from kvcellar.engine.native import threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a test worker runs on one thread; spinning needs a second
+    try:
+        engine = speculative(loaded, thread_spin="on", decode_threads=2)
+        seen: list[tuple[int, bool]] = []
+        forward = engine.runner.forward
+
+        def spy(*args: Any) -> Any:
+            seen.append((int(args[0].shape[1]), threads.spinning()))
+            return forward(*args)
+
+        engine.runner.forward = spy
+        engine.generate([chat(loaded, PROMPTS["list"])], GREEDY)
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0][0] > SMALL_STEP_TOKENS and not seen[0][1]  # the prompt
+    large = [spins for rows, spins in seen[1:] if rows > SMALL_STEP_TOKENS]
+    assert large and all(large), seen  # verifications of 9 rows
+    assert all(spins for _, spins in seen[1:])
+
+
 def test_greedy_output_is_the_plain_decoding_in_a_mixed_batch(loaded):
     prompts = [chat(loaded, p) for p in PROMPTS.values()]
     prompts.append(prompts[0])  # n > 1: two sequences of one prompt
