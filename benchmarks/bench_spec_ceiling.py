@@ -5,6 +5,7 @@ the drafter over those outputs beside an oracle.
 
     .venv/bin/python benchmarks/bench_spec_ceiling.py                  # ~3 min on 2 cores
     .venv/bin/python benchmarks/bench_spec_ceiling.py --kinds code-edit --repeats 3 --extra-row-ms 2,1.5,1
+    .venv/bin/python benchmarks/bench_spec_ceiling.py --costs-model 7b.gguf   # a 7B's steps, these drafts
 
 Greedy output is the same with and without drafts, so one run without drafts gives every token a
 drafted run would emit, and a draft's fate is known without the model: the replay asks the
@@ -13,7 +14,10 @@ for each step's draft and prices the step by its rows. The oracle verifies the s
 the tokens the model takes: no row is spent on a rejected token and none is left out, the most
 any choice of draft lengths from these drafts can make; its tokens a step are those of every
 draft verified whole. Modelled speedups (step costs only: no server, no
-client) over decoding one token a step. Figures only, no asserts.
+client) over decoding one token a step. With ``--costs-model`` the steps are timed on another
+model (a GGUF ``bench_big_model.py --keep-gguf`` wrote: random weights, whose own drafts mean
+nothing) and the replay projects what the embedded model's drafts make of its steps. Figures only,
+no asserts.
 """
 
 from __future__ import annotations
@@ -83,12 +87,15 @@ def record(loaded: LoadedModel, engine: Engine, seed: str, repeats: int, kinds: 
     return turns
 
 
-def step_costs(loaded: LoadedModel, prompt: list[int], most: int, repeats: int) -> dict[int, float]:
-    """Median seconds of a decode step of one sequence by its rows (1 .. most + 1), after ``prompt``."""
+def step_costs(loaded: LoadedModel, prompt: list[int], most: int, repeats: int,
+               tokens: int = 24) -> dict[int, float]:
+    """Median seconds of a decode step of one sequence by its rows (1 .. most + 1), after ``prompt``
+    (its ids folded into the model's vocabulary)."""
     drafter = ForcedDrafts()
     engine = assemble_engine(loaded, EngineConfig(kv_cache_gb=1.0, speculative="ngram"))
     engine.scheduler.drafter = drafter
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = [t % loaded.model.config.vocab_size for t in prompt]
     for rep in range(repeats):
         for k in range(most + 1):
             drafter.k = k
@@ -141,6 +148,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=8, help="the longest draft (--speculative-max-tokens)")
     ap.add_argument("--cost-repeats", type=int, default=3, help="runs of each row count when timing steps")
+    ap.add_argument("--costs-model", default=None, help="time the steps on this model (a GGUF path): what the "
+                    "embedded model's drafts would make of its steps")
     ap.add_argument("--extra-row-ms", default="", help="also replay where each row past the first costs these ms "
                     "(comma-separated; the one-row step as measured): what cheaper verified rows would give")
     args = ap.parse_args()
@@ -153,7 +162,12 @@ def main() -> None:
     print(f"{len(turns)} turns, {sum(len(t.output) for t in turns)} tokens generated in "
           f"{time.perf_counter() - start:.0f} s")
     longest = max(turns, key=lambda t: len(t.prompt) if t.kind == "code-edit" else 0)
-    costs = step_costs(loaded, longest.prompt, args.draft_tokens, args.cost_repeats)
+    timed = loaded
+    if args.costs_model:
+        del loaded
+        timed = prepare_and_load(args.costs_model, artifacts=ArtifactCache.open())
+        print(f"steps timed on {args.costs_model}")
+    costs = step_costs(timed, longest.prompt, args.draft_tokens, args.cost_repeats, 8 if args.costs_model else 24)
     one = costs[1]
     print(f"a step by its rows after {len(longest.prompt)} tokens, ms (and in one-row steps): "
           + ", ".join(f"{rows}: {s * 1e3:.2f} ({s / one:.2f})" for rows, s in costs.items()))
