@@ -167,7 +167,7 @@ def main() -> None:
         del loaded
         timed = prepare_and_load(args.costs_model, artifacts=ArtifactCache.open())
         print(f"steps timed on {args.costs_model}")
-    costs = step_costs(timed, longest.prompt, args.draft_tokens, args.cost_repeats, 8 if args.costs_model else 24)
+    costs = step_costs(timed, longest.prompt, args.draft_tokens, args.cost_repeats, 12 if args.costs_model else 24)
     one = costs[1]
     print(f"a step by its rows after {len(longest.prompt)} tokens, ms (and in one-row steps): "
           + ", ".join(f"{rows}: {s * 1e3:.2f} ({s / one:.2f})" for rows, s in costs.items()))
