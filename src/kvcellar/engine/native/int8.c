@@ -280,24 +280,30 @@ typedef struct {
     int64_t rows; float *y;
 } q8p_call;
 
-/* Panels p0..p1-1 for every activation row, in passes of at most Q8P_MR (TILE) rows of even
- * size (9 rows: 5 and 4, not 8 and 1). */
+/* Panels p0..p1-1 of call c for every activation row, in passes of at most MR rows of even size
+ * (9 rows with 8: 5 and 4, not 8 and 1); PASS(n) multiplies n rows (a constant) at pp, xa, da,
+ * sa, ya against the panel. */
+#define Q8P_PASSES(MR, PASS) do {                                                                  \
+        const int64_t blocks = c->cols / BLOCK, passes = (c->rows + (MR) - 1) / (MR);              \
+        for (int64_t p = p0; p < p1; p++) {                                                        \
+            const uint8_t *pp = c->pw + p * blocks * Q8P_BYTES;                                    \
+            const float *sc = c->scales + p * Q8P;                                                 \
+            for (int64_t i = 0, a = 0; i < passes; i++) {                                          \
+                const int64_t n = (c->rows - a) / (passes - i);                                    \
+                const int8_t *xa = c->xq + a * c->cols;                                            \
+                const float *da = c->xd + a * blocks;                                              \
+                const int32_t *sa = c->sums + a * blocks;                                          \
+                float *ya = c->y + a * c->out + p * Q8P;                                           \
+                PASS;                                                                              \
+                a += n;                                                                            \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
 static AVX512 void q8p_panels_wide(const q8p_call *c, int64_t p0, int64_t p1) {
-    const int64_t blocks = c->cols / BLOCK, passes = (c->rows + Q8P_MR - 1) / Q8P_MR;
-    for (int64_t p = p0; p < p1; p++) {
-        const uint8_t *pp = c->pw + p * blocks * Q8P_BYTES;
-        for (int64_t i = 0, a = 0; i < passes; i++) {
-            const int64_t n = (c->rows - a) / (passes - i);
-            const int8_t *xa = c->xq + a * c->cols;
-            const float *da = c->xd + a * blocks;
-            const int32_t *sa = c->sums + a * blocks;
-            float *ya = c->y + a * c->out + p * Q8P;
-#define ROWS(n) q8p_tile_wide(pp, c->scales + p * Q8P, blocks, c->cols, xa, da, sa, ya, c->out, n)
-            if (n == 8) ROWS(8); else LAST_ROWS_OF_8(n, ROWS);
+#define ROWS(n) q8p_tile_wide(pp, sc, blocks, c->cols, xa, da, sa, ya, c->out, n)
+    Q8P_PASSES(Q8P_MR, if (n == Q8P_MR) ROWS(Q8P_MR); else LAST_ROWS_OF_8(n, ROWS));
 #undef ROWS
-            a += n;
-        }
-    }
 }
 
 static void q8p_panels(void *ctx, int64_t p0, int64_t p1, int thread) {
@@ -307,21 +313,11 @@ static void q8p_panels(void *ctx, int64_t p0, int64_t p1, int thread) {
         q8p_panels_wide(c, p0, p1);
         return;
     }
-    const int64_t blocks = c->cols / BLOCK, passes = (c->rows + TILE - 1) / TILE;
-    for (int64_t p = p0; p < p1; p++) {
-        const uint8_t *pp = c->pw + p * blocks * Q8P_BYTES;
-        for (int64_t i = 0, a = 0; i < passes; i++) {
-            const int64_t n = (c->rows - a) / (passes - i);
-            const int8_t *xa = c->xq + a * c->cols;
-            const float *da = c->xd + a * blocks;
-            float *ya = c->y + a * c->out + p * Q8P;
-#define ROWS(n) q8p_tile(pp, c->scales + p * Q8P, blocks, c->cols, xa, da, ya, c->out, n)
-            if (n == 4) ROWS(4); else LAST_ROWS_OF_4(n, ROWS);
+#define ROWS(n) q8p_tile(pp, sc, blocks, c->cols, xa, da, ya, c->out, n)
+    Q8P_PASSES(TILE, (void)sa; if (n == TILE) ROWS(TILE); else LAST_ROWS_OF_4(n, ROWS));
 #undef ROWS
-            a += n;
-        }
-    }
 }
+#undef Q8P_PASSES
 
 /* y [rows, out] float32 = x @ w.T for int8 weights kept as panels (pw: kvc_pack_q8's, scales:
  * float32 [out], out a multiple of Q8P). */
