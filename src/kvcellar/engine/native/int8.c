@@ -319,33 +319,41 @@ static void q8p_panels(void *ctx, int64_t p0, int64_t p1, int thread) {
 }
 #undef Q8P_PASSES
 
-/* y [rows, out] float32 = x @ w.T for int8 weights kept as panels (pw: kvc_pack_q8's, scales:
- * float32 [out], out a multiple of Q8P). */
-int kvc_gemm_q8p(const uint8_t *pw, const float *scales, int64_t out, int64_t cols, const int8_t *xq,
-                 const float *xd, int64_t rows, float *y, int threads) {
-    if (out % Q8P || cols % BLOCK) return -2;
-    if (rows <= 0) return 0;
-    const int64_t blocks = cols / BLOCK;
+/* 128 x each block's sum of activations (rows x blocks of them, for q8p_tile_wide), or NULL
+ * without memory. */
+static int32_t *q8p_sums(const int8_t *xq, int64_t rows, int64_t blocks) {
     int32_t *sums = malloc((size_t)(rows * blocks) * sizeof(int32_t));
-    if (!sums) return -1;
+    if (!sums) return NULL;
     for (int64_t i = 0; i < rows * blocks; i++) {
         int32_t s = 0;
         for (int k = 0; k < BLOCK; k++) s += xq[i * BLOCK + k];
         sums[i] = 128 * s;
     }
-    q8p_call c = {pw, scales, out, cols, xq, xd, sums, rows, y};
-    pool_for(threads, out / Q8P, ROW_GROUPS / 2, q8p_panels, &c);
-    free(sums);
-    return 0;
+    return sums;
 }
 
-/* kvc_gemm_q8p for weights that take the same activations, one after the other. */
+/* y [rows, out] float32 = x @ w.T for int8 weights kept as panels (pw: kvc_pack_q8's, scales:
+ * float32 [out], out a multiple of Q8P). */
+int kvc_gemm_q8p(const uint8_t *pw, const float *scales, int64_t out, int64_t cols, const int8_t *xq,
+                 const float *xd, int64_t rows, float *y, int threads) {
+    const int64_t w = (int64_t)pw, s = (int64_t)scales, dst = (int64_t)y;
+    return kvc_gemm_q8p_many(&w, &s, &out, &dst, 1, cols, xq, xd, rows, threads);
+}
+
+/* kvc_gemm_q8p for weights that take the same activations, one after the other (their sums
+ * taken once). */
 int kvc_gemm_q8p_many(const int64_t *w, const int64_t *scales, const int64_t *outs, const int64_t *ys, int64_t count,
                       int64_t cols, const int8_t *xq, const float *xd, int64_t rows, int threads) {
+    for (int64_t i = 0; i < count; i++)
+        if (outs[i] % Q8P || cols % BLOCK) return -2;
+    if (rows <= 0) return 0;
+    int32_t *sums = q8p_sums(xq, rows, cols / BLOCK);
+    if (!sums) return -1;
     for (int64_t i = 0; i < count; i++) {
-        const int status = kvc_gemm_q8p((const uint8_t *)w[i], (const float *)scales[i], outs[i], cols, xq, xd, rows,
-                                        (float *)ys[i], threads);
-        if (status) return status;
+        q8p_call c = {(const uint8_t *)w[i], (const float *)scales[i], outs[i], cols, xq, xd, sums, rows,
+                      (float *)ys[i]};
+        pool_for(threads, outs[i] / Q8P, ROW_GROUPS / 2, q8p_panels, &c);
     }
+    free(sums);
     return 0;
 }

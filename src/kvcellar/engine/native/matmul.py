@@ -416,7 +416,7 @@ def _matmul_scaled(kernel: str, x: torch.Tensor, weight: torch.Tensor, cols: int
     names = {"kvc_gemm_mxfp4": ("w", "exps"), "kvc_gemm_mxfp4p": ("pw", "pe"),
              "kvc_gemm_q8p": ("pw", "scales")}.get(kernel, ("w", "scales"))
     done = lib.call(kernel, **{names[0]: weight.data_ptr(), names[1]: scales.data_ptr()}, out=out, cols=cols,
-             xq=xq.data_ptr(), xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
+                    xq=xq.data_ptr(), xd=xd.data_ptr(), rows=rows, y=y.data_ptr(), threads=threads)
     if done == -1:  # the kernels returning int (kvc_gemm_q8p); the others give None
         raise MemoryError("no memory for the activations' block sums")
     if done == -2:
