@@ -155,3 +155,59 @@ def test_decode_threads_measured_on_a_quiet_machine_are_kept_for_the_next_start(
     finally:
         for engine in engines:
             engine.shutdown(timeout=10)
+
+
+def _timed_steps_rows(runner: Any, monkeypatch: pytest.MonkeyPatch, fail_at: int | None = None) -> list[int]:
+    """Spy on the decode-thread measurement: the rows of each step it times (and of the steps
+    between its blocks); ``fail_at``: that step's forward raises, and the measurement then
+    reports one thread on a quiet machine (what timing empty steps can come to)."""
+    rows: list[int] = []
+    measure, forward = runner.calibrate_decode_threads, runner.forward
+
+    def spy(*args: Any) -> Any:
+        rows.append(int(args[0].shape[1]))
+        if len(rows) == fail_at:
+            raise RuntimeError("a step that fails while decode threads are measured")
+        return forward(*args)
+
+    def calibrate(decode_step: Any, steps: int = 4, clock: Any = None) -> int:
+        monkeypatch.setattr(runner, "forward", spy)
+        try:
+            chosen = measure(decode_step, steps) if clock is None else measure(decode_step, steps, clock)
+        finally:
+            monkeypatch.setattr(runner, "forward", forward)
+        if fail_at is not None:
+            runner.set_decode_threads(1)
+            runner.measured_quiet, chosen = True, 1
+        return int(chosen)
+
+    monkeypatch.setattr(runner, "calibrate_decode_threads", calibrate)
+    return rows
+
+
+def test_decode_threads_are_measured_on_decode_steps_with_drafting_on(
+        model: Any, two_threads: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Warm-up's prompt repeats itself, so its continuation is what drafts are made of: the
+    measurement suspends drafting, and every step it times decodes one row (a verification's
+    cost would decide the threads of every later decode). Drafting is back afterwards."""
+    engine = make_engine(model, speculative="ngram", thread_spin="on")
+    drafter = engine.scheduler.drafter
+    assert drafter is not None
+    rows = _timed_steps_rows(engine.runner, monkeypatch)
+    warm_up(engine, figures=MachineFigures(tmp_path / "figures.json"))
+    assert len(rows) >= 2 * 5 and set(rows) == {1}
+    assert engine.scheduler.drafter is drafter
+
+
+def test_a_step_that_fails_while_decode_threads_are_measured_keeps_all_threads_and_no_figure(
+        model: Any, two_threads: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed step leaves the measurement's sequence gone and the later steps empty (fast on
+    any threads): that is no measurement, and no figure for later starts."""
+    engine = make_engine(model, thread_spin="on")
+    figures = MachineFigures(tmp_path / "figures.json")
+    rows = _timed_steps_rows(engine.runner, monkeypatch, fail_at=3)
+    warm_up(engine, figures=figures)
+    assert len(rows) == 3  # the sequence failed at its third timed step; none ran after
+    assert engine.runner.decode_threads == 2 and not engine.runner.measured_quiet
+    assert not figures.path.exists()
+    assert engine.stats.requests_total == 0  # warm-up leaves no trace, failure included

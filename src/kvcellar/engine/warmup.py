@@ -192,15 +192,30 @@ def warm_up(engine: Engine, budget_s: float = BUDGET_S, figures: MachineFigures 
 
 def _calibrate_decode_threads(engine: Engine, prompt: list[int]) -> int:
     """Time batch-1 decode steps on one thread and on all (``ModelRunner``) after ``prompt``;
-    returns the steps it ran."""
+    returns the steps it ran. Drafting is suspended meanwhile: a step that verifies a draft (the
+    prompt repeats itself) costs what its rows cost, not a decode's. A measurement whose steps
+    did not each decode one token (one failed) is set aside: all threads, nothing kept."""
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    handle = engine.submit(prompt, params, cache_salt=WARMUP_SALT)
-    engine.step()
-    while engine.in_prefill(handle.seq_id):  # prefill, then it decodes
+    scheduler, runner, stats = engine.scheduler, engine.runner, engine.stats
+    drafter, scheduler.drafter = scheduler.drafter, None
+    try:
+        handle = engine.submit(prompt, params, cache_salt=WARMUP_SALT)
         engine.step()
-    before = engine.stats.steps
-    chosen = engine.runner.calibrate_decode_threads(engine.step, THREAD_STEPS)
-    engine.cancel(handle.seq_id)
-    engine.run_until_idle()
-    log.info("decode steps use %d of %d torch threads (measured)", chosen, engine.runner.threads)
-    return int(engine.stats.steps - before)
+        while engine.in_prefill(handle.seq_id):  # prefill, then it decodes
+            engine.step()
+        steps, tokens, failures = stats.steps, stats.generated_tokens, stats.step_failures
+        chosen = runner.calibrate_decode_threads(engine.step, THREAD_STEPS)
+        ran = int(stats.steps - steps)
+        if (stats.step_failures != failures or stats.generated_tokens - tokens != ran
+                or engine.prompt_progress(handle.seq_id) is None):
+            log.warning("decode threads: the measurement's steps did not each decode a token; all %d threads kept",
+                        runner.threads)
+            runner.set_decode_threads(runner.threads)
+            runner.measured_quiet = False
+            chosen = runner.threads
+        engine.cancel(handle.seq_id)
+        engine.run_until_idle()
+    finally:
+        scheduler.drafter = drafter
+    log.info("decode steps use %d of %d torch threads (measured)", chosen, runner.threads)
+    return ran
