@@ -1045,3 +1045,34 @@ def test_a_linear_on_the_kernels_takes_a_step_of_no_rows(kind):
     assert layer(torch.empty(0, 256)).shape == (0, 64)
     x = torch.randn(3, 256)
     assert torch.equal(layer(x)[1:2], layer(x[1:2]))
+
+
+@needs_native
+@pytest.mark.parametrize("cols", [1, 7, 8, 33, 1000, 49152])
+def test_the_logits_argmax_is_torchs_first_greatest_and_a_nan_wins(cols):
+    """A greedy step's token: the first of equal greatest values, a NaN before any number, -0.0
+    equal to 0.0, a row of -inf its first, as torch.argmax picks them."""
+    gen = torch.Generator().manual_seed(cols)
+    for trial in range(12):
+        x = torch.randn(7, cols, generator=gen) * 4
+        if trial % 2:
+            x = x.round()  # ties everywhere
+        x[0, cols // 3] = x[0, (2 * cols) // 3] = x[0].max() + 1  # a tie for the greatest
+        x[1, cols - 1] = float("nan")
+        x[2, cols // 2] = x[2, cols - 1] = float("nan")
+        x[3] = -float("inf")
+        x[4] = 0.0
+        x[4, cols // 2:] = -0.0
+        x[5, cols - 1] = float("inf")
+        assert native.argmax_rows(x) == x.argmax(dim=-1).tolist(), trial
+    assert native.argmax_rows(x[1:3]) == x[1:3].argmax(dim=-1).tolist()  # rows that are a view's
+
+
+@needs_native
+def test_logits_rounded_to_bf16_are_the_bf16_values():
+    x = torch.randn(5, 1003, generator=torch.Generator().manual_seed(3)) * 1e3
+    x[0, :6] = torch.tensor([float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40, float("nan")])
+    want = x.bfloat16().float()
+    got = native.round_bf16_(x.clone())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))

@@ -40,7 +40,7 @@ from kvcellar.engine.lean_gemma4 import CAUSAL_LMS as GEMMA4_CAUSAL_LMS
 from kvcellar.engine.lean_gemma4 import Gemma4Forward, gemma4_forward_for
 from kvcellar.engine.lean_qwen35 import CAUSAL_LMS as QWEN35_CAUSAL_LMS
 from kvcellar.engine.lean_qwen35 import Qwen35Forward, qwen35_forward_for
-from kvcellar.engine.linears import FastLinear, FusedPart, call_together, kernel_group
+from kvcellar.engine.linears import FastLinear, FusedPart, call_together, kernel_group, logits_call_of
 from kvcellar.engine.linears import call_of as _linear
 from kvcellar.engine.native.layer import SILU_ACTS, DenseLayer, DenseLayers, silu_for
 from kvcellar.engine.native.lib import available as lib_available
@@ -269,7 +269,7 @@ class LeanForward:
         self.layers = [_Layer(layer, family in WEIGHT_FIRST_NORM) for layer in inner.layers]
         self.norm = _rms_norm(inner.norm, weight_first=family in WEIGHT_FIRST_NORM, kernels=True)
         self._norms_on_kernels = getattr(inner.norm, "forward", None) is self.norm
-        self.lm_head = _linear(model.lm_head)
+        self.lm_head = logits_call_of(model.lm_head)  # float32 logits
         # The other families' RoPE is the standard rotate-half one; applied to query and key
         # heads at once (``_rotate_joint``) when QKV is fused, their own function otherwise.
         self.joint_rope = getattr(rope, "__name__", "") == "apply_rotary_pos_emb" and family not in HALF_ROPE
@@ -284,7 +284,7 @@ class LeanForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: StepMeta) -> torch.Tensor:
-        """Logits ``[1, len(logits_to_keep), vocab]`` of the packed step (``ModelRunner.build``)."""
+        """Float32 logits ``[1, len(logits_to_keep), vocab]`` of the packed step (``ModelRunner.build``)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, position_ids)
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -31,7 +31,7 @@ from kvcellar.engine.attention import StepMeta, paged_attention
 from kvcellar.engine.deltanet import GatedDeltaNet, rowwise
 from kvcellar.engine.experts import RoutedExperts, Router
 from kvcellar.engine.linears import call_of as _linear
-from kvcellar.engine.linears import call_together
+from kvcellar.engine.linears import call_together, logits_call_of
 from kvcellar.engine.native.layer import SILU_ACTS, silu_for
 from kvcellar.engine.native.norm import rms_norm_for
 
@@ -148,7 +148,7 @@ class Qwen35Forward:
                 mixer, attention = _Attention(layer.self_attn, attention, kernels), attention + 1
             self.layers.append(_Layer(layer, mixer, kernels))
         self.norm = _zero_centred_norm(inner.norm, kernels)
-        self.lm_head = _linear(model.lm_head)
+        self.lm_head = logits_call_of(model.lm_head)  # float32 logits
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: StepMeta) -> torch.Tensor:

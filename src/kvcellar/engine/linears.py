@@ -202,6 +202,25 @@ def call_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
+def logits_call_of(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``head``'s call giving float32 logits: ``head(x).float()``'s numbers (rounded to the model's
+    dtype, as its output is), without the conversions there and back where kvcellar's kernel runs
+    it (each one over a vocabulary woke torch's threads: ~0.1 ms a step)."""
+    call = call_of(head)
+    if not (isinstance(head, FastLinear) and head.native and head.bias is None and head._group is not None
+            and head.dtype in (torch.float32, torch.bfloat16)):
+        return lambda x: call(x).float()
+    group, dtype, cols, out = head._group, head.dtype, head.in_features, head.out_features
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        y = group(_kernel_input(x.reshape(-1, cols)), torch.get_num_threads(), torch.float32)[0]
+        if dtype == torch.bfloat16:
+            native.round_bf16_(y)
+        return y.view(*x.shape[:-1], out)
+
+    return logits
+
+
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     """Activations as kvcellar's kernels take them: a bf16 model's as they are (no float32 copy)."""
     return x if x.dtype in native.ACTIVATION_DTYPES else x.float()

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcellar.engine.native.logits import argmax_rows
+
 if TYPE_CHECKING:
     from kvcellar.engine.constraints import Grammar, TokenConstraint
 
@@ -101,7 +103,7 @@ def greedy_tokens(logits: torch.Tensor, plain: list[bool]) -> list[int | None]:
     out: list[int | None] = [None] * len(plain)
     if rows:
         picked = logits if len(rows) == len(plain) else logits[rows]
-        for i, token in zip(rows, picked.argmax(dim=-1).tolist(), strict=True):
+        for i, token in zip(rows, argmax_rows(picked), strict=True):
             out[i] = int(token)
     return out
 

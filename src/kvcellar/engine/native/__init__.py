@@ -15,6 +15,7 @@ kernels run.
 from kvcellar.engine.native.checksum import crc32, folds_crc32
 from kvcellar.engine.native.kv import attend_kv, attends_kv, gather_kv, gathers_kv, write_kv
 from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
+from kvcellar.engine.native.logits import argmax_rows, round_bf16_
 from kvcellar.engine.native.matmul import (
     ACTIVATION_DTYPES,
     BLOCK,
@@ -82,13 +83,14 @@ __all__ = [
     "ARITHMETIC", "BLOCK", "ENV_SWITCH", "INT8_PANEL", "MOE_ARITHMETIC", "PANEL", "PANEL_MIN_ROWS", "RECURRENCE",
     "ROUTER_ORDERS",
     "WIDE_FLAGS",
-    "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "Int8Group", "amx_tiles", "attend_kv",
-    "attends_kv", "available", "cpu_flags", "cpu_kernels", "crc32",
+    "WIDE_PANEL", "WIDE_PANEL_MIN_ROWS", "ExpertWeights", "Int4Group", "Int8Group", "amx_tiles", "argmax_rows",
+    "attend_kv", "attends_kv", "available", "cpu_flags", "cpu_kernels", "crc32",
     "delta_conv", "delta_inputs", "dequantize_int4", "dequantize_mxfp4", "expert_weights", "folds_crc32",
     "gated_delta", "gated_norm", "gather_kv", "gathers_kv",
     "int4_kernel", "library", "matmul_int4", "matmul_int4_many", "matmul_int8", "matmul_int8_many", "matmul_mxfp4",
     "moe_glu", "moe_matmul",
     "pack_int4", "pack_int8", "pack_mxfp4", "panel_layout", "panel_min_rows", "panels_fit", "quantize_activations",
+    "round_bf16_",
     "route",
     "runs_gated_delta",
     "stores_panels", "unpack_int4", "unpack_mxfp4",

@@ -17,6 +17,7 @@
  *   crc32.c     the block files' checksum
  *   amx.c       int4 panels on AMX tiles (prefill-sized steps, where the CPU has them)
  *   pool.c      the threads the kernels' loops run on
+ *   logits.c    a step's logits: rounded to the model's bf16, their greatest per row
  *
  * Activations are quantized to 8 bits per block of 32 inputs (d = max|x| / 127, q = round(x / d))
  * and multiplied with the weights' integers in 8-bit dot products, the scheme of llama.cpp's
@@ -358,6 +359,10 @@ static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t
             for (int64_t g = 0; g < (outs[i] + 7) / 8; g += step) units[u++] = (moe_unit){i, g};
     return units;
 }
+
+/* A step's logits (logits.c). */
+void kvc_round_bf16(float *x, int64_t n);
+void kvc_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
 /* AMX tiles (amx.c). A call's activation rows packed for them (amx_pack: whole tiles of 16 rows
  * from its first row; tiles 0 where they do not run: another CPU, fewer rows), and up to

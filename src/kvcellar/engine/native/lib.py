@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 HEADER = HERE / "kvc.h"
 SOURCES = tuple(HERE / f"{name}.c" for name in ("quantize", "int4", "amx", "int8", "linear", "norm", "layer", "mxfp4",
-                                                "moe", "kv", "crc32", "recurrent", "router", "pool"))
+                                                "moe", "kv", "crc32", "recurrent", "router", "pool", "logits"))
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVCELLAR_NATIVE_KERNELS"
