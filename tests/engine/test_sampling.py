@@ -149,3 +149,43 @@ def test_a_batch_of_greedy_rows_is_picked_at_once_and_others_are_left_to_the_sam
                   SamplingParams(temperature=0.0, frequency_penalty=0.5)):
         assert not plain_greedy(other, None)
     assert not plain_greedy(greedy, object())  # any grammar constraint
+
+
+def _nucleus_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus's probabilities, renormalized, by its definition: the whole vocabulary sorted."""
+    probs = torch.softmax(logits.double(), -1)
+    ordered, order = torch.sort(probs, descending=True)
+    ordered[ordered.cumsum(0) - ordered >= top_p] = 0.0
+    kept = torch.zeros_like(probs).scatter_(0, order, ordered)
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize(("vocab", "spread", "draws"), [(12, 1.0, 20000), (5000, 0.05, 1500), (5000, 4.0, 20000)])
+def test_top_p_draws_only_the_nucleus_in_its_proportions(vocab, spread, draws):
+    """The nucleus is found among the likeliest 64 tokens, then four times as many until they
+    hold it (a flat distribution over 5,000 tokens: every round up to the whole vocabulary), not
+    by sorting the vocabulary: the tokens drawn and their frequencies are the definition's."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen) * spread
+    want = _nucleus_by_sort(logits, 0.9)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    counts = torch.bincount(torch.tensor([sample_row(logits, params, [], gen).token_id for _ in range(draws)]),
+                            minlength=vocab).double()
+    assert set(counts.nonzero().flatten().tolist()) <= set(want.nonzero().flatten().tolist())
+    likely = want * draws >= 50  # a chi-square over the tokens seen often enough to count
+    expected = want[likely] * draws
+    if likely.sum() > 1:
+        chi2 = float(((counts[likely] - expected) ** 2 / expected).sum())
+        assert chi2 < 2 * int(likely.sum()) + 30, chi2  # ~3.5 sigma above its mean (the cells' count)
+
+
+def test_a_draw_never_picks_a_token_of_probability_zero_and_refuses_no_distribution():
+    from kvcellar.engine.sampling import _draw
+
+    weights = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    assert {_draw(weights, gen) for _ in range(2000)} == {1, 3}
+    assert _draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]), gen) == 2
+    for bad in (torch.zeros(4), torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf"), 1.0])):
+        with pytest.raises(ValueError):
+            _draw(bad, gen)
