@@ -104,8 +104,10 @@ def greedy_tokens(logits: torch.Tensor, plain: list[bool]) -> list[int | None]:
     rows = [i for i, p in enumerate(plain) if p]
     out: list[int | None] = [None] * len(plain)
     if rows:
-        picked = logits if len(rows) == len(plain) else logits[rows]
-        for i, token in zip(rows, argmax_rows(picked), strict=True):
+        with _one_thread(logits):
+            picked = logits if len(rows) == len(plain) else logits[rows]
+            found = argmax_rows(picked)
+        for i, token in zip(rows, found, strict=True):
             out[i] = int(token)
     return out
 
