@@ -186,6 +186,6 @@ def test_a_draw_never_picks_a_token_of_probability_zero_and_refuses_no_distribut
     gen = torch.Generator().manual_seed(3)
     assert {_draw(weights, gen) for _ in range(2000)} == {1, 3}
     assert _draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]), gen) == 2
-    for bad in (torch.zeros(4), torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf"), 1.0])):
+    for bad in (torch.zeros(4), torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf"), 1.0]), torch.zeros(0)):
         with pytest.raises(ValueError):
             _draw(bad, gen)

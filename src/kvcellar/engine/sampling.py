@@ -143,7 +143,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     draw of ``generator`` against their running sum (float64), never an index of weight 0.
     ``torch.multinomial`` took ~1 ms over a vocabulary."""
     cdf = torch.cumsum(weights.double(), 0)
-    total = float(cdf[-1])
+    total = float(cdf[-1]) if cdf.numel() else 0.0
     if not 0.0 < total < float("inf"):
         raise ValueError(f"no token can be sampled: the probabilities sum to {total}")
     u = torch.rand((), generator=generator, device=weights.device, dtype=torch.float64)
