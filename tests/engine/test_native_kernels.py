@@ -82,6 +82,11 @@ def test_activation_blocks_are_rounded_to_8_bits_with_their_scale():
     assert torch.allclose(natural * xd.double()[..., None], rounded(x).view(3, 10, 32), rtol=0, atol=1e-12)
     assert natural.abs().max() <= 127 and torch.all(natural[0, 0] == 0)
     assert torch.allclose(xs.double(), xd.double() * natural.sum(dim=-1), rtol=1e-6)
+    ties = torch.cat([torch.tensor([127.0]), torch.arange(31) - 15.5]).view(1, 32)  # a scale of 1: every x.5
+    xq, xd, xs = native.quantize_activations(torch.cat([ties, -ties], 1), THREADS)
+    natural = torch.stack([xq[0, :16], xq[0, 16:32]], dim=-1).reshape(32)
+    assert torch.equal(natural.float(), torch.round(ties[0])) and torch.equal(xq[0, :32], -xq[0, 32:])  # half to even
+    assert xs[0, 0].item() == torch.round(ties[0]).sum().item()
 
 
 @needs_native

@@ -110,15 +110,24 @@ static inline void quantize_block(const float *v, int8_t *q, float *d_out, float
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float d = _mm_cvtss_f32(m) / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
-    for (int k = 0; k < BLOCK / 2; k++) {
-        const int even = (int)nearbyintf(v[2 * k] * id), odd = (int)nearbyintf(v[2 * k + 1] * id);
-        q[k] = (int8_t)even;
-        q[BLOCK / 2 + k] = (int8_t)odd;
-        sum += even + odd;
+    /* round(v x id) to nearest even (|q| <= 127: the packs below saturate nothing), the even
+     * inputs to q[0..15] and the odd ones to q[16..31]: each 8 lanes' evens to its lower half,
+     * then two packs per 128-bit half put evens 0-15 in bytes 0-15 and odds in 16-31 */
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i halves = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256i x[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), vid));
+        total = _mm256_add_epi32(total, r);
+        x[j] = _mm256_permutevar8x32_epi32(r, halves);
     }
+    _mm256_storeu_si256((__m256i *)q, _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]),
+                                                         _mm256_packs_epi32(x[2], x[3])));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
     *d_out = d;
-    *s_out = d * (float)sum;
+    *s_out = d * (float)_mm_cvtsi128_si32(t);
 }
 
 /* exp's polynomial in x - n ln 2 (Cephes'), highest power first, and its range and reduction
