@@ -1081,3 +1081,22 @@ def test_logits_rounded_to_bf16_are_the_bf16_values():
     got = native.round_bf16_(x.clone())
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k"), [(49152, 64), (49152, 256), (300, 300), (1000, 1), (7, 3)])
+def test_the_top_k_of_a_row_is_torchs_with_equal_values_in_index_order(n, k):
+    """Top-k and top-p sampling's selection: the k greatest, greatest first, of equal values the
+    lower index first; a row with a NaN is torch's."""
+    gen = torch.Generator().manual_seed(n + k)
+    for trial in range(6):
+        x = torch.randn(n, generator=gen) * 3
+        if trial % 2:
+            x = x.round()  # many equal values, at the k-th among them
+        values, ids = native.topk_row(x, k)
+        assert torch.equal(values, torch.topk(x, k).values), trial
+        assert ids.tolist() == sorted(range(n), key=lambda j: (-x[j].item(), j))[:k], trial
+    x[n // 2] = float("nan")
+    values, ids = native.topk_row(x, k)
+    want = torch.topk(x, k)
+    assert torch.equal(values.nan_to_num(1e30), want.values.nan_to_num(1e30)) and ids[0].item() == n // 2

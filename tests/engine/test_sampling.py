@@ -160,11 +160,13 @@ def _nucleus_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
-@pytest.mark.parametrize(("vocab", "spread", "draws"), [(12, 1.0, 20000), (5000, 0.05, 1500), (5000, 4.0, 20000)])
+@pytest.mark.parametrize(("vocab", "spread", "draws"),
+                         [(12, 1.0, 20000), (200, 0.05, 4000), (5000, 0.05, 1500), (5000, 4.0, 20000)])
 def test_top_p_draws_only_the_nucleus_in_its_proportions(vocab, spread, draws):
     """The nucleus is found among the likeliest 64 tokens, then four times as many until they
-    hold it (a flat distribution over 5,000 tokens: every round up to the whole vocabulary), not
-    by sorting the vocabulary: the tokens drawn and their frequencies are the definition's."""
+    hold it (a flat distribution over 5,000 tokens: every round up to the whole vocabulary; over
+    200, a round past it), not by sorting the vocabulary: the tokens drawn and their frequencies
+    are the definition's."""
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(vocab, generator=gen) * spread
     want = _nucleus_by_sort(logits, 0.9)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcellar.engine.native.logits import argmax_rows
+from kvcellar.engine.native.logits import argmax_rows, topk_row
 
 if TYPE_CHECKING:
     from kvcellar.engine.constraints import Grammar, TokenConstraint
@@ -155,15 +155,39 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 # Tokens the nucleus is first looked for among (then four times as many, until it is found).
 NUCLEUS_FIRST = 64
+# The largest top-k the kernels' one-pass selection takes (a heap of k: past a few hundred,
+# torch's is as fast).
+TOPK_ROW_MOST = 256
 
 
 def _nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generator | None) -> int:
     """A token of the smallest set of likeliest tokens whose probability reaches ``top_p`` (the
     likeliest always in it), drawn in proportion to ``probs``: from the likeliest ``k`` tokens
-    (``torch.topk``) while they hold the whole set, not a sort of the vocabulary (~2.6 ms)."""
-    k, vocab = NUCLEUS_FIRST, probs.numel()
+    (``topk_row``, then ``torch.topk`` past ``TOPK_ROW_MOST``) while they hold the whole set, not a
+    sort of the vocabulary (~2.6 ms). The first ``k``'s set is found and drawn from in Python
+    floats: a dozen torch calls on 64 values cost more than the arithmetic."""
+    vocab = probs.numel()
+    values, ids = topk_row(probs, min(NUCLEUS_FIRST, vocab))
+    first = values.tolist()
+    mass, keep = 0.0, len(first)
+    for i, p in enumerate(first):  # a token is in while the mass before it is under top_p
+        if mass >= top_p:
+            keep = i
+            break
+        mass += p
+    if keep < len(first) or mass >= top_p or len(first) == vocab:
+        if not 0.0 < mass < float("inf"):
+            raise ValueError(f"no token can be sampled: the likeliest tokens' probabilities sum to {mass}")
+        u = float(torch.rand((), generator=generator, device=probs.device, dtype=torch.float64)) * mass
+        below = 0.0
+        for i in range(keep):
+            below += first[i]
+            if below > u and first[i] > 0.0:
+                return int(ids[i])
+        return int(ids[max(i for i in range(keep) if first[i] > 0.0)])  # u x mass rounded up to it
+    k = NUCLEUS_FIRST * 4
     while True:
-        values, ids = torch.topk(probs, min(k, vocab))
+        values, ids = topk_row(probs, min(k, vocab)) if k <= TOPK_ROW_MOST else torch.topk(probs, min(k, vocab))
         cumulative = torch.cumsum(values, 0)
         keep = int((cumulative - values < top_p).sum())  # a prefix: the sum before each token grows
         if keep < values.numel() or k >= vocab:
@@ -183,7 +207,8 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[i
     else:
         logits = logits / params.temperature
         if params.top_k > 0 and params.top_k < logits.numel():
-            kth = torch.topk(logits, params.top_k).values[-1]
+            kth = (topk_row(logits, params.top_k)[0] if params.top_k <= TOPK_ROW_MOST
+                   else torch.topk(logits, params.top_k).values)[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         token = _nucleus(probs, params.top_p, generator) if params.top_p < 1.0 else _draw(probs, generator)

@@ -15,7 +15,7 @@ kernels run.
 from kvcellar.engine.native.checksum import crc32, folds_crc32
 from kvcellar.engine.native.kv import attend_kv, attends_kv, gather_kv, gathers_kv, write_kv
 from kvcellar.engine.native.lib import ENV_SWITCH, available, cpu_flags, library
-from kvcellar.engine.native.logits import argmax_rows, round_bf16_
+from kvcellar.engine.native.logits import argmax_rows, round_bf16_, topk_row
 from kvcellar.engine.native.matmul import (
     ACTIVATION_DTYPES,
     BLOCK,
@@ -93,6 +93,6 @@ __all__ = [
     "round_bf16_",
     "route",
     "runs_gated_delta",
-    "stores_panels", "unpack_int4", "unpack_mxfp4",
+    "stores_panels", "topk_row", "unpack_int4", "unpack_mxfp4",
     "wide_panels", "write_kv",
 ]

@@ -372,6 +372,7 @@ static inline moe_unit *linear_units(const int64_t *outs, int64_t count, int64_t
 /* A step's logits (logits.c). */
 void kvc_round_bf16(float *x, int64_t n);
 void kvc_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+int kvc_topk_row(const float *x, int64_t n, int64_t k, float *values, int64_t *ids);
 
 /* AMX tiles (amx.c). A call's activation rows packed for them (amx_pack: whole tiles of 16 rows
  * from its first row; tiles 0 where they do not run: another CPU, fewer rows), and up to

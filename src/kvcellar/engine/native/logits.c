@@ -75,3 +75,52 @@ void kvc_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
         out[r] = i < cols ? i : 0;  /* a row of -inf only: its first */
     }
 }
+
+/* Sift entry i of a min-heap of n values down (its least at 0; of equal values, the later index
+ * is the lesser: it goes first). */
+static void sift_down(float *v, int64_t *id, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t least = i;
+        for (int64_t c = 2 * i + 1; c <= 2 * i + 2 && c < n; c++)
+            if (v[c] < v[least] || (v[c] == v[least] && id[c] > id[least])) least = c;
+        if (least == i) return;
+        const float tv = v[i]; v[i] = v[least]; v[least] = tv;
+        const int64_t ti = id[i]; id[i] = id[least]; id[least] = ti;
+        i = least;
+    }
+}
+
+/* The k greatest of x[0..n-1] (1 <= k <= n), greatest first (equal values: the lower index first),
+ * into values and ids: one pass that skips 8 values at a time while none beats the heap's least,
+ * which is all of them but a few hundred in a vocabulary. Returns 0; -1 at a NaN (torch.topk's
+ * order for it is the caller's). */
+int kvc_topk_row(const float *x, int64_t n, int64_t k, float *values, int64_t *ids) {
+    for (int64_t i = 0; i < k; i++) {
+        if (x[i] != x[i]) return -1;
+        values[i] = x[i];
+        ids[i] = i;
+    }
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(values, ids, k, i);
+    for (int64_t i = k; i < n; ) {
+        /* not (x <= least), unordered included: a NaN stops the skip too */
+        if (i + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(values[0]),
+                                                             _CMP_NLE_UQ))) {
+            i += 8;
+            continue;
+        }
+        for (const int64_t end = i + 8 <= n ? i + 8 : n; i < end; i++) {
+            if (x[i] != x[i]) return -1;
+            if (x[i] > values[0]) {  /* a later equal value never displaces an earlier one */
+                values[0] = x[i];
+                ids[0] = i;
+                sift_down(values, ids, k, 0);
+            }
+        }
+    }
+    for (int64_t m = k; m > 1; m--) {  /* heap sort: the least to the end, so greatest first */
+        const float tv = values[0]; values[0] = values[m - 1]; values[m - 1] = tv;
+        const int64_t ti = ids[0]; ids[0] = ids[m - 1]; ids[m - 1] = ti;
+        sift_down(values, ids, m - 1, 0);
+    }
+    return 0;
+}

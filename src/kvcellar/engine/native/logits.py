@@ -32,3 +32,16 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.call("kvc_argmax_rows", x=x.data_ptr(), rows=x.shape[0], cols=x.shape[1], out=out.data_ptr())
     return out.tolist()
+
+
+def topk_row(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k)`` of a float32 ``[n]``: the greatest first, of equal values the lower index
+    first (torch leaves their order open). One pass where the kernels run (torch's where a NaN is
+    among them)."""
+    if x.dim() == 1 and _takes(x) and 1 <= k <= x.numel():
+        values, ids = torch.empty(k), torch.empty(k, dtype=torch.int64)
+        if lib.call("kvc_topk_row", x=x.data_ptr(), n=x.numel(), k=k, values=values.data_ptr(),
+                    ids=ids.data_ptr()) == 0:
+            return values, ids
+    found: tuple[torch.Tensor, torch.Tensor] = torch.topk(x, k)  # a NaN: torch's order for it
+    return found
