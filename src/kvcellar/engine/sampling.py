@@ -219,6 +219,6 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[i
     logp = torch.log_softmax(raw, dim=-1)
     top = None
     if params.top_logprobs > 0:
-        values, ids = torch.topk(logp, params.top_logprobs)
+        values, ids = topk_row(logp, params.top_logprobs)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return SampleResult(token, float(logp[token]), top)
