@@ -164,28 +164,8 @@ def _nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generator | Non
     """A token of the smallest set of likeliest tokens whose probability reaches ``top_p`` (the
     likeliest always in it), drawn in proportion to ``probs``: from the likeliest ``k`` tokens
     (``topk_row``, then ``torch.topk`` past ``TOPK_ROW_MOST``) while they hold the whole set, not a
-    sort of the vocabulary (~2.6 ms). The first ``k``'s set is found and drawn from in Python
-    floats: a dozen torch calls on 64 values cost more than the arithmetic."""
-    vocab = probs.numel()
-    values, ids = topk_row(probs, min(NUCLEUS_FIRST, vocab))
-    first = values.tolist()
-    mass, keep = 0.0, len(first)
-    for i, p in enumerate(first):  # a token is in while the mass before it is under top_p
-        if mass >= top_p:
-            keep = i
-            break
-        mass += p
-    if keep < len(first) or mass >= top_p or len(first) == vocab:
-        if not 0.0 < mass < float("inf"):
-            raise ValueError(f"no token can be sampled: the likeliest tokens' probabilities sum to {mass}")
-        u = float(torch.rand((), generator=generator, device=probs.device, dtype=torch.float64)) * mass
-        below = 0.0
-        for i in range(keep):
-            below += first[i]
-            if below > u and first[i] > 0.0:
-                return int(ids[i])
-        return int(ids[max(i for i in range(keep) if first[i] > 0.0)])  # u x mass rounded up to it
-    k = NUCLEUS_FIRST * 4
+    sort of the vocabulary (~2.6 ms)."""
+    k, vocab = NUCLEUS_FIRST, probs.numel()
     while True:
         values, ids = topk_row(probs, min(k, vocab)) if k <= TOPK_ROW_MOST else torch.topk(probs, min(k, vocab))
         cumulative = torch.cumsum(values, 0)
