@@ -331,6 +331,23 @@ def test_ngram_index_finds_the_latest_longest_match():
     assert index.match([8, 8]) == (-1, 0)
 
 
+
+
+def test_ngram_index_takes_the_occurrence_in_the_same_surroundings():
+    # "1 2 3 4" occurs twice, after "60 61 62" and after "70 71 72"; the list ends "60 61 62 1 2 3 4":
+    # the first occurrence agrees 7 tokens back, the latest 4, so the draft is what followed the first
+    tokens = [60, 61, 62, 1, 2, 3, 4, 100, 70, 71, 72, 1, 2, 3, 4, 200, 60, 61, 62, 1, 2, 3, 4]
+    index = NgramIndex()
+    index.extend(tokens, len(tokens) - 1)
+    assert index.match(tokens) == (7, 7)
+    assert Drafter("ngram", 8).candidate(0, tokens, 2).draft == [100, 70]
+    # equal agreement: the latest occurrence
+    assert index.match([*tokens[:16], 1, 2, 3, 4]) == (15, 4)
+    # only the KEEP latest occurrences are kept
+    many = [*tokens[:8]] + [5, 1, 2, 3, 4, 6] * NgramIndex.KEEP + [60, 61, 62, 1, 2, 3, 4]
+    index = NgramIndex()
+    index.extend(many, len(many) - 1)
+    assert index.match(many)[1] == 4  # the first occurrence, the one that agreed further back, is gone
 def test_shared_outputs_draft_while_continuations_agree_and_forget_old_ones():
     shared = SharedOutputs(capacity=40)
     shared.add([1, 2, 3, 4, 5, 6])

@@ -18,7 +18,8 @@ Drafters (``--speculative``):
 
 * ``ngram`` (prompt lookup): the longest n-gram (``MIN_NGRAM``..``MAX_NGRAM`` tokens) that
   ends the sequence and occurred before in its prompt or output; the draft is what followed
-  its latest occurrence.
+  the one of its latest occurrences whose preceding tokens agree with the sequence's furthest
+  back (the latest of them, unless an older one agrees clearly further).
 * ``suffix``: the same over the sequence, and over recent outputs of every request of its
   cache root (``SharedOutputs``: what earlier turns and other requests emitted, which agents
   emit again); a match there drafts as far as the continuations seen after it agree (the
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 # text (drafts that fail); longer matches are rarer and better.
 MIN_NGRAM = 2
 MAX_NGRAM = 4
+MATCH_CAP = 64  # a match is measured back this far at most
 # Steps with candidates but no draft worth it, after which one token is drafted anyway (to
 # measure again what drafting costs and yields here): a few % of the steps' time at most on
 # text that never repeats (docs/performance.md).
@@ -68,35 +70,59 @@ SHARED_AGREEMENT = 0.5
 
 
 class NgramIndex:
-    """Where each n-gram of a token list last occurred: n-gram -> the position after it.
-    Extended as the list grows; ``match`` finds the longest n-gram ending the list that occurred
-    earlier and returns where its continuation starts."""
+    """Where each n-gram of a token list occurred lately (its ``KEEP`` latest occurrences):
+    n-gram -> the positions after them. Extended as the list grows; ``match`` finds the longest n-gram ending
+    the list that occurred earlier and, of its occurrences, the one whose preceding tokens agree
+    with the list's furthest back: code repeats short n-grams everywhere (an indent and
+    ``self.``), and the occurrence in the same surroundings is the one copied."""
+
+    KEEP = 4
+    # an older occurrence is taken only where it agrees more than this many tokens further back
+    # than a later one: the latest version of a text is the likelier one to be copied again
+    LATEST_MARGIN = 2
 
     def __init__(self) -> None:
-        self._last: dict[tuple[int, ...], int] = {}
+        self._at: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # n-grams ending before this position are in
 
     def extend(self, tokens: Seq[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto``."""
-        last = self._last
+        at = self._at
         for end in range(self.indexed + 1, upto + 1):  # n-gram tokens[end - n : end]
             for n in range(MIN_NGRAM, MAX_NGRAM + 1):
                 if end - n < 0:
                     break
-                last[tuple(tokens[end - n:end])] = end
+                seen = at.setdefault(tuple(tokens[end - n:end]), [])
+                seen.append(end)
+                if len(seen) > self.KEEP:
+                    del seen[0]
         self.indexed = max(self.indexed, upto)
 
-    def match(self, tail: Seq[int]) -> tuple[int, int]:
-        """(position after the latest earlier occurrence of the longest n-gram ending ``tail``,
-        its length); (-1, 0) if none occurred."""
-        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
-            pos = self._last.get(tuple(tail[-n:]))
-            if pos is not None:
-                return pos, n
+    def match(self, tokens: Seq[int]) -> tuple[int, int]:
+        """(position after the chosen earlier occurrence of the longest n-gram ending ``tokens``,
+        how many tokens before that position agree with the end of ``tokens``, ``MATCH_CAP`` at
+        most); (-1, 0) if none occurred. The latest occurrence, unless an older one agrees more
+        than ``LATEST_MARGIN`` tokens further back."""
+        end = len(tokens)
+        for n in range(min(MAX_NGRAM, end), MIN_NGRAM - 1, -1):
+            seen = self._at.get(tuple(tokens[end - n:]))
+            if not seen:
+                continue
+            best, agree = -1, 0
+            for pos in reversed(seen):
+                if pos >= MATCH_CAP and tokens[pos - MATCH_CAP:pos] == tokens[end - MATCH_CAP:end]:
+                    a = MATCH_CAP  # copying: one comparison in C, not 64 in Python
+                else:
+                    a = n
+                    while a < MATCH_CAP and pos - a - 1 >= 0 and tokens[pos - a - 1] == tokens[end - a - 1]:
+                        a += 1
+                if best < 0 or a > agree + self.LATEST_MARGIN:
+                    best, agree = pos, a
+            return best, agree
         return -1, 0
 
     def __len__(self) -> int:
-        return len(self._last)
+        return len(self._at)
 
 
 class SharedOutputs:
@@ -211,7 +237,6 @@ class RowCost:
 # Match lengths (tokens of the context that agree with the earlier occurrence) whose drafts'
 # acceptance is learnt apart: a long match is the better evidence.
 MATCH_BUCKETS = (2, 4, 8, 16, 32)
-MATCH_CAP = 64  # a match is measured back this far at most
 SHARED_BUCKET = -1  # drafts from other requests' outputs
 
 
@@ -403,13 +428,11 @@ class Drafter:
             pacer = self._pacers[seq_id] = Pacer()
         index = pacer.index
         index.extend(tokens, len(tokens) - 1)  # not the n-grams ending the list: they match themselves
-        pos, n = index.match(tokens)
+        pos, agree = index.match(tokens)
         draft: list[int] = []
         if pos >= 0:
             draft = list(tokens[pos:pos + limit])
-            while n < MATCH_CAP and pos - n - 1 >= 0 and tokens[pos - n - 1] == tokens[len(tokens) - n - 1]:
-                n += 1
-            pacer.bucket = _bucket(n)
+            pacer.bucket = _bucket(agree)
         shared = self.outputs.get(root) if self.outputs is not None else None
         if shared is not None and len(draft) < limit:
             other = shared.draft(tokens, limit)
