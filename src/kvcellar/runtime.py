@@ -23,6 +23,7 @@ from kvcellar.engine.linears import panel_layout
 from kvcellar.engine.loader import LoadedModel, load_model, resolve_device, resolve_serving
 from kvcellar.engine.memory import GIB, MemoryPlan, check_fits, plan_memory
 from kvcellar.engine.speculation import RecentOutputs
+from kvcellar.engine.torch_math import settle as settle_torch_math
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
@@ -157,6 +158,7 @@ def prepare_and_load(model: str | None, *, dtype: str = "auto", device: str = "a
     CPU's layout (``artifacts/panels.py``). Both ways
     give the same identities and outputs, hit or not. ``progress``: show preparation progress
     bars (None: when stderr is a terminal)."""
+    settle_torch_math()  # before a model's own numbers (transformers' init, the first step's RoPE)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = resolve_source(model)

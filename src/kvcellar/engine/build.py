@@ -27,6 +27,7 @@ from kvcellar.engine.loader import LoadedModel
 from kvcellar.engine.model_runner import ModelRunner, StepRunner
 from kvcellar.engine.scheduler import Scheduler
 from kvcellar.engine.speculation import Drafter
+from kvcellar.engine.torch_math import settle as settle_torch_math
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 def assemble_engine(loaded: LoadedModel, config: EngineConfig | None = None) -> Engine:
     """An engine serving ``loaded`` (which hands it its quantized weights) under ``config``."""
     config = config or EngineConfig()
+    settle_torch_math()  # a model loaded without prepare_and_load: still before the first step
     return Engine(loaded, config, assemble_parts(loaded, config))
 
 
