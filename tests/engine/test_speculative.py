@@ -348,6 +348,20 @@ def test_ngram_index_takes_the_occurrence_in_the_same_surroundings():
     index = NgramIndex()
     index.extend(many, len(many) - 1)
     assert index.match(many)[1] == 4  # the first occurrence, the one that agreed further back, is gone
+def test_suffix_prefers_other_outputs_over_a_bare_bigram_of_its_own(tmp_path: Path):
+    outputs = RecentOutputs(tmp_path / "outputs")
+    outputs.add(b"root", [40, 41, 1, 2, 3, 4, 5, 6])
+    drafter = Drafter("suffix", 8, outputs)
+    # its own tokens have "1 2" once, after 7 (not 41): agreement 2; the shared outputs continue "41 1 2"
+    own = [7, 1, 2, 9, 9, 9, 41, 1, 2]
+    assert drafter.candidate(1, own, 4, b"root").draft == [3, 4, 5, 6]
+    # an own match agreeing 3 tokens back (SHARED_OVER_AGREEMENT) keeps its own continuation
+    own = [41, 1, 2, 9, 9, 9, 41, 1, 2]
+    assert drafter.candidate(2, own, 4, b"root").draft == [9, 9, 9, 41]
+    assert Drafter("ngram", 8).candidate(3, [7, 1, 2, 9, 9, 9, 41, 1, 2], 4).draft == [9, 9, 9, 41]
+    outputs.close()
+
+
 def test_shared_outputs_draft_while_continuations_agree_and_forget_old_ones():
     shared = SharedOutputs(capacity=40)
     shared.add([1, 2, 3, 4, 5, 6])

@@ -67,6 +67,9 @@ EXPLORE_EVERY = 32
 SHARED_TOKENS = 1 << 15
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
 SHARED_AGREEMENT = 0.5
+# suffix: a match in the sequence's own tokens that agrees on fewer tokens than this (a bare
+# bigram, whose first token is taken about half the time) gives way to a shared continuation.
+SHARED_OVER_AGREEMENT = 3
 
 
 class NgramIndex:
@@ -434,9 +437,10 @@ class Drafter:
             draft = list(tokens[pos:pos + limit])
             pacer.bucket = _bucket(agree)
         shared = self.outputs.get(root) if self.outputs is not None else None
-        if shared is not None and len(draft) < limit:
+        weak = pos < 0 or agree < SHARED_OVER_AGREEMENT
+        if shared is not None and (len(draft) < limit or weak):
             other = shared.draft(tokens, limit)
-            if len(other) > len(draft):
+            if len(other) > len(draft) or (weak and other):
                 draft, pacer.bucket = other, SHARED_BUCKET
         if not draft:
             return None
