@@ -23,7 +23,8 @@ Drafters (``--speculative``):
 * ``suffix``: the same over the sequence, and over recent outputs of every request of its
   cache root (``SharedOutputs``: what earlier turns and other requests emitted, which agents
   emit again); a match there drafts as far as the continuations seen after it agree (the
-  match's frequency). They are kept in the cache dir across restarts (``RecentOutputs``).
+  match's frequency), and wins over a match of the sequence's own that agrees on a bare bigram.
+  They are kept in the cache dir across restarts (``RecentOutputs``).
 
 Drafting is worth it only while the tokens a draft adds outweigh the rows it costs: a step's
 draft tokens are chosen one at a time (``Drafter.choose``), the likeliest first, each only if it
@@ -74,10 +75,10 @@ SHARED_OVER_AGREEMENT = 3
 
 class NgramIndex:
     """Where each n-gram of a token list occurred lately (its ``KEEP`` latest occurrences):
-    n-gram -> the positions after them. Extended as the list grows; ``match`` finds the longest n-gram ending
-    the list that occurred earlier and, of its occurrences, the one whose preceding tokens agree
-    with the list's furthest back: code repeats short n-grams everywhere (an indent and
-    ``self.``), and the occurrence in the same surroundings is the one copied."""
+    n-gram -> the positions after them. Extended as the list grows; ``match`` finds the longest
+    n-gram ending the list that occurred earlier and, of its occurrences, the one whose preceding
+    tokens agree with the list's furthest back: code repeats short n-grams everywhere (an indent
+    and ``self.``), and the occurrence in the same surroundings is the one copied."""
 
     KEEP = 4
     # an older occurrence is taken only where it agrees more than this many tokens further back

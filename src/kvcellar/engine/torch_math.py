@@ -2,14 +2,14 @@
 
 torch built with MKL computes float32 ``cos``, ``sin``, ``exp``, ``log``, ``tanh``, ``erf`` (and
 the other functions MKL's vector math library has) through that library. The first such call
-in a process sometimes returns other last bits than every later call of the same inputs (in
-4-32 % of fresh processes on the Xeon of docs/performance.md's stop 80, whichever function came
-first; never with ``MKL_CBWR`` set or after one earlier call). The first call a process makes is
-usually the first step's RoPE (transformers' rotary module: ``cos`` and ``sin`` of the
-positions), so that step's keys, its KV blocks and its tokens came out differently in such a
-process from what a restart or another replica recomputes, and a cache hit then does not give
-what recomputing gives. ``settle`` spends that first call on a few values before anything is
-computed that counts.
+in a process sometimes returns other last bits than every later call of the same inputs: in
+about one fresh process of six on the Xeon of docs/performance.md's stop 80, half of its values
+(those MKL's second thread takes), whichever function came first; not once after an earlier
+call. A serving process's first such call is its first step's RoPE (transformers' rotary
+module: ``cos`` and ``sin`` of the positions), so that step's keys, its KV blocks and its tokens
+came out otherwise in such a process than a restart or another replica recomputes them, and a
+cache hit then did not give what recomputing gives. ``settle`` spends that first call on a few
+values before anything is computed that counts.
 """
 
 from __future__ import annotations
