@@ -331,8 +331,6 @@ def test_ngram_index_finds_the_latest_longest_match():
     assert index.match([8, 8]) == (-1, 0)
 
 
-
-
 def test_ngram_index_takes_the_occurrence_in_the_same_surroundings():
     # "1 2 3 4" occurs twice, after "60 61 62" and after "70 71 72"; the list ends "60 61 62 1 2 3 4":
     # the first occurrence agrees 7 tokens back, the latest 4, so the draft is what followed the first
@@ -348,6 +346,8 @@ def test_ngram_index_takes_the_occurrence_in_the_same_surroundings():
     index = NgramIndex()
     index.extend(many, len(many) - 1)
     assert index.match(many)[1] == 4  # the first occurrence, the one that agreed further back, is gone
+
+
 def test_suffix_prefers_other_outputs_over_a_bare_bigram_of_its_own(tmp_path: Path):
     outputs = RecentOutputs(tmp_path / "outputs")
     outputs.add(b"root", [40, 41, 1, 2, 3, 4, 5, 6])
