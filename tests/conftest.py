@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvcellar.engine.torch_math import settle as settle_torch_math
 from tests._models import embedded, shared_models_dir, uncached_runner
 from tests.helpers import MODEL, ServerProcess
 
@@ -26,6 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     before the workers start, so they inherit it and the model is prepared once; each
     worker, and every server it starts, gets its share of the cores for torch's threads
     (N processes each running as many threads as cores is slower on 2 cores)."""
+    settle_torch_math()  # a test's transformers reference, run before any engine, takes no odd first call
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:
         shared_models_dir()
