@@ -160,14 +160,21 @@ NUCLEUS_FIRST = 64
 TOPK_ROW_MOST = 256
 
 
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` greatest of ``x``, greatest first: the kernels' one pass up to ``TOPK_ROW_MOST``."""
+    if k <= TOPK_ROW_MOST:
+        return topk_row(x, k)
+    found: tuple[torch.Tensor, torch.Tensor] = torch.topk(x, k)
+    return found
+
+
 def _nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generator | None) -> int:
     """A token of the smallest set of likeliest tokens whose probability reaches ``top_p`` (the
     likeliest always in it), drawn in proportion to ``probs``: from the likeliest ``k`` tokens
-    (``topk_row``, then ``torch.topk`` past ``TOPK_ROW_MOST``) while they hold the whole set, not a
-    sort of the vocabulary (~2.6 ms)."""
+    (``_topk``) while they hold the whole set, not a sort of the vocabulary (~2.6 ms)."""
     k, vocab = NUCLEUS_FIRST, probs.numel()
     while True:
-        values, ids = topk_row(probs, min(k, vocab)) if k <= TOPK_ROW_MOST else torch.topk(probs, min(k, vocab))
+        values, ids = _topk(probs, min(k, vocab))
         cumulative = torch.cumsum(values, 0)
         keep = int((cumulative - values < top_p).sum())  # a prefix: the sum before each token grows
         if keep < values.numel() or k >= vocab:
@@ -187,8 +194,7 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[i
     else:
         logits = logits / params.temperature
         if params.top_k > 0 and params.top_k < logits.numel():
-            kth = (topk_row(logits, params.top_k)[0] if params.top_k <= TOPK_ROW_MOST
-                   else torch.topk(logits, params.top_k).values)[-1]
+            kth = _topk(logits, params.top_k)[0][-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         token = _nucleus(probs, params.top_p, generator) if params.top_p < 1.0 else _draw(probs, generator)
@@ -199,6 +205,6 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[i
     logp = torch.log_softmax(raw, dim=-1)
     top = None
     if params.top_logprobs > 0:
-        values, ids = topk_row(logp, params.top_logprobs)
+        values, ids = _topk(logp, params.top_logprobs)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return SampleResult(token, float(logp[token]), top)
