@@ -63,8 +63,8 @@ MATCH_CAP = 64  # a match is measured back this far at most
 # measure again what drafting costs and yields here): a few % of the steps' time at most on
 # text that never repeats (docs/performance.md).
 EXPLORE_EVERY = 32
-# suffix: recent outputs a cache root's shared index keeps, in tokens (its n-gram counts take
-# ~1 KiB a token: docs/performance.md).
+# suffix: recent outputs a cache root's shared index keeps, in tokens (its n-gram table takes
+# ~450 bytes a token where every n-gram is new, ~120 on code: docs/performance.md).
 SHARED_TOKENS = 1 << 15
 # suffix: a shared continuation is drafted while at least this share of its occurrences agree.
 SHARED_AGREEMENT = 0.5
@@ -131,14 +131,27 @@ class NgramIndex:
 
 class SharedOutputs:
     """Recent outputs of the requests of one cache root (``SHARED_TOKENS`` at most, the oldest
-    dropped), with an index of which tokens followed each n-gram in them and how often."""
+    dropped), with an index of which tokens followed each n-gram in them and how often.
+
+    Most n-grams were followed by one token only: their entry is one int (the token and its count
+    packed, ``_pack``) rather than a table, a third of the memory (docs/performance.md)."""
+
+    _TOKEN_BITS = 32
 
     def __init__(self, capacity: int = SHARED_TOKENS) -> None:
         self.capacity = capacity
         self._outputs: collections.deque[tuple[int, ...]] = collections.deque()
         self._tokens = 0
-        # n-gram -> next token -> times seen
-        self._next: dict[tuple[int, ...], collections.Counter[int]] = {}
+        # n-gram -> what followed it: a packed (token, times) where one token did, else token -> times
+        self._next: dict[tuple[int, ...], int | dict[int, int]] = {}
+
+    @classmethod
+    def _pack(cls, token: int, times: int) -> int:
+        return times << cls._TOKEN_BITS | token
+
+    @classmethod
+    def _unpack(cls, packed: int) -> tuple[int, int]:
+        return packed & ((1 << cls._TOKEN_BITS) - 1), packed >> cls._TOKEN_BITS
 
     def add(self, output: Seq[int]) -> None:
         out = tuple(output)
@@ -153,21 +166,43 @@ class SharedOutputs:
             self._count(old, -1)
 
     def _count(self, out: tuple[int, ...], sign: int) -> None:
-        table = self._next
+        table, pack, unpack = self._next, self._pack, self._unpack
         for end in range(MIN_NGRAM, len(out)):
             nxt = out[end]
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
                 gram = out[end - n:end]
-                counts = table.get(gram)
-                if counts is None:
-                    if sign < 0:
-                        continue
-                    counts = table[gram] = collections.Counter()
-                counts[nxt] += sign
-                if counts[nxt] <= 0:
-                    del counts[nxt]
-                    if not counts:
+                seen = table.get(gram)
+                if seen is None:
+                    if sign > 0:
+                        table[gram] = pack(nxt, 1)
+                    continue
+                if isinstance(seen, int):
+                    token, times = unpack(seen)
+                    if token != nxt:
+                        if sign > 0:
+                            table[gram] = {token: times, nxt: 1}
+                    elif times + sign > 0:
+                        table[gram] = pack(token, times + sign)
+                    else:
                         del table[gram]
+                    continue
+                times = seen.get(nxt, 0) + sign
+                if times > 0:
+                    seen[nxt] = times
+                elif nxt in seen:
+                    del seen[nxt]
+                    if len(seen) == 1:
+                        table[gram] = pack(*next(iter(seen.items())))
+
+    def _likeliest(self, gram: tuple[int, ...]) -> tuple[int, float] | None:
+        """The token that followed ``gram`` most often and its share of what followed it."""
+        seen = self._next.get(gram)
+        if seen is None:
+            return None
+        if isinstance(seen, int):
+            return self._unpack(seen)[0], 1.0
+        token = max(seen, key=seen.__getitem__)
+        return token, seen[token] / sum(seen.values())
 
     def draft(self, context: Seq[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens after ``context``: at each step the most frequent continuation of
@@ -177,15 +212,15 @@ class SharedOutputs:
         tail = list(context[-MAX_NGRAM:])
         share = 1.0
         while len(out) < limit:
-            counts = None
+            found = None
             for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
-                counts = self._next.get(tuple(tail[-n:]))
-                if counts:
+                found = self._likeliest(tuple(tail[-n:]))
+                if found is not None:
                     break
-            if not counts:
+            if found is None:
                 break
-            token, seen = counts.most_common(1)[0]
-            share *= seen / sum(counts.values())
+            token, part = found
+            share *= part
             if share < SHARED_AGREEMENT:
                 break
             out.append(token)
