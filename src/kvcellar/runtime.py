@@ -27,6 +27,7 @@ from kvcellar.engine.torch_math import settle as settle_torch_math
 from kvcellar.errors import ModelLoadError
 from kvcellar.identity import file_sha256, weights_identity
 from kvcellar.model_source import resolve_source
+from kvcellar.paths import draft_outputs_path
 from kvcellar.settings import Settings
 from kvcellar.storage.base import BlockSpec, KVTier
 from kvcellar.storage.block_format import CacheSecret
@@ -237,11 +238,11 @@ def check_memory(settings: Settings) -> None:
 
 
 def keep_outputs(engine: Engine, cache_dir: Path) -> None:
-    """``--speculative suffix``: the outputs it drafts from, kept in ``cache_dir/spec/`` across
-    restarts (a file per KV namespace: the token ids are this model's)."""
+    """``--speculative suffix`` (``auto``'s on a CPU): the outputs it drafts from, kept in
+    ``cache_dir/spec/`` across restarts (a file per KV namespace: the token ids are this model's)."""
     drafter = engine.scheduler.drafter
     if drafter is not None and drafter.mode == "suffix":
-        drafter.outputs = RecentOutputs(Path(cache_dir) / "spec" / f"{engine.fingerprint[:32]}.outputs")
+        drafter.outputs = RecentOutputs(draft_outputs_path(Path(cache_dir), engine.fingerprint))
 
 
 def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engine:
@@ -258,7 +259,8 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> Engin
             loaded = prepare_and_load(settings.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weights,
                                       artifacts=open_artifacts(settings))
     engine = assemble_engine(loaded, settings.engine)
-    keep_outputs(engine, settings.cache_dir)
+    if settings.disk.policy != "off":  # without the SSD tier nothing generated is kept on disk either
+        keep_outputs(engine, settings.cache_dir)
     try:
         attach_disk_tier(engine, settings)
         attach_remote_tier(engine, settings)

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from kvcellar.engine.speculation import RecentOutputs
+from kvcellar.paths import draft_outputs_path
 from kvcellar.storage import BlockSpec
 from kvcellar.storage.block_format import header_size_for
 from kvcellar.storage.disk import maintenance
@@ -136,6 +138,25 @@ def test_clear_lists_and_deletes(populated) -> None:
     rep = maintenance.clear_cache(root)
     assert sorted(n["dir"] for n in rep.namespaces) == ["alpha-v0", "alpha-v2"]
     assert maintenance.list_namespaces(root) == []
+
+
+def test_clear_deletes_the_outputs_suffix_drafts_from(populated, capsys) -> None:
+    """What ``--speculative suffix`` kept of the outputs (token ids of what was generated) goes
+    with the namespace's blocks: all of it on a plain clear, a namespace's on ``--namespace``."""
+    cache_dir, _ = populated
+    for ns in ("alpha", "beta"):
+        kept = RecentOutputs(draft_outputs_path(cache_dir, ns))
+        kept.add(b"root", [1, 2, 3, 4, 5])
+        kept.close()
+    assert _cli("cache", "clear", "--cache-dir", str(cache_dir), "--namespace", "beta") == 0
+    assert "beta.outputs" in capsys.readouterr().out
+    assert sorted(p.name for p in (cache_dir / "spec").iterdir()) == ["alpha.outputs"]
+    assert _cli("cache", "clear", "--cache-dir", str(cache_dir), "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["draft_outputs"] == [str(draft_outputs_path(cache_dir, "alpha"))]
+    assert not list((cache_dir / "spec").iterdir())
+    assert _cli("cache", "clear", "--cache-dir", str(cache_dir)) == 0
+    assert "nothing to delete" in capsys.readouterr().out
 
 
 def _cli(*argv: str) -> int:

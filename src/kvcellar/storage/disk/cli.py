@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvcellar.paths import resolve_cache_dir
+from kvcellar.paths import clear_draft_outputs, resolve_cache_dir
 from kvcellar.storage.disk import maintenance
 from kvcellar.storage.secret import resolve_cache_secret
 from kvcellar.units import format_bytes
@@ -131,14 +131,19 @@ def run_cache_command(args: argparse.Namespace) -> int:
         return 0
     if cmd == "clear":
         cleared = maintenance.clear_cache(root, args.namespace, progress=progress)
+        # what --speculative suffix kept of the outputs goes with the blocks
+        outputs = clear_draft_outputs(cache_dir, None if args.namespace is None
+                                      else [n["namespace"] for n in cleared.namespaces])
         if args.json:
-            _dump(cleared.as_dict())
+            _dump({**cleared.as_dict(), "draft_outputs": [str(p) for p in outputs]})
         else:
-            if not cleared.namespaces:
+            if not cleared.namespaces and not outputs:
                 print("clear: nothing to delete")
             for n in cleared.namespaces:
                 live = f" (was open by {n['live_sessions']} running server(s))" if n["live_sessions"] else ""
                 print(f"  deleted {n['dir']}: {n['blocks']} block(s), {format_bytes(n['bytes'])}{live}")
+            for path in outputs:
+                print(f"  deleted {path} (recent outputs drafts are taken from)")
         return 0
     raise AssertionError(cmd)
 
