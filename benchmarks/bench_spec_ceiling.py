@@ -76,7 +76,7 @@ def record(loaded: LoadedModel, engine: Engine, seed: str, repeats: int, kinds: 
     turns: list[Turn] = []
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for rep in range(repeats):
-        for conv in conversations(f"{seed}:{rep}", kinds):
+        for conv in conversations(f"{seed}:{rep}", kinds, round_=rep):
             messages = [{"role": "system", "content": conv.system}] if conv.system else []
             for text in conv.turns:
                 messages.append({"role": "user", "content": text})

@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="speculative decoding: draft tokens from the request's own text (ngram) or also from "
                         "recent outputs of every request (suffix), verified in one step; the output is the same. "
-                        "auto (default): ngram on CPUs (kvcellar's attention kernel), off on GPUs")
+                        "auto (default): suffix on CPUs (kvcellar's attention kernel), off on GPUs")
     p.add_argument("--speculative-max-tokens", type=int, default=None,
                    help="the longest draft, in tokens (default 8)")
     p.add_argument("--thread-spin", default=None, choices=list(THREAD_SPINS),

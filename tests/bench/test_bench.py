@@ -154,7 +154,7 @@ def test_decode_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: 
 
 @pytest.mark.slow
 def test_spec_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The session server drafts by default (``--speculative auto``: ngram on a CPU): a code edit's
+    """The session server drafts by default (``--speculative auto``: suffix on a CPU): a code edit's
     drafts are verified and taken, and /health says so."""
     res = run_bench(capsys, tmp_path / "spec", "spec", "--base-url", server.url, "--kinds", "code-edit",
                     "--max-tokens", "48", "--streams", "2")
@@ -162,4 +162,4 @@ def test_spec_fast_against_url(server: ServerProcess, tmp_path: Path, capsys: py
     assert t["rows"]["code-edit"]["tok_s"] > 0 and t["batch_tok_s"][0] > 0
     drafts = t["accepted_by_kind"]["code-edit"]
     assert drafts["verifies"] > 0 and 0 < drafts["accepted"] <= drafts["drafted"]
-    assert t["speculative"]["mode"] == "ngram" and t["speculative"]["acceptance_rate"] > 0
+    assert t["speculative"]["mode"] == "suffix" and t["speculative"]["acceptance_rate"] > 0

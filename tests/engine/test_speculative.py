@@ -309,7 +309,7 @@ def test_the_drafter_is_the_one_the_settings_ask_for():
     from kvcellar.engine.config import EngineConfig
 
     assert _drafter(EngineConfig(), exact=False) is None  # auto: not where rows round apart
-    assert getattr(_drafter(EngineConfig(), exact=True), "mode", None) == "ngram"
+    assert getattr(_drafter(EngineConfig(), exact=True), "mode", None) == "suffix"
     assert _drafter(EngineConfig(speculative="off"), exact=True) is None
     assert isinstance(_drafter(EngineConfig(speculative="suffix"), exact=False), Drafter)
     with pytest.raises(ValueError, match="speculative"):
@@ -439,6 +439,23 @@ def test_suffix_drafts_from_earlier_outputs_and_keeps_them_across_a_restart(load
     keep_outputs(restarted, tmp_path)
     assert restarted.scheduler.drafter.outputs.tokens == drafter.outputs.tokens > 0
     restarted.shutdown()
+
+
+@pytest.mark.parametrize("ssd", ["write_through", "off"])
+def test_a_server_keeps_the_outputs_suffix_drafts_from_only_where_it_keeps_blocks(loaded, tmp_path: Path, ssd: str):
+    """The default drafts (``auto``: suffix on a CPU) keep their outputs in the cache dir as the
+    SSD tier keeps blocks; with the tier off nothing generated is written there."""
+    from kvcellar.runtime import build_engine
+    from kvcellar.settings import load_settings
+
+    settings = load_settings(cache_dir=tmp_path, flags={"engine": {"kv_cache_gb": 0.05, "warmup": False},
+                                                        "disk": {"ssd_policy": ssd}})
+    engine = build_engine(settings, loaded)
+    assert engine.scheduler.drafter.mode == "suffix"
+    engine.generate([chat(loaded, "Count from one to ten.")], SamplingParams(max_tokens=12, temperature=0.0))
+    engine.shutdown()
+    kept = list((tmp_path / "spec").glob("*.outputs")) if (tmp_path / "spec").exists() else []
+    assert len(kept) == (1 if ssd != "off" else 0)
 
 
 def _eager(engine: Any, mode: str) -> Eager:

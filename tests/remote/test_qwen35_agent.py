@@ -104,7 +104,7 @@ def test_turns_two_to_four_from_the_cache_in_the_server_after_a_restart_and_on_a
         assert all(cached_share(r) >= 0.8 for r in first), [cached_share(r) for r in first]
         health = server.health()
         assert health["state"]["state_snapshots_loaded"] >= 3
-        assert health["speculative"]["mode"] == "ngram"  # a hybrid drafts under auto
+        assert health["speculative"]["mode"] == "suffix"  # a hybrid drafts under auto
     finally:
         assert server.stop() == 0  # drains both tiers' writers
     restarted = serve(tmp_path / "a", redis_server.url, models_dir=models_dir)

@@ -10,7 +10,8 @@ one file (each turn carries the server's own earlier replies), and natural chat.
 ``--max-tokens`` a turn.
 
 Each repeat works on its own variant of the file (names differ), so ``suffix`` drafts from
-what earlier repeats wrote, as from an agent's earlier edits of the same code; a last agent
+what earlier repeats wrote, as from an agent's earlier edits of the same code, and asks other
+chat questions (no answer is drafted from the same question's earlier answer); a last agent
 replay on yet another variant runs after ``suffix``'s server restarted (its outputs read back
 from the cache dir), beside ``ngram``.
 
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> SpecResult:
         for rep in range(cfg.repeats):
             # each repeat its own file (names vary): suffix drafts from earlier repeats' outputs, as
             # from an agent's earlier edits of the same code
-            work = conversations(f"{cfg.seed}:{rep}", tuple(cfg.kinds))
+            work = conversations(f"{cfg.seed}:{rep}", tuple(cfg.kinds), round_=rep)
             order = targets[rep % len(targets):] + targets[:rep % len(targets)]
             for t in order:
                 for kind in cfg.kinds:

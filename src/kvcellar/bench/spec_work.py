@@ -7,7 +7,8 @@ deterministic (no data set is downloaded), as OpenAI-style message lists.
 * ``json``: a JSON document to repeat with one field changed;
 * ``agent``: five turns on one file, each asking for another small change of the whole file,
   each turn carrying the replies before it (the server's own);
-* ``chat``: natural questions, whose answers repeat little.
+* ``chat``: natural questions, whose answers repeat little; each round (a benchmark's repeat)
+  asks others, so drafts from earlier outputs (``suffix``) find no answer of the same question.
 """
 
 from __future__ import annotations
@@ -118,7 +119,16 @@ _QUESTIONS = (
     "Why is the sky blue? Explain it to a ten year old.",
     "Give me some advice for my first week at a new job.",
     "What are the pros and cons of living in a big city?",
+    "Describe a walk through an autumn forest.",
+    "How do vaccines teach the body to fight an illness?",
+    "Plan a relaxing weekend for two people who like museums and food.",
+    "What should I think about before adopting a dog?",
+    "Write a letter to a friend who moved to another country.",
+    "Why do we dream, and what do scientists know about it?",
+    "Suggest three ways to save money on groceries and explain each.",
+    "What was daily life like for a sailor on a ship in the 1700s?",
 )
+CHAT_PER_ROUND = 4
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,9 @@ def _document(seed: str) -> str:
 SYSTEM = "You are a careful coding assistant. When asked for a file, reply with the whole file in one code block."
 
 
-def conversations(seed: str, kinds: tuple[str, ...] = ("code-edit", "json", "agent", "chat")) -> list[Conversation]:
+def conversations(seed: str, kinds: tuple[str, ...] = ("code-edit", "json", "agent", "chat"),
+                  round_: int = 0) -> list[Conversation]:
+    """The work of one round (``round_``: which chat questions; ``seed``: the file's names)."""
     src, loader = module_source(seed)
     file = f"Here is `inventory.py`:\n```python\n{src}```\n"
     out: list[Conversation] = []
@@ -178,6 +190,8 @@ def conversations(seed: str, kinds: tuple[str, ...] = ("code-edit", "json", "age
             "Finally, rename `report` to `summary`. Whole file.",
         )))
     if "chat" in kinds:
-        out += [Conversation("chat", f"q{i + 1}", "You are a helpful assistant.", (q,))
-                for i, q in enumerate(_QUESTIONS)]
+        first = CHAT_PER_ROUND * round_
+        out += [Conversation("chat", f"q{(first + i) % len(_QUESTIONS) + 1}", "You are a helpful assistant.",
+                             (_QUESTIONS[(first + i) % len(_QUESTIONS)],))
+                for i in range(CHAT_PER_ROUND)]
     return out

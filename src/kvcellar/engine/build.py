@@ -108,10 +108,11 @@ def assemble_parts(loaded: LoadedModel, cfg: EngineConfig) -> EngineParts:
 def _drafter(cfg: EngineConfig, *, exact: bool) -> Drafter | None:
     """The drafter ``cfg.speculative`` asks for; ``exact``: a step's rows get the numbers a decode
     step gives them, which ``auto`` needs (elsewhere drafts change outputs by float rounding, as
-    batching does there)."""
+    batching does there). ``auto`` drafts as ``suffix``: ahead of ``ngram`` on every kind of work
+    ``kvcellar bench spec`` measures (docs/performance.md)."""
     mode = cfg.speculative
     if mode == "auto":
-        mode = "ngram" if exact else "off"
+        mode = "suffix" if exact else "off"
     if mode == "off":
         return None
     return Drafter(mode, cfg.speculative_max_tokens)

@@ -115,7 +115,7 @@ class EngineConfig:
     unhealthy_after_failed_steps: int = 3
     # Speculative decoding (engine/speculation.py): draft tokens from the request's own text
     # (ngram) or also from recent outputs of every request (suffix), verified in one step; the
-    # output is the one decoding without drafts gives. auto: ngram where a step's rows get the
+    # output is the one decoding without drafts gives. auto: suffix where a step's rows get the
     # numbers a decode step gives them (kvcellar's attention kernel on a CPU, with int4/int8 or
     # bf16 linears), else off (GPUs, float32 dense weights: their matmuls round by a step's row
     # count). speculative_max_tokens: the longest draft.
