@@ -7,7 +7,8 @@ Llama-3.1-8B (``--arch llama``) or the mixture-of-experts Qwen3-30B-A3B / Qwen3-
 gpt-oss-20b (``--arch gpt-oss``: 32 experts of 2880 in MXFP4, 4 routed a token, attention
 sinks, 128-token windows every other layer, Q8_0 attention and embedding; ~12 GB) or the
 hybrid Qwen3.5-9B (``--arch qwen35``: Gated DeltaNet layers, every fourth gated attention; or
-``--arch qwen35-2b``) and random weights, then measures both servers on that very
+``--arch qwen35-2b``; or its MoE, Qwen3.5-35B-A3B, ``--arch qwen35moe``: 256 experts of 512 and a
+shared one, 8 routed a token; ~19.5 GB in Q4_0) and random weights, then measures both servers on that very
 file, one after the other, with the same token-id prompts (``/v1/completions`` takes a list of
 token ids, so prompt lengths are exact on both servers).
 
@@ -140,10 +141,15 @@ SHAPES = {
     # the small dense Qwen3.5 (16 key and 16 value heads; 8 attention heads of 256, 2 KV heads)
     "qwen35-2b": Shape("qwen35", 2048, 6144, 24, 8, 2, 248320, 1e7, 1e-6, 262144, "Qwen3.5-2B-shaped",
                        head_size=256, linear=(16, 16, 128, 4)),
+    # the hybrid MoE (transformers' Qwen3_5MoeTextConfig defaults): 256 experts of 512 and a
+    # shared one of 512 in every layer, 8 routed a token
+    "qwen35moe": Shape("qwen35moe", 2048, 512, 40, 16, 2, 248320, 1e7, 1e-6, 262144, "Qwen3.5-35B-A3B-shaped",
+                       experts=256, experts_used=8, head_size=256),
     # every other layer a 128-token window; YaRN x32 over 4096 (llama.cpp's gpt-oss metadata)
     "gpt-oss": Shape("gpt-oss", 2880, 2880, 24, 64, 8, 201088, 150000.0, 1e-5, 131072, "gpt-oss-20b-shaped",
                      experts=32, experts_used=4, head_size=64),
 }
+HYBRIDS = ("qwen35", "qwen35moe")  # Gated DeltaNet layers, every fourth a gated attention one
 GPT_OSS_WINDOW = 128
 FULL_ATTENTION_INTERVAL = 4  # Qwen3.5: every fourth layer is full attention
 SMALL = {"hidden": 512, "ffn": 1536, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": 8192}
@@ -201,7 +207,7 @@ def tensor_plan(shape: Shape, output_type: str, mix: str = "q4_0") -> list[tuple
     h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
     if shape.arch == "gpt-oss":
         return gpt_oss_plan(shape, output_type)
-    if shape.arch == "qwen35":
+    if shape.arch in HYBRIDS:
         return qwen35_plan(shape, output_type, mix)
     four = "Q4_0" if mix == "q4_0" else "Q4_K"
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (shape.vocab, h), four)]
@@ -276,8 +282,16 @@ def qwen35_plan(shape: Shape, output_type: str, mix: str) -> list[tuple[str, tup
             plan += [(b + "attn_q.weight", (2 * q, h), four), (b + "attn_k.weight", (kv, h), four),
                      (b + "attn_v.weight", (kv, h), wide), (b + "attn_q_norm.weight", (shape.head_dim,), "F32"),
                      (b + "attn_k_norm.weight", (shape.head_dim,), "F32"), (b + "attn_output.weight", (h, q), four)]
-        plan += [(b + "post_attention_norm.weight", (h,), "F32"), (b + "ffn_gate.weight", (f, h), four),
-                 (b + "ffn_up.weight", (f, h), four), (b + "ffn_down.weight", (h, f), wide)]
+        plan += [(b + "post_attention_norm.weight", (h,), "F32")]
+        if shape.experts:  # routed experts and a shared one of the same width, its output gated
+            e = shape.experts
+            plan += [(b + "ffn_gate_inp.weight", (e, h), "F32"), (b + "ffn_gate_exps.weight", (e, f, h), four),
+                     (b + "ffn_up_exps.weight", (e, f, h), four), (b + "ffn_down_exps.weight", (e, h, f), wide),
+                     (b + "ffn_gate_inp_shexp.weight", (h,), "F32"), (b + "ffn_gate_shexp.weight", (f, h), four),
+                     (b + "ffn_up_shexp.weight", (f, h), four), (b + "ffn_down_shexp.weight", (h, f), wide)]
+            continue
+        plan += [(b + "ffn_gate.weight", (f, h), four), (b + "ffn_up.weight", (f, h), four),
+                 (b + "ffn_down.weight", (h, f), wide)]
     plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (shape.vocab, h), output_type)]
     return plan
 
@@ -337,9 +351,9 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
     w.add_head_count_kv(shape.kv_heads)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
-    w.add_rope_dimension_count(shape.head_dim if shape.arch != "qwen35" else shape.head_dim // 4)
+    w.add_rope_dimension_count(shape.head_dim if shape.arch not in HYBRIDS else shape.head_dim // 4)
     w.add_vocab_size(shape.vocab)
-    if shape.arch == "qwen35":
+    if shape.arch in HYBRIDS:
         qwen35_metadata(w, shape)
     if shape.head_size:
         w.add_key_length(shape.head_dim)
@@ -348,6 +362,8 @@ def write_model(path: Path, shape: Shape, output_type: str, seed: int = 0, mix: 
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.ffn)
+        if shape.arch == "qwen35moe":
+            w.add_expert_shared_feed_forward_length(shape.ffn)
     if shape.arch == "gpt-oss":
         w.add_sliding_window(GPT_OSS_WINDOW)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -798,7 +814,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--arch", choices=sorted(SHAPES), default="qwen2",
                    help="qwen2: Qwen2.5-7B, llama: Llama-3.1-8B, qwen3moe: Qwen3-30B-A3B, gpt-oss: gpt-oss-20b "
                    "(MXFP4 experts, Q8_0 attention and embedding, whatever --mix), qwen35: Qwen3.5-9B (hybrid), "
-                   "qwen35-2b: Qwen3.5-2B")
+                   "qwen35-2b: Qwen3.5-2B, qwen35moe: Qwen3.5-35B-A3B (hybrid MoE)")
     p.add_argument("--vocab-from-embedded", action="store_true",
                    help="the embedded SmolLM2's BPE (merges, pre-tokenizer) padded to the shape's vocabulary, "
                    "for prompts of real text (bench_agent_replay.py --model)")

@@ -220,8 +220,11 @@ def memory_plan(settings: Settings) -> MemoryPlan:
     kv_bytes = int(cfg.kv_cache_gb * GIB) if not cfg.kv_cache_blocks else 0
     # a hybrid's verifications keep the state before them (``auto`` drafts where rows are exact)
     draft_slots = cfg.verify_state_slots if cfg.speculative != "off" else 0
+    # the artifact cache stores int4 linears as panels where prepare_and_load gives it a layout
+    stored_panels = settings.artifacts.enabled and precision.kernel_dtype == torch.int8 and dev.type == "cpu"
     return plan_memory(source, precision.weights, precision.dtype, kv_bytes,
-                       state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots + draft_slots)
+                       state_slots=2 * cfg.max_num_seqs + cfg.state_snapshots + draft_slots,
+                       stored_panels=stored_panels)
 
 
 def check_memory(settings: Settings) -> None:

@@ -53,6 +53,41 @@ def test_the_plan_counts_an_embedding_kept_as_int4_blocks(tmp_path):
     assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
 
 
+def _held(engine) -> int:
+    """The bytes an engine's model holds: its prepared linears, parameters and int4 embedding."""
+    from kvcellar.quantization import QuantizedEmbedding
+
+    embedding = engine.model.get_input_embeddings()
+    linears = sum(m.nbytes for m in engine.runner.linears.linears)
+    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
+    return linears + rest + (embedding.quant.nbytes if isinstance(embedding, QuantizedEmbedding) else 0)
+
+
+@pytest.mark.skipif(not quant_kernels_run(torch.bfloat16, torch.device("cpu")), reason="no int4 kernel here")
+def test_panels_the_artifact_cache_stores_are_planned_at_any_size(tmp_path, monkeypatch):
+    """A model whose int4 weights are more than a start may pack as panels (a Qwen3.5-35B-A3B's
+    19 GB on a 24 GB machine) still gets them as panels from the artifact cache, without a Q4_0
+    source's offsets: the plan counts them so, where it refused such a model for the offsets it
+    would not hold. Without the artifact cache they stay in the row layout, offsets and all."""
+    from kvcellar.artifacts.store import ArtifactCache
+    from kvcellar.engine import native
+    from kvcellar.runtime import prepare_and_load
+    from tests.artifacts.gguf_files import write_gguf
+
+    if not native.available():
+        pytest.skip("kvcellar's kernels are not built here")
+    monkeypatch.setattr(native.matmul, "PANEL_RAM_SHARE", 1e-9)  # every model is too big to pack at a start
+    path = write_gguf(tmp_path / "q4_0.gguf", arch="llama", types="Q4_0", vocab_size=4096)
+    source = resolve_source(str(path))
+    stored = plan_memory(source, "int4", torch.bfloat16, 0, stored_panels=True)
+    packed = plan_memory(source, "int4", torch.bfloat16, 0)
+    assert stored.weights_bytes < packed.weights_bytes
+    for plan, artifacts in ((stored, ArtifactCache(tmp_path / "models")), (packed, None)):
+        loaded = prepare_and_load(str(path), dtype="bfloat16", device="cpu", weights="int4", artifacts=artifacts)
+        held = _held(make_engine(loaded))
+        assert abs(plan.weights_bytes - held) <= 0.02 * held, (artifacts, plan.weights_bytes, held)
+
+
 def test_full_weights_count_a_tied_head_once():
     source = resolve_source(None)  # SmolLM2 ties its LM head to the embedding
     full = plan_memory(source, "full", torch.bfloat16, GIB)

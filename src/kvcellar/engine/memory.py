@@ -76,10 +76,12 @@ class MemoryPlan:
 
 
 def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_pool_bytes: int,
-                state_slots: int = 0) -> MemoryPlan:
+                state_slots: int = 0, *, stored_panels: bool = False) -> MemoryPlan:
     """The plan for ``source`` served under ``weights_mode`` (resolved: full, int8 or int4);
     ``state_slots``: the recurrent-state slots a hybrid model's engine keeps (live, checkpoint,
-    snapshot and verification ones)."""
+    snapshot and verification ones); ``stored_panels``: the artifact cache keeps the int4 linears
+    as this CPU's panels (``artifacts/panels.py``), at any size, rather than the start packing
+    them where they fit."""
     linear, head, other, tied = _param_counts(source)
     itemsize = dtype.itemsize
     embedding = mxfp4 = 0
@@ -92,7 +94,7 @@ def plan_memory(source: ModelSource, weights_mode: str, dtype: torch.dtype, kv_p
                       + embedding * BYTES_PER_WEIGHT["int4"])
         if weights_mode == "int4":
             int4_bytes = int((linear - mxfp4) * BYTES_PER_WEIGHT["int4"])
-            weights -= int(_q4_0_panel_params(source, int4_bytes) * OFFSET_BYTES_PER_WEIGHT)
+            weights -= int(_q4_0_panel_params(source, int4_bytes, stored_panels) * OFFSET_BYTES_PER_WEIGHT)
         weights += head * 1 + (other - embedding) * itemsize
     return MemoryPlan(weights_mode, linear, head, other, int(weights), int(kv_pool_bytes),
                       embedding_int4_params=embedding, mxfp4_params=mxfp4,
@@ -122,13 +124,14 @@ def _state_bytes_per_slot(source: ModelSource) -> int:
     return layout.bytes_per_slot if layout is not None else 0
 
 
-def _q4_0_panel_params(source: ModelSource, int4_bytes: int) -> int:
+def _q4_0_panel_params(source: ModelSource, int4_bytes: int, stored: bool) -> int:
     """The parameters of a GGUF's Q4_0 decoder linears that this CPU keeps as panels without
-    offsets (``native.stores_panels``: rows in 8s; ``native.panels_fit``: the
-    model's ``int4_bytes`` within the share of memory panels may take), else 0."""
+    offsets (``native.stores_panels``: rows in 8s; ``stored`` in the artifact cache, else packed
+    by the start where ``native.panels_fit``: the model's ``int4_bytes`` within the share of
+    memory panels may take), else 0."""
     from kvcellar.engine import native
 
-    if source.kind != "gguf" or not native.available() or not native.panels_fit(int4_bytes):
+    if source.kind != "gguf" or not native.available() or not (stored or native.panels_fit(int4_bytes)):
         return 0
     return sum(t.params for t in read_gguf_info(source.path).tensors
                if t.type == "Q4_0" and _is_gguf_linear(t.name) and len(t.dims) >= 2 and t.dims[1] % native.PANEL == 0)
@@ -189,11 +192,12 @@ def check_fits(plan: MemoryPlan, max_memory_gb: float = 0.0) -> None:
     available = available_bytes()
     if available is not None:
         limits.append((available, "available memory"))
+    smaller = ", serve it with --weights int4," if plan.weights_mode != "int4" else ""
     for limit, what in limits:
         if plan.total_bytes > limit:
             raise ModelLoadError(
                 f"the model will not fit: it needs {plan.describe()}, and {what} is {limit / GIB:.1f} GB. "
-                "Lower --kv-cache-gb, serve it with --weights int4, or raise the limit.")
+                f"Lower --kv-cache-gb{smaller} or raise the limit.")
 
 
 def _param_counts(source: ModelSource) -> tuple[int, int, int, bool]:
