@@ -30,6 +30,16 @@ def test_the_int4_plan_is_what_the_engine_holds():
     assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
 
 
+def _held(engine) -> int:
+    """The bytes an engine's model holds: its prepared linears, parameters and int4 embedding."""
+    from kvcellar.quantization import QuantizedEmbedding
+
+    embedding = engine.model.get_input_embeddings()
+    linears = sum(m.nbytes for m in engine.runner.linears.linears)
+    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
+    return linears + rest + (embedding.quant.nbytes if isinstance(embedding, QuantizedEmbedding) else 0)
+
+
 @pytest.mark.skipif(not quant_kernels_run(torch.bfloat16, torch.device("cpu")), reason="no int4 kernel here")
 def test_the_plan_counts_an_embedding_kept_as_int4_blocks(tmp_path):
     """A Q4_0 embedding is served from its int4 blocks (``QuantizedEmbedding``): the plan
@@ -44,23 +54,9 @@ def test_the_plan_counts_an_embedding_kept_as_int4_blocks(tmp_path):
     assert plan.embedding_int4_params == 4096 * 256
     loaded = prepare_and_load(str(path), dtype="bfloat16", device="cpu", weights="int4",
                               artifacts=ArtifactCache(tmp_path / "models"))
-    embedding = loaded.model.get_input_embeddings()
-    assert isinstance(embedding, QuantizedEmbedding)
-    engine = make_engine(loaded)
-    linears = sum(m.nbytes for m in engine.runner.linears.linears)
-    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
-    held = linears + rest + embedding.quant.nbytes
+    assert isinstance(loaded.model.get_input_embeddings(), QuantizedEmbedding)
+    held = _held(make_engine(loaded))
     assert abs(plan.weights_bytes - held) <= 0.02 * held, (plan.weights_bytes, held)
-
-
-def _held(engine) -> int:
-    """The bytes an engine's model holds: its prepared linears, parameters and int4 embedding."""
-    from kvcellar.quantization import QuantizedEmbedding
-
-    embedding = engine.model.get_input_embeddings()
-    linears = sum(m.nbytes for m in engine.runner.linears.linears)
-    rest = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters())
-    return linears + rest + (embedding.quant.nbytes if isinstance(embedding, QuantizedEmbedding) else 0)
 
 
 @pytest.mark.skipif(not quant_kernels_run(torch.bfloat16, torch.device("cpu")), reason="no int4 kernel here")
