@@ -108,6 +108,8 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *val
 /* Tokens multiplied together: eight independent dot products (K) and eight products per
  * output vector (V) keep the FMA units busy instead of waiting on one sum's latency. */
 #define ATTEND_TILE 8
+/* Tiles of values a query's outputs are multiplied over before they go back to memory (AVX-512). */
+#define PV_SPAN 4
 
 /* Lane i: the sum of v[i]'s eight lanes. */
 static inline __m256 hsum8x8(const __m256 *v) {
@@ -304,12 +306,37 @@ static AVX512 int64_t exp_wide(float *s, int64_t n, float m, __m256 *sum) {
     return i;
 }
 
+/* The maximum of s[0..n) as far as whole groups of 64 go, into *vmax's lanes: four chains side
+ * by side (one chain of 8 lanes waited on each maximum's latency). Returns where the 8-lane loop
+ * goes on. */
+static AVX512 int64_t max_wide(const float *s, int64_t n, __m256 *vmax) {
+    __m512 m[4];
+    for (int k = 0; k < 4; k++) m[k] = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        for (int k = 0; k < 4; k++) m[k] = _mm512_max_ps(m[k], _mm512_loadu_ps(s + i + 16 * k));
+    const __m512 all = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+    *vmax = _mm256_max_ps(*vmax, _mm256_max_ps(_mm512_castps512_ps256(all),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1))));
+    return i;
+}
+
 /* How many keys of the tile at t a row that sees the tokens before `end` takes (tokens before
  * t1, its window's last keys only): 0 where it sees none of them. */
 static inline __attribute__((always_inline)) int64_t tile_seen(int64_t end, int64_t t, int64_t t1, int64_t window) {
     const int64_t e = end < t1 ? end : t1;
     if (t >= e || (window > 0 && t + ATTEND_TILE <= end - window)) return 0;
     return e - t < ATTEND_TILE ? e - t : ATTEND_TILE;
+}
+
+/* How many keys of the span t..te-1 (whole tiles from t, te <= t1) a row that sees the tokens
+ * before `end` takes: tile_seen where the span is one tile; longer spans are taken without a
+ * window only, where a row sees a prefix of them. */
+static inline __attribute__((always_inline)) int64_t span_seen(int64_t end, int64_t t, int64_t te, int64_t t1,
+                                                               int64_t window) {
+    if (te - t <= ATTEND_TILE) return tile_seen(end, t, t1, window);
+    const int64_t e = end < te ? end : te;
+    return e > t ? e - t : 0;
 }
 
 /* A tile's scores (mr of them) into dst. */
@@ -350,7 +377,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
      * a row sees its last `window` keys only (0: all); keys before them score -inf here. WIDE:
      * the products by AVX-512 (qk_wide, pv_wide; kt: a tile of paired keys), the same bits. */
     const int64_t heads = kv_heads * gq;
-    const float *rows[ATTEND_TILE];
+    const float *rows[PV_SPAN * ATTEND_TILE];
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
         const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
@@ -412,9 +439,10 @@ static inline __attribute__((always_inline)) void attend_chunk(
             }
             for (int64_t i = 0; i < hidden; i++) s[i] = -INFINITY;
             float m = -INFINITY;
-            {  /* a maximum is exact in any order: 8 lanes, then the rest */
+            {  /* a maximum is exact in any order: 8 lanes (four chains of 16 where wide), then the rest */
                 __m256 vmax = _mm256_set1_ps(-INFINITY);
                 int64_t i = 0;
+                if (WIDE) i = max_wide(s, n, &vmax);
                 for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
                 float lanes[8];
                 _mm256_storeu_ps(lanes, vmax);
@@ -437,19 +465,24 @@ static inline __attribute__((always_inline)) void attend_chunk(
         }
     }
     /* bf16 values widened where they are multiplied while a few queries read them (one pass
-     * less over them), into the tile once where many do */
+     * less over them), into the tile once where many do. Wide, without a window: PV_SPAN tiles
+     * at a time, so that each query's outputs stay in registers over more keys (each output's
+     * chain of multiply-adds is the same, key after key). */
     const int raw_v = WIDE && R * gq <= 8;
-    for (int64_t t = t0; t < t1; t += ATTEND_TILE) {
-        const int64_t m = t1 - t < ATTEND_TILE ? t1 - t : ATTEND_TILE;
+    const int64_t span = WIDE && window == 0 ? PV_SPAN * ATTEND_TILE : ATTEND_TILE;
+    for (int64_t t = t0; t < t1; t += span) {
+        const int64_t te = t + span < t1 ? t + span : t1;
         for (int64_t head = 0; head < kv_heads; head++) {
-            tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group, head,
-                      t, m, t1, tile, zeros, rows, BITS, raw_v);
+            for (int64_t u = t; u < te; u += ATTEND_TILE)
+                tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group,
+                          head, u, t1 - u < ATTEND_TILE ? t1 - u : ATTEND_TILE, t1, tile + (u - t) * head_dim, zeros,
+                          rows + (u - t), BITS, raw_v);
             for (int64_t r = 0; r < R; r++) {
-                const int64_t mr = tile_seen(ends[r], t, t1, window);
+                const int64_t mr = span_seen(ends[r], t, te, t1, window);
                 if (!mr) continue;
-                if (WIDE) {  /* this row and the next that see as many of the tile: four queries at a time */
+                if (WIDE) {  /* this row and the next that see as many of the span: four queries at a time */
                     int64_t last = r;
-                    while (last + 1 < R && tile_seen(ends[last + 1], t, t1, window) == mr) last++;
+                    while (last + 1 < R && span_seen(ends[last + 1], t, te, t1, window) == mr) last++;
                     float *ap[4];
                     const float *pp[4];
                     int nb = 0;
@@ -578,16 +611,16 @@ static void attend_tasks(void *ctx, int64_t t0_, int64_t t1_, int thread) {
     float *out = c->out, *part = c->part;
     /* the thread's scores, tile, zeros and paired keys, kept for its next call (a fresh
      * allocation this size is mapped and faulted in page by page at every call) */
-    const int64_t room = ATTEND_ROWS * heads * ATTEND_CHUNK + (2 * ATTEND_TILE + 1) * head_dim;
+    const int64_t room = ATTEND_ROWS * heads * ATTEND_CHUNK + ((PV_SPAN + 1) * ATTEND_TILE + 1) * head_dim;
     float *scores = thread_kept(KEPT_ATTEND, room * (int64_t)sizeof(float));
     if (!scores) {
         atomic_store(&c->failed, 1);
         return;
     }
-    memset(scores + ATTEND_ROWS * heads * ATTEND_CHUNK + ATTEND_TILE * head_dim, 0, head_dim * sizeof(float));
-    float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;
-    const float *zeros = tile + ATTEND_TILE * head_dim;
-    float *kt = tile + (ATTEND_TILE + 1) * head_dim;
+    float *tile = scores + ATTEND_ROWS * heads * ATTEND_CHUNK;  /* PV_SPAN tiles of values */
+    float *kt = tile + PV_SPAN * ATTEND_TILE * head_dim;
+    memset(kt + ATTEND_TILE * head_dim, 0, head_dim * sizeof(float));
+    const float *zeros = kt + ATTEND_TILE * head_dim;
     for (int64_t i = t0_; i < t1_; i++) {
         const attend_task *task = c->tasks + i;
         const int64_t s = task->s, r0 = task->r0, R = task->R;
