@@ -89,6 +89,20 @@ def test_eviction_is_lru_and_tail_first():
     assert bm.stats.evictions == 2
 
 
+
+def test_a_block_given_back_empty_is_the_next_handed_out():
+    """A draft's rejected block, or a sequence's unfinished tail, is reused before a block never
+    touched (whose first write faults its pages in), and before any cached block is evicted."""
+    bm = BlockManager(9, BS)
+    cached = fill(bm, list(range(8)))
+    bm.release(cached)
+    first = bm.allocate(3)
+    bm.release(first[1:2])
+    bm.release(first[2:])
+    assert bm.allocate(1)[0] is first[2]
+    assert bm.allocate(1)[0] is first[1]
+    assert bm.num_evictable == 2 and bm.stats.evictions == 0
+
 def test_allocate_beyond_capacity_raises():
     bm = BlockManager(3, BS)
     bm.allocate(2)

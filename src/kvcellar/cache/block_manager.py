@@ -176,9 +176,9 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.registered:
                     self._evictable[block.block_id] = block
-                else:
+                else:  # taken again first: its memory is warm (a fresh block's first touch faults its pages in)
                     block.loaded_from = 0
-                    self._free.append(block)
+                    self._free.appendleft(block)
 
     def register(self, block: Block, digest: bytes, token_ids: Sequence[int], parent: bytes | None = None) -> bool:
         """Publish a computed block for reuse. Returns False when another block already
