@@ -157,3 +157,38 @@ def test_attention_outputs_in_another_memory_layout_give_the_same_tokens(model, 
     (hit,) = fresh.generate([prompt], GREEDY)  # the tail after a prefix hit: the folded path again
     assert result.finish_reason == expected.finish_reason and result.token_ids == expected.token_ids
     assert hit.num_cached_tokens > 0 and hit.token_ids == expected.token_ids
+
+
+def _resident_pages(tensor: torch.Tensor) -> list[bool]:
+    """Which 4 KB pages of ``tensor``'s memory are in RAM (mincore(2))."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return [bool(v & 1) for v in vec]
+
+
+def test_an_idle_engine_faults_in_the_blocks_it_hands_out_next(model, alone):
+    """An idle engine thread writes the pages of the free blocks it allocates next, a few at a
+    time, so that a step does not fault them in: they are in RAM after, the rest of the pool is
+    not, the null block still reads as zeros, and generation gives the tokens it gave before."""
+    from kvcellar.engine.engine import TOUCH_AHEAD
+
+    engine = make_engine(model, prefix_caching=False, kv_cache_gb=0.5)
+    ahead = [b.block_id for b in engine.blocks.free_front(TOUCH_AHEAD)]
+    data = engine.pool.data
+    assert not any(_resident_pages(data[ahead[-1]])), "a fresh pool's blocks are not in RAM yet"
+    while engine._touch_ahead():  # what the engine thread does while it waits for work
+        pass
+    assert all(all(_resident_pages(data[b])) for b in ahead)
+    last = engine.blocks.free_front(engine.blocks.num_free)[-1].block_id  # far from them (2 MB pages)
+    assert not any(_resident_pages(data[last]))
+    assert not data[0].view(torch.uint8).any()
+    (result,) = engine.generate([chat_ids(model, PROMPTS[0])], GREEDY)
+    assert result.token_ids == alone[0].token_ids

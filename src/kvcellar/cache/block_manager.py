@@ -20,6 +20,7 @@ Threading: not thread-safe. Only the engine thread calls in.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,10 @@ class BlockManager:
         """Blocks ``allocate`` could hand out if the blocks in ``reusing`` were acquired first."""
         taken = sum(1 for b in reusing if b.ref_count == 0)
         return len(self._free) + len(self._evictable) - taken
+
+    def free_front(self, n: int) -> list[Block]:
+        """The free blocks ``allocate`` hands out next (``n`` at most), in that order."""
+        return list(itertools.islice(self._free, n))
 
     # ---- lookup ---------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ import torch
 from kvcellar import pages
 from kvcellar.errors import ModelLoadError
 
+_PAGE_BYTES = 4096  # the smallest page a mapping has: touch writes one byte each
+
 KV_BITS = (16, 8, 4)
 DEFAULT_KV_GROUP_SIZE = 64
 _PARAM_DTYPE = torch.float16  # scale and offset of a group
@@ -265,6 +267,16 @@ class KVPool:
                 for kv, views in enumerate((self._k, self._v)):
                     region = self.data[:, i, kv].reshape(num_blocks, -1)[:, :width]
                     views.append(region.view(num_blocks, lay.block_size, kv_heads, head_dim))
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Write a byte of every 4 KB page of these blocks (free ones: what they hold is nobody's),
+        so that their pages are in memory before a step writes KV there: a fresh mapping's first
+        write to a page faults it in, which on some virtual machines costs milliseconds a page
+        (the host backs the guest's memory only then). CPU pools only."""
+        if self.device.type != "cpu" or not block_ids:
+            return
+        flat = self.data.view(self.num_blocks, -1).view(torch.uint8)
+        flat[block_ids, ::_PAGE_BYTES] = 0
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:

@@ -49,6 +49,12 @@ from kvcellar.storage.base import BlockSpec, KVTier
 log = logging.getLogger(__name__)
 
 
+# Free blocks an idle engine thread faults in ahead of their use, and how many it touches before
+# it looks at its inbox again.
+TOUCH_AHEAD = 256
+TOUCH_AT_A_TIME = 4
+
+
 # What other threads put in the engine's inbox; the step loop drains it.
 @dataclasses.dataclass(frozen=True)
 class _Add:
@@ -126,6 +132,8 @@ class Engine:
         # snapshot, by seq_id -> the token count the failed step would have reached; each runs
         # alone until it passes it (``_run_alone``).
         self._suspects: dict[int, int] = {}
+        # Free blocks whose pages an idle engine thread touched (``_touch_ahead``), by block id.
+        self._touched = bytearray(self.blocks.num_blocks)
         self._ids = itertools.count(1)
         layout = self.layout
         self.stats = EngineStats(kv_bits=layout.kv_bits, kv_group_size=layout.kv_group_size if layout.quantized else 0,
@@ -339,8 +347,24 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop_now:
             self._wake.clear()
-            if not self.step() and not self._stop_now:
+            if not self.step() and not self._stop_now and not self._touch_ahead():
                 self._wake.wait(timeout=1.0)
+
+    def _touch_ahead(self) -> bool:
+        """Idle: fault in the pages of a few of the free blocks handed out next, ``TOUCH_AHEAD``
+        at most ahead, so that a step does not fault them in as it writes their first KV (a
+        fresh pool's pages; milliseconds each on some virtual machines). A few at a time: a
+        request that arrives meanwhile waits for them only. True if it touched any."""
+        if self.pool.device.type != "cpu":  # device memory is there from its allocation
+            return False
+        fresh = [b.block_id for b in self.blocks.free_front(TOUCH_AHEAD) if not self._touched[b.block_id]]
+        fresh = fresh[:TOUCH_AT_A_TIME]
+        if not fresh:
+            return False
+        self.pool.touch(fresh)
+        for block_id in fresh:
+            self._touched[block_id] = 1
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
