@@ -386,6 +386,25 @@ def test_row_costs_interpolate_and_extrapolate():
     assert costs.seconds(9) == pytest.approx(0.110)
 
 
+def test_a_step_the_host_stalled_does_not_price_its_row_count_out():
+    """One step of a row count that a page fault or another process held up for 100 ms leaves
+    its cost where its other steps put it (drafts of that length stay chosen, and measured);
+    a lasting change moves it once it is most of the recent steps."""
+    costs = RowCost()
+    for _ in range(5):
+        costs.observe(1, 0.004)
+        costs.observe(4, 0.006)
+    costs.observe(4, 0.100)
+    assert costs.seconds(4) == pytest.approx(0.006)
+    drafter = Drafter("ngram", 8)
+    drafter.costs = costs
+    drafter.choose([sure := Candidate(1, [5] * 3, 0.95)], 1, 8)
+    assert sure.taken == 3
+    for _ in range(RowCost.WINDOW // 2 + 1):
+        costs.observe(4, 0.009)
+    assert costs.seconds(4) == pytest.approx(0.009)
+
+
 def test_drafts_are_chosen_by_what_they_pay():
     memory_bound = Drafter("ngram", 8)  # a big model's step: rows nearly free up to the panels' width
     for rows, seconds in ((1, 0.300), (2, 0.310), (9, 0.350)):

@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import statistics
 import struct
 import time
 from collections.abc import Sequence as Seq
@@ -237,19 +238,25 @@ class SharedOutputs:
 
 class RowCost:
     """What a step costs by its rows, learnt from the steps the engine runs (decodes and
-    verifications; a step with a prefill chunk says nothing about a decode's cost): a moving
-    average per row count, interpolated between the counts seen, extrapolated past the last
-    with the slope of the last two (``PRIOR_SLOPE`` of a row's cost before two are known)."""
+    verifications; a step with a prefill chunk says nothing about a decode's cost): per row count
+    the median of its last ``WINDOW`` steps, interpolated between the counts seen, extrapolated
+    past the last with the slope of the last two (``PRIOR_SLOPE`` of a row's cost before two are
+    known). A median, not a mean: one step stalled by the host (a page fault, another process)
+    would otherwise price its row count out of the drafts, which then never measure it again."""
 
     PRIOR_SLOPE = 0.5  # an extra row's cost, in rows' worth of the smallest step seen
-    WEIGHT = 0.2  # of a new observation in the moving average
+    WINDOW = 15  # steps of a row count the median is taken over
 
     def __init__(self) -> None:
+        self._seen: dict[int, collections.deque[float]] = {}
         self._seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self._seconds.get(rows)
-        self._seconds[rows] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        seen = self._seen.get(rows)
+        if seen is None:
+            seen = self._seen[rows] = collections.deque(maxlen=self.WINDOW)
+        seen.append(seconds)
+        self._seconds[rows] = statistics.median(seen)
 
     def seconds(self, rows: int) -> float | None:
         """A step of ``rows`` rows, in seconds; None before any step was seen."""
