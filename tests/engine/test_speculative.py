@@ -387,10 +387,11 @@ def test_row_costs_interpolate_and_extrapolate():
 
 
 def test_a_step_the_host_stalled_does_not_price_its_row_count_out():
-    """One step of a row count that a page fault or another process held up for 100 ms leaves
-    its cost where its other steps put it (drafts of that length stay chosen, and measured);
-    a lasting change moves it once it is most of the recent steps."""
+    """A step of a row count that a page fault, a first call or another process held up leaves its
+    cost where its other steps put it (drafts of that length stay chosen, and measured), even
+    where it came first; a lasting change moves it once it is most of the recent steps."""
     costs = RowCost()
+    costs.observe(4, 0.100)
     for _ in range(5):
         costs.observe(1, 0.004)
         costs.observe(4, 0.006)
@@ -400,7 +401,7 @@ def test_a_step_the_host_stalled_does_not_price_its_row_count_out():
     drafter.costs = costs
     drafter.choose([sure := Candidate(1, [5] * 3, 0.95)], 1, 8)
     assert sure.taken == 3
-    for _ in range(RowCost.WINDOW // 2 + 1):
+    for _ in range(RowCost.WINDOW):
         costs.observe(4, 0.009)
     assert costs.seconds(4) == pytest.approx(0.009)
 

@@ -44,7 +44,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import statistics
 import struct
 import time
 from collections.abc import Sequence as Seq
@@ -239,28 +238,34 @@ class SharedOutputs:
 class RowCost:
     """What a step costs by its rows, learnt from the steps the engine runs (decodes and
     verifications; a step with a prefill chunk says nothing about a decode's cost): per row count
-    the median of its last ``WINDOW`` steps, interpolated between the counts seen, extrapolated
-    past the last with the slope of the last two (``PRIOR_SLOPE`` of a row's cost before two are
-    known). A median, not a mean: one step stalled by the host (a page fault, another process)
-    would otherwise price its row count out of the drafts, which then never measure it again."""
+    the lower quartile of its last ``WINDOW`` steps, interpolated between the counts seen,
+    extrapolated past the last with the slope of the last two (``PRIOR_SLOPE`` of a row's cost
+    before two are known), each row count's first step left out once any count has a second (a
+    first call's warm-up). A low quantile, not a mean: a step the host stalls (a page fault, another
+    process) only ever takes longer, and one such step would price its row count out of the
+    drafts, which then never measure it again."""
 
-    PRIOR_SLOPE = 0.5  # an extra row's cost, in rows' worth of the smallest step seen
-    WINDOW = 15  # steps of a row count the median is taken over
+    PRIOR_SLOPE = 0.25  # an extra row's cost, in rows' worth of the smallest step seen (CPUs: 0.2-0.3)
+    WINDOW = 16  # steps of a row count its quartile is taken over
 
     def __init__(self) -> None:
+        self._first: dict[int, float] = {}  # each row count's first step: its estimate until a second
         self._seen: dict[int, collections.deque[float]] = {}
         self._seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
+        if rows not in self._first:  # a first call of a shape grows buffers and faults pages in
+            self._first[rows] = seconds
+            return
         seen = self._seen.get(rows)
         if seen is None:
             seen = self._seen[rows] = collections.deque(maxlen=self.WINDOW)
         seen.append(seconds)
-        self._seconds[rows] = statistics.median(seen)
+        self._seconds[rows] = sorted(seen)[(len(seen) - 1) // 4]
 
     def seconds(self, rows: int) -> float | None:
         """A step of ``rows`` rows, in seconds; None before any step was seen."""
-        known = self._seconds
+        known = self._seconds or self._first
         if rows in known:
             return known[rows]
         if not known:
