@@ -178,10 +178,11 @@ def test_an_idle_engine_faults_in_the_blocks_it_hands_out_next(model, alone):
     """An idle engine thread writes the pages of the free blocks it allocates next, a few at a
     time, so that a step does not fault them in: they are in RAM after, the rest of the pool is
     not, the null block still reads as zeros, and generation gives the tokens it gave before."""
-    from kvcellar.engine.engine import TOUCH_AHEAD
+    from kvcellar.engine.engine import TOUCH_AHEAD_BYTES
 
     engine = make_engine(model, prefix_caching=False, kv_cache_gb=0.5)
-    ahead = [b.block_id for b in engine.blocks.free_front(TOUCH_AHEAD)]
+    ahead = [b.block_id for b in engine.blocks.free_front(TOUCH_AHEAD_BYTES // engine.layout.bytes_per_block)]
+    assert 0 < len(ahead) < engine.blocks.num_free
     data = engine.pool.data
     assert not any(_resident_pages(data[ahead[-1]])), "a fresh pool's blocks are not in RAM yet"
     while engine._touch_ahead():  # what the engine thread does while it waits for work

@@ -49,10 +49,10 @@ from kvcellar.storage.base import BlockSpec, KVTier
 log = logging.getLogger(__name__)
 
 
-# Free blocks an idle engine thread faults in ahead of their use, and how many it touches before
-# it looks at its inbox again.
-TOUCH_AHEAD = 256
-TOUCH_AT_A_TIME = 4
+# Bytes of free blocks an idle engine thread faults in ahead of their use, and how many it
+# touches before it looks at its inbox again (a block at least).
+TOUCH_AHEAD_BYTES = 128 << 20
+TOUCH_AT_A_TIME_BYTES = 2 << 20
 
 
 # What other threads put in the engine's inbox; the step loop drains it.
@@ -351,14 +351,17 @@ class Engine:
                 self._wake.wait(timeout=1.0)
 
     def _touch_ahead(self) -> bool:
-        """Idle: fault in the pages of a few of the free blocks handed out next, ``TOUCH_AHEAD``
-        at most ahead, so that a step does not fault them in as it writes their first KV (a
-        fresh pool's pages; milliseconds each on some virtual machines). A few at a time: a
-        request that arrives meanwhile waits for them only. True if it touched any."""
+        """Idle: fault in the pages of a few of the free blocks handed out next,
+        ``TOUCH_AHEAD_BYTES`` of them at most ahead, so that a step does not fault them in as it
+        writes their first KV (a fresh pool's pages; milliseconds each on some virtual machines).
+        A few at a time: a request that arrives meanwhile waits for them only. True if it touched
+        any."""
         if self.pool.device.type != "cpu":  # device memory is there from its allocation
             return False
-        fresh = [b.block_id for b in self.blocks.free_front(TOUCH_AHEAD) if not self._touched[b.block_id]]
-        fresh = fresh[:TOUCH_AT_A_TIME]
+        block_bytes = self.layout.bytes_per_block
+        ahead = self.blocks.free_front(max(1, TOUCH_AHEAD_BYTES // block_bytes))
+        fresh = [b.block_id for b in ahead if not self._touched[b.block_id]]
+        fresh = fresh[:max(1, TOUCH_AT_A_TIME_BYTES // block_bytes)]
         if not fresh:
             return False
         self.pool.touch(fresh)
