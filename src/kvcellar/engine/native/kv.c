@@ -206,6 +206,18 @@ static inline AVX512 __attribute__((always_inline)) __m512 hadd512(__m512 a, __m
                          _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* bf16 rows (m of them, where they lie) widened into tile, 16 values an instruction; rows then
+ * point there. */
+static AVX512 void widen_bf16_rows(const float **rows, int64_t m, int64_t head_dim, float *tile) {
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *src = (const uint16_t *)rows[i];
+        for (int64_t k = 0; k < head_dim; k += 16)
+            _mm512_storeu_ps(tile + i * head_dim + k, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + k))), 16)));
+        rows[i] = tile + i * head_dim;
+    }
+}
+
 /* The unscaled scores of NQ queries (q[h]: any row's, any head's) against a tile paired by
  * pair_keys: out[h] lane i, key i's. Each lane is the AVX2 loop's chain of multiply-adds for its
  * key (lanes 8-15 of a pair: key i + 4's), summed by the same hsum8x8: the same bits, whichever
@@ -473,10 +485,13 @@ static inline __attribute__((always_inline)) void attend_chunk(
     for (int64_t t = t0; t < t1; t += span) {
         const int64_t te = t + span < t1 ? t + span : t1;
         for (int64_t head = 0; head < kv_heads; head++) {
-            for (int64_t u = t; u < te; u += ATTEND_TILE)
+            for (int64_t u = t; u < te; u += ATTEND_TILE) {
+                const int64_t mu = t1 - u < ATTEND_TILE ? t1 - u : ATTEND_TILE;
                 tile_rows(pool, block_bytes, v_region, values_bytes, table, block_size, kv_heads, head_dim, group,
-                          head, u, t1 - u < ATTEND_TILE ? t1 - u : ATTEND_TILE, t1, tile + (u - t) * head_dim, zeros,
-                          rows + (u - t), BITS, raw_v);
+                          head, u, mu, t1, tile + (u - t) * head_dim, zeros, rows + (u - t), BITS,
+                          raw_v || (WIDE && BITS == 16));
+                if (WIDE && BITS == 16 && !raw_v) widen_bf16_rows(rows + (u - t), mu, head_dim, tile + (u - t) * head_dim);
+            }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t mr = span_seen(ends[r], t, te, t1, window);
                 if (!mr) continue;
@@ -570,11 +585,12 @@ static void merge_chunks(const float *m, const float *l, int64_t stride, const f
 /* Query rows of one sequence attended together by one task of kvc_attend_kv: their K and V
  * tiles are read once for all of them. */
 #define ATTEND_ROWS 16
-/* A sequence of at most this many rows (a decode, a verified draft) has a task per group of
- * rows and chunk of context, so that its long context keeps every thread busy as a one-row
- * sequence's does; a longer one (a prefill chunk) a task per group of rows, which takes its
- * chunks in turn. */
-#define SPLIT_ROWS 16
+/* A sequence of at most this many rows (a decode, a verified draft, a hit's last tokens) has a
+ * task per group of rows and chunk of context, so that its long context keeps every thread busy
+ * as a one-row sequence's does (a task per group left one thread with 16 rows and the other with
+ * 1 at 17); a longer one (a prefill chunk) a task per group of rows, which takes its chunks in
+ * turn. */
+#define SPLIT_ROWS 64
 /* The split sequences' partial softmaxes together, at most (float32s); past it a sequence's
  * groups take their chunks in turn. */
 #define SPLIT_FLOATS ((int64_t)16 << 20)
