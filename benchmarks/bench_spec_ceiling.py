@@ -13,7 +13,9 @@ drafter (``engine/speculation.py``, as shipped, its step costs learnt from the o
 for each step's draft and prices the step by its rows. The oracle verifies the same drafts cut to
 the tokens the model takes: no row is spent on a rejected token and none is left out, the most
 any choice of draft lengths from these drafts can make; its tokens a step are those of every
-draft verified whole. Modelled speedups (step costs only: no server, no
+draft verified whole. Between the drafter and the oracle, what each kind of wasted row costs:
+the drafter's choices with no draft where the model rejects its first token, and with none of
+its rows on a rejected token. Modelled speedups (step costs only: no server, no
 client) over decoding one token a step. With ``--costs-model`` the steps are timed on another
 model (a GGUF ``bench_big_model.py --keep-gguf`` wrote: random weights, whose own drafts mean
 nothing) and the replay projects what the embedded model's drafts make of its steps. Figures only,
@@ -104,9 +106,12 @@ def step_costs(loaded: LoadedModel, prompt: list[int], most: int, repeats: int,
     return {rows: statistics.median(s) for rows, s in sorted(drafter.seconds.items())}
 
 
-def replay(turns: list[Turn], costs: dict[int, float], mode: str, most: int, oracle: bool) -> dict[str, list[float]]:
+def replay(turns: list[Turn], costs: dict[int, float], mode: str, most: int,
+           oracle: str = "") -> dict[str, list[float]]:
     """Per kind: [steps' seconds, tokens, steps, drafted, accepted], the drafter (``mode``) asked for
-    each step's draft; ``oracle``: each draft cut to the tokens the model takes."""
+    each step's draft. ``oracle``: "all", each draft cut to the tokens the model takes; "tail", the
+    drafter's choice cut so (no row on a rejected token); "first", the drafter's choice, none where
+    the model rejects the draft's first token (where the waste of each kind goes)."""
     drafter = Drafter(mode, most, RecentOutputs() if mode == "suffix" else None)
     for rows, s in costs.items():
         drafter.observe(rows, s)
@@ -122,11 +127,13 @@ def replay(turns: list[Turn], costs: dict[int, float], mode: str, most: int, ora
                 good = 0
                 while good < len(c.draft) and c.draft[good] == tokens[t + good]:
                     good += 1
-                if oracle:
+                if oracle == "all":
                     k = good
                 else:
                     drafter.choose([c], 1, most)
                     k = c.taken
+                    if oracle == "tail" or (oracle == "first" and not good):
+                        k = min(k, good)
                 taken = min(k, good)
                 if k:
                     drafter.verified(n, k, taken)
@@ -172,8 +179,11 @@ def main() -> None:
     print(f"a step by its rows after {len(longest.prompt)} tokens, ms (and in one-row steps): "
           + ", ".join(f"{rows}: {s * 1e3:.2f} ({s / one:.2f})" for rows, s in costs.items()))
 
-    runs = {mode: replay(turns, costs, mode, args.draft_tokens, False) for mode in ("ngram", "suffix")}
-    runs["oracle"] = replay(turns, costs, "ngram", args.draft_tokens, True)
+    runs = {mode: replay(turns, costs, mode, args.draft_tokens) for mode in ("ngram", "suffix")}
+    runs["suffix, first token known"] = replay(turns, costs, "suffix", args.draft_tokens, "first")
+    runs["suffix, no rejected row"] = replay(turns, costs, "suffix", args.draft_tokens, "tail")
+    runs["oracle"] = replay(turns, costs, "ngram", args.draft_tokens, "all")
+    runs["oracle, suffix drafts"] = replay(turns, costs, "suffix", args.draft_tokens, "all")
     kinds = [k for k in args.kinds.split(",") if k in runs["oracle"]]
     print("\nmodelled speedup over one token a step (tokens a step, acceptance)")
     print("| kind | " + " | ".join(runs) + " |")
@@ -188,8 +198,8 @@ def main() -> None:
         print("|---" * (len(kinds) + 1) + "|")
         for ms in extra:
             model = {rows: one + ms / 1e3 * (rows - 1) for rows in costs}
-            these = {mode: replay(turns, model, mode, args.draft_tokens, False) for mode in ("ngram", "suffix")}
-            these["oracle"] = replay(turns, model, "ngram", args.draft_tokens, True)
+            these = {mode: replay(turns, model, mode, args.draft_tokens) for mode in ("ngram", "suffix")}
+            these["oracle"] = replay(turns, model, "ngram", args.draft_tokens, "all")
             print(f"| {ms:g} | " + " | ".join(" / ".join(_cell(these[m][kind], one, False) for m in these)
                                               for kind in kinds) + " |")
 

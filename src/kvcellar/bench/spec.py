@@ -78,7 +78,9 @@ class KindRow:
     tokens: list[int] = field(default_factory=list)  # per repeat, all turns of the kind
     decode_s: list[float] = field(default_factory=list)
     tok_s: float | None = None  # median over repeats
-    over_plain: float | None = None  # over the same server without drafts
+    # over the same server without drafts: the median of the repeats' own ratios (``paired``), each
+    # on one work; the ratio of the two medians paired one repeat's file with another's
+    over_plain: float | None = None
     # per repeat, over the same server without drafts on the same work (each repeat edits its own
     # file, whose drafts differ: the median of the rates above mixes works), and all repeats summed
     paired: list[float] = field(default_factory=list)
@@ -237,9 +239,9 @@ def _ratios(results: dict[str, SpecTarget], cfg: SpecConfig) -> None:
             continue
         for kind, row in res.rows.items():
             ref = base.rows[kind]
-            row.over_plain = row.tok_s / ref.tok_s if row.tok_s and ref.tok_s else None
             row.paired = [(n / s) / (bn / bs) for n, s, bn, bs in zip(row.tokens, row.decode_s, ref.tokens,
                                                                      ref.decode_s, strict=False) if s > 0 and bs > 0]
+            row.over_plain = statistics.median(row.paired) if row.paired else None
             if sum(row.decode_s) > 0 and sum(ref.decode_s) > 0:
                 row.summed_over_plain = ((sum(row.tokens) / sum(row.decode_s))
                                          / (sum(ref.tokens) / sum(ref.decode_s)))
@@ -270,13 +272,14 @@ def _tables(cfg: SpecConfig, results: dict[str, SpecTarget]) -> list[dict[str, A
                     for name, res in results.items() if (r := res.after_restart) is not None]
     notes = [f"greedy, {cfg.max_tokens} tokens a turn at most; decode tok/s = tokens after each turn's first / the "
              f"time from the first to the last, over the kind's turns; median of {cfg.repeats} repeat(s), servers "
-             "interleaved; vs plain: over the same server without drafts (kvcellar-off, llama-none)"]
+             "interleaved; vs plain: the median of each repeat's ratio over the same server without drafts "
+             "(kvcellar-off, llama-none) on the same work"]
     return [
         report.table("Decode speed of one stream, by kind of work", head, rows, notes),
         report.table("Over plain on the same work: each repeat, and every repeat's turns summed",
                      ["target", *[f"{k} by repeat" for k in cfg.kinds], *[f"{k} summed" for k in cfg.kinds]],
-                     paired_rows, ["each repeat edits its own variant of the file (other drafts): the median above "
-                                   "mixes works, a repeat's ratio does not"]),
+                     paired_rows, ["each repeat edits its own variant of the file (other drafts): a repeat's ratio "
+                                   "compares one work; the tok/s medians above mix them"]),
         report.table("kvcellar's drafts (/health deltas)", ["target", "kind", "drafted", "accepted", "acceptance",
                                                             "tokens / verification"], acc_rows),
         report.table(f"{cfg.streams} concurrent streams (code edits and chat), aggregate",
