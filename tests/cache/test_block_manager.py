@@ -89,7 +89,6 @@ def test_eviction_is_lru_and_tail_first():
     assert bm.stats.evictions == 2
 
 
-
 def test_a_block_given_back_empty_is_the_next_handed_out():
     """A draft's rejected block, or a sequence's unfinished tail, is reused before a block never
     touched (whose first write faults its pages in), and before any cached block is evicted."""
@@ -102,6 +101,7 @@ def test_a_block_given_back_empty_is_the_next_handed_out():
     assert bm.allocate(1)[0] is first[2]
     assert bm.allocate(1)[0] is first[1]
     assert bm.num_evictable == 2 and bm.stats.evictions == 0
+
 
 def test_allocate_beyond_capacity_raises():
     bm = BlockManager(3, BS)

@@ -211,9 +211,7 @@ static inline AVX512 __attribute__((always_inline)) __m512 hadd512(__m512 a, __m
 static AVX512 void widen_bf16_rows(const float **rows, int64_t m, int64_t head_dim, float *tile) {
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *src = (const uint16_t *)rows[i];
-        for (int64_t k = 0; k < head_dim; k += 16)
-            _mm512_storeu_ps(tile + i * head_dim + k, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + k))), 16)));
+        for (int64_t k = 0; k < head_dim; k += 16) _mm512_storeu_ps(tile + i * head_dim + k, load16_bf16(src + k));
         rows[i] = tile + i * head_dim;
     }
 }
@@ -271,8 +269,7 @@ static inline AVX512 __attribute__((always_inline)) void pv_block(float *const *
         __m512 w[4];
         for (int h = 0; h < NH; h++) w[h] = _mm512_set1_ps(p[h][i]);
         for (int c = 0; c < N; c++) {
-            const __m512 v = BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        (const __m256i *)((const uint16_t *)rows[i] + k0 + 16 * c))), 16))
+            const __m512 v = BF16 ? load16_bf16((const uint16_t *)rows[i] + k0 + 16 * c)
                                   : _mm512_loadu_ps(rows[i] + k0 + 16 * c);
             for (int h = 0; h < NH; h++) x[h][c] = _mm512_fmadd_ps(w[h], v, x[h][c]);
         }

@@ -186,6 +186,11 @@ static inline __m256 load8_bf16(const uint16_t *src) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
 }
 
+/* load8_bf16 on 16 lanes (AVX-512). */
+static inline AVX512 __attribute__((always_inline)) __m512 load16_bf16(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
 /* v rounded to bfloat16 (nearest even) and kept as a float. */
 static inline __m256 round_bf16(__m256 v) {
     __m256i b = _mm256_castps_si256(v);

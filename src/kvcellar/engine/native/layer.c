@@ -38,9 +38,7 @@ static void rope_head(void *x, const void *cos, const void *sin, int64_t dim, in
 }
 
 static inline AVX512 __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p + at);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return bf16 ? load16_bf16((const uint16_t *)p + at) : _mm512_loadu_ps((const float *)p + at);
 }
 
 /* round_bf16 on 16 lanes. */
